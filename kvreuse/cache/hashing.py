@@ -1,0 +1,40 @@
+"""Stable content keys for KV blocks.
+
+The key of block i is BLAKE2b(key of block i-1 || tokens of block i); the first block's parent is the
+key of the request's namespace (cache_salt, adapter, model). Keys are stable across processes and
+machines (never Python's salted ``hash``), so a router can compute the same keys as the servers.
+A key alone never decides a hit: matching also compares the tokens, so a collision cannot serve
+wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+
+KEY_BYTES = 16
+
+
+def namespace_key(cache_salt: str | None = None, adapter: str | None = None, model: str | None = None) -> bytes:
+    """Key of the cache namespace; requests in different namespaces never share a block."""
+    canonical = json.dumps(
+        {"cache_salt": cache_salt, "adapter": adapter, "model": model}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES).digest()
+
+
+def block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of one full block given its parent's key (little-endian uint32 token encoding)."""
+    payload = struct.pack(f"<{len(tokens)}I", *tokens)
+    return hashlib.blake2b(parent_key + payload, digest_size=KEY_BYTES).digest()
+
+
+def extend_block_keys(keys: list[bytes], root_key: bytes, token_ids: Sequence[int], block_size: int) -> None:
+    """Append the keys of every full block of ``token_ids`` not yet in ``keys`` (incremental)."""
+    num_full = len(token_ids) // block_size
+    parent = keys[-1] if keys else root_key
+    for i in range(len(keys), num_full):
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)

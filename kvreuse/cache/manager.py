@@ -1,0 +1,231 @@
+"""KVCacheManager: the bookkeeping between requests and KV blocks.
+
+It owns the BlockPool and the PrefixIndex and is the only code that changes them during serving:
+admission (reuse matched blocks, copy a partial match, allocate the rest, evicting idle leaves when
+the pool is short), growth of running requests, caching of blocks as they fill, and release.
+It also remembers which block keys running prefills are about to compute, so the scheduler can hold
+back a request that would otherwise compute the same prefix a second time in the same batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvreuse.cache.blocks import BlockPool
+from kvreuse.cache.hashing import extend_block_keys
+from kvreuse.cache.prefix import EMPTY_MATCH, Divergence, PrefixIndex, PrefixMatch
+from kvreuse.request import Request
+from kvreuse.runner.forward_batch import BlockCopy
+
+
+@dataclass
+class CacheStats:
+    num_blocks: int
+    block_size: int
+    blocks_in_use: int
+    blocks_idle: int
+    blocks_free: int
+    query_tokens: int  # prompt tokens looked up at admission
+    hit_tokens: int  # of which served from the cache
+    evicted_blocks: int
+    cached_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_in_use / self.num_blocks
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.index = PrefixIndex(self.pool, block_size)
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self._copies: list[BlockCopy] = []
+        self._copy_sources: list[int] = []  # blocks held until their copy has run
+        self._pending: Counter[bytes] = Counter()  # block keys running prefills will compute
+        self._pending_of: dict[int, deque[bytes]] = {}  # id(request) -> its pending keys, in order
+
+    # --- lookup -----------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_keys(self, request: Request) -> None:
+        if self.enable_prefix_caching:
+            extend_block_keys(request.block_keys, request.namespace, request.all_token_ids, self.block_size)
+
+    def match(self, request: Request) -> PrefixMatch:
+        """Longest reusable prefix; never covers the last token (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return EMPTY_MATCH
+        self.update_block_keys(request)
+        return self.index.match(
+            request.namespace, request.all_token_ids, request.block_keys, request.num_tokens - 1
+        )
+
+    def divergence(self, request: Request, match: PrefixMatch) -> Divergence:
+        return self.index.divergence(request.namespace, request.all_token_ids, match)
+
+    def is_next_block_pending(self, request: Request, match: PrefixMatch) -> bool:
+        """Is the first block this request would compute already being computed by another one?"""
+        next_block = match.num_blocks
+        return next_block < len(request.block_keys) and request.block_keys[next_block] in self._pending
+
+    # --- allocation -------------------------------------------------------------------------------
+    def _ensure_free(self, num_blocks: int) -> bool:
+        shortfall = num_blocks - self.pool.num_free
+        if shortfall > 0:
+            self.index.evict(shortfall)
+        return self.pool.num_free >= num_blocks
+
+    def admit(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Give a waiting request its matched blocks plus room for ``num_new_tokens``.
+
+        On failure nothing changes (apart from idle leaves evicted on the way) and False is returned.
+        """
+        assert not request.block_ids, "admit() is for requests that hold no blocks"
+        # Hold what we reuse first, so making room cannot evict it.
+        for node in match.nodes:
+            self.pool.acquire(node.block_id)
+        partial = match.partial
+        if partial is not None:
+            self.pool.acquire(partial.node.block_id)
+        num_needed = self.blocks_for(match.num_tokens + num_new_tokens) - match.num_blocks
+        if not self._ensure_free(num_needed):
+            for node in match.nodes:
+                self.pool.release(node.block_id)
+            if partial is not None:
+                self.pool.release(partial.node.block_id)
+            self.index.release(match.nodes + ([partial.node] if partial else []))
+            return False
+        new_blocks = self.pool.allocate(num_needed)
+        request.block_ids = [node.block_id for node in match.nodes] + new_blocks
+        request.cached_nodes = list(match.nodes)
+        if partial is not None:
+            self._copies.append(BlockCopy(partial.node.block_id, new_blocks[0], partial.num_tokens))
+            self._copy_sources.append(partial.node.block_id)
+        self.index.touch(match.nodes)
+        request.num_computed_tokens = match.num_tokens
+        self.query_tokens += request.num_tokens
+        self.hit_tokens += match.num_tokens
+        if self.enable_prefix_caching:
+            keys = deque(request.block_keys[match.num_blocks :])
+            self._pending_of[id(request)] = keys
+            self._pending.update(keys)
+        return True
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of a running request."""
+        num_needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        if num_needed <= 0:
+            return True
+        if not self._ensure_free(num_needed):
+            return False
+        request.block_ids.extend(self.pool.allocate(num_needed))
+        return True
+
+    def take_copies(self) -> list[BlockCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def end_step(self) -> None:
+        """The step's forward ran: copy sources may be evicted again."""
+        for block in self._copy_sources:
+            self.pool.release(block)
+            node = self.index.node_of_block(block)
+            if node is not None:
+                self.index.release([node])
+        self._copy_sources.clear()
+
+    # --- caching ----------------------------------------------------------------------------------
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Insert every full block whose KV is now computed (prompt and generated tokens alike)."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_keys(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        size = self.block_size
+        pending = self._pending_of.get(id(request))
+        for i in range(len(request.cached_nodes), num_full):
+            parent = request.cached_nodes[-1] if request.cached_nodes else None
+            own_block = request.block_ids[i]
+            key = request.block_keys[i]
+            node = self.index.insert(
+                request.namespace, parent, key, request.all_token_ids[i * size : (i + 1) * size], own_block
+            )
+            if node.block_id != own_block:
+                # Another request cached the same block first: share its block, free ours.
+                self.pool.acquire(node.block_id)
+                self.pool.release(own_block)
+                request.block_ids[i] = node.block_id
+            request.cached_nodes.append(node)
+            if pending and pending[0] == key:
+                pending.popleft()
+                self._drop_pending(key)
+
+    def _drop_pending(self, key: bytes) -> None:
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]
+
+    # --- release ----------------------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks; cached ones stay in the index as idle."""
+        for key in self._pending_of.pop(id(request), ()):
+            self._drop_pending(key)
+        for block in reversed(request.block_ids):
+            self.pool.release(block)
+        self.index.release(request.cached_nodes)
+        request.block_ids = []
+        request.cached_nodes = []
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every idle, unpinned cached block; returns how many were freed."""
+        total = 0
+        while True:
+            freed = self.index.evict(self.index.num_cached_blocks or 1)
+            total += freed
+            if freed == 0:
+                return total
+
+    # --- reporting --------------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+            blocks_in_use=self.pool.num_in_use,
+            blocks_idle=self.pool.num_idle,
+            blocks_free=self.pool.num_free,
+            query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens,
+            evicted_blocks=self.index.num_evicted_blocks,
+            cached_blocks=self.index.num_cached_blocks,
+        )
+
+    def check_integrity(self, requests: Iterable[Request]) -> None:
+        """Every block accounted for: ref counts equal the holders, nodes match block tables."""
+        self.pool.check_integrity()
+        self.index.check_integrity()
+        holders = Counter(self._copy_sources)
+        for request in requests:
+            holders.update(request.block_ids)
+            if len(request.cached_nodes) > len(request.block_ids):
+                raise RuntimeError(f"request {request.request_id} caches more blocks than it holds")
+            for node, block in zip(request.cached_nodes, request.block_ids):
+                if node.block_id != block or node.evicted:
+                    raise RuntimeError(f"request {request.request_id}: block table disagrees with the index")
+            if len(request.block_ids) * self.block_size < request.num_computed_tokens:
+                raise RuntimeError(f"request {request.request_id} computed tokens it has no block for")
+        for block in range(self.pool.num_blocks):
+            if self.pool.ref_counts[block] != holders.get(block, 0):
+                raise RuntimeError(
+                    f"block {block}: ref count {self.pool.ref_counts[block]} but {holders.get(block, 0)} holders"
+                )

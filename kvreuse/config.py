@@ -1,0 +1,95 @@
+"""Engine settings as frozen dataclasses. Validation happens here so bad values fail at start-up
+with a message naming the field and the limit."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_memory_size(value: int | str, field_name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB" or "1048576"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name} must be a number of bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise ValueError(
+                f"{field_name} must be a number of bytes or a size like '2GiB' or '512MiB', got {value!r}"
+            )
+        unit = (match.group(2) or "B").lower()
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{field_name} must be an int or a string, got {type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"{field_name} must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for the paged KV pool
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+SCHEDULING_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # requests running at once
+    scheduling_policy: str = "lpm"
+    # lpm: a waiting request passed over this many times is admitted before any cache-favoured one.
+    starvation_limit: int = 16
+    # lpm: beyond this many waiting requests, matching every one each step costs more than it saves.
+    lpm_max_queue: int = 256
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        for name in ("max_num_batched_tokens", "max_num_seqs", "starvation_limit", "lpm_max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a model folder or a hub id
+    served_model_name: str | None = None  # the name in the cache namespace and in API responses
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -1,0 +1,464 @@
+"""LLMEngine: add_request / step / abort. One step is schedule -> run -> sample -> update.
+
+The engine validates input (a bad request raises before it touches any state, so nothing else in
+flight is disturbed), turns the scheduler's decision into a ForwardBatch, samples, detokenizes,
+checks stop conditions and returns RequestOutputs. With ``n > 1`` a request becomes n sequences
+that share the prompt (the scheduler's in-batch sharing makes them compute it once).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvreuse.cache.hashing import namespace_key
+from kvreuse.cache.kv import KVCache
+from kvreuse.cache.manager import CacheStats, KVCacheManager
+from kvreuse.cache.prefix import PrefixMatch
+from kvreuse.config import EngineConfig
+from kvreuse.models.loader import load_model, resolve_dtype, resolve_model_path
+from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvreuse.request import Request
+from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.runner.model_runner import ModelRunner
+from kvreuse.sampling import Sampler, SamplingParams, SamplingState
+from kvreuse.scheduler import Scheduler, ScheduledRequest
+from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("kvreuse")
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    cache: CacheStats
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    generation_tokens: int
+    steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        cache = self.cache
+        return {
+            "prefix_cache_queries_tokens": cache.query_tokens,
+            "prefix_cache_hits_tokens": cache.hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "prefix_cache_evicted_blocks": cache.evicted_blocks,
+            "blocks_total": cache.num_blocks,
+            "blocks_in_use": cache.blocks_in_use,
+            "blocks_idle_cached": cache.blocks_idle,
+            "blocks_free": cache.blocks_free,
+            "kv_cache_usage": cache.usage,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "steps": self.steps,
+        }
+
+
+@dataclass
+class _Sequence:
+    """Per-sequence output state the scheduler does not need."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    output: CompletionOutput
+
+
+@dataclass
+class _Group:
+    """A user-visible request: n sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    arrival_time: float
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.output.finished for seq in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_path = resolve_model_path(config.model)
+        self.model_name = config.served_model_name or config.model
+        self.model, self.model_config = load_model(
+            model_path, dtype=self.dtype, device=self.device, load_format=config.load_format, seed=config.seed
+        )
+        self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+
+        cache_config = config.cache
+        block_size = cache_config.block_size
+        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        num_blocks = KVCache.num_blocks_for_memory(
+            cache_config.kv_cache_memory, block_size, self.model_config, self.dtype
+        )
+        capacity = num_blocks * block_size
+        context_limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # Attention over a window equals full attention only while the context fits in it.
+            context_limit = min(context_limit, self.model_config.sliding_window)
+        if config.max_model_len is not None:
+            if config.max_model_len > context_limit:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} exceeds the model's context length {context_limit}"
+                )
+            if config.max_model_len > capacity:
+                need = math.ceil(config.max_model_len / block_size) * block_size * bytes_per_token
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}, "
+                    f"kv_cache_memory={cache_config.kv_cache_memory} bytes) but one request of "
+                    f"max_model_len={config.max_model_len} tokens needs more: raise kv_cache_memory to at "
+                    f"least {need} bytes ({need / 2**20:.1f} MiB) or lower max_model_len"
+                )
+            self.max_model_len = config.max_model_len
+        else:
+            self.max_model_len = min(context_limit, capacity)
+            if self.max_model_len < 2:
+                raise ValueError(
+                    f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds {capacity} tokens: "
+                    f"raise it (each token needs {bytes_per_token} bytes)"
+                )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token (%.1f MiB); max_model_len %d; "
+            "prefix caching %s",
+            num_blocks, block_size, capacity, bytes_per_token, num_blocks * block_size * bytes_per_token / 2**20,
+            self.max_model_len, "on" if cache_config.enable_prefix_caching else "off",
+        )
+        self.kv_cache = KVCache(
+            num_layers=self.model_config.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device)
+        self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[int, tuple[_Group, _Sequence]] = {}  # id(Request) -> owner
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        adapter: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError on bad input, before any state changes."""
+        params = sampling_params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        prompt_text, token_ids = self._tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        namespace = namespace_key(cache_salt, adapter, self.model_name)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, prompt_text, token_ids, [], arrival)
+        for index in range(params.n):
+            request = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=list(token_ids),
+                sampling_params=params,
+                namespace=namespace,
+                arrival_time=arrival,
+                eos_token_ids=self.eos_token_ids,
+                prompt=prompt_text,
+                parent_id=request_id,
+                index=index,
+            )
+            request.sampling_state = SamplingState.create(
+                params, self.device, eos_token_ids=sorted(self.eos_token_ids),
+                prompt_token_ids=token_ids, sequence_index=index,
+            )
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens)
+            sequence = _Sequence(request, detokenizer, CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None))
+            group.sequences.append(sequence)
+        self._groups[request_id] = group
+        for sequence in group.sequences:
+            self._sequences[id(sequence.request)] = (group, sequence)
+            self.scheduler.add(sequence.request)
+
+    def _tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _as_token_list(prompt["prompt_token_ids"], "prompt_token_ids")
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' (list of ints) or 'prompt' (string)")
+        if isinstance(prompt, (list, tuple)):
+            return None, _as_token_list(prompt, "prompt_token_ids")
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least 1 token is required")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, longer than max_model_len={self.max_model_len} "
+                f"allows (at most {self.max_model_len - 1} prompt tokens, leaving room for one output token)"
+            )
+        vocab = self.model_config.vocab_size
+        for position, token in enumerate(token_ids):
+            if not 0 <= token < vocab:
+                raise ValueError(
+                    f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab})"
+                )
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for sequence in group.sequences:
+            self._sequences.pop(id(sequence.request), None)
+            self.scheduler.finish(sequence.request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # --- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        self._steps += 1
+        for request, match in scheduled.admitted:
+            if request.num_preemptions == 0:
+                self._prompt_tokens += request.num_prompt_tokens
+                group, _ = self._sequences[id(request)]
+                if request.index == 0:
+                    group.metrics.first_scheduled_time = request.first_scheduled_time
+                    group.metrics.num_computed_prompt_tokens = request.num_prompt_tokens - match.num_tokens
+            if logger.isEnabledFor(logging.DEBUG):
+                self._log_admission(request, match)
+
+        batch, sampling_requests = self._build_batch(scheduled.scheduled)
+        logits = self.runner.execute(batch)
+        self.scheduler.advance(scheduled.scheduled)
+        touched: dict[str, _Group] = {}
+        if sampling_requests:
+            sampled = self.sampler(logits, [request.sampling_state for request in sampling_requests])
+            now = time.monotonic()
+            for request, token_id, token_logprobs in zip(sampling_requests, sampled.token_ids, sampled.logprobs):
+                group, sequence = self._sequences[id(request)]
+                self._append_token(group, sequence, token_id, token_logprobs, now)
+                touched[group.request_id] = group
+        return [self._make_output(group) for group in touched.values()]
+
+    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[Request]]:
+        block_size = self.kv.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_requests: list[Request] = []
+        for item in scheduled:
+            request, count = item.request, item.num_tokens
+            start = request.num_computed_tokens
+            end = start + count
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = request.block_ids
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_lens.append(count)
+            context_lens.append(end)
+            block_tables.append(table[: -(-end // block_size)])
+            if end == request.num_tokens:  # the prompt is complete: this step yields a token
+                logits_indices.append(len(input_ids) - 1)
+                sampling_requests.append(request)
+        device = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(device, non_blocking=True),
+            block_copies=self.kv.take_copies(),
+        )
+        return batch, sampling_requests
+
+    def _append_token(self, group: _Group, sequence: _Sequence, token_id: int, token_logprobs: Any, now: float) -> None:
+        request, output = sequence.request, sequence.output
+        request.append_token(token_id)
+        request.sampling_state.append(token_id)
+        self._generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+        params = request.sampling_params
+        output.token_ids.append(token_id)
+        output.token_ids_delta.append(token_id)
+        if output.logprobs is not None:
+            output.logprobs.append(token_logprobs)
+
+        finish: tuple[str, int | str | None] | None = None
+        # The sampler masks EOS and stop tokens until min_tokens are out, so no min_tokens check here.
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            finish = ("stop", token_id)
+        delta = sequence.detokenizer.add(token_id)
+        if finish is not None and not params.include_stop_str_in_output:
+            delta = ""
+        if finish is None and delta and request.num_output_tokens >= params.min_tokens:
+            stop_hit = self._find_stop_string(output.text, delta, params)
+            if stop_hit is not None:
+                stop_string, cut = stop_hit
+                end = cut + (len(stop_string) if params.include_stop_str_in_output else 0)
+                full = output.text + delta
+                # A stop string may begin in text already sent; only the part before it is kept.
+                delta = full[len(output.text) : end] if end > len(output.text) else ""
+                output.text = full[: min(end, len(output.text))]
+                finish = ("stop", stop_string)
+        output.text += delta
+        output.text_delta += delta
+        if finish is None and (
+            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            finish = ("length", None)
+        if finish is not None:
+            self.scheduler.finish(request, finish[0], finish[1])
+            output.finish_reason, output.stop_reason = finish
+
+    @staticmethod
+    def _find_stop_string(text: str, delta: str, params: SamplingParams) -> tuple[str, int] | None:
+        """The earliest stop string that ends inside ``delta``: (stop, index in text + delta)."""
+        if not params.stop:
+            return None
+        full = text + delta
+        best: tuple[str, int] | None = None
+        for stop in params.stop:
+            # Only occurrences that end in the new text are new; earlier ones were checked before.
+            search_from = max(0, len(text) - len(stop) + 1)
+            index = full.find(stop, search_from)
+            if index != -1 and (best is None or index < best[1]):
+                best = (stop, index)
+        return best
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            group.metrics.finished_time = time.monotonic()
+            self._groups.pop(group.request_id, None)
+            for sequence in group.sequences:
+                self._sequences.pop(id(sequence.request), None)
+        outputs = []
+        for sequence in group.sequences:
+            output = sequence.output
+            outputs.append(
+                CompletionOutput(
+                    index=output.index, text=output.text, token_ids=list(output.token_ids),
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                    logprobs=list(output.logprobs) if output.logprobs is not None else None,
+                    text_delta=output.text_delta, token_ids_delta=output.token_ids_delta,
+                )
+            )
+            output.text_delta = ""
+            output.token_ids_delta = []
+        first = group.sequences[0].request
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=group.metrics,
+        )
+
+    # --- introspection ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            cache=self.kv.stats(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            steps=self._steps,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Cache-core invariants; tests call this after every step."""
+        self.kv.check_integrity(self.scheduler.running)
+        for request in self.scheduler.waiting:
+            if request.block_ids:
+                raise RuntimeError(f"waiting request {request.request_id} holds blocks")
+
+    def _log_admission(self, request: Request, match: PrefixMatch) -> None:
+        total = request.num_tokens
+        reused = match.num_tokens
+        logger.debug(
+            "request %s: %d prompt tokens, reused %d from the prefix cache, computing %d%s",
+            request.request_id, total, reused, total - reused,
+            f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
+        )
+        if not self.kv.enable_prefix_caching or reused >= total - 1:
+            return
+        divergence = self.kv.divergence(request, match)
+        tokens = request.all_token_ids
+        position = divergence.position
+        before = self.tokenizer.decode(tokens[max(0, position - 12) : position])
+        after = self.tokenizer.decode(tokens[position : position + 12])
+        if divergence.cached_token is None:
+            reason = "nothing was cached beyond this point"
+        else:
+            cached_text = self.tokenizer.decode([divergence.cached_token])
+            reason = f"the cache holds {cached_text!r} (token {divergence.cached_token}) there"
+        logger.debug(
+            "request %s: cache miss at token position %d: ...%r >>> %r...; prompt token %d, %s",
+            request.request_id, position, before, after, tokens[position], reason,
+        )
+
+
+def _as_token_list(value: Any, field_name: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{field_name} must be a list of integers")
+    return list(value)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    return resolved

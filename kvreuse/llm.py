@@ -1,0 +1,152 @@
+"""The offline API, named as vLLM's so users can switch: ``LLM(...).generate(...)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvreuse.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
+from kvreuse.engine import LLMEngine, PromptInput
+from kvreuse.outputs import RequestOutput
+from kvreuse.sampling import SamplingParams
+
+Message = dict[str, Any]
+
+# A bar is worth drawing only when a batch takes a while.
+PROGRESS_BAR_MIN_REQUESTS = 16
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching and prefix reuse."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory: int | str = "1GiB",
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        scheduling_policy: str = "lpm",
+        seed: int = 0,
+        served_model_name: str | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            served_model_name=served_model_name,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=parse_memory_size(kv_cache_memory),
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                scheduling_policy=scheduling_policy,
+            ),
+            max_model_len=max_model_len,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        A prompt is a string, ``{"prompt_token_ids": [...]}`` or a list of token ids. Every prompt is
+        validated before any is queued, so a bad one raises ValueError and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text)})
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm, cache_salt)
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries but there are {count} prompts"
+            )
+        return params_list
+
+    def _run(
+        self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool, cache_salt: str | None
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate everything first: a bad prompt must not leave half a batch queued.
+        for prompt in prompts:
+            _, token_ids = engine._tokenize_prompt(prompt)
+            engine._validate_prompt(token_ids)
+        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        finished: dict[str, RequestOutput] = {}
+        show_bar = use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_REQUESTS
+        with tqdm(total=len(prompts), desc="requests", disable=not show_bar, unit="req") as bar:
+            while len(finished) < len(request_ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests of this batch unfinished")
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+    def stats(self) -> dict[str, Any]:
+        """Prefix-cache queries and hits (tokens), hit rate, evictions, blocks used / idle / free."""
+        return self.engine.stats().as_dict()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every idle cached block; returns how many blocks were freed."""
+        return self.engine.reset_prefix_cache()

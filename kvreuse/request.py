@@ -1,0 +1,84 @@
+"""Request: the engine's state for one sequence being generated.
+
+One scheduling model covers every phase: ``num_computed_tokens`` catches up with
+``len(all_token_ids)``. A prefix hit starts it higher; a prefill chunk advances it by many tokens; a
+decode step by one. Preemption sets it back to 0 (its computed blocks stay cached, so re-admission
+hits them).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.cache.prefix import CacheNode
+from kvreuse.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    namespace: bytes  # key of (cache_salt, adapter, model)
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    parent_id: str | None = None  # the user-visible request when n > 1
+    index: int = 0  # which of the n completions this is
+    sampling_state: Any = None  # kvreuse.sampling.SamplingState, built by the engine
+
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+
+    # KV blocks: block_ids[i] holds tokens [i*bs, (i+1)*bs). The first len(cached_nodes) of them are
+    # in the prefix index (hit on admission or inserted when they filled).
+    block_ids: list[int] = field(default_factory=list)
+    cached_nodes: list[CacheNode] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # chained keys of the full blocks
+
+    num_cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    num_times_passed_over: int = 0  # for lpm aging
+    arrival_order: int = 0
+
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

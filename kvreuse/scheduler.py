@@ -1,0 +1,174 @@
+"""Scheduler: continuous batching under a token budget, cache-aware admission, preemption.
+
+Each step it decides how many tokens of which requests run. Running requests go first (a decode
+costs one token, an unfinished prefill a chunk of what is left); then waiting requests are admitted
+while the budget, ``max_num_seqs`` and the KV pool allow. Under the ``lpm`` policy the waiting queue
+is ordered by cached-prefix length (longest first), with aging: a request passed over
+``starvation_limit`` times goes before any cache-favoured one. When a running request cannot grow,
+the most recently admitted request is preempted (its computed blocks stay cached, so re-admission
+hits them). A waiting request whose next block is being computed by a running prefill is held back
+one step, so two requests with the same new prefix compute it once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvreuse.cache.manager import KVCacheManager
+from kvreuse.cache.prefix import PrefixMatch
+from kvreuse.config import SchedulerConfig
+from kvreuse.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    admitted: list[tuple[Request, PrefixMatch]] = field(default_factory=list)  # for logging
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # --- queue management -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.arrival_order = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Take a request out (finished or aborted) and release its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.finished_time = time.monotonic()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.grow(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(id(request))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing more fits
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
+        config = self.config
+        use_lpm = config.scheduling_policy == "lpm" and len(self.waiting) <= config.lpm_max_queue
+        matches: dict[int, PrefixMatch] = {}
+        if use_lpm and self.kv.enable_prefix_caching:
+            for request in self.waiting:
+                matches[id(request)] = self.kv.match(request)
+            order = sorted(
+                self.waiting,
+                key=lambda r: (
+                    r.num_times_passed_over < config.starvation_limit,  # starving first
+                    -matches[id(r)].num_tokens,
+                    r.arrival_order,
+                ),
+            )
+        else:
+            order = list(self.waiting)
+
+        admitted: list[Request] = []
+        for request in order:
+            if budget <= 0 or len(self.running) >= config.max_num_seqs:
+                break
+            match = matches.get(id(request))
+            if match is None:
+                match = self.kv.match(request)
+            if self.kv.is_next_block_pending(request, match):
+                continue  # another prefill is computing this prefix; it will be a hit next step
+            num_new = min(request.num_tokens - match.num_tokens, budget)
+            if not self.kv.admit(request, match, num_new):
+                break  # the pool is full of running requests; wait for some to finish
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = match.num_tokens
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            admitted.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.admitted.append((request, match))
+            budget -= num_new
+
+        if not admitted:
+            return
+        admitted_ids = {id(r) for r in admitted}
+        self.waiting = deque(r for r in self.waiting if id(r) not in admitted_ids)
+        latest = max(r.arrival_order for r in admitted)
+        for request in self.waiting:
+            if request.arrival_order < latest:
+                request.num_times_passed_over += 1
+
+    # --- after the forward ------------------------------------------------------------------------
+    def advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """Account for computed tokens and cache every block that became full."""
+        for item in scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            self.kv.cache_computed_blocks(request)
+        self.kv.end_step()
