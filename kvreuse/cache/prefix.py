@@ -29,7 +29,7 @@ from kvreuse.cache.blocks import BlockPool
 @dataclass(eq=False)
 class CacheNode:
     key: bytes
-    tokens: tuple[int, ...]
+    tokens: list[int]  # never mutated; a list because comparing it with a slice is fastest
     block_id: int  # -1 for a namespace root
     parent: CacheNode | None
     depth: int  # blocks from the root; the root is 0
@@ -107,7 +107,7 @@ class PrefixIndex:
         nodes: list[CacheNode] = []
         for i in range(min(max_tokens // size, len(block_keys))):
             child = node.children.get(block_keys[i])
-            if child is None or list(child.tokens) != token_ids[i * size : (i + 1) * size]:
+            if child is None or child.tokens != token_ids[i * size : (i + 1) * size]:
                 break
             nodes.append(child)
             node = child
@@ -162,19 +162,19 @@ class PrefixIndex:
         if parent is None:
             parent = self.roots.get(namespace)
             if parent is None:
-                parent = CacheNode(key=namespace, tokens=(), block_id=-1, parent=None, depth=0)
+                parent = CacheNode(key=namespace, tokens=[], block_id=-1, parent=None, depth=0)
                 self.roots[namespace] = parent
         if parent.evicted:
             raise RuntimeError("insert under an evicted node: the caller must hold its chain")
         existing = parent.children.get(key)
         if existing is not None:
-            if existing.tokens != tuple(tokens):
+            if existing.tokens != list(tokens):
                 raise RuntimeError("block key collision with different tokens")
             return existing
         if len(tokens) != self.block_size:
             raise ValueError(f"only full blocks of {self.block_size} tokens are cached, got {len(tokens)}")
         node = CacheNode(
-            key=key, tokens=tuple(tokens), block_id=block_id, parent=parent, depth=parent.depth + 1,
+            key=key, tokens=list(tokens), block_id=block_id, parent=parent, depth=parent.depth + 1,
             last_access=next(self._clock),
         )
         parent.children[key] = node
