@@ -335,7 +335,12 @@ class LLMEngine:
         delta = sequence.detokenizer.add(token_id)
         if finish is not None and not params.include_stop_str_in_output:
             delta = ""
-        if finish is None and delta and request.num_output_tokens >= params.min_tokens:
+        if finish is None and (
+            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            finish = ("length", None)
+            delta += sequence.detokenizer.finish()  # text held back for an incomplete character
+        if finish in (None, ("length", None)) and delta and request.num_output_tokens >= params.min_tokens:
             stop_hit = self._find_stop_string(output.text, delta, params)
             if stop_hit is not None:
                 stop_string, cut = stop_hit
@@ -347,10 +352,6 @@ class LLMEngine:
                 finish = ("stop", stop_string)
         output.text += delta
         output.text_delta += delta
-        if finish is None and (
-            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
-        ):
-            finish = ("length", None)
         if finish is not None:
             self.scheduler.finish(request, finish[0], finish[1])
             output.finish_reason, output.stop_reason = finish

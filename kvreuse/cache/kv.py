@@ -1,0 +1,117 @@
+"""KVCache: the paged K and V tensors of every layer, addressed by slot.
+
+The cache core (``blocks.py``, ``prefix.py``) decides which block ids a request owns without ever
+touching a tensor; this module owns the tensors those ids point into. All layers live in one
+allocation shaped ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` so that a
+slot index ``block_id * block_size + offset`` addresses one token in every layer, a write is one
+``index_copy_`` per layer, and a block copy (token-granular reuse of a partially matched block) is a
+single indexing operation over all layers at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvreuse.runner.forward_batch import BlockCopy
+
+if TYPE_CHECKING:  # annotation only: the cache need not import the model package
+    from kvreuse.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Zeros rather than empty: padded attention reads unused slots (masked out), and NaN
+        # garbage times a zero weight would still be NaN.
+        self.kv = torch.zeros(
+            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+        # Per-layer views, so the attention code indexes a plain [num_slots, heads, head_dim] tensor.
+        self.key_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(num_layers)]
+        self.value_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """A cache shaped for ``model_config``."""
+        return cls(
+            model_config.num_hidden_layers, num_blocks, block_size, model_config.num_key_value_heads,
+            model_config.head_dim, dtype, device,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [num_tokens, kv_heads, head_dim] of ``layer`` at ``slot_mapping`` [num_tokens]."""
+        self.key_caches[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.value_caches[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy the first ``num_tokens`` slots of each source block into its destination, all layers."""
+        if not copies:
+            return
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        for copy in copies:
+            for block_id, role in ((copy.src_block, "src_block"), (copy.dst_block, "dst_block")):
+                if not 0 <= block_id < self.num_blocks:
+                    raise ValueError(f"{role} {block_id} is outside 0..{self.num_blocks - 1}")
+            if not 0 <= copy.num_tokens <= self.block_size:
+                raise ValueError(f"num_tokens {copy.num_tokens} must be between 0 and block_size {self.block_size}")
+            if copy.src_block == copy.dst_block:
+                continue
+            src_slots.extend(range(copy.src_block * self.block_size, copy.src_block * self.block_size + copy.num_tokens))
+            dst_slots.extend(range(copy.dst_block * self.block_size, copy.dst_block * self.block_size + copy.num_tokens))
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+        # Gather first (a copy), then scatter: correct even if a destination is another copy's source.
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    @staticmethod
+    def num_blocks_for_memory(
+        memory_bytes: int, block_size: int, model_config: ModelConfig, dtype: torch.dtype
+    ) -> int:
+        """How many blocks of ``block_size`` tokens fit in ``memory_bytes``; at least one or ValueError."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        bytes_per_block = block_size * model_config.kv_bytes_per_token(dtype)
+        num_blocks = memory_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {memory_bytes} bytes holds no KV block: one block of {block_size} "
+                f"tokens needs {bytes_per_block} bytes for this model in {dtype}"
+            )
+        return int(num_blocks)

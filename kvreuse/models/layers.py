@@ -1,0 +1,144 @@
+"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, fused linear layers, MLP.
+
+The numerics follow transformers' reference implementations on purpose (RMSNorm in float32 then
+cast back before the weight; rotary cos/sin computed in float32 and cast to the activation dtype;
+Llama 3 frequency scaling with the same formula), so a checkpoint gives the same logits here as in
+transformers and greedy outputs can be compared token for token. Parameters are created directly on
+the target device and dtype with ``torch.empty``: the loader fills them, so nothing is initialised
+twice and peak memory stays near the model size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.models.config import Llama3RopeScaling
+
+
+def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_parameter((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # Same arithmetic as the reference below in float32, one fused kernel.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Reduced precision: normalise in float32, round, then scale, exactly like transformers,
+        # so bf16 logits match the reference bit for bit as far as possible.
+        x_float = x.float()
+        variance = x_float.pow(2).mean(-1, keepdim=True)
+        normed = (x_float * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return self.weight * normed
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | None, device: torch.device
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3 scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between
+    # them interpolated smoothly.
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / scaling.low_freq_factor
+    high_freq_wavelen = old_context_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a cos/sin table precomputed on the device.
+
+    ``cos_sin(positions, dtype)`` is called once per forward and the result shared by every layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: Llama3RopeScaling | None,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, device)
+        positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2], float32
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim // 2] for the given absolute positions, in ``dtype``."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by position (rotate-half layout, as in HF checkpoints)."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). ``output_sizes`` lists the fused parts (e.g. q, k, v) in row order."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        output_size = sum(output_sizes)
+        self.weight = _empty_parameter((output_size, input_size), dtype, device)
+        self.bias = _empty_parameter((output_size,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def part_rows(self, part: int) -> slice:
+        """Rows of the fused weight that belong to part ``part`` (e.g. 1 = k of a qkv projection)."""
+        start = sum(self.output_sizes[:part])
+        return slice(start, start + self.output_sizes[part])
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], False, dtype, device)
+        self.down_proj = Linear(intermediate_size, [hidden_size], False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,236 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one pure-PyTorch model over a paged KV cache.
+
+These architectures differ only in switches that ``ModelConfig`` carries (q/k/v bias, q/k RMSNorm,
+rope scaling, tied embeddings), so one class serves all four and the engine never branches on the
+architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
+``positions [T]``) and leaves everything about sequences to the attention backend's metadata; it
+returns hidden states and only turns the rows that are sampled into logits, because the vocabulary
+projection (up to 152k columns) dominates the cost of a short step. ``load_weights`` maps Hugging
+Face parameter names onto the fused q/k/v and gate/up projections, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvreuse.cache.kv import KVCache
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
+
+
+class LlamaFamilyAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.attention_backend = attention_backend
+        self.qkv_proj = Linear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias, dtype, device
+        )
+        self.o_proj = Linear(self.q_size, [config.hidden_size], False, dtype, device)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaFamilyDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaFamilyAttention(config, layer_idx, attention_backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaFamilyModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(
+        self, config: ModelConfig, attention_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaFamilyDecoderLayer(config, index, attention_backend, dtype, device)
+            for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+# HF checkpoint name -> (our parameter name, part index within a fused parameter or None).
+_FUSED_PARTS: dict[str, tuple[str, int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Buffers some older checkpoints saved; recomputed here, so skipped rather than rejected.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.attention_backend = attention_backend or TorchPagedAttention()
+        self.model = LlamaFamilyModel(config, self.attention_backend, dtype, device)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
+        )
+        # Tied models reuse the embedding matrix as the output projection (no lm_head parameter).
+        self.lm_head: Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
+
+    def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
+        """Route every layer's attention through ``attention_backend`` from the next forward on."""
+        self.attention_backend = attention_backend
+        for layer in self.model.layers:
+            layer.self_attn.attention_backend = attention_backend
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored).
+
+        Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, kv_caches, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """hidden_rows [N, hidden] -> logits [N, vocab] in float32."""
+        return torch.nn.functional.linear(hidden_rows, self.lm_head_weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def expected_weight_names(self) -> list[str]:
+        """The HF checkpoint names this model needs, in a stable order."""
+        config = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        per_layer = [
+            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        ]
+        if config.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if config.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for index in range(config.num_hidden_layers):
+            names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every expected name exactly once.
+
+        Raises ValueError naming the first unexpected weight, a shape mismatch, or the missing ones.
+        """
+        parameters = dict(self.named_parameters())
+        expected = set(self.expected_weight_names())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store the shared matrix twice
+            if name not in expected:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint for {self.config.architecture}")
+            target, rows = self._target_of(name, parameters)
+            destination = target.data if rows is None else target.data[rows]
+            if tuple(tensor.shape) != tuple(destination.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add(name)
+        missing = [name for name in self.expected_weight_names() if name not in loaded]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"missing weight(s) in checkpoint: {shown}")
+
+    def _target_of(self, name: str, parameters: dict[str, nn.Parameter]) -> tuple[nn.Parameter, slice | None]:
+        match = _LAYER_NAME.match(name)
+        if match is not None:
+            layer, module, kind = match.groups()
+            if module in _FUSED_PARTS:
+                fused_module, part = _FUSED_PARTS[module]
+                parameter = parameters[f"model.layers.{layer}.{fused_module}.{kind}"]
+                linear = self.model.layers[int(layer)].get_submodule(fused_module)
+                return parameter, linear.part_rows(part)
+        return parameters[name], None
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks and tests: normal(0, 0.02) matrices and biases, norms = 1."""
+        generator = torch.Generator(device=self.model.embed_tokens.weight.device)
+        generator.manual_seed(seed)
+        for name, parameter in self.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.data.fill_(1.0)
+            else:
+                parameter.data.normal_(0.0, 0.02, generator=generator)

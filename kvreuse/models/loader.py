@@ -1,0 +1,156 @@
+"""Finding a model, choosing its dtype and loading its weights.
+
+This module owns the boundary with the outside world of checkpoints: a local folder or a Hugging Face
+hub id (``resolve_model_path``), the dtype policy (``resolve_dtype``: bfloat16 where the hardware
+does it natively, else float32), and ``load_model``, which builds the model directly on the target
+device and streams ``*.safetensors`` tensor by tensor into it, so peak memory stays near the size of
+the model rather than twice it. ``load_format="dummy"`` gives random weights for any config so
+benchmarks and tests need no weight files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyForCausalLM
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def cpu_supports_bfloat16() -> bool:
+    """True when this CPU has native bf16 matmul support through oneDNN (e.g. AVX512-BF16, AMX)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if probe is None:
+        return False
+    try:
+        return bool(probe())
+    except RuntimeError:
+        return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """A torch dtype from "auto", a name such as "bfloat16", or a torch.dtype.
+
+    "auto" is bfloat16 on CUDA (float16 on GPUs without bf16) and on CPUs with native bf16, else float32.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and cpu_supports_bfloat16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
+    return _DTYPE_NAMES[name]
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local model folder: ``model`` itself if it is a folder, else a Hugging Face hub download."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    text = str(model)
+    if text.startswith(("/", ".", "~")) or path.exists():
+        raise ValueError(f"model folder {text!r} does not exist (or is not a folder)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id=text,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+            # Mistral repos ship a second, differently named copy of the weights.
+            ignore_patterns=["consolidated*", "original/*"],
+        )
+    except Exception as exc:  # network, auth, unknown repo: all mean "cannot get this model"
+        raise ValueError(
+            f"model {text!r} is not a local folder and could not be downloaded from the Hugging Face Hub "
+            f"({type(exc).__name__}: {exc}). Pass a local folder, or check the name and network access."
+        ) from exc
+    return Path(local)
+
+
+def safetensors_files(model_path: Path) -> list[Path]:
+    """The weight files of a folder: those in the index if there is one, else ``*.safetensors``."""
+    index_file = model_path / "model.safetensors.index.json"
+    if index_file.is_file():
+        with open(index_file, encoding="utf-8") as handle:
+            weight_map: dict[str, str] = json.load(handle).get("weight_map", {})
+        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{index_file.name} lists {file.name}, which is not in {model_path}")
+        return files
+    if (model_path / "model.safetensors").is_file():
+        return [model_path / "model.safetensors"]
+    return sorted(path for path in model_path.glob("*.safetensors") if not path.name.startswith("consolidated"))
+
+
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, read one at a time on the CPU."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    model_path: str | Path | ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    """Build the model on ``device`` in ``dtype`` and fill its weights.
+
+    ``model_path`` is a folder with ``config.json`` (and weights unless ``load_format="dummy"``);
+    a ``ModelConfig`` is accepted for dummy weights. Raises ValueError for unsupported
+    architectures, missing files, and missing, unexpected or mis-shaped weights.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    device = torch.device(device)
+    if isinstance(model_path, ModelConfig):
+        if load_format != "dummy":
+            raise ValueError("a ModelConfig without a folder can only be loaded with load_format='dummy'")
+        config = model_path
+        folder = None
+    else:
+        folder = Path(model_path)
+        config = ModelConfig.from_pretrained(folder)
+    files: list[Path] = []
+    if load_format != "dummy":
+        assert folder is not None
+        files = safetensors_files(folder)
+        if not files:
+            hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(
+                folder.glob("*.bin")
+            ) else ""
+            raise ValueError(f"no *.safetensors weight files in {str(folder)!r}{hint}")
+    model = LlamaFamilyForCausalLM(config, dtype, device)
+    if load_format == "dummy":
+        model.init_dummy_weights(seed)
+    else:
+        model.load_weights(iterate_safetensors(files))
+    model.eval()
+    return model, config

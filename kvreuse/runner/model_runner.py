@@ -1,0 +1,82 @@
+"""ModelRunner: executes one engine step (a ``ForwardBatch``) on the model and returns logits.
+
+The engine decides what runs; the runner owns how: it moves the batch to the model's device,
+performs the step's block copies (token-granular prefix reuse) before any layer reads the cache,
+builds the attention metadata once for all layers, runs the model without autograd, and projects
+only the sampled rows to the vocabulary. Keeping these steps here means the model stays a pure
+function of (tokens, positions, cache, metadata) and the engine never touches a tensor it does not own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvreuse.cache.kv import KVCache
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyForCausalLM
+from kvreuse.runner.attention import AttentionBackend
+from kvreuse.runner.forward_batch import ForwardBatch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyForCausalLM,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device | str,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
+        if kv_cache.num_layers != model_config.num_hidden_layers:
+            raise ValueError(
+                f"kv_cache has {kv_cache.num_layers} layers, the model has {model_config.num_hidden_layers}"
+            )
+        if (kv_cache.num_kv_heads, kv_cache.head_dim) != (model_config.num_key_value_heads, model_config.head_dim):
+            raise ValueError(
+                f"kv_cache is shaped for {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim}, the model "
+                f"has {model_config.num_key_value_heads} of {model_config.head_dim}"
+            )
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        if attention_backend is not None:
+            model.set_attention_backend(attention_backend)
+        self.attention_backend = model.attention_backend
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
+
+        That is one row per sequence whose prompt is complete after this step (a prefill chunk
+        that stops mid-prompt has no row), in ``logits_indices`` order.
+        """
+        if batch.num_tokens == 0:
+            raise ValueError("a ForwardBatch must contain at least one token")
+        # Positions run up to context_len - 1; checked on the host lists, so no device sync.
+        longest = max(batch.context_lens)
+        if longest > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"context length {longest} exceeds max_position_embeddings "
+                f"{self.model_config.max_position_embeddings}"
+            )
+        batch = self._to_device(batch)
+        self.kv_cache.copy_blocks(batch.block_copies)
+        metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata)
+            return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
+        if batch.input_ids.device == self.device and batch.slot_mapping.device == self.device:
+            if batch.positions.device == self.device and batch.logits_indices.device == self.device:
+                return batch
+        non_blocking = self.device.type == "cuda"
+        return replace(
+            batch,
+            input_ids=batch.input_ids.to(self.device, non_blocking=non_blocking),
+            positions=batch.positions.to(self.device, non_blocking=non_blocking),
+            slot_mapping=batch.slot_mapping.to(self.device, non_blocking=non_blocking),
+            logits_indices=batch.logits_indices.to(self.device, non_blocking=non_blocking),
+        )

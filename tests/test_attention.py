@@ -1,0 +1,227 @@
+"""Paged attention tests: ``TorchPagedAttention`` over a ``KVCache`` equals dense causal attention.
+
+A small harness keeps, per sequence and layer, the full history of K/V the test generated and
+checks every step's output against a float64 dense reference over that history, while the backend
+only sees the slots of scattered, non-contiguous blocks. Covered: full prefill, chunked prefill,
+batched decodes with different context lengths, a mixed batch (fresh prefill + continuing chunk +
+decodes in non-contiguous rows), grouped-query attention, token-granular reuse through BlockCopy
+(the copied block gives the same result as the original), KVCache sizing and block copies, and
+the errors for malformed batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvreuse.cache.kv import KVCache
+from kvreuse.models.config import ModelConfig
+from kvreuse.runner.attention import TorchPagedAttention
+from kvreuse.runner.forward_batch import BlockCopy, ForwardBatch
+
+HEAD_DIM = 16
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+NUM_LAYERS = 2
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Float64 reference: q [Q, H, D] are the last Q positions of a context k, v [L, KV, D]."""
+    num_queries, num_heads, head_dim = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    k = k.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.double(), k) / math.sqrt(head_dim)
+    query_positions = torch.arange(context_len - num_queries, context_len)[:, None]
+    visible = torch.arange(context_len)[None, :] <= query_positions
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+
+
+class Harness:
+    """Drives the backend step by step and checks each step against the dense reference."""
+
+    def __init__(self, num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.cache = KVCache(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.float32, "cpu")
+        self.backend = TorchPagedAttention()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+        # (sequence, layer) -> (keys, values) of every token computed so far
+        self.history: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add_sequence(self, name: str, block_ids: list[int]) -> None:
+        self.block_tables[name] = block_ids
+        self.num_computed[name] = 0
+        for layer in range(NUM_LAYERS):
+            empty = torch.empty(0, self.num_kv_heads, HEAD_DIM)
+            self.history[(name, layer)] = (empty, empty)
+
+    def _random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def step(self, items: list[tuple[str, int]], block_copies: list[BlockCopy] | None = None) -> None:
+        """Compute ``num_new`` tokens of each named sequence in one batch and check the outputs."""
+        positions, slots, query_lens, context_lens, tables = [], [], [], [], []
+        for name, num_new in items:
+            start = self.num_computed[name]
+            end = start + num_new
+            table = self.block_tables[name]
+            positions += list(range(start, end))
+            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+            query_lens.append(num_new)
+            context_lens.append(end)
+            tables.append(table[: -(-end // BLOCK_SIZE)])
+        num_tokens = len(positions)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            logits_indices=torch.tensor([], dtype=torch.int64),
+            block_copies=block_copies or [],
+        )
+        self.cache.copy_blocks(batch.block_copies)  # as ModelRunner does, before any layer
+        metadata = self.backend.prepare(batch, BLOCK_SIZE)
+        for layer in range(NUM_LAYERS):
+            q = self._random(num_tokens, self.num_heads, HEAD_DIM)
+            k = self._random(num_tokens, self.num_kv_heads, HEAD_DIM)
+            v = self._random(num_tokens, self.num_kv_heads, HEAD_DIM)
+            out = self.backend.forward(layer, q, k, v, self.cache, metadata)
+            assert out.shape == q.shape
+            row = 0
+            for name, num_new in items:
+                rows = slice(row, row + num_new)
+                keys, values = self.history[(name, layer)]
+                keys = torch.cat([keys, k[rows]])
+                values = torch.cat([values, v[rows]])
+                self.history[(name, layer)] = (keys, values)
+                expected = dense_causal_attention(q[rows], keys, values)
+                torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"sequence {name}, layer {layer}: {m}")
+                row += num_new
+        for name, num_new in items:
+            self.num_computed[name] += num_new
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_full_prefill(num_heads, num_kv_heads):
+    harness = Harness(num_heads, num_kv_heads)
+    harness.add_sequence("a", [9, 3, 17, 40, 1, 22])
+    harness.step([("a", 21)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_chunked_prefill_over_scattered_blocks(num_heads, num_kv_heads):
+    harness = Harness(num_heads, num_kv_heads)
+    harness.add_sequence("a", [31, 4, 19, 7, 44, 12, 2])
+    harness.step([("a", 7)])  # ends inside a block
+    harness.step([("a", 9)])  # continues it: offset causal mask over gathered context
+    harness.step([("a", 8)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1)])
+def test_batched_decode_with_different_context_lengths(num_heads, num_kv_heads):
+    harness = Harness(num_heads, num_kv_heads)
+    for name, blocks, length in (("a", [5, 30, 11], 3), ("b", [14, 2, 27, 41, 8], 13), ("c", [19, 36, 23], 6)):
+        harness.add_sequence(name, blocks)
+        harness.step([(name, length)])
+    for _ in range(4):  # lengths 4/14/7 ... 7/17/10: padded batch with a mask
+        harness.step([("a", 1), ("b", 1), ("c", 1)])
+
+
+def test_batched_decode_with_equal_context_lengths():
+    harness = Harness(4, 2)
+    harness.add_sequence("a", [5, 30, 11])
+    harness.add_sequence("b", [14, 2, 27])
+    harness.step([("a", 6), ("b", 6)])  # two fresh prefills in one batch
+    harness.step([("a", 1), ("b", 1)])  # no padding: the mask-free path
+
+
+def test_mixed_batch_prefill_chunk_and_decodes():
+    harness = Harness(6, 3)
+    harness.add_sequence("decode1", [3, 8, 13])
+    harness.add_sequence("chunked", [21, 1, 34, 9, 17])
+    harness.add_sequence("decode2", [40, 6])
+    harness.add_sequence("fresh", [25, 11, 29, 46])
+    harness.step([("decode1", 9), ("chunked", 5), ("decode2", 5)])
+    # Decode rows 0 and 10 are not contiguous: the output is scattered back by index.
+    harness.step([("decode1", 1), ("chunked", 6), ("fresh", 13), ("decode2", 1)])
+    harness.step([("chunked", 1), ("decode1", 1), ("decode2", 1), ("fresh", 2)])
+
+
+def test_block_copy_reuses_part_of_a_block():
+    harness = Harness(4, 2)
+    harness.add_sequence("a", [12, 5, 33, 20])
+    harness.step([("a", 10)])  # blocks 12, 5 full; block 33 holds 2 tokens
+    # "b" shares a's first 9 tokens: full blocks 12 and 5 by reference, 1 token of block 33 copied
+    # into its own block 7, which it then continues writing.
+    harness.add_sequence("b", [12, 5, 7, 26])
+    for layer in range(NUM_LAYERS):
+        keys, values = harness.history[("a", layer)]
+        harness.history[("b", layer)] = (keys[:9], values[:9])
+    harness.num_computed["b"] = 9
+    harness.step([("b", 4)], block_copies=[BlockCopy(src_block=33, dst_block=7, num_tokens=1)])
+    # a is unaffected by b writing after the copied token, and both keep decoding together.
+    harness.step([("a", 1), ("b", 1)])
+    harness.step([("b", 1), ("a", 1)])
+
+
+def test_kv_cache_block_copy_touches_only_the_copied_slots_of_every_layer():
+    cache = KVCache(3, 6, BLOCK_SIZE, 2, HEAD_DIM, torch.float32, "cpu")
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    before = cache.kv.clone()
+    cache.copy_blocks([BlockCopy(4, 1, 3), BlockCopy(2, 5, BLOCK_SIZE)])
+    for layer in range(3):
+        for caches in (cache.key_caches, cache.value_caches):
+            tensor = caches[layer]
+            original = before[layer, 0 if caches is cache.key_caches else 1]
+            torch.testing.assert_close(tensor[4:7], original[16:19])  # block 4 -> block 1, 3 slots
+            torch.testing.assert_close(tensor[7], original[7])  # 4th slot of block 1 untouched
+            torch.testing.assert_close(tensor[20:24], original[8:12])  # block 2 -> block 5, whole
+    unchanged = torch.ones(cache.num_slots, dtype=torch.bool)
+    unchanged[4:7] = False
+    unchanged[20:24] = False
+    torch.testing.assert_close(cache.kv[:, :, unchanged], before[:, :, unchanged])
+    with pytest.raises(ValueError, match="dst_block 6 is outside 0..5"):
+        cache.copy_blocks([BlockCopy(0, 6, 1)])
+    with pytest.raises(ValueError, match="num_tokens 5 must be between 0 and block_size 4"):
+        cache.copy_blocks([BlockCopy(0, 1, 5)])
+
+
+def test_num_blocks_for_memory():
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False,
+        attention_bias=False, qk_norm=False, sliding_window=None, eos_token_id=None, bos_token_id=None,
+        torch_dtype=None,
+    )
+    per_token = 2 * 2 * 16 * 3 * 2  # K and V, kv heads, head_dim, layers, bf16 bytes
+    assert config.kv_bytes_per_token(torch.bfloat16) == per_token
+    assert KVCache.num_blocks_for_memory(10 * 16 * per_token + 5, 16, config, torch.bfloat16) == 10
+    with pytest.raises(ValueError, match="holds no KV block"):
+        KVCache.num_blocks_for_memory(16 * per_token - 1, 16, config, torch.bfloat16)
+    cache = KVCache.for_model(config, 10, 16, torch.bfloat16, "cpu")
+    assert cache.memory_bytes == 10 * 16 * per_token
+
+
+def test_malformed_batches_are_rejected():
+    backend = TorchPagedAttention()
+
+    def batch(query_lens, context_lens, tables, num_tokens):
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+        return ForwardBatch(ids, ids, ids, query_lens, context_lens, tables, torch.zeros(1, dtype=torch.int64))
+
+    with pytest.raises(ValueError, match=r"context_lens\[0\] \(2\) is smaller than query_lens\[0\] \(3\)"):
+        backend.prepare(batch([3], [2], [[0]], 3), BLOCK_SIZE)
+    with pytest.raises(ValueError, match=r"block_tables\[0\] has 1 blocks of 4 tokens, too few"):
+        backend.prepare(batch([3], [6], [[0]], 3), BLOCK_SIZE)
+    with pytest.raises(ValueError, match="query_lens sum to 3 but input_ids has 4"):
+        backend.prepare(batch([3], [3], [[0]], 4), BLOCK_SIZE)

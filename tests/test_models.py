@@ -1,0 +1,322 @@
+"""Model tests: our pure-PyTorch Llama family against transformers' own implementation.
+
+Tiny random checkpoints are written with transformers (Llama with llama3 rope scaling, Mistral,
+Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != hidden/heads), loaded
+through ``load_model`` and run through ``ModelRunner`` over a paged KV cache with scattered block ids;
+the logits must match transformers' for a full prompt, for a prompt split into chunks followed by a
+decode, and for several sequences in one batch. Also: sharded checkpoints, config parsing of real
+config.json spellings, dummy weights, dtype resolution and the errors for bad checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from kvreuse.cache.kv import KVCache
+from kvreuse.models import ModelConfig, load_model, resolve_dtype, resolve_model_path
+from kvreuse.models.loader import cpu_supports_bfloat16
+from kvreuse.runner.attention import TorchPagedAttention
+from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.runner.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6,
+)
+ARCHITECTURES = {
+    "llama3": (
+        transformers.LlamaConfig, transformers.LlamaForCausalLM,
+        dict(rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }, rope_theta=10000.0),
+    ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=4096)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that a wrong rope, bias or norm changes the logits visibly."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+def _save_hf_model(kind: str, folder: Path, **save_kwargs) -> torch.nn.Module:
+    config_class, model_class, extra = ARCHITECTURES[kind]
+    hf_model = model_class(config_class(**COMMON, **extra)).eval()
+    _randomize(hf_model, seed=len(kind))
+    hf_model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
+    return hf_model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    saved = {}
+    for kind in ARCHITECTURES:
+        folder = tmp_path_factory.mktemp(kind)
+        saved[kind] = (folder, _save_hf_model(kind, folder))
+    return saved
+
+
+def _hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedSequence:
+    """Test-side bookkeeping for one sequence: its tokens so far and its (scattered) block ids."""
+
+    def __init__(self, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+        self.num_computed = 0
+
+
+def _make_batch(steps: list[tuple[PagedSequence, list[int]]]) -> ForwardBatch:
+    """A ForwardBatch where each (sequence, new_tokens) continues that sequence; every row sampled."""
+    input_ids, positions, slots, query_lens, context_lens, tables, logits_indices = [], [], [], [], [], [], []
+    for sequence, new_tokens in steps:
+        start = sequence.num_computed
+        end = start + len(new_tokens)
+        input_ids += new_tokens
+        positions += list(range(start, end))
+        slots += [sequence.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+        query_lens.append(len(new_tokens))
+        context_lens.append(end)
+        tables.append(sequence.block_ids[: -(-end // BLOCK_SIZE)])
+        logits_indices.append(len(input_ids) - 1)
+        sequence.num_computed = end
+    as_long = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        input_ids=as_long(input_ids), positions=as_long(positions), slot_mapping=as_long(slots),
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+        logits_indices=as_long(logits_indices),
+    )
+
+
+def _runner(folder: Path) -> tuple[ModelRunner, ModelConfig]:
+    model, config = load_model(folder, torch.float32, torch.device("cpu"))
+    kv_cache = KVCache.for_model(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    return ModelRunner(model, config, kv_cache, "cpu"), config
+
+
+# Block ids deliberately out of order and far apart.
+SCATTERED_BLOCKS = [37, 2, 50, 11, 29, 5, 61, 18, 44, 8, 23, 33]
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_full_prompt_logits_match_transformers(checkpoints, kind):
+    folder, hf_model = checkpoints[kind]
+    runner, _ = _runner(folder)
+    prompt = [int(t) for t in torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))]
+    expected = _hf_logits(hf_model, prompt)
+
+    batch = _make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)])
+    logits = runner.execute(batch)
+    assert logits.shape == (1, 256) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits[0], expected[-1], atol=1e-4, rtol=1e-4)
+
+    # Every position, straight through the model: hidden states for all rows are right too.
+    fresh_cache = KVCache.for_model(runner.model_config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    batch = _make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)])
+    metadata = TorchPagedAttention().prepare(batch, BLOCK_SIZE)
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, fresh_cache, metadata)
+        all_logits = runner.model.compute_logits(hidden)
+    torch.testing.assert_close(all_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_chunked_prefill_then_decode_matches_transformers(checkpoints, kind):
+    folder, hf_model = checkpoints[kind]
+    runner, _ = _runner(folder)
+    tokens = [int(t) for t in torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))]
+    expected = _hf_logits(hf_model, tokens)
+    sequence = PagedSequence(SCATTERED_BLOCKS)
+    # 9 tokens, then 13 more continuing the cached 9, then single-token decodes.
+    chunks = [tokens[:9], tokens[9:22]] + [[token] for token in tokens[22:]]
+    for chunk in chunks:
+        logits = runner.execute(_make_batch([(sequence, chunk)]))
+        torch.testing.assert_close(logits[0], expected[sequence.num_computed - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_of_sequences_matches_transformers(checkpoints):
+    folder, hf_model = checkpoints["qwen3"]
+    runner, _ = _runner(folder)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=generator)] for n in (17, 6, 11)]
+    expected = [_hf_logits(hf_model, prompt) for prompt in prompts]
+    sequences = [PagedSequence(SCATTERED_BLOCKS[0:5]), PagedSequence(SCATTERED_BLOCKS[5:8]),
+                 PagedSequence(SCATTERED_BLOCKS[8:12])]
+    # Step 1: sequence 0 prefills 10 tokens, sequence 1 its whole prompt but the last token.
+    runner.execute(_make_batch([(sequences[0], prompts[0][:10]), (sequences[1], prompts[1][:5])]))
+    # Step 2: a continuing chunk, a decode and a fresh prompt in one batch.
+    logits = runner.execute(_make_batch([
+        (sequences[0], prompts[0][10:]), (sequences[1], prompts[1][5:]), (sequences[2], prompts[2]),
+    ]))
+    for row, reference in enumerate(expected):
+        torch.testing.assert_close(logits[row], reference[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = _save_hf_model("llama3", tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    runner, _ = _runner(tmp_path)
+    prompt = list(range(3, 15))
+    logits = runner.execute(_make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)]))
+    torch.testing.assert_close(logits[0], _hf_logits(hf_model, prompt)[-1], atol=1e-4, rtol=1e-4)
+
+
+def _copy_config(source: Path, destination: Path) -> None:
+    destination.mkdir(exist_ok=True)
+    (destination / "config.json").write_text((source / "config.json").read_text())
+
+
+def test_missing_weight_is_named(checkpoints, tmp_path):
+    folder, _ = checkpoints["qwen2"]
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    _copy_config(folder, tmp_path)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing weight.*model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_unexpected_and_misshaped_weights_are_named(checkpoints, tmp_path):
+    folder, _ = checkpoints["llama3"]
+    tensors = load_file(folder / "model.safetensors")
+    _copy_config(folder, tmp_path)
+    save_file({**tensors, "model.layers.0.self_attn.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.self_attn\.extra\.weight'"):
+        load_model(tmp_path, torch.float32, "cpu")
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(64, 64\)"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_unsupported_architecture_lists_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
+    }))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(tmp_path, torch.float32, "cpu", load_format="dummy")
+
+
+def test_no_weight_files_is_a_clear_error(checkpoints, tmp_path):
+    _copy_config(checkpoints["mistral"][0], tmp_path)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+QWEN25_05B_CONFIG = {  # the shape of Qwen/Qwen2.5-0.5B-Instruct's config.json (old-style keys)
+    "architectures": ["Qwen2ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+LLAMA32_CONFIG = {  # the shape of meta-llama/Llama-3.2-1B's config.json
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 64, "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072,
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+
+
+def test_config_parses_real_config_spellings():
+    qwen = ModelConfig.from_dict(QWEN25_05B_CONFIG)
+    assert qwen.head_dim == 64 and qwen.attention_bias and not qwen.qk_norm
+    assert qwen.sliding_window is None  # named but switched off by use_sliding_window
+    assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None and qwen.tie_word_embeddings
+    assert qwen.eos_token_ids == (151645,) and qwen.torch_dtype == "bfloat16"
+    assert qwen.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 64 * 24 * 2
+
+    llama = ModelConfig.from_dict(LLAMA32_CONFIG)
+    assert llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0
+    assert llama.rope_scaling.original_max_position_embeddings == 8192
+    assert llama.eos_token_ids == (128001, 128008, 128009) and not llama.attention_bias
+
+    mistral = ModelConfig.from_dict({**LLAMA32_CONFIG, "architectures": ["MistralForCausalLM"],
+                                     "rope_scaling": None, "sliding_window": 4096})
+    assert mistral.sliding_window == 4096 and mistral.rope_scaling is None
+
+
+def test_config_rejects_unsupported_rope_and_bad_heads():
+    with pytest.raises(ValueError, match=r"rope_scaling type 'yarn' is not supported.*llama3"):
+        ModelConfig.from_dict({**LLAMA32_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"num_attention_heads \(32\) must be a multiple of num_key_value_heads"):
+        ModelConfig.from_dict({**LLAMA32_CONFIG, "num_key_value_heads": 5})
+    with pytest.raises(ValueError, match="required field 'vocab_size'"):
+        ModelConfig.from_dict({k: v for k, v in LLAMA32_CONFIG.items() if k != "vocab_size"})
+
+
+def test_dummy_weights_need_no_files_and_follow_the_seed(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN25_05B_CONFIG, "hidden_size": 64,
+                                                      "intermediate_size": 96, "num_attention_heads": 4,
+                                                      "num_hidden_layers": 2, "vocab_size": 300}))
+    model_a, config = load_model(tmp_path, torch.float32, "cpu", load_format="dummy", seed=0)
+    model_b, _ = load_model(tmp_path, torch.float32, "cpu", load_format="dummy", seed=0)
+    model_c, _ = load_model(tmp_path, torch.float32, "cpu", load_format="dummy", seed=1)
+    weight_a = model_a.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(weight_a, model_b.model.layers[0].self_attn.qkv_proj.weight)
+    assert not torch.equal(weight_a, model_c.model.layers[0].self_attn.qkv_proj.weight)
+    assert 0.015 < float(weight_a.std()) < 0.025
+    assert torch.all(model_a.model.norm.weight == 1)
+    kv_cache = KVCache.for_model(config, 8, BLOCK_SIZE, torch.float32, "cpu")
+    logits = ModelRunner(model_a, config, kv_cache, "cpu").execute(
+        _make_batch([(PagedSequence([3, 1, 6]), list(range(10)))])
+    )
+    assert logits.shape == (1, 300) and torch.isfinite(logits).all()
+
+
+def test_bfloat16_model_stays_close_to_float32(checkpoints):
+    folder, _ = checkpoints["qwen2"]
+    prompt = list(range(40, 60))
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model, config = load_model(folder, dtype, "cpu")
+        kv_cache = KVCache.for_model(config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
+        runner = ModelRunner(model, config, kv_cache, "cpu")
+        results.append(runner.execute(_make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)]))[0])
+    assert results[1].dtype == torch.float32
+    assert (results[0] - results[1]).abs().max() < 0.05 * results[0].abs().max()
+
+
+def test_resolve_dtype_and_model_path(tmp_path):
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert resolve_dtype(torch.float16, "cpu") == torch.float16
+    expected_auto = torch.bfloat16 if cpu_supports_bfloat16() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == expected_auto
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("float8", "cpu")
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no-such-model"))
+
+
+def test_runner_rejects_positions_beyond_the_model(checkpoints):
+    runner, config = _runner(checkpoints["llama3"][0])
+    sequence = PagedSequence([0] * 80)  # never written: the check comes first
+    sequence.num_computed = config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 256"):
+        runner.execute(_make_batch([(sequence, [1])]))
