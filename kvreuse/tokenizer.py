@@ -169,7 +169,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids[-self.CONTEXT_TOKENS:]) if self.CONTEXT_TOKENS else []
+        context = [int(token_id) for token_id in prompt_ids[-self.CONTEXT_TOKENS:]]
         context_text = self._decode(context)
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character; output bytes would complete it and the stream would
@@ -191,7 +191,7 @@ class IncrementalDetokenizer:
         self._window_ids.append(int(token_id))
         self.num_output_tokens += 1
         window_text = self._decode(self._window_ids)
-        if len(window_text) <= len(self._emitted_window_text):
+        if window_text.endswith(REPLACEMENT_CHAR) or len(window_text) <= len(self._emitted_window_text):
             return ""
         return self._emit(window_text)
 

@@ -91,8 +91,10 @@ class KVCache:
                 raise ValueError(f"num_tokens {copy.num_tokens} must be between 0 and block_size {self.block_size}")
             if copy.src_block == copy.dst_block:
                 continue
-            src_slots.extend(range(copy.src_block * self.block_size, copy.src_block * self.block_size + copy.num_tokens))
-            dst_slots.extend(range(copy.dst_block * self.block_size, copy.dst_block * self.block_size + copy.num_tokens))
+            src_start = copy.src_block * self.block_size
+            dst_start = copy.dst_block * self.block_size
+            src_slots.extend(range(src_start, src_start + copy.num_tokens))
+            dst_slots.extend(range(dst_start, dst_start + copy.num_tokens))
         if not src_slots:
             return
         src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)

@@ -79,8 +79,9 @@ class LlamaFamilyDecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # The residual stream is owned by the model forward, so it is updated in place.
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class LlamaFamilyModel(nn.Module):

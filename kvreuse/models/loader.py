@@ -45,6 +45,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     """A torch dtype from "auto", a name such as "bfloat16", or a torch.dtype.
 
     "auto" is bfloat16 on CUDA (float16 on GPUs without bf16) and on CPUs with native bf16, else float32.
+    On CPUs with AVX512-BF16 but no AMX, bf16 halves decode time (memory bound) but makes large
+    prefill matmuls slower than float32; pass "float32" explicitly for prefill-heavy work there.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPE_NAMES.values():

@@ -21,10 +21,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvreuse.config import parse_memory_size
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as BpeTokenizer
 
 # Bump when anything that changes the produced folders changes (names, shapes, init, tokenizer
 # recipe), so cached folders and tokenizers made by an older version are not reused.
@@ -133,15 +137,13 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One weight to generate: its HF name, shape and how to initialise it."""
 
-    __slots__ = ("name", "shape", "init")
-
-    def __init__(self, name: str, shape: tuple[int, ...], init: str) -> None:
-        self.name = name
-        self.shape = shape
-        self.init = init  # "normal" (std INIT_STD) or "ones" (norm weights)
+    name: str
+    shape: tuple[int, ...]
+    init: str  # "normal" (std INIT_STD) or "ones" (norm weights)
 
     @property
     def numel(self) -> int:
@@ -210,7 +212,7 @@ def _tokenizer_cache_key(corpus: bytes, vocab_size: int) -> str:
     return f"{digest.hexdigest()[:20]}-v{vocab_size}"
 
 
-def _train_tokenizer(corpus: bytes, vocab_size: int) -> "tokenizers.Tokenizer":  # noqa: F821
+def _train_tokenizer(corpus: bytes, vocab_size: int) -> BpeTokenizer:
     """Byte-level BPE with Qwen2's pipeline. Training is deterministic for a given corpus and size.
 
     The pipeline (NFC, Qwen2's split regex, byte level without its own regex) is exactly what
@@ -423,7 +425,7 @@ def _write_safetensors(path: Path, specs: Sequence[TensorSpec], dtype: torch.dty
         handle.write(header_bytes)
         for spec in specs:
             for chunk in _generate_chunks(spec, dtype, seed):
-                handle.write(chunk.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                handle.write(chunk.contiguous().view(-1).view(torch.uint8).numpy())
     os.replace(tmp_path, path)
 
 

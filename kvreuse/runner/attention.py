@@ -263,7 +263,10 @@ def _decode_attention(
     # Heads sharing a KV head are consecutive, so with a single query they can be folded into the
     # query-length axis: [B, KV, heads_per_kv, D] against [B, KV, ctx, D], no K/V repetition.
     grouped_q = batch_q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = key_cache[group.context_slots].to(q.dtype).transpose(1, 2)  # [B, KV, ctx, D]
-    values = value_cache[group.context_slots].to(q.dtype).transpose(1, 2)
+    # index_select over flat slots is several times faster on CPU than advanced indexing [B, ctx].
+    flat_slots = group.context_slots.view(-1)
+    gathered_shape = (num_seqs, group.context_slots.shape[1], num_kv_heads, head_dim)
+    keys = key_cache.index_select(0, flat_slots).view(gathered_shape).to(q.dtype).transpose(1, 2)  # [B, KV, ctx, D]
+    values = value_cache.index_select(0, flat_slots).view(gathered_shape).to(q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask)
     return out.reshape(num_seqs, num_heads, head_dim)

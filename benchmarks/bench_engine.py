@@ -1,0 +1,239 @@
+"""Engine benchmark: kvreuse against transformers on the same model folder, in one run.
+
+Figures (medians of --repeats runs, ratios computed within this run):
+  1. TTFT warm / TTFT cold for a shared prefix (default 2,048 tokens) + a new suffix (64 tokens);
+     transformers' usual practice for the warm case (a deep copy of a saved prompt cache) alongside.
+  2. Cold prefill tokens/s, kvreuse / transformers, on the same prompt.
+  3. A workload with no sharing: throughput with prefix caching on / off.
+  4. Decode tokens/s with 16 concurrent requests / transformers generating one request at a time.
+  5. Prefix match of a 32k-token prompt in the cache core (hashing reported separately).
+
+    python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        memory_kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f"{memory_kib / 2**20:.0f} GiB"
+    except OSError:
+        memory = "?"
+    return f"{os.cpu_count()} cores ({cpu}), {memory} RAM, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def random_tokens(rng: random.Random, count: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(count)]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def time_call(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_ttft(llm, hf_model, args, rng, vocab) -> dict:
+    from kvreuse import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    cold, warm, hf_cold, hf_warm = [], [], [], []
+    for _ in range(args.repeats):
+        prefix = random_tokens(rng, args.prefix_len, vocab)
+        suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
+        llm.reset_prefix_cache()
+        out = llm.generate({"prompt_token_ids": prefix + suffixes[0]}, one, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        cold.append(out.metrics.time_to_first_token)
+        out = llm.generate({"prompt_token_ids": prefix + suffixes[1]}, one, use_tqdm=False)[0]
+        assert out.num_cached_tokens >= args.prefix_len, out.num_cached_tokens
+        warm.append(out.metrics.time_to_first_token)
+
+        full = torch.tensor([prefix + suffixes[0]])
+        with torch.inference_mode():
+            hf_cold.append(time_call(lambda: hf_model(full, logits_to_keep=1)))
+            saved = hf_model(torch.tensor([prefix]), use_cache=True).past_key_values
+            suffix = torch.tensor([suffixes[1]])
+
+            def warm_hf():
+                cache = copy.deepcopy(saved)  # the saved prompt cache must not be extended in place
+                hf_model(suffix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+            hf_warm.append(time_call(warm_hf))
+    prompt_len = args.prefix_len + args.suffix_len
+    return {
+        "kvreuse_ttft_cold_s": median(cold),
+        "kvreuse_ttft_warm_s": median(warm),
+        "kvreuse_warm_over_cold": median(warm) / median(cold),
+        "transformers_ttft_cold_s": median(hf_cold),
+        "transformers_ttft_warm_copied_cache_s": median(hf_warm),
+        "transformers_warm_over_cold": median(hf_warm) / median(hf_cold),
+        "kvreuse_cold_prefill_tok_s": prompt_len / median(cold),
+        "transformers_cold_prefill_tok_s": prompt_len / median(hf_cold),
+        "cold_prefill_speed_ratio": median(hf_cold) / median(cold),
+    }
+
+
+def bench_no_sharing(llm_on, llm_off, args, rng, vocab) -> dict:
+    from kvreuse import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.nosharing_output, ignore_eos=True)
+    on, off = [], []
+    for _ in range(args.repeats):
+        prompts = [{"prompt_token_ids": random_tokens(rng, args.nosharing_prompt, vocab)}
+                   for _ in range(args.nosharing_requests)]
+        tokens = args.nosharing_requests * (args.nosharing_prompt + args.nosharing_output)
+        # Alternate the order so drift in machine speed does not favour one side.
+        for llm, sink in ((llm_on, on), (llm_off, off)) if len(on) % 2 == 0 else ((llm_off, off), (llm_on, on)):
+            sink.append(tokens / time_call(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    return {
+        "nosharing_tok_s_caching_on": median(on),
+        "nosharing_tok_s_caching_off": median(off),
+        "nosharing_on_over_off": median(on) / median(off),
+    }
+
+
+def bench_decode(llm, hf_model, args, rng, vocab) -> dict:
+    from kvreuse import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    ours = []
+    for _ in range(args.repeats):
+        prompts = [{"prompt_token_ids": random_tokens(rng, args.decode_prompt, vocab)}
+                   for _ in range(args.concurrency)]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        # Decode rate: tokens after each request's first one, over the time after the last prefill.
+        first_token = max(o.metrics.first_token_time for o in outputs)
+        decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+        ours.append(decode_tokens / (max(o.metrics.finished_time for o in outputs) - first_token))
+    hf = []
+    for _ in range(args.repeats):
+        prompt = torch.tensor([random_tokens(rng, args.decode_prompt, vocab)])
+        with torch.inference_mode():
+            out = hf_model(prompt, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            cache = out.past_key_values
+            start = time.perf_counter()
+            for _ in range(args.decode_tokens - 1):
+                out = hf_model(token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                cache = out.past_key_values
+            hf.append((args.decode_tokens - 1) / (time.perf_counter() - start))
+    return {
+        "kvreuse_decode_tok_s_concurrent": median(ours),
+        "transformers_decode_tok_s_one_by_one": median(hf),
+        "decode_speed_ratio": median(ours) / median(hf),
+        "concurrency": args.concurrency,
+    }
+
+
+def bench_prefix_match(args) -> dict:
+    from kvreuse.cache.hashing import namespace_key
+    from kvreuse.cache.manager import KVCacheManager
+    from kvreuse.request import Request
+    from kvreuse.sampling import SamplingParams
+
+    rng = random.Random(0)
+    length = args.match_len
+    tokens = random_tokens(rng, length, 150_000)
+    namespace = namespace_key(None, None, "bench")
+    kv = KVCacheManager(num_blocks=length // 16 + 8, block_size=16)
+    first = Request("first", tokens, SamplingParams(), namespace, 0.0)
+    match = kv.match(first)
+    kv.admit(first, match, length)
+    first.num_computed_tokens = length
+    kv.cache_computed_blocks(first)
+    kv.end_step()
+    kv.free(first)
+    hashing, matching = [], []
+    for _ in range(50):
+        request = Request("again", list(tokens), SamplingParams(), namespace, 0.0)
+        hashing.append(time_call(lambda: kv.update_block_keys(request)))
+        result = None
+
+        def do_match():
+            nonlocal result
+            result = kv.index.match(namespace, request.all_token_ids, request.block_keys, length - 1)
+
+        matching.append(time_call(do_match))
+        assert result.num_tokens == length - 1
+    return {"prefix_match_tokens": length, "prefix_match_ms": median(matching) * 1e3,
+            "block_hashing_ms": median(hashing) * 1e3}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: made from --preset)")
+    parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument("--nosharing-requests", type=int, default=16)
+    parser.add_argument("--nosharing-prompt", type=int, default=256)
+    parser.add_argument("--nosharing-output", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--decode-prompt", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--match-len", type=int, default=32768)
+    parser.add_argument("--only", default="ttft,nosharing,decode,match")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+
+    results: dict = {"machine": machine_description(), "command": " ".join(["python"] + sys.argv)}
+    if "match" in only:
+        results.update(bench_prefix_match(args))
+    if only & {"ttft", "nosharing", "decode"}:
+        from transformers import AutoModelForCausalLM
+
+        from kvreuse import LLM
+        from kvreuse.models.make import ensure_model
+
+        model_dir = args.model or str(ensure_model(args.preset, dtype=args.dtype))
+        dtype = getattr(torch, args.dtype)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        vocab = min(hf_model.config.vocab_size, 30_000)
+        rng = random.Random(1)
+        llm = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory="2GiB")
+        results["model"] = f"{args.preset} ({model_dir}), {args.dtype}"
+        if "ttft" in only:
+            results.update(bench_ttft(llm, hf_model, args, rng, vocab))
+        if "decode" in only:
+            results.update(bench_decode(llm, hf_model, args, rng, vocab))
+        if "nosharing" in only:
+            llm_off = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory="2GiB",
+                          enable_prefix_caching=False)
+            results.update(bench_no_sharing(llm, llm_off, args, rng, vocab))
+    for key, value in results.items():
+        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
