@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kvreuse.demo import run_demo
 
-        return run_demo(args)
+        try:
+            return run_demo(args)
+        except ValueError as error:  # bad options or input: one clear line, no traceback
+            print(f"kvreuse demo: error: {error}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, pack_weight_for_cpu
 from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
 
 
@@ -136,6 +136,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
+        self._packed_tied_head: torch.Tensor | None = None  # see pack_weights_for_cpu
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
         """Route every layer's attention through ``attention_backend`` from the next forward on."""
@@ -164,7 +165,27 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """hidden_rows [N, hidden] -> logits [N, vocab] in float32."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden_rows).float()
+        if self._packed_tied_head is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden_rows, self._packed_tied_head, None, "none", [], ""
+            ).float()
         return torch.nn.functional.linear(hidden_rows, self.lm_head_weight).float()
+
+    def pack_weights_for_cpu(self) -> int:
+        """Prepack every linear weight for oneDNN (bfloat16 on CPU; bit-identical results, faster
+        small-batch GEMMs). Call after loading; returns how many matrices were packed. A tied
+        output projection gets a packed copy (the embedding lookup still needs the plain one)."""
+        packed = sum(module.pack_for_cpu() for module in self.modules() if isinstance(module, Linear))
+        embedding = self.model.embed_tokens.weight
+        if (
+            self.lm_head is None and packed
+            and embedding.device.type == "cpu" and embedding.dtype == torch.bfloat16
+        ):
+            self._packed_tied_head = pack_weight_for_cpu(embedding)
+            packed += 1
+        return packed
 
     # ---- weights -------------------------------------------------------------------------------
 

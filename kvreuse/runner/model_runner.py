@@ -44,6 +44,8 @@ class ModelRunner:
         self.device = torch.device(device)
         if attention_backend is not None:
             model.set_attention_backend(attention_backend)
+        if self.device.type == "cpu":
+            model.pack_weights_for_cpu()
         self.attention_backend = model.attention_backend
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
