@@ -1,5 +1,5 @@
-"""The ``kvreuse`` command: ``demo`` and ``make-model`` (``serve``, ``run``, ``route`` and ``bench``
-arrive with the server, batch runner, router and benchmark issues)."""
+"""The ``kvreuse`` command: ``demo``, ``make-model`` and ``serve`` (``run``, ``route`` and ``bench``
+arrive with the batch runner, router and benchmark issues)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def llm_from_args(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, seed=args.seed,
+        served_model_name=getattr(args, "served_model_name", None),
     )
 
 
@@ -63,8 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="smollm2-135m", help="model made on first use when --model is not given")
     demo.add_argument("--num-requests", type=int, default=8)
     demo.add_argument("--max-tokens", type=int, default=16)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI on uvicorn)")
+    add_engine_arguments(serve)
+    from kvreuse.server.serve import add_server_arguments
+
+    add_server_arguments(serve)
     args = parser.parse_args(argv)
     configure_logging(args.debug)
+    if args.command == "serve":
+        from kvreuse.server.serve import run_server
+
+        try:
+            return run_server(args)
+        except ValueError as error:  # bad options: one clear line, no traceback
+            print(f"kvreuse serve: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from kvreuse.demo import run_demo
 

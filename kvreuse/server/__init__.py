@@ -1,0 +1,12 @@
+"""OpenAI-compatible HTTP server: ``kvreuse serve``.
+
+- `protocol`: request models (strict, unknown parameters are a 400) and response / SSE bodies;
+- `async_engine`: the engine loop on its own thread, met by asyncio handlers through queues;
+- `app`: the FastAPI routes (`build_app`, `ServerState`, `ServerConfig`);
+- `auth`: API keys and tenant cache namespaces;
+- `metrics`: Prometheus registry (``kvreuse:`` names) and the periodic stats log line;
+- `serve`: the command (uvicorn with a SIGTERM drain);
+- `errors`: OpenAI-shaped errors.
+
+Nothing heavy is imported here, so ``import kvreuse.server.auth`` stays cheap.
+"""

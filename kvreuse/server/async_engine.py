@@ -1,0 +1,281 @@
+"""The engine loop on its own thread, met by asyncio handlers through queues.
+
+The engine is not thread-safe, so every engine call (add_request, step, abort_request, stats,
+reset_prefix_cache) happens on one thread. Handlers tokenize and validate on the event loop, then
+post commands to an inbox that the engine thread drains at the start of each iteration; each
+step's outputs go back to the per-request asyncio queues in one ``call_soon_threadsafe`` per step.
+An idle engine thread blocks on the inbox (no busy loop).
+
+Outputs are cumulative (full text, token ids and logprobs so far), so a consumer that falls behind
+only needs the newest one: `AsyncEngine.generate` skips to the latest queued output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvreuse.engine import EngineStats, LLMEngine, PromptInput
+from kvreuse.outputs import RequestOutput
+from kvreuse.sampling import SamplingParams
+from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
+
+logger = logging.getLogger("kvreuse.server")
+
+ResultT = TypeVar("ResultT")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
+
+
+@dataclass
+class _Stream:
+    """Where the outputs of one request go, and what the metrics need to remember about it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    first_output_seen: bool = False
+    last_output_time: float = 0.0
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    function: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on a background thread; `generate` streams its outputs to asyncio code."""
+
+    def __init__(self, engine: LLMEngine, *, stats_log_interval_s: float = 10.0) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.metrics = ServerMetrics(engine.model_name, lambda: self.stats)
+        # Replaced whole after every iteration; readers on other threads see one consistent snapshot.
+        self.stats: EngineStats = engine.stats()
+        self._stats_logger = PeriodicStatsLogger(stats_log_interval_s, logger, self.stats)
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # set if the loop itself died
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop (requests still in flight are aborted) and wait for the thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(_Stop())
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending_commands(self) -> int:
+        return self._inbox.qsize()
+
+    # --- asyncio side -------------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until the finished one. Leaving early (the client
+        went away, the task was cancelled) aborts the request, so its KV blocks return to the pool."""
+        if not self.is_running:
+            raise EngineError("the engine loop is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not isinstance(item, BaseException):
+                    item = stream.queue.get_nowait()  # outputs are cumulative: the newest says it all
+                if isinstance(item, BaseException):
+                    finished = True  # the engine side has already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def call(self, function: Callable[[LLMEngine], ResultT]) -> ResultT:
+        """Run ``function(engine)`` on the engine thread (e.g. reset_prefix_cache) and return its result."""
+        if not self.is_running:
+            raise EngineError("the engine loop is not running")
+        command = _Call(function)
+        self._inbox.put(command)
+        return await asyncio.wrap_future(command.future)
+
+    # --- engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if engine.has_unfinished_requests():
+                    commands = self._drain_inbox()
+                else:
+                    timeout = self._stats_logger.seconds_until_due(self.stats, time.monotonic())
+                    try:
+                        commands = [self._inbox.get(timeout=timeout)]
+                    except queue.Empty:
+                        commands = []
+                    commands += self._drain_inbox()
+                for command in commands:
+                    if isinstance(command, _Stop):
+                        self._fail_all(EngineError("the server is shutting down"), include_queued=True)
+                        return
+                    self._apply(command)
+                if engine.has_unfinished_requests():
+                    self._step()
+                self.stats = engine.stats()
+                self._stats_logger.maybe_log(self.stats, time.monotonic())
+        except BaseException as error:  # the loop must never die silently: fail every waiter
+            logger.exception("the engine loop stopped")
+            self.failure = error
+            self._fail_all(EngineError(f"the engine loop stopped: {error}"), include_queued=True)
+
+    def _drain_inbox(self) -> list[_Add | _Abort | _Call | _Stop]:
+        commands = []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt, command.params,
+                                   cache_salt=command.cache_salt, arrival_time=command.arrival_time)
+            except ValueError as error:  # handlers validate first; this is a last line of defence
+                _deliver_now(command.stream, error)
+                return
+            self._streams[command.request_id] = command.stream
+        elif isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                engine.abort_request(command.request_id)
+                self.metrics.request_finished("abort")
+        else:
+            try:
+                result = command.function(engine)
+            except Exception as error:
+                command.future.set_exception(error)
+            else:
+                command.future.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            # A failed step leaves the batch in an unknown state: abort what ran, keep serving.
+            logger.exception("engine step failed; aborting %d request(s) in flight", len(self._streams))
+            self._fail_all(EngineError(f"the engine failed while running this request: {error}"))
+            return
+        now = time.monotonic()
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        metrics = self.metrics
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if not stream.first_output_seen:
+                stream.first_output_seen = True
+                ttft = output.metrics.time_to_first_token
+                if ttft is not None:
+                    metrics.time_to_first_token.observe(ttft)
+                metrics.prompt_tokens_cached.inc(output.num_cached_tokens)
+            else:
+                metrics.inter_token_latency.observe(now - stream.last_output_time)
+            stream.last_output_time = now
+            if output.finished:
+                del self._streams[output.request_id]
+                e2e = output.metrics.e2e_latency
+                if e2e is not None:
+                    metrics.e2e_request_latency.observe(e2e)
+                metrics.request_finished(output.outputs[0].finish_reason or "stop")
+            deliveries.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in deliveries.items():
+            _call_soon(loop, _put_all, items)
+
+    def _fail_all(self, error: BaseException, *, include_queued: bool = False) -> None:
+        """Abort every request in the engine and hand ``error`` to its waiter; with
+        ``include_queued`` also the commands not yet applied (the loop is about to end)."""
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine may be broken; the waiters must still hear about it
+                logger.exception("abort of %s failed", request_id)
+            _deliver_now(stream, error)
+        self._streams.clear()
+        if not include_queued:
+            return
+        for command in self._drain_inbox():
+            if isinstance(command, _Add):
+                _deliver_now(command.stream, error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver_now(stream: _Stream, item: Any) -> None:
+    _call_soon(stream.loop, _put_all, [(stream, item)])
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop is closed (server exit): nobody is waiting any more
+        pass

@@ -1,0 +1,95 @@
+"""API keys and tenant cache namespaces.
+
+With keys configured every ``/v1`` call (and the admin and tokenizer endpoints) needs
+``Authorization: Bearer KEY``. With ``isolate_tenants`` the server derives the cache namespace from
+the caller's key itself, so no client can pick another tenant's namespace and time its cache hits:
+
+    final cache salt = "tenant:<HMAC-SHA256 of the key>|<client cache_salt or ''>"
+
+A client salt that starts with ``public:`` is used as is by everyone, which shares a system prompt
+across tenants on purpose. Tenant ids are a keyed hash of the key (never the key itself), stable
+across restarts so several replicas with the same keys agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvreuse.server.errors import unauthorized
+
+PUBLIC_SALT_PREFIX = "public:"
+TENANT_SALT_PREFIX = "tenant:"
+# The HMAC key: a fixed label, so a tenant id is a function of the API key alone.
+_TENANT_ID_LABEL = b"kvreuse tenant cache namespace v1"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """The caller behind one API key; ``tenant_id`` is a keyed hash of that key."""
+
+    tenant_id: str
+
+
+def tenant_id_of(api_key: str) -> str:
+    return hmac.new(_TENANT_ID_LABEL, api_key.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
+
+
+def load_api_keys(keys: Iterable[str] | None = None, keys_file: str | Path | None = None) -> list[str]:
+    """Keys from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per line, ``#`` comments)."""
+    collected = [key.strip() for key in (keys or [])]
+    if keys_file is not None:
+        try:
+            lines = Path(keys_file).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise ValueError(f"api_keys_file {str(keys_file)!r} cannot be read: {error.strerror}") from None
+        collected += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    for key in collected:
+        if not key:
+            raise ValueError("api_key must not be empty")
+    return list(dict.fromkeys(collected))  # duplicates dropped, order kept
+
+
+class ApiKeyAuth:
+    """Checks bearer keys and turns (caller, client cache_salt) into the salt the engine gets."""
+
+    def __init__(self, api_keys: Sequence[str] = (), isolate_tenants: bool = False) -> None:
+        if isolate_tenants and not api_keys:
+            raise ValueError("isolate_tenants needs at least one api_key: tenants are told apart by their key")
+        self.isolate_tenants = isolate_tenants
+        self._keys = [(key.encode("utf-8"), Tenant(tenant_id_of(key))) for key in api_keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer KEY`` header; None when no keys are configured.
+        Raises a 401 APIError for a missing or unknown key."""
+        if not self._keys:
+            return None
+        if not authorization:
+            raise unauthorized("missing API key: send 'Authorization: Bearer YOUR_KEY'")
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            raise unauthorized("malformed Authorization header: expected 'Bearer YOUR_KEY'")
+        offered = credentials.strip().encode("utf-8")
+        found: Tenant | None = None
+        # Compare with every key, in constant time each, so timing does not tell how close a guess was.
+        for key, tenant in self._keys:
+            if hmac.compare_digest(key, offered):
+                found = tenant
+        if found is None:
+            raise unauthorized("invalid API key")
+        return found
+
+    def cache_salt(self, tenant: Tenant | None, client_salt: str | None) -> str | None:
+        """The salt of the request's cache namespace (see the module docstring)."""
+        if client_salt is not None and client_salt.startswith(PUBLIC_SALT_PREFIX):
+            return client_salt
+        if self.isolate_tenants and tenant is not None:
+            return f"{TENANT_SALT_PREFIX}{tenant.tenant_id}|{client_salt or ''}"
+        return client_salt

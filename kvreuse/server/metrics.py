@@ -1,0 +1,155 @@
+"""Prometheus metrics at ``/metrics`` (names as vLLM's, prefix ``kvreuse:``) and the periodic stats log.
+
+Everything lives in a `CollectorRegistry` owned by one `ServerMetrics` (no module globals, so two
+apps in one process never share counters). Engine totals (cache queries and hits, tokens,
+preemptions, evictions, running / waiting, KV usage) are read from the latest `EngineStats` snapshot
+when Prometheus scrapes; per-request latencies are histograms the engine loop observes as outputs
+come out of the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvreuse.engine import EngineStats
+
+PREFIX = "kvreuse:"
+# Buckets reach down to a millisecond: a cached prefill or a GPU decode step is that fast.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                       0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+               45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry. ``engine_stats`` returns the latest engine snapshot."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time from the request reaching the server's handler to its first token.",
+            labels, registry=self.registry, buckets=TTFT_BUCKETS,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between two engine outputs of one request.",
+            labels, registry=self.registry, buckets=INTER_TOKEN_BUCKETS,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
+            labels, registry=self.registry, buckets=E2E_BUCKETS,
+        ).labels(model_name)
+        self._request_success = Counter(
+            f"{PREFIX}request_success", "Finished requests by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"], registry=self.registry,
+        )
+        self.prompt_tokens_cached = Counter(
+            f"{PREFIX}prompt_tokens_cached", "Prompt tokens of requests that were served from the prefix cache.",
+            labels, registry=self.registry,
+        ).labels(model_name)
+        self.registry.register(_EngineStatsCollector(model_name, engine_stats))
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """(Prometheus text exposition, its content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineStatsCollector:
+    """Engine counters and gauges, read from the snapshot at scrape time."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+        self._model_name = model_name
+        self._engine_stats = engine_stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._engine_stats()
+        cache = stats.cache
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache.query_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", cache.hit_tokens),
+            ("prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens),
+            ("generation_tokens", "Generated tokens.", stats.generation_tokens),
+            ("num_preemptions", "Requests preempted to free KV blocks.", stats.num_preemptions),
+            ("prefix_cache_evictions", "Cached KV blocks evicted to make room.", cache.evicted_blocks),
+        )
+        for name, documentation, value in counters:
+            family = CounterMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+        gauges = (
+            ("num_requests_running", "Sequences in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Sequences waiting to be admitted.", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", cache.usage),
+        )
+        for name, documentation, value in gauges:
+            family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
+
+@dataclass
+class _Totals:
+    time: float
+    prompt_tokens: int
+    generation_tokens: int
+    query_tokens: int
+    hit_tokens: int
+    steps: int
+
+    @classmethod
+    def of(cls, stats: EngineStats, now: float) -> _Totals:
+        return cls(now, stats.prompt_tokens, stats.generation_tokens, stats.cache.query_tokens,
+                   stats.cache.hit_tokens, stats.steps)
+
+
+class PeriodicStatsLogger:
+    """One log line per interval while the engine works: throughput, queue, KV usage, hit rate."""
+
+    def __init__(self, interval_s: float, logger: logging.Logger, first: EngineStats) -> None:
+        self.interval_s = interval_s
+        self._logger = logger
+        self._last = _Totals.of(first, time.monotonic())
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_s > 0
+
+    def seconds_until_due(self, stats: EngineStats, now: float) -> float | None:
+        """How long an idle engine loop may sleep before the last busy interval must be logged;
+        None when nothing happened since the last line (sleep until work arrives)."""
+        if not self.enabled or stats.steps == self._last.steps:
+            return None
+        return max(0.0, self._last.time + self.interval_s - now)
+
+    def maybe_log(self, stats: EngineStats, now: float) -> None:
+        if not self.enabled or now - self._last.time < self.interval_s:
+            return
+        current = _Totals.of(stats, now)
+        last, self._last = self._last, current
+        if current.steps == last.steps:
+            return  # idle the whole interval: nothing worth a line
+        elapsed = current.time - last.time
+        queries = current.query_tokens - last.query_tokens
+        hits = current.hit_tokens - last.hit_tokens
+        interval_hit_rate = f"{100 * hits / queries:.1f}%" if queries else "n/a"
+        self._logger.info(
+            "engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%, "
+            "prefix-cache hit rate %s (last %.0f s), %.1f%% (all time)",
+            (current.prompt_tokens - last.prompt_tokens) / elapsed,
+            (current.generation_tokens - last.generation_tokens) / elapsed,
+            stats.num_running, stats.num_waiting, 100 * stats.cache.usage,
+            interval_hit_rate, elapsed, 100 * stats.cache.hit_rate,
+        )

@@ -1,0 +1,338 @@
+"""OpenAI request models (pydantic) and the response / stream-chunk bodies.
+
+Requests are validated strictly and with ``extra="forbid"``: a parameter this server cannot honour
+is a 400 that names it, never silently ignored. Fields OpenAI defines but the engine cannot honour
+(tools, response_format other than text, a non-empty logit_bias, ...) are declared so that their
+*neutral* values (null, [], {}, "text") pass and anything else gets a 400 naming the field; vLLM's
+extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are honoured.
+
+Responses are plain dicts serialised once with compact separators, the byte format OpenAI streams.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvreuse.sampling import SamplingParams, TokenLogprobs
+from kvreuse.server.errors import APIError, bad_request, param_of_value_error
+
+# Most samples per request: each is a sequence in the engine, so this bounds what one request costs.
+MAX_N = 128
+# Most prompts in one /v1/completions request.
+MAX_PROMPTS_PER_REQUEST = 1024
+MAX_CACHE_SALT_CHARS = 256
+# JSON has no -inf; a token the model rules out gets this logprob (as vLLM reports it).
+MIN_REPORTED_LOGPROB = -9999.0
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_StrictModel):
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(_StrictModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None  # accepted only equal to n (benchmark clients send best_of=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_common(self) -> None:
+        """400s for values this server cannot honour (pydantic has checked the types)."""
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) here: sampling best_of candidates and "
+                              f"returning the best is not supported, got best_of={self.best_of}", "best_of")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported (only an empty object is accepted)", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise bad_request(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
+                              f"got {len(self.cache_salt)} characters", "cache_salt")
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+        """SamplingParams from the request; a ValueError becomes a 400 naming the request field."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as error:
+            raise bad_request(str(error), param_of_value_error(str(error), renames)) from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # OpenAI fields accepted only with their neutral value (see check()).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.functions:
+            raise bad_request("functions are not supported by this server", "functions")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported (only 'none' is accepted)", "tool_choice")
+        if self.function_call not in (None, "none"):
+            raise bad_request("function_call is not supported (only 'none' is accepted)", "function_call")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise bad_request("response_format is not supported (only {'type': 'text'} is accepted)",
+                              "response_format")
+        if self.store:
+            raise bad_request("store is not supported: this server keeps no completions", "store")
+        if self.metadata:
+            raise bad_request("metadata is only meaningful with store, which is not supported", "metadata")
+        if self.service_tier not in (None, "auto", "default"):
+            raise bad_request("service_tier is not supported (only 'auto' or 'default')", "service_tier")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(max tokens, the field that set it): max_completion_tokens wins over the older max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any  # string, list of strings, token ids, or list of token-id lists (checked in prompts())
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts: strings and token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list "
+                              "of token-id lists, and not empty", "prompt")
+        if all(_is_token(item) for item in prompt):
+            return [list(prompt)]
+        if all(isinstance(item, str) for item in prompt):
+            prompts: list[str | list[int]] = list(prompt)
+        elif all(isinstance(item, list) and item and all(_is_token(t) for t in item) for item in prompt):
+            prompts = [list(item) for item in prompt]
+        else:
+            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list "
+                              "of non-empty token-id lists, not a mixture", "prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(f"prompt holds {len(prompts)} prompts, more than the {MAX_PROMPTS_PER_REQUEST} "
+                              "one request may carry", "prompt")
+        return prompts
+
+
+class TokenizeRequest(_StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+RequestModelT = TypeVar("RequestModelT", bound=BaseModel)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_request(model_class: type[RequestModelT], body: bytes) -> RequestModelT:
+    """Validate a JSON body; malformed JSON and bad fields become a 400 naming the field."""
+    if not body.strip():
+        raise bad_request("the request body is empty: send a JSON object", None)
+    try:
+        return model_class.model_validate_json(body)
+    except ValidationError as error:
+        raise _validation_error_to_api_error(error) from None
+
+
+def _validation_error_to_api_error(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    kind = first["type"]
+    location = [str(part) for part in first["loc"]]
+    param = ".".join(location) or None
+    if kind == "json_invalid":
+        return bad_request(f"malformed JSON body: {first['msg']}", None, code="invalid_json")
+    if not location and kind in ("model_type", "model_attributes_type"):
+        return bad_request("the request body must be a JSON object", None)
+    if kind == "extra_forbidden":
+        return bad_request(f"unsupported parameter {param!r}: this server cannot honour it", param,
+                           code="unsupported_parameter")
+    if kind == "missing":
+        return bad_request(f"missing required parameter {param!r}", param)
+    # A union reports one error per member; the location then ends in the member's type name.
+    return bad_request(f"invalid value for {param!r}: {first['msg']}", location[0] if location else None)
+
+
+# --- responses --------------------------------------------------------------------------------------
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def dumps(payload: Any) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_REPORTED_LOGPROB
+
+
+class TokenTexts:
+    """Text of single token ids for logprobs, decoded once per id (a bounded cache)."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if len(self._texts) >= self.MAX_ENTRIES:
+                self._texts.clear()
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs | None], texts: TokenTexts, num_top: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    content = []
+    for entry in entries:
+        if entry is None:
+            continue
+        token = texts(entry.token_id)
+        top = []
+        for token_id, logprob in entry.top_logprobs[:num_top]:
+            top_text = texts(token_id)
+            top.append({"token": top_text, "logprob": _finite(logprob), "bytes": list(top_text.encode("utf-8"))})
+        content.append({"token": token, "logprob": _finite(entry.logprob), "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs | None], texts: TokenTexts, text_offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset) and the
+    text offset after the last token, for the next stream chunk."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for entry in entries:
+        if entry is None:
+            continue
+        token = texts(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(_finite(entry.logprob))
+        top_logprobs.append({texts(token_id): _finite(logprob) for token_id, logprob in entry.top_logprobs})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+             "text_offset": offsets}, text_offset)
+
+
+def model_card(model_id: str, root: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """A /v1/models entry with the ``root`` and ``max_model_len`` fields vLLM clients read."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "kvreuse", "root": root,
+            "parent": None, "max_model_len": max_model_len, "permission": []}

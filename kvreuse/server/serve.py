@@ -1,0 +1,136 @@
+"""``kvreuse serve``: load the engine, start its loop thread, run uvicorn, drain on SIGTERM.
+
+uvicorn's own signal handling would stop accepting connections at once and then re-raise the
+signal (exit status -15). Here the first SIGTERM / SIGINT starts a drain instead: requests in
+flight run to completion, new ones get a 503 (the socket stays open so clients get a clear answer,
+not a refused connection), and once nothing is in flight (or ``--drain-timeout`` passed) uvicorn
+shuts down and the process exits 0. A second signal stops waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Generator
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from kvreuse.server.app import ServerState
+
+logger = logging.getLogger("kvreuse.server")
+
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvreuse serve`` beyond the engine's (see kvreuse.cli.add_engine_arguments)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and see (default: the --model value)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several")
+    parser.add_argument("--api-keys-file", default=None, help="file with one API key per line (# comments)")
+    parser.add_argument("--isolate-tenants", action="store_true",
+                        help="derive each request's cache namespace from its API key (salts starting "
+                             "with 'public:' stay shared)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="answer 503 while more requests than this wait for the engine")
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="seconds SIGTERM waits for requests in flight before exiting anyway")
+    parser.add_argument("--stats-log-interval", type=float, default=10.0,
+                        help="seconds between engine stats log lines while busy (0: off)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit status."""
+    from kvreuse.cli import llm_from_args
+    from kvreuse.server.app import ServerConfig, ServerState, build_app
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.auth import load_api_keys
+
+    api_keys = load_api_keys(args.api_key, args.api_keys_file)
+    config = ServerConfig(api_keys=tuple(api_keys), isolate_tenants=args.isolate_tenants,
+                          max_waiting_requests=args.max_waiting_requests, model_root=args.model)
+    if args.isolate_tenants and not api_keys:
+        raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
+    if args.drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
+    started = time.monotonic()
+    llm = llm_from_args(args)
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval)
+    state = ServerState(engine, config)
+    app = build_app(state)
+    logger.info("model %s loaded in %.1f s (served as %r, max_model_len %d, device %s, dtype %s)%s",
+                args.model, time.monotonic() - started, state.model_name, state.max_model_len,
+                llm.engine.device, llm.engine.dtype,
+                f"; {len(api_keys)} API key(s){', tenants isolated' if args.isolate_tenants else ''}"
+                if api_keys else "")
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+        timeout_keep_alive=30, lifespan="off",
+    )
+    server = DrainingServer(uvicorn_config, state, drain_timeout_s=args.drain_timeout)
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    logger.info("server stopped")
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn.Server whose SIGTERM / SIGINT drains in-flight requests before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        # Unlike uvicorn, the signal is not raised again: a drained exit is a clean exit.
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_deadline is None:
+            # Runs between bytecodes of the event loop thread; on_tick acts on it within 0.1 s.
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            self.state.draining = True
+            logger.info("signal %d: draining %d request(s) in flight; new requests get 503",
+                        sig, self.state.num_in_flight)
+        else:
+            logger.info("signal %d again: exiting without waiting for requests in flight", sig)
+            self.should_exit = True
+            self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        if self.state.num_in_flight == 0:
+            logger.info("drained: no request in flight, shutting down")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            logger.warning("drain timeout: exiting with %d request(s) still in flight", self.state.num_in_flight)
+            return True
+        return False

@@ -1,0 +1,573 @@
+"""The server as clients see it: a real ``python -m kvreuse.cli serve`` process on a loopback port
+with the tiny qwen2 model, driven by the official ``openai`` SDK and raw httpx.
+
+One server for the module (two API keys, tenants isolated); the SIGTERM test starts its own.
+Greedy outputs are compared with the offline LLM API on the same model in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvreuse import LLM, SamplingParams
+
+MODEL_NAME = "tiny-qwen2"
+KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+SERVER_OPTIONS = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "32MiB")
+MAX_MODEL_LEN = 2048  # the tiny preset's context; the 32 MiB pool holds far more
+# A system prompt long enough that reusing it is unmistakable (a few hundred tokens).
+SYSTEM_PROMPT = (
+    "You are the support assistant of an online bookshop. Orders ship within two working days; "
+    "returns are accepted for thirty days. Gift cards never expire. Never invent order numbers. "
+) * 6
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir: Path, log_path: Path, *extra_args: str) -> RunningServer:
+    port = free_port()
+    command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", str(model_dir), *SERVER_OPTIONS,
+               "--port", str(port), "--served-model-name", MODEL_NAME, *extra_args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the server did not become healthy:\n{server.log_tail()}")
+        time.sleep(0.1)
+
+
+def stop_server(server: RunningServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    running = start_server(tiny_model, log_path, "--api-key", KEY_A, "--api-key", KEY_B, "--isolate-tenants",
+                           "--stats-log-interval", "1")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="32MiB")
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
+
+
+def auth(key: str = KEY_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def offline_texts(llm: LLM, prompts: list, max_tokens: int) -> list[str]:
+    return [output.outputs[0].text for output in llm.generate(prompts, greedy(max_tokens), use_tqdm=False)]
+
+
+def chat_prompt_ids(llm: LLM, messages: list[dict]) -> list[int]:
+    return llm.get_tokenizer().apply_chat_template_ids(messages)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The data payloads of an SSE body, checking the framing byte for byte."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events), events[:3]
+    return [event[len("data: "):] for event in events]
+
+
+def scrape(server: RunningServer) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def metric(values: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    found = False
+    for key, value in values.items():
+        if key.split("{", 1)[0] == name and all(f'{label}="{wanted}"' in key for label, wanted in labels.items()):
+            total += value
+            found = True
+    assert found, f"{name} {labels} not in /metrics"
+    return total
+
+
+# --- models, auth ---------------------------------------------------------------------------------------
+
+
+def test_models_and_auth(server: RunningServer, client: openai.OpenAI):
+    models = client.models.list()
+    assert [model.id for model in models.data] == [MODEL_NAME]
+    raw = httpx.get(f"{server.base_url}/v1/models", headers=auth(KEY_B)).json()["data"][0]
+    assert raw["max_model_len"] == MAX_MODEL_LEN and raw["root"] and raw["object"] == "model"
+    for headers in ({}, auth("wrong-key"), {"Authorization": KEY_A}):
+        response = httpx.get(f"{server.base_url}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # probes need no key
+
+
+# --- chat and completions --------------------------------------------------------------------------------
+
+
+def test_chat_with_sdk_matches_offline(server: RunningServer, client: openai.OpenAI, llm: LLM):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Where is"}, {"type": "text", "text": "my order?"}]}]
+    flat = [messages[0], {"role": "user", "content": "Where is\nmy order?"}]
+    prompt_ids = chat_prompt_ids(llm, flat)
+    expected = offline_texts(llm, [{"prompt_token_ids": prompt_ids}], 12)[0]
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_completion_tokens=12,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(prompt_ids) and response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens_details.cached_tokens >= 0
+    entries = choice.logprobs.content
+    assert len(entries) == 12 and all(len(entry.top_logprobs) == 2 for entry in entries)
+    # Greedy: the chosen token is the most likely one.
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) for entry in entries)
+    joined = "".join(entry.token for entry in entries)
+    assert joined == expected or "\ufffd" in joined  # a character split over tokens shows as U+FFFD
+
+
+def test_chat_stream_is_openai_sse(server: RunningServer, client: openai.OpenAI, llm: LLM):
+    messages = [{"role": "user", "content": "Tell me about gift cards."}]
+    expected = offline_texts(llm, [{"prompt_token_ids": chat_prompt_ids(llm, messages)}], 10)[0]
+    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0, "max_tokens": 10, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=auth(), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["object"] == "chat.completion.chunk" and chunk["id"] == chunks[0]["id"] for chunk in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in chunk["choices"][0]["delta"] for chunk in chunks[1:-1])
+    content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[:-1])
+    assert content == expected
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-2])
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 10
+    assert "cached_tokens" in usage_chunk["usage"]["prompt_tokens_details"]
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+
+    # The SDK parses the same stream.
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=10,
+                                              stream=True, extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
+
+
+def test_completion_prompt_forms_match_offline(server: RunningServer, client: openai.OpenAI, llm: LLM):
+    tokenizer = llm.get_tokenizer()
+    texts = ["The bookshop opens at", "Returns are accepted"]
+    ids = [tokenizer.encode(text) for text in texts]
+    expected = offline_texts(llm, texts, 6)
+    for prompt in (texts, ids):
+        response = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=6,
+                                             extra_body={"ignore_eos": True})
+        assert [choice.text for choice in sorted(response.choices, key=lambda c: c.index)] == expected
+        assert response.usage.prompt_tokens == sum(len(i) for i in ids)
+        assert response.usage.completion_tokens == 12
+    single = client.completions.create(model=MODEL_NAME, prompt=texts[0], temperature=0, max_tokens=6,
+                                       logprobs=2, extra_body={"ignore_eos": True})
+    assert single.choices[0].text == expected[0]
+    logprobs = single.choices[0].logprobs
+    assert len(logprobs.tokens) == 6 and len(logprobs.token_logprobs) == 6 and len(logprobs.text_offset) == 6
+    assert "".join(logprobs.tokens) == expected[0] or "\ufffd" in "".join(logprobs.tokens)
+    assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    one_token_list = client.completions.create(model=MODEL_NAME, prompt=ids[1], temperature=0, max_tokens=6,
+                                               extra_body={"ignore_eos": True})
+    assert one_token_list.choices[0].text == expected[1]
+
+
+def test_completion_stream_with_sdk(server: RunningServer, client: openai.OpenAI, llm: LLM):
+    prompt = "Orders ship within"
+    expected = offline_texts(llm, [prompt], 8)[0]
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_n_samples_and_seed(server: RunningServer, client: openai.OpenAI):
+    kwargs = dict(model=MODEL_NAME, prompt="Gift cards", max_tokens=8, temperature=1.0, n=3, seed=7,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert sorted(choice.index for choice in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]  # seeded: reproducible
+    assert len({c.text for c in first.choices}) > 1  # the n samples differ from each other
+
+
+def test_stop_string_never_leaks_into_stream(server: RunningServer, llm: LLM):
+    """A stop string that starts inside one token and ends in the next: the stream must not send
+    its first part before the engine knows the stop string is there."""
+    prompt = "The queue of customers"
+    full = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    # The first boundary where the text grows by >= 2 characters then by >= 1: the stop straddles it.
+    boundary = next(i for i in range(1, len(pieces) - 1)
+                    if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i])
+                    and "\ufffd" not in pieces[i] + pieces[i + 1])
+    stop = pieces[boundary][-1] + pieces[boundary + 1][len(pieces[boundary])]
+    expected = full.text[: full.text.find(stop)]
+    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+            "stop": [stop], "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
+        events = sse_events(r.read())
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    plain = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, headers=auth()).json()
+    assert plain["choices"][0]["text"] == expected and plain["choices"][0]["stop_reason"] == stop
+
+
+# --- the prefix cache through the API ------------------------------------------------------------------------
+
+
+def chat_cached_tokens(server: RunningServer, key: str, question: str, system: str, salt: str | None,
+                       stream: bool = False) -> int:
+    body = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    if salt is not None:
+        body["cache_salt"] = salt
+    if not stream:
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=auth(key), timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    body.update(stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=auth(key), timeout=60) as r:
+        events = sse_events(r.read())
+    return json.loads(events[-2])["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_shared_system_prompt_is_reused(server: RunningServer, llm: LLM):
+    system = f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT}"
+    system_tokens = len(llm.get_tokenizer().encode(system))
+    assert system_tokens > 150
+    first = chat_cached_tokens(server, KEY_A, "Where is my order?", system, None)
+    second = chat_cached_tokens(server, KEY_A, "Do gift cards expire?", system, None, stream=True)
+    assert first < 8  # at most the chat template's opening tokens were seen before
+    assert second >= system_tokens
+
+
+def test_salts_and_tenants_separate_caches(server: RunningServer):
+    system = f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT}"
+    question = "Can I return a book?"
+    cold_limit = 8  # a namespace that never saw this prompt reuses nothing beyond the template start
+    assert chat_cached_tokens(server, KEY_A, question, system, "salt-1") < cold_limit
+    assert chat_cached_tokens(server, KEY_A, question, system, "salt-2") < cold_limit  # other salt
+    assert chat_cached_tokens(server, KEY_A, question, system, "salt-1") > 150  # same salt: hit
+    assert chat_cached_tokens(server, KEY_B, question, system, "salt-1") < cold_limit  # other tenant
+    assert chat_cached_tokens(server, KEY_B, question, system, None) < cold_limit
+    assert chat_cached_tokens(server, KEY_A, question, system, None) < cold_limit  # tenant A's own space
+    # A public salt is shared across tenants on purpose.
+    assert chat_cached_tokens(server, KEY_A, question, system, "public:bookshop") < cold_limit
+    assert chat_cached_tokens(server, KEY_B, question, system, "public:bookshop") > 150
+
+
+# --- concurrency, disconnects ----------------------------------------------------------------------------------
+
+
+def test_32_concurrent_requests_match_offline(server: RunningServer, llm: LLM):
+    shared = "Customers in the European Union may return any book within thirty days. "
+    prompts = [(shared if i % 2 else "") + f"Question {i}: what about order {1000 + 37 * i}?" for i in range(32)]
+    expected = offline_texts(llm, prompts, 8)
+
+    async def one(client: httpx.AsyncClient, index: int) -> str:
+        body = {"model": MODEL_NAME, "prompt": prompts[index], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+        if index % 3 == 0:
+            body["stream"] = True
+            text = ""
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    async def run_all() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, headers=auth(), timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, index) for index in range(32)))
+
+    assert asyncio.run(run_all()) == expected
+
+
+def wait_until_idle(server: RunningServer, timeout_s: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = scrape(server)
+        if (metric(values, "kvreuse:num_requests_running") == 0 and metric(values, "kvreuse:kv_cache_usage_perc") == 0
+                and metric(values, "kvreuse:num_requests_waiting") == 0):
+            return values
+        assert time.monotonic() < deadline, "the engine still holds requests or blocks"
+        time.sleep(0.05)
+
+
+def test_disconnect_aborts_and_frees_blocks(server: RunningServer):
+    before = wait_until_idle(server)
+    body = {"model": MODEL_NAME, "prompt": "A very long story:", "temperature": 0, "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        running = metric(scrape(server), "kvreuse:num_requests_running")
+    # Leaving the block closed the connection mid-stream.
+    assert running == 1
+    after = wait_until_idle(server)
+    aborted = metric(after, "kvreuse:request_success_total", finished_reason="abort") - metric(
+        before, "kvreuse:request_success_total", finished_reason="abort")
+    generated = metric(after, "kvreuse:generation_tokens_total") - metric(before, "kvreuse:generation_tokens_total")
+    assert aborted == 1 and generated < 2000
+
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, headers=auth(), timeout=0.5)
+    after_plain = wait_until_idle(server)
+    assert metric(after_plain, "kvreuse:request_success_total", finished_reason="abort") == metric(
+        after, "kvreuse:request_success_total", finished_reason="abort") + 1
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL_NAME, "prompt": "hi", **fields}
+
+
+MALFORMED = [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[]", 400, None),
+    (CHAT, {"model": MODEL_NAME}, 400, "messages"),
+    (CHAT, chat(temperature=-1), 400, "temperature"),
+    (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, chat(top_p=0), 400, "top_p"),
+    (CHAT, chat(top_k=-5), 400, "top_k"),
+    (CHAT, chat(n=0), 400, "n"),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    (CHAT, chat(max_completion_tokens=100_000), 400, "max_completion_tokens"),
+    (CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
+    (CHAT, chat(stop=[""]), 400, "stop"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CHAT, chat(logit_bias={"5": 2}), 400, "logit_bias"),
+    (CHAT, chat(best_of=2), 400, "best_of"),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (CHAT, chat(frobnicate=1), 400, "frobnicate"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "messages[0].content[0]"),
+    (CHAT, chat(messages=[]), 400, "messages"),
+    (CHAT, chat(model="no-such-model"), 404, "model"),
+    (COMPLETIONS, completion(echo=True), 400, "echo"),
+    (COMPLETIONS, completion(suffix="!"), 400, "suffix"),
+    (COMPLETIONS, completion(prompt=[]), 400, "prompt"),
+    (COMPLETIONS, completion(prompt=[1, "a"]), 400, "prompt"),
+    (COMPLETIONS, completion(prompt=[10**9]), 400, "prompt"),
+    (COMPLETIONS, completion(prompt="word " * 3000), 400, "prompt"),
+    (COMPLETIONS, completion(prompt=""), 400, "prompt"),
+    (COMPLETIONS, completion(logprobs=50), 400, "logprobs"),
+    (COMPLETIONS, completion(min_tokens=10, max_tokens=5), 400, "min_tokens"),
+    (COMPLETIONS, completion(seed="x"), 400, "seed"),
+    (COMPLETIONS, completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), MALFORMED,
+                         ids=[f"{path}-{param}-{i}" for i, (path, _, _, param) in enumerate(MALFORMED)])
+def test_malformed_requests_get_4xx_naming_the_param(server: RunningServer, path, body, status, param):
+    if isinstance(body, bytes):
+        response = httpx.post(f"{server.base_url}{path}", content=body,
+                              headers={**auth(), "Content-Type": "application/json"})
+    else:
+        response = httpx.post(f"{server.base_url}{path}", json=body, headers=auth())
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_bad_requests_do_not_disturb_others(server: RunningServer, client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert "temperature" in str(caught.value)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    response = client.completions.create(model=MODEL_NAME, prompt="still fine", max_tokens=3, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+# --- tokenizer and admin endpoints, metrics -----------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_and_reset_prefix_cache(server: RunningServer, llm: LLM):
+    text = "Gift cards never expire."
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}, headers=auth()).json()
+    assert tokens["tokens"] == llm.get_tokenizer().encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}, headers=auth()).json()
+    assert back["prompt"] == text
+
+    system = f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT}"
+    chat_cached_tokens(server, KEY_A, "q", system, None)
+    assert chat_cached_tokens(server, KEY_A, "q", system, None) > 150
+    assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401
+    reset = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=auth())
+    assert reset.status_code == 200 and reset.json()["freed_blocks"] > 0
+    assert chat_cached_tokens(server, KEY_A, "q", system, None) == 0
+
+
+def test_metrics_counters_move(server: RunningServer, client: openai.OpenAI, llm: LLM):
+    text = f"Metrics check {uuid.uuid4().hex}"
+    num_prompt_tokens = len(llm.get_tokenizer().encode(text))
+    before = wait_until_idle(server)
+    response = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    after = wait_until_idle(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("kvreuse:prompt_tokens_total") == num_prompt_tokens
+    assert delta("kvreuse:prefix_cache_queries_total") == num_prompt_tokens
+    assert delta("kvreuse:prefix_cache_hits_total") == response.usage.prompt_tokens_details.cached_tokens
+    assert delta("kvreuse:prompt_tokens_cached_total") == response.usage.prompt_tokens_details.cached_tokens
+    assert delta("kvreuse:generation_tokens_total") == 5
+    assert delta("kvreuse:request_success_total", finished_reason="length") == 1
+    assert delta("kvreuse:time_to_first_token_seconds_count") == 1
+    assert delta("kvreuse:e2e_request_latency_seconds_count") == 1
+    assert delta("kvreuse:inter_token_latency_seconds_count") == 4
+    assert 0 < delta("kvreuse:time_to_first_token_seconds_sum") < delta("kvreuse:e2e_request_latency_seconds_sum")
+    for name in ("kvreuse:num_preemptions_total", "kvreuse:prefix_cache_evictions_total"):
+        metric(after, name)  # present
+    assert "engine: prompt" in server.log_tail(100_000)  # the periodic stats line (every 1 s here)
+
+
+# --- SIGTERM drain (its own server) ------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_then_exits_zero(tiny_model: Path, tmp_path: Path):
+    server = start_server(tiny_model, tmp_path / "drain.log")
+    try:
+        body = {"model": MODEL_NAME, "prompt": "A long answer:", "temperature": 0, "max_tokens": 1500,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        first_event = threading.Event()
+        result: dict[str, object] = {}
+
+        def long_request() -> None:
+            try:
+                with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+                    events = []
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            first_event.set()
+                result["events"] = events
+            except Exception as error:  # reported by the main thread
+                result["error"] = error
+            finally:
+                first_event.set()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        assert first_event.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        try:
+            refused = httpx.post(f"{server.base_url}/v1/completions", timeout=10,
+                                 json={"model": MODEL_NAME, "prompt": "new", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 503
+        except httpx.ConnectError:
+            pass  # the server had already finished draining and exited: also a refusal
+        thread.join(120)
+        assert "error" not in result, result.get("error")
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == 1500  # the in-flight request ran to completion
+        assert server.process.wait(60) == 0, server.log_tail()
+        assert "drained" in server.log_tail()
+    finally:
+        stop_server(server)

@@ -1,0 +1,259 @@
+"""Server pieces that need no running server: request parsing and its 400s, the stop-string
+hold-back of streams, API keys and tenant salts, error-to-param mapping, Prometheus exposition."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.server.app import StopStringHoldback
+from kvreuse.server.auth import ApiKeyAuth, load_api_keys, tenant_id_of
+from kvreuse.server.errors import APIError, param_of_value_error
+from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+
+def chat_body(**fields) -> bytes:
+    import json
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return json.dumps(body).encode()
+
+
+def api_error(callable_, *args) -> APIError:
+    with pytest.raises(APIError) as caught:
+        callable_(*args)
+    return caught.value
+
+
+# --- parsing ----------------------------------------------------------------------------------------
+
+
+def test_benchmark_client_payloads_parse():
+    """What vLLM's bench serve and SGLang's bench_serving send must be accepted as is."""
+    chat = parse_request(ChatCompletionRequest, chat_body(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        temperature=0, max_completion_tokens=16, stream=True, stream_options={"include_usage": True},
+        ignore_eos=True, best_of=1, top_p=1, top_k=-1, min_p=0.0, repetition_penalty=1.0,
+    ))
+    chat.check()
+    assert chat.requested_max_tokens == (16, "max_completion_tokens")
+    assert chat.include_usage_in_stream
+    completion = parse_request(CompletionRequest, b'{"model": "m", "prompt": "x", "temperature": 0.0, '
+                                                  b'"repetition_penalty": 1.0, "max_tokens": 8, "logprobs": 3, '
+                                                  b'"best_of": 1, "ignore_eos": true, "stream": true}')
+    completion.check()
+    params = completion.sampling_params(max_tokens=8, logprobs=completion.logprobs, renames={})
+    assert params.logprobs == 3 and params.ignore_eos and params.greedy
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b"", None),
+        (b'{"model": "m"}', "messages"),
+        (chat_body(foo=1), "foo"),
+        (chat_body(stream_options={"include_usage": True, "other": 1}), "stream_options.other"),
+        (chat_body(temperature="hot"), "temperature"),
+        (chat_body(n=True), "n"),
+        (chat_body(max_tokens=2.5), "max_tokens"),
+    ],
+)
+def test_malformed_bodies_name_the_param(body: bytes, param: str | None):
+    error = api_error(parse_request, ChatCompletionRequest, body)
+    assert error.status_code == 400 and error.param == param
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"best_of": 3}, "best_of"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"store": True}, "store"),
+    ],
+)
+def test_unhonourable_chat_parameters_are_refused(fields: dict, param: str):
+    request = parse_request(ChatCompletionRequest, chat_body(**fields))
+    error = api_error(request.check)
+    assert error.status_code == 400 and error.param == param
+
+
+def test_neutral_values_of_unsupported_fields_pass():
+    request = parse_request(ChatCompletionRequest, chat_body(
+        tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={}, n=2, best_of=2,
+        parallel_tool_calls=True, store=False, user="u-1",
+    ))
+    request.check()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ],
+)
+def test_sampling_value_errors_become_400_with_param(fields: dict, param: str):
+    request = parse_request(ChatCompletionRequest, chat_body(**fields))
+    request.check()
+    error = api_error(lambda: request.sampling_params(max_tokens=4, logprobs=request.num_logprobs,
+                                                      renames={"logprobs": "top_logprobs"}))
+    assert error.status_code == 400 and error.param == param
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("text", ["text"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_completion_prompt_forms(prompt, expected):
+    import json
+
+    request = parse_request(CompletionRequest, json.dumps({"prompt": prompt}).encode())
+    assert request.prompts() == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], [[1], []], [True, 2], {"a": 1}, 5])
+def test_bad_completion_prompts(prompt):
+    import json
+
+    request = parse_request(CompletionRequest, json.dumps({"prompt": prompt}).encode())
+    error = api_error(request.prompts)
+    assert error.status_code == 400 and error.param == "prompt"
+
+
+def test_param_of_value_error():
+    assert param_of_value_error("top_p must be in (0, 1], got 0") == "top_p"
+    assert param_of_value_error("n must be an int >= 1, got 0") == "n"
+    assert param_of_value_error("stop strings must be non-empty strings, got ''") == "stop"
+    assert param_of_value_error("logprobs must be None or an int", {"logprobs": "top_logprobs"}) == "top_logprobs"
+    assert param_of_value_error("messages[1].content[0] has type 'image_url'") == "messages[1].content[0]"
+    assert param_of_value_error("the prompt is empty: at least 1 token is required") is None
+
+
+# --- stop-string hold-back ------------------------------------------------------------------------------
+
+
+def stream_through(holdback: StopStringHoldback, texts: list[str], final: str) -> str:
+    sent = "".join(holdback.release(text, finished=False) for text in texts)
+    return sent + holdback.release(final, finished=True)
+
+
+def test_holdback_never_sends_the_start_of_a_stop_string():
+    # The engine's cumulative text grows "Hello wo" -> "Hello world"; stop "wor" is hit and the final
+    # text is cut to "Hello ". Without hold-back "wo" would already be out.
+    holdback = StopStringHoldback(["wor"])
+    assert holdback.release("Hello w", finished=False) == "Hello "
+    assert holdback.release("Hello wo", finished=False) == ""
+    assert holdback.release("Hello ", finished=True) == ""
+    assert holdback.num_sent == len("Hello ")
+
+
+def test_holdback_releases_text_once_it_cannot_start_a_stop():
+    holdback = StopStringHoldback(["STOP", "xy"])
+    assert holdback.release("abcS", finished=False) == "abc"
+    assert holdback.release("abcST", finished=False) == ""
+    assert holdback.release("abcSTa", finished=False) == "STa"  # "STa" cannot start a stop any more
+    assert holdback.release("abcSTax", finished=False) == ""
+    assert stream_through(StopStringHoldback(["xy"]), ["ax", "axb"], "axbc") == "axbc"
+
+
+def test_holdback_without_stops_sends_everything():
+    holdback = StopStringHoldback([])
+    assert holdback.release("abc", finished=False) == "abc"
+    assert holdback.release("abcd", finished=False) == "d"
+
+
+# --- keys and tenants --------------------------------------------------------------------------------------
+
+
+def test_auth_checks_bearer_keys():
+    auth = ApiKeyAuth(["key-a", "key-b"], isolate_tenants=True)
+    tenant_a = auth.authenticate("Bearer key-a")
+    tenant_b = auth.authenticate("bearer key-b")
+    assert tenant_a is not None and tenant_b is not None and tenant_a != tenant_b
+    for header in (None, "", "Bearer", "Basic key-a", "Bearer key-c", "Bearer key-a2"):
+        error = api_error(auth.authenticate, header)
+        assert error.status_code == 401
+    assert ApiKeyAuth([]).authenticate(None) is None
+
+
+def test_tenant_salts_cannot_be_chosen_by_clients():
+    auth = ApiKeyAuth(["key-a", "key-b"], isolate_tenants=True)
+    tenant_a, tenant_b = auth.authenticate("Bearer key-a"), auth.authenticate("Bearer key-b")
+    assert auth.cache_salt(tenant_a, None) != auth.cache_salt(tenant_b, None)
+    assert auth.cache_salt(tenant_a, "s") != auth.cache_salt(tenant_b, "s")
+    # A client that sends another tenant's final salt as its own still lands in its own namespace.
+    forged = auth.cache_salt(tenant_b, "s")
+    assert auth.cache_salt(tenant_a, forged) != forged
+    assert auth.cache_salt(tenant_a, "public:sys") == auth.cache_salt(tenant_b, "public:sys") == "public:sys"
+    assert "key-a" not in auth.cache_salt(tenant_a, None)
+    assert auth.cache_salt(tenant_a, None) == f"tenant:{tenant_id_of('key-a')}|"
+    # Without isolation the client's salt is used as is.
+    assert ApiKeyAuth(["key-a"]).cache_salt(tenant_a, "s") == "s"
+
+
+def test_isolation_needs_keys_and_key_files_load(tmp_path):
+    with pytest.raises(ValueError, match="isolate_tenants"):
+        ApiKeyAuth([], isolate_tenants=True)
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team keys\nkey-a\n\n  key-b  \nkey-a\n")
+    assert load_api_keys(["key-c"], keys_file) == ["key-c", "key-a", "key-b"]
+    with pytest.raises(ValueError, match="api_keys_file"):
+        load_api_keys(None, tmp_path / "missing")
+
+
+# --- admission ---------------------------------------------------------------------------------------------
+
+
+def fake_state(num_waiting: int, max_waiting: int):
+    from types import SimpleNamespace
+
+    from kvreuse.server.app import ServerConfig, ServerState
+
+    llm_engine = SimpleNamespace(tokenizer=None, max_model_len=64, model_config=SimpleNamespace(vocab_size=100))
+    engine = SimpleNamespace(engine=llm_engine, model_name="m", is_running=True, num_pending_commands=0,
+                             stats=SimpleNamespace(num_waiting=num_waiting))
+    return ServerState(engine, ServerConfig(max_waiting_requests=max_waiting))  # type: ignore[arg-type]
+
+
+def test_admission_refuses_when_overloaded_or_draining():
+    state = fake_state(num_waiting=3, max_waiting=4)
+    admission = state.admit()
+    assert state.num_in_flight == 1
+    admission.release()
+    admission.release()  # idempotent
+    assert state.num_in_flight == 0
+    error = api_error(fake_state(num_waiting=4, max_waiting=4).admit)
+    assert error.status_code == 503 and error.code == "overloaded" and "Retry-After" in error.headers
+    state.draining = True
+    error = api_error(state.admit)
+    assert error.status_code == 503 and error.code == "draining"
+
+
+def test_output_budget_and_stop_token_ids_are_checked():
+    state = fake_state(num_waiting=0, max_waiting=4)
+    assert state.max_tokens((None, "max_tokens"), 60) == 4  # all the room the context leaves
+    assert state.max_tokens((4, "max_tokens"), 60) == 4
+    error = api_error(state.max_tokens, (5, "max_completion_tokens"), 60)
+    assert error.param == "max_completion_tokens" and error.code == "context_length_exceeded"
+    error = api_error(state.check_stop_token_ids, [5, 100])
+    assert error.param == "stop_token_ids" and "stop_token_ids[1]" in error.message
