@@ -40,8 +40,11 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for the paged KV pool
     enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5  # of the KV pool that pins may hold; over it, LRU pins are demoted
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be between 0 and 1, got {self.max_pinned_fraction}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
         if self.kv_cache_memory <= 0:

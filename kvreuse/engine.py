@@ -19,6 +19,7 @@ import torch
 from kvreuse.cache.hashing import namespace_key
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.manager import CacheStats, KVCacheManager
+from kvreuse.cache.pins import Pin, PinRegistry, PinSpec
 from kvreuse.cache.prefix import PrefixMatch
 from kvreuse.config import EngineConfig
 from kvreuse.models.loader import load_model, resolve_dtype, resolve_model_path
@@ -84,6 +85,9 @@ class _Group:
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     arrival_time: float
+    pin_specs: list[PinSpec] = field(default_factory=list)  # pinned once computed (by sequence 0)
+    pins_saved: list[str] = field(default_factory=list)
+    pins_hit: list[str] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +160,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device)
         self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
@@ -174,16 +179,22 @@ class LLMEngine:
         cache_salt: str | None = None,
         adapter: str | None = None,
         arrival_time: float | None = None,
+        pins: list[PinSpec] | tuple[PinSpec, ...] = (),
     ) -> None:
-        """Queue a request. Raises ValueError on bad input, before any state changes."""
+        """Queue a request. Raises ValueError on bad input, before any state changes.
+
+        ``pins``: prefixes of this request to pin once their KV is computed (explicit caching).
+        """
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt_text, token_ids = self._tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        for spec in pins:
+            self._validate_pin(spec, len(token_ids))
         namespace = namespace_key(cache_salt, adapter, self.model_name)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt_text, token_ids, [], arrival)
+        group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins))
         for index in range(params.n):
             request = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
@@ -236,6 +247,21 @@ class LLMEngine:
                     f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab})"
                 )
 
+    def _validate_pin(self, spec: PinSpec, num_prompt_tokens: int) -> None:
+        if not self.kv.enable_prefix_caching:
+            raise ValueError("pinning a prefix needs prefix caching; it is disabled (enable_prefix_caching=False)")
+        if not 0 < spec.num_tokens <= num_prompt_tokens:
+            raise ValueError(
+                f"a pinned prefix must cover 1..{num_prompt_tokens} prompt tokens, got {spec.num_tokens}"
+            )
+        if spec.num_tokens < self.kv.block_size:
+            raise ValueError(
+                f"the prefix to pin has {spec.num_tokens} tokens, shorter than one KV block "
+                f"({self.kv.block_size} tokens): too short to be worth caching"
+            )
+        if spec.ttl is not None and spec.ttl <= 0:
+            raise ValueError(f"a pin's ttl must be positive seconds, got {spec.ttl}")
+
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
         if group is None:
@@ -253,7 +279,13 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         self._steps += 1
+        wall_now = time.time()
+        self.pins.expire(wall_now)
         for request, match in scheduled.admitted:
+            if self.pins.pins and match.nodes:
+                used = self.pins.record_use(match.nodes, wall_now)
+                if used and request.num_preemptions == 0:
+                    self._sequences[id(request)][0].pins_hit.extend(pin.pin_id for pin in used)
             if request.num_preemptions == 0:
                 self._prompt_tokens += request.num_prompt_tokens
                 group, _ = self._sequences[id(request)]
@@ -266,6 +298,7 @@ class LLMEngine:
         batch, sampling_requests = self._build_batch(scheduled.scheduled)
         logits = self.runner.execute(batch)
         self.scheduler.advance(scheduled.scheduled)
+        self._create_due_pins(scheduled.scheduled, wall_now)
         touched: dict[str, _Group] = {}
         if sampling_requests:
             sampled = self.sampler(logits, [request.sampling_state for request in sampling_requests])
@@ -275,6 +308,27 @@ class LLMEngine:
                 self._append_token(group, sequence, token_id, token_logprobs, now)
                 touched[group.request_id] = group
         return [self._make_output(group) for group in touched.values()]
+
+    def _create_due_pins(self, scheduled: list[ScheduledRequest], now: float) -> None:
+        """Pin the prefixes requested with add_request(pins=...) once their blocks are cached."""
+        for item in scheduled:
+            request = item.request
+            owner = self._sequences.get(id(request))
+            if owner is None or not owner[0].pin_specs or request.index != 0:
+                continue
+            group = owner[0]
+            block_size = self.kv.block_size
+            for spec in [s for s in group.pin_specs if s.num_tokens <= request.num_computed_tokens]:
+                group.pin_specs.remove(spec)
+                nodes = request.cached_nodes[: spec.num_tokens // block_size]
+                try:
+                    pin = self.pins.pin(spec.key, nodes, kind=spec.kind, now=now, ttl=spec.ttl, adapter=spec.adapter)
+                except ValueError as error:
+                    logger.warning("request %s: could not pin %d tokens: %s", group.request_id, spec.num_tokens, error)
+                    continue
+                group.pins_saved.append(pin.pin_id)
+                logger.debug("request %s: pinned %d tokens as %s (%s, ttl %s)", group.request_id,
+                             pin.num_tokens, pin.pin_id, pin.kind, pin.ttl)
 
     def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[Request]]:
         block_size = self.kv.block_size
@@ -400,6 +454,8 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=group.metrics,
+            pins_saved=list(group.pins_saved),
+            pins_hit=list(group.pins_hit),
         )
 
     # --- introspection ----------------------------------------------------------------------------
@@ -415,7 +471,17 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> int:
+        """Drop every idle cached block that is not pinned; returns how many blocks were freed."""
         return self.kv.reset_prefix_cache()
+
+    # --- pins -------------------------------------------------------------------------------------
+    def list_pins(self) -> list[Pin]:
+        self.pins.expire(time.time())
+        return sorted(self.pins.pins.values(), key=lambda pin: pin.created)
+
+    def unpin(self, pin_id: str) -> Pin:
+        """Remove a pin (its blocks stay cached as ordinary LRU entries). KeyError if unknown."""
+        return self.pins.unpin(pin_id)
 
     def check_integrity(self) -> None:
         """Cache-core invariants; tests call this after every step."""

@@ -8,10 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvreuse.cache.pins import PinSpec
 from kvreuse.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
 from kvreuse.engine import LLMEngine, PromptInput
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
+from kvreuse.system_prompt import system_prompt_pin
 
 Message = dict[str, Any]
 
@@ -39,6 +41,7 @@ class LLM:
         scheduling_policy: str = "lpm",
         seed: int = 0,
         served_model_name: str | None = None,
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -52,6 +55,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),
                 enable_prefix_caching=enable_prefix_caching,
+                max_pinned_fraction=max_pinned_fraction,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -142,6 +146,49 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+    # --- explicit caching -------------------------------------------------------------------------
+    def pin(
+        self,
+        prompt: str | list[int] | list[Message],
+        *,
+        ttl: float | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Compute and pin the KV of a prompt (a string, token ids, or a conversation whose system
+        prompt is pinned), so LRU never evicts it. Returns the pin's description (see ``pins()``)."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            messages = prompt
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+            token_ids = tokenizer.encode(text)
+            spec = system_prompt_pin(tokenizer, messages, token_ids, ttl=ttl)
+            request: PromptInput = {"prompt": text, "prompt_token_ids": token_ids}
+        else:
+            prompt_text, token_ids = self.engine._tokenize_prompt(prompt)  # type: ignore[arg-type]
+            key = prompt_text if prompt_text is not None else "tokens:" + ",".join(map(str, token_ids))
+            spec = PinSpec(num_tokens=len(token_ids), key=key, kind="api", ttl=ttl)
+            request = {"prompt": prompt_text, "prompt_token_ids": token_ids}
+        request_id = f"pin-{next(self._ids)}"
+        self.engine.add_request(request_id, request, SamplingParams(max_tokens=1), cache_salt=cache_salt, pins=[spec])
+        output = None
+        while output is None:
+            output = next((o for o in self.engine.step() if o.request_id == request_id and o.finished), None)
+        if not output.pins_saved:
+            raise ValueError("the prefix could not be pinned (see the log: pinned budget or prefix too short)")
+        pin_id = output.pins_saved[0]
+        return next(pin.as_dict() for pin in self.engine.list_pins() if pin.pin_id == pin_id)
+
+    def unpin(self, pin_id: str) -> None:
+        """Remove a pin; its blocks stay cached as ordinary (evictable) entries."""
+        try:
+            self.engine.unpin(pin_id)
+        except KeyError:
+            raise ValueError(f"no pin with id {pin_id!r}") from None
+
+    def pins(self) -> list[dict[str, Any]]:
+        """Pins in creation order: id, kind, tokens, blocks, adapter, created, last_used, hits, ttl, expires."""
+        return [pin.as_dict() for pin in self.engine.list_pins()]
 
     def stats(self) -> dict[str, Any]:
         """Prefix-cache queries and hits (tokens), hit rate, evictions, blocks used / idle / free."""

@@ -53,3 +53,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
+    pins_saved: list[str] = field(default_factory=list)  # pins this request created (explicit caching)
+    pins_hit: list[str] = field(default_factory=list)  # pinned entries this request reused
