@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvreuse.server.serve import add_server_arguments
 
     add_server_arguments(serve)
+    from kvreuse.batch import add_run_parser
+
+    add_run_parser(commands, add_engine_arguments)
     args = parser.parse_args(argv)
     configure_logging(args.debug)
     if args.command == "serve":
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:  # bad options: one clear line, no traceback
             print(f"kvreuse serve: error: {error}", file=sys.stderr)
             return 2
+    if args.command == "run":
+        from kvreuse.batch import run_command
+
+        return run_command(args)
     if args.command == "demo":
         from kvreuse.demo import run_demo
 

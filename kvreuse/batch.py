@@ -1,0 +1,208 @@
+"""``kvreuse run INPUT.json``: the batch runner, in the system prompt cache's file format.
+
+    {"requests": [{"messages": [...], "save_system_prompt_kv_cache": true, "lora_name": null,
+                   "max_tokens": 64, "temperature": 0.0}],
+     "available_lora_weights": {}, "apply_chat_template": true}
+
+Every request runs through one engine with continuous batching; a request that saves its system
+prompt pins it, and later requests with the same system prompt reuse it with no flag. The output
+has, per request, the text and its metrics (prompt, reused, computed and output tokens, TTFT,
+end-to-end time, error if any) and a summary. A malformed file gets one message that points at the
+bad field (``requests[3].messages[0].role``); a bad request fails alone and the rest run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvreuse.cache.pins import PinSpec
+from kvreuse.engine import LLMEngine
+from kvreuse.sampling import SamplingParams
+from kvreuse.system_prompt import leading_system_messages, system_prompt_pin
+
+logger = logging.getLogger("kvreuse")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    messages: list[Message] = Field(min_length=1)
+    save_system_prompt_kv_cache: bool = False
+    lora_name: str | None = None
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+
+class BatchFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[BatchRequest] = Field(min_length=1)
+    available_lora_weights: dict[str, str] = Field(default_factory=dict)
+    apply_chat_template: bool = True
+
+
+class BatchFileError(ValueError):
+    """The input file is malformed; the message names the field, e.g. requests[3].messages[0].role."""
+
+
+def field_path(location: tuple[Any, ...]) -> str:
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "function-after", "literal_error"):
+            continue  # pydantic's union branch names are not fields
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def load_batch_file(path: str | Path) -> BatchFile:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BatchFileError(f"{path}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise BatchFileError(f"{path}: not valid JSON: {error}") from None
+    try:
+        return BatchFile.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise BatchFileError(f"{path}: {field_path(first['loc'])}: {first['msg']}") from None
+
+
+def _prompt_of(engine: LLMEngine, request: BatchRequest, apply_chat_template: bool) -> tuple[list[dict], str]:
+    messages = [message.model_dump(exclude_none=True) for message in request.messages]
+    if apply_chat_template:
+        return messages, engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    from kvreuse.tokenizer import flatten_message_content
+
+    return messages, "\n".join(m["content"] for m in flatten_message_content(messages))
+
+
+def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
+    """Run every request of ``batch``; returns {"results": [...], "summary": {...}}."""
+    results: list[dict[str, Any]] = [{"index": i, "error": None} for i in range(len(batch.requests))]
+    if batch.available_lora_weights:
+        logger.warning("LoRA adapters are not supported by this version; requests naming one will fail")
+    started = time.monotonic()
+    pending: dict[str, int] = {}
+    for index, request in enumerate(batch.requests):
+        where = f"requests[{index}]"
+        try:
+            if request.lora_name is not None:
+                raise ValueError(
+                    f"lora_name {request.lora_name!r}: LoRA adapters are not supported by this version"
+                )
+            if request.save_system_prompt_kv_cache:  # the specific error first: "must be text only"
+                leading_system_messages([m.model_dump(exclude_none=True) for m in request.messages])
+            messages, prompt_text = _prompt_of(engine, request, batch.apply_chat_template)
+            token_ids = engine.tokenizer.encode(prompt_text)
+            pins: list[PinSpec] = []
+            if request.save_system_prompt_kv_cache:
+                pins.append(system_prompt_pin(engine.tokenizer, messages, token_ids,
+                                              apply_chat_template=batch.apply_chat_template))
+            params = SamplingParams(
+                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                max_tokens=request.max_tokens, stop=request.stop, ignore_eos=request.ignore_eos,
+            )
+            engine.add_request(f"batch-{index}", {"prompt": prompt_text, "prompt_token_ids": token_ids}, params,
+                               cache_salt=request.cache_salt, pins=pins)
+            pending[f"batch-{index}"] = index
+        except ValueError as error:
+            results[index]["error"] = f"{where}: {error}"
+            logger.warning("%s failed: %s", where, error)
+
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if not output.finished or output.request_id not in pending:
+                continue
+            index = pending.pop(output.request_id)
+            completion = output.outputs[0]
+            metrics = output.metrics
+            results[index].update({
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "metrics": {
+                    "prompt_tokens": len(output.prompt_token_ids),
+                    "reused_tokens": output.num_cached_tokens,
+                    "computed_tokens": len(output.prompt_token_ids) - output.num_cached_tokens,
+                    "output_tokens": len(completion.token_ids),
+                    "ttft_s": metrics.time_to_first_token,
+                    "e2e_s": metrics.e2e_latency,
+                },
+                "saved_entries": output.pins_saved,
+                "hit_entries": output.pins_hit,
+            })
+            for pin_id in output.pins_saved:
+                logger.debug("requests[%d]: saved the system prompt as %s", index, pin_id)
+            for pin_id in output.pins_hit:
+                logger.debug("requests[%d]: reused saved entry %s", index, pin_id)
+
+    done = [r for r in results if r["error"] is None]
+    prompt_tokens = sum(r["metrics"]["prompt_tokens"] for r in done)
+    reused = sum(r["metrics"]["reused_tokens"] for r in done)
+    summary = {
+        "requests": len(results),
+        "errors": len(results) - len(done),
+        "prompt_tokens": prompt_tokens,
+        "reused_tokens": reused,
+        "computed_tokens": prompt_tokens - reused,
+        "hit_rate": reused / prompt_tokens if prompt_tokens else 0.0,
+        "output_tokens": sum(r["metrics"]["output_tokens"] for r in done),
+        "elapsed_s": time.monotonic() - started,
+        "pins": [pin.as_dict() for pin in engine.list_pins()],
+    }
+    return {"results": results, "summary": summary}
+
+
+def add_run_parser(subparsers, add_engine_arguments) -> None:
+    parser = subparsers.add_parser("run", help="run a batch file of requests (system prompt cache format)")
+    parser.add_argument("input", help="the batch file (JSON)")
+    parser.add_argument("--output", default=None, help="where to write results (default: print them)")
+    add_engine_arguments(parser)
+
+
+def run_command(args) -> int:
+    import sys
+
+    from kvreuse.cli import llm_from_args
+
+    try:
+        batch = load_batch_file(args.input)
+        llm = llm_from_args(args)
+        result = run_batch(llm.engine, batch)
+    except ValueError as error:
+        print(f"kvreuse run: error: {error}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).write_text(text)
+        summary = result["summary"]
+        print(f"{summary['requests']} requests, {summary['errors']} errors, hit rate {summary['hit_rate']:.1%}; "
+              f"results in {args.output}")
+    else:
+        print(text)
+    return 0
