@@ -322,7 +322,8 @@ class LLMEngine:
                 group.pin_specs.remove(spec)
                 nodes = request.cached_nodes[: spec.num_tokens // block_size]
                 try:
-                    pin = self.pins.pin(spec.key, nodes, kind=spec.kind, now=now, ttl=spec.ttl, adapter=spec.adapter)
+                    pin = self.pins.pin(spec.key, nodes, kind=spec.kind, now=now, ttl=spec.ttl, adapter=spec.adapter,
+                                       owner=spec.owner)
                 except ValueError as error:
                     logger.warning("request %s: could not pin %d tokens: %s", group.request_id, spec.num_tokens, error)
                     continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvreuse.cache.prefix import CacheNode, PrefixIndex
 
@@ -31,7 +31,7 @@ class Pin:
     last_used: float
     ttl: float | None  # seconds without use before it expires; None: until removed or demoted
     hits: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
+    owner: str | None = None  # the tenant that made it, when tenants are isolated
 
     @property
     def expires(self) -> float | None:
@@ -41,7 +41,7 @@ class Pin:
         return {
             "id": self.pin_id, "kind": self.kind, "tokens": self.num_tokens, "blocks": len(self.nodes),
             "adapter": self.adapter, "created": self.created, "last_used": self.last_used, "hits": self.hits,
-            "ttl": self.ttl, "expires": self.expires,
+            "ttl": self.ttl, "expires": self.expires, "owner": self.owner,
         }
 
 
@@ -73,6 +73,7 @@ class PinRegistry:
         now: float,
         ttl: float | None = None,
         adapter: str | None = None,
+        owner: str | None = None,
     ) -> Pin:
         """Pin a chain (a refresh if the same key is already pinned over the same chain)."""
         nodes = list(nodes)
@@ -92,7 +93,8 @@ class PinRegistry:
             existing.ttl = ttl if ttl is None or existing.ttl is None else max(ttl, existing.ttl)
             return existing
         self.index.pin(nodes)
-        pin = Pin(pin_id, key, kind, nodes, len(nodes) * self.index.block_size, adapter, now, now, ttl)
+        pin = Pin(pin_id, key, kind, nodes, len(nodes) * self.index.block_size, adapter, now, now, ttl,
+                  owner=owner)
         self.pins[pin_id] = pin
         self._pins_by_tail.setdefault(id(nodes[-1]), []).append(pin)
         self._enforce_budget(keep=pin)
@@ -158,3 +160,4 @@ class PinSpec:
     kind: str = "api"
     ttl: float | None = None
     adapter: str | None = None
+    owner: str | None = None  # tenant id when tenants are isolated (pins are listed per tenant)
