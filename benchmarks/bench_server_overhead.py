@@ -7,6 +7,10 @@ on /metrics between a scrape before and one after (the engine measures from the 
 reached the server's handler, the arrival_time the handler passes to add_request). The difference is
 what HTTP, routing and the SSE path add. Target: median under 5 ms.
 
+Requests ask for one output token by default: the first SSE event then marks the first token even
+when that token's text is empty (the server sends no event for a token that completes no character
+yet, and a random-weight model often samples such byte tokens), so both sides time the same moment.
+
     python benchmarks/bench_server_overhead.py --preset tiny --dtype float32
     python benchmarks/bench_server_overhead.py --preset smollm2-135m
     python benchmarks/bench_server_overhead.py --base-url http://127.0.0.1:8000   # a running server
@@ -134,7 +138,7 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--prompt-words", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

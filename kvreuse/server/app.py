@@ -585,7 +585,11 @@ class _StreamWriter:
 
     def _chat_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, text: str,
                      entries: Sequence[Any] | None, finish_reason: str | None) -> None:
+        if not (text or entries or finish_reason):
+            return  # e.g. a first token that completes no character yet: nothing to show, role included
         if not choice.started:
+            # The role goes out with the first content, never earlier: a client timing the first
+            # chunk measures the time to the first text.
             choice.started = True
             parts.append(self._event({"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}))

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvreuse.engine import EngineStats
 
 PREFIX = "kvreuse:"
+FINISH_REASONS = ("stop", "length", "abort")
 # Buckets reach down to a millisecond: a cached prefill or a GPU decode step is that fast.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -53,6 +54,8 @@ class ServerMetrics:
             f"{PREFIX}request_success", "Finished requests by finish reason (stop, length, abort).",
             [*labels, "finished_reason"], registry=self.registry,
         )
+        for reason in FINISH_REASONS:  # present from the start, so rates work before the first one
+            self._request_success.labels(model_name, reason)
         self.prompt_tokens_cached = Counter(
             f"{PREFIX}prompt_tokens_cached", "Prompt tokens of requests that were served from the prefix cache.",
             labels, registry=self.registry,
