@@ -119,7 +119,7 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
             if request.save_system_prompt_kv_cache:  # the specific error first: "must be text only"
                 leading_system_messages([m.model_dump(exclude_none=True) for m in request.messages])
             messages, prompt_text = _prompt_of(engine, request, batch.apply_chat_template)
-            token_ids = engine.tokenizer.encode(prompt_text)
+            token_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=not batch.apply_chat_template)
             pins: list[PinSpec] = []
             if request.save_system_prompt_kv_cache:
                 pins.append(system_prompt_pin(engine.tokenizer, messages, token_ids,

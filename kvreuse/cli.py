@@ -34,6 +34,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--scheduling-policy", default="lpm", choices=list(SCHEDULING_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                        help="share of the KV pool that pins may hold; over it the least recently used pin is demoted")
     parser.add_argument("--debug", action="store_true", help="log every cache decision")
 
 
@@ -45,7 +47,7 @@ def llm_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy, seed=args.seed,
+        scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,
         served_model_name=getattr(args, "served_model_name", None),
     )
 

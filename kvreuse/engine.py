@@ -188,10 +188,14 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        prompt_text, token_ids = self._tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
+        prompt_text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        for position, token_id in enumerate(params.stop_token_ids):
+            if token_id >= vocab:
+                raise ValueError(f"stop_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab})")
         for spec in pins:
-            self._validate_pin(spec, len(token_ids))
+            self.check_pin(spec, len(token_ids))
         namespace = namespace_key(cache_salt, adapter, self.model_name)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins))
@@ -219,7 +223,7 @@ class LLMEngine:
             self._sequences[id(sequence.request)] = (group, sequence)
             self.scheduler.add(sequence.request)
 
-    def _tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -232,7 +236,7 @@ class LLMEngine:
             return None, _as_token_list(prompt, "prompt_token_ids")
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty: at least 1 token is required")
         if len(token_ids) >= self.max_model_len:
@@ -247,7 +251,7 @@ class LLMEngine:
                     f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab})"
                 )
 
-    def _validate_pin(self, spec: PinSpec, num_prompt_tokens: int) -> None:
+    def check_pin(self, spec: PinSpec, num_prompt_tokens: int) -> None:
         if not self.kv.enable_prefix_caching:
             raise ValueError("pinning a prefix needs prefix caching; it is disabled (enable_prefix_caching=False)")
         if not 0 < spec.num_tokens <= num_prompt_tokens:

@@ -8,12 +8,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvreuse.cache.pins import PinSpec
 from kvreuse.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
 from kvreuse.engine import LLMEngine, PromptInput
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.system_prompt import system_prompt_pin
+from kvreuse.system_prompt import pin_prompt_now
 
 Message = dict[str, Any]
 
@@ -106,7 +105,8 @@ class LLM:
         prompts: list[PromptInput] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text)})
+            # The template already holds any bos token: encoding must not add a second one.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm, cache_salt)
 
@@ -130,8 +130,8 @@ class LLM:
         engine = self.engine
         # Validate everything first: a bad prompt must not leave half a batch queued.
         for prompt in prompts:
-            _, token_ids = engine._tokenize_prompt(prompt)
-            engine._validate_prompt(token_ids)
+            _, token_ids = engine.tokenize_prompt(prompt)
+            engine.validate_prompt(token_ids)
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, params in zip(request_ids, prompts, params_list):
             engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
@@ -157,27 +157,8 @@ class LLM:
     ) -> dict[str, Any]:
         """Compute and pin the KV of a prompt (a string, token ids, or a conversation whose system
         prompt is pinned), so LRU never evicts it. Returns the pin's description (see ``pins()``)."""
-        tokenizer = self.engine.tokenizer
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            messages = prompt
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-            token_ids = tokenizer.encode(text)
-            spec = system_prompt_pin(tokenizer, messages, token_ids, ttl=ttl)
-            request: PromptInput = {"prompt": text, "prompt_token_ids": token_ids}
-        else:
-            prompt_text, token_ids = self.engine._tokenize_prompt(prompt)  # type: ignore[arg-type]
-            key = prompt_text if prompt_text is not None else "tokens:" + ",".join(map(str, token_ids))
-            spec = PinSpec(num_tokens=len(token_ids), key=key, kind="api", ttl=ttl)
-            request = {"prompt": prompt_text, "prompt_token_ids": token_ids}
-        request_id = f"pin-{next(self._ids)}"
-        self.engine.add_request(request_id, request, SamplingParams(max_tokens=1), cache_salt=cache_salt, pins=[spec])
-        output = None
-        while output is None:
-            output = next((o for o in self.engine.step() if o.request_id == request_id and o.finished), None)
-        if not output.pins_saved:
-            raise ValueError("the prefix could not be pinned (see the log: pinned budget or prefix too short)")
-        pin_id = output.pins_saved[0]
-        return next(pin.as_dict() for pin in self.engine.list_pins() if pin.pin_id == pin_id)
+        return pin_prompt_now(self.engine, prompt, ttl=ttl, cache_salt=cache_salt,
+                              request_id=f"pin-{next(self._ids)}").as_dict()
 
     def unpin(self, pin_id: str) -> None:
         """Remove a pin; its blocks stay cached as ordinary (evictable) entries."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvreuse.cache.pins import PinSpec
+from kvreuse.cache.pins import Pin, PinSpec
+from kvreuse.sampling import SamplingParams
 from kvreuse.tokenizer import Tokenizer, flatten_message_content
 
 
@@ -52,7 +53,7 @@ def system_prompt_pin(
         text = tokenizer.apply_chat_template(system, add_generation_prompt=False)
     else:
         text = "\n".join(message["content"] for message in system)
-    system_ids = tokenizer.encode(text)
+    system_ids = tokenizer.encode(text, add_special_tokens=not apply_chat_template)
     # The system part's tokens are a prefix of the conversation's, up to tokenizer merges at the seam.
     common = 0
     for ours, theirs in zip(system_ids, prompt_token_ids):
@@ -61,3 +62,40 @@ def system_prompt_pin(
         common += 1
     return PinSpec(num_tokens=common, key=f"system\x00{adapter or ''}\x00{text}", kind="system_prompt",
                    ttl=ttl, adapter=adapter)
+
+
+def pin_prompt_now(
+    engine: Any,
+    prompt: str | list[int] | list[Mapping[str, Any]],
+    *,
+    ttl: float | None = None,
+    cache_salt: str | None = None,
+    kind: str = "api",
+    request_id: str = "pin",
+) -> Pin:
+    """Compute and pin a prompt's KV on an idle ``LLMEngine`` (stepping it here, synchronously).
+
+    A conversation (list of messages) pins its system prompt, keyed as the system prompt cache
+    keys it; a string or token ids pin the whole prompt.
+    """
+    tokenizer = engine.tokenizer
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping):
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        spec = system_prompt_pin(tokenizer, prompt, token_ids, ttl=ttl)  # type: ignore[arg-type]
+        if kind != "api":
+            spec = PinSpec(spec.num_tokens, spec.key, kind, spec.ttl, spec.adapter, spec.owner)
+    else:
+        text, token_ids = engine.tokenize_prompt(prompt)
+        key = text if text is not None else "tokens:" + ",".join(map(str, token_ids))
+        spec = PinSpec(num_tokens=len(token_ids), key=key, kind=kind, ttl=ttl)
+    engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, SamplingParams(max_tokens=1),
+                       cache_salt=cache_salt, pins=[spec])
+    saved: list[str] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                saved = output.pins_saved
+    if not saved:
+        raise ValueError("the prefix could not be pinned (the pinned budget is too small; see the log)")
+    return engine.pins.pins[saved[0]]

@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,10 +21,9 @@ import openai
 import pytest
 
 from kvreuse import LLM, SamplingParams
+from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
-MODEL_NAME = "tiny-qwen2"
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
-SERVER_OPTIONS = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "32MiB")
 MAX_MODEL_LEN = 2048  # the tiny preset's context; the 32 MiB pool holds far more
 # A system prompt long enough that reusing it is unmistakable (a few hundred tokens).
 SYSTEM_PROMPT = (
@@ -43,55 +37,6 @@ SYSTEM_PROMPT = (
 COLD_LIMIT = 12
 # Cached tokens that show the system prompt (about 590 tokens) was reused.
 HIT_FLOOR = 400
-
-
-@dataclass
-class RunningServer:
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model_dir: Path, log_path: Path, *extra_args: str) -> RunningServer:
-    port = free_port()
-    command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", str(model_dir), *SERVER_OPTIONS,
-               "--port", str(port), "--served-model-name", MODEL_NAME, *extra_args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the server did not become healthy:\n{server.log_tail()}")
-        time.sleep(0.1)
-
-
-def stop_server(server: RunningServer) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
 
 
 @pytest.fixture(scope="module")

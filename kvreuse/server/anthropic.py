@@ -60,6 +60,8 @@ class MessagesRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    # Request-level cache_control (newer SDKs): a breakpoint after the last block of the last message.
+    cache_control: CacheControl | None = None
 
 
 # --- errors in Anthropic's shape ----------------------------------------------------------------------
@@ -119,6 +121,8 @@ def breakpoint_prefixes(tokenizer, body: MessagesRequest, prompt_ids: list[int])
         for block_index, block in enumerate(blocks):
             if block.cache_control is not None:
                 marked.append((message_index, block_index, TTL_SECONDS[block.cache_control.ttl]))
+    if body.cache_control is not None and messages and messages[-1]:
+        marked.append((len(messages) - 1, len(messages[-1]) - 1, TTL_SECONDS[body.cache_control.ttl]))
     if len(marked) > MAX_BREAKPOINTS:
         raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(marked)}",
                        param="cache_control")

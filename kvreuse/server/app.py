@@ -11,6 +11,7 @@ sent cannot be taken back). A client that goes away aborts its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,11 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
+from kvreuse.server.anthropic import register_anthropic_routes
 from kvreuse.server.async_engine import AsyncEngine, EngineError
 from kvreuse.server.auth import ApiKeyAuth, Tenant
+from kvreuse.system_prompt import system_prompt_pin
 from kvreuse.server.errors import (
     APIError, bad_request, internal_error, model_not_found, param_of_value_error, unavailable,
 )
@@ -99,6 +103,10 @@ class ServerState:
     def authenticate(self, request: Request) -> Tenant | None:
         return self.auth.authenticate(request.headers.get("authorization"))
 
+    def owner_of(self, tenant: Tenant | None) -> str | None:
+        """Who owns pins made by this caller (only when tenants are isolated)."""
+        return tenant.tenant_id if tenant is not None and self.auth.isolate_tenants else None
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
@@ -106,8 +114,8 @@ class ServerState:
     def checked_prompt(self, prompt: str | list[int], param: str) -> tuple[PromptInput, int]:
         """(the prompt for the engine, its token count); a bad prompt is a 400 naming ``param``."""
         try:
-            text, token_ids = self.llm_engine._tokenize_prompt(prompt)
-            self.llm_engine._validate_prompt(token_ids)
+            text, token_ids = self.llm_engine.tokenize_prompt(prompt)
+            self.llm_engine.validate_prompt(token_ids)
         except ValueError as error:
             message = str(error)
             code = "context_length_exceeded" if "max_model_len" in message else None
@@ -171,6 +179,7 @@ class _Generation:
     include_usage: bool
     num_logprobs: int | None  # None: no logprobs
     user: str | None
+    pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
 
     @property
     def n(self) -> int:
@@ -257,14 +266,46 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
         renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
         params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
+        pins: list[PinSpec] = []
+        if body.save_system_prompt_kv_cache:
+            try:
+                spec = system_prompt_pin(tokenizer, body.messages, token_ids)
+                state.llm_engine.check_pin(spec, num_prompt_tokens)
+            except ValueError as error:
+                raise bad_request(str(error), param_of_value_error(str(error)) or "messages") from None
+            pins.append(dataclasses.replace(spec, owner=state.owner_of(tenant)))
         generation = _Generation(
             chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
             prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
-            num_logprobs=body.num_logprobs, user=body.user,
+            num_logprobs=body.num_logprobs, user=body.user, pins=pins,
         )
         return await _serve(state, request, generation)
+
+    @app.get("/v1/cache/pins")
+    async def list_pins(request: Request) -> JSONResponse:
+        owner = state.owner_of(state.authenticate(request))
+        pins = await state.engine.call(lambda engine: [pin.as_dict() for pin in engine.list_pins()])
+        visible = [pin for pin in pins if owner is None or pin["owner"] in (None, owner)]
+        return JSONResponse({"object": "list", "data": visible})
+
+    @app.delete("/v1/cache/pins/{pin_id}")
+    async def delete_pin(pin_id: str, request: Request) -> JSONResponse:
+        owner = state.owner_of(state.authenticate(request))
+
+        def remove(engine: Any) -> dict[str, Any] | None:
+            pin = engine.pins.pins.get(pin_id)
+            if pin is None or (owner is not None and pin.owner != owner):
+                return None  # another tenant's pin is as good as absent
+            return engine.unpin(pin_id).as_dict()
+
+        removed = await state.engine.call(remove)
+        if removed is None:
+            raise APIError(404, f"no pin with id {pin_id!r}", error_type="not_found_error", param="pin_id")
+        return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True, "pin": removed})
+
+    register_anthropic_routes(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -351,7 +392,8 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
     engine = state.engine
     outputs = _merge([
         engine.generate(generation.engine_request_id(index), prompt, params,
-                        cache_salt=generation.cache_salt, arrival_time=generation.arrival_time)
+                        cache_salt=generation.cache_salt, arrival_time=generation.arrival_time,
+                        pins=generation.pins if index == 0 else ())
         for index, (prompt, params) in enumerate(zip(generation.prompts, generation.params))
     ])
     handed_to_stream = False

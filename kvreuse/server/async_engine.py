@@ -18,10 +18,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import EngineStats, LLMEngine, PromptInput
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
@@ -54,6 +55,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     stream: _Stream
+    pins: tuple[PinSpec, ...] = ()
 
 
 @dataclass
@@ -118,6 +120,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        pins: Sequence[PinSpec] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until the finished one. Leaving early (the client
         went away, the task was cancelled) aborts the request, so its KV blocks return to the pool."""
@@ -125,7 +128,7 @@ class AsyncEngine:
             raise EngineError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, stream))
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, stream, tuple(pins)))
         finished = False
         try:
             while True:
@@ -195,7 +198,8 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt, command.params,
-                                   cache_salt=command.cache_salt, arrival_time=command.arrival_time)
+                                   cache_salt=command.cache_salt, arrival_time=command.arrival_time,
+                                   pins=command.pins)
             except ValueError as error:  # handlers validate first; this is a last line of defence
                 _deliver_now(command.stream, error)
                 return

@@ -116,6 +116,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Explicit caching: pin the KV of the system prompt (as formatted by the chat template).
+    save_system_prompt_kv_cache: bool = False
     # OpenAI fields accepted only with their neutral value (see check()).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

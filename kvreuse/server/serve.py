@@ -48,6 +48,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-log-interval", type=float, default=10.0,
                         help="seconds between engine stats log lines while busy (0: off)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    parser.add_argument("--warm-prompts", default=None,
+                        help="JSON list of system prompts (strings), message lists, or {messages, cache_salt} "
+                             "objects, computed and pinned at start-up (use a 'public:' salt to share one "
+                             "across isolated tenants)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -66,6 +70,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
     started = time.monotonic()
     llm = llm_from_args(args)
+    if args.warm_prompts:
+        warm_up(llm.engine, args.warm_prompts)
     engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval)
     state = ServerState(engine, config)
     app = build_app(state)
@@ -86,6 +92,37 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def warm_up(engine, path: str) -> None:
+    """Pin every prompt of a --warm-prompts file before serving (strings pin as system prompts)."""
+    import json
+    from pathlib import Path
+
+    from kvreuse.system_prompt import pin_prompt_now
+
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"warm_prompts {path!r}: cannot read a JSON list: {error}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"warm_prompts {path!r}: expected a JSON list of strings or message lists")
+    for index, entry in enumerate(entries):
+        cache_salt = None
+        if isinstance(entry, dict):  # {"messages": [...] or "system": "...", "cache_salt": "public:..."}
+            cache_salt = entry.get("cache_salt")
+            entry = entry.get("messages", entry.get("system"))
+        if isinstance(entry, str):
+            entry = [{"role": "system", "content": entry}]
+        if not isinstance(entry, list) or not all(isinstance(m, dict) for m in entry):
+            raise ValueError(f"warm_prompts[{index}]: expected a string, a list of messages, or "
+                             f'{{"messages": [...], "cache_salt": "..."}}')
+        try:
+            pin = pin_prompt_now(engine, entry, kind="warm", cache_salt=cache_salt, request_id=f"warm-{index}")
+        except ValueError as error:
+            raise ValueError(f"warm_prompts[{index}]: {error}") from None
+        logger.info("warm prompt %d pinned as %s (%d tokens, cache_salt %r)", index, pin.pin_id, pin.num_tokens,
+                    cache_salt)
 
 
 class DrainingServer(uvicorn.Server):
