@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvreuse.batch import add_run_parser
 
     add_run_parser(commands, add_engine_arguments)
+    from kvreuse.router import add_route_parser
+
+    add_route_parser(commands)
     args = parser.parse_args(argv)
     configure_logging(args.debug)
     if args.command == "serve":
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:  # bad options: one clear line, no traceback
             print(f"kvreuse serve: error: {error}", file=sys.stderr)
             return 2
+    if args.command == "route":
+        from kvreuse.router import run_route
+
+        return run_route(args)
     if args.command == "run":
         from kvreuse.batch import run_command
 

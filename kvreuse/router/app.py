@@ -1,0 +1,371 @@
+"""The router's HTTP side: a FastAPI app that routes OpenAI requests to backends and passes replies through.
+
+Completions and chat completions are routed by the policy (kvreuse.router.policy); every other path
+goes to any healthy backend. Replies pass through byte for byte (status, headers, body, SSE events).
+A kvreuse server sends nothing, not even headers, before the first token, so "before the first
+byte" is "before the response headers": until then a failed attempt (connection error, 429, 502,
+503, 504) is retried on another backend, at most ``max_retries`` times, with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvreuse.router.backends import Backend, BackendPool
+from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router, prompt_block_keys
+
+logger = logging.getLogger("kvreuse.router")
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Without a tokenizer the router hashes characters: this many per "token", a rough average for BPE.
+CHARS_PER_TOKEN = 4
+SESSION_HEADER = "x-session-id"
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                         "proxy-authorization", "proxy-authenticate", "host"})
+_USAGE_TAIL_BYTES = 8192
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    backends: tuple[str, ...]
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tokenizer: str | None = None
+    default_capacity_blocks: int = 4096  # used when a backend does not report its KV pool size
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
+    probe_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("backend: give at least one --backend URL")
+        if self.default_capacity_blocks < 1:
+            raise ValueError(f"backend_capacity_blocks must be >= 1, got {self.default_capacity_blocks}")
+        if not 0 <= self.max_retries <= 10:
+            raise ValueError(f"max_retries must be in 0..10, got {self.max_retries}")
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+
+
+class RouterMetrics:
+    """The router's own Prometheus registry (prefix ``kvreuse_router:``)."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvreuse_router:requests", "Routed requests by backend and outcome "
+                                "(ok, error_status, failed, no_backend).", ["backend", "outcome"],
+                                registry=self.registry)
+        self.retries = Counter("kvreuse_router:retries", "Attempts retried on another backend, by reason.",
+                               ["reason"], registry=self.registry)
+        self.decisions = Counter("kvreuse_router:decisions", "Routing decisions by reason (cache, spill, "
+                                 "session, fallback, round-robin, least-loaded).", ["reason"], registry=self.registry)
+        self.prompt_tokens = Counter("kvreuse_router:prompt_tokens", "Prompt tokens routed, by backend.",
+                                     ["backend"], registry=self.registry)
+        self.matched_tokens = Counter("kvreuse_router:matched_tokens", "Prompt tokens routed to a backend "
+                                      "believed to hold them, by backend.", ["backend"], registry=self.registry)
+        self.registry.register(_BackendCollector(state))
+
+
+class _BackendCollector:
+    def __init__(self, state: RouterState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        gauges = {
+            "healthy": ("1 while the backend passes its health probes.", lambda b: float(b.load.healthy)),
+            "in_flight": ("Requests sent to the backend and not finished.", lambda b: b.load.in_flight),
+            "queued_prefill_tokens": ("Uncached prompt tokens waiting for their first byte.",
+                                      lambda b: b.load.queued_prefill_tokens),
+            "estimated_cached_blocks": ("Blocks the router believes the backend holds.",
+                                        lambda b: self._state.router.index.num_blocks(b.name)),
+            "backend_kv_usage": ("The backend's kvreuse:kv_cache_usage_perc at the last probe.",
+                                 lambda b: b.load.kv_usage),
+        }
+        for name, (documentation, read) in gauges.items():
+            family = GaugeMetricFamily(f"kvreuse_router:{name}", documentation, labels=["backend"])
+            for backend in self._state.pool.backends.values():
+                family.add_metric([backend.name], float(read(backend)))
+            yield family
+
+
+class RouterState:
+    """Everything one router app owns: backends, policy, tokenizer, HTTP client, metrics."""
+
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient | None = None) -> None:
+        self.config = config
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+                                                  limits=httpx.Limits(max_connections=1000,
+                                                                      max_keepalive_connections=100))
+        self.router = Router(config.policy)
+        self.pool = BackendPool(list(config.backends), self.client, probe_interval_s=config.probe_interval_s,
+                                on_down=self._backend_down, on_up=self._backend_up)
+        for name in self.pool.backends:
+            self.router.index.add_backend(name, config.default_capacity_blocks)
+        self.tokenizer = None
+        if config.tokenizer is not None:
+            from kvreuse.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer(config.tokenizer)
+        self.metrics = RouterMetrics(self)
+
+    def _backend_down(self, backend: Backend) -> None:
+        dropped = self.router.backend_failed(backend.name)
+        logger.info("dropped %d index entries of %s", dropped, backend.name)
+
+    def _backend_up(self, backend: Backend) -> None:
+        self.router.backend_failed(backend.name)  # whatever it held before may be gone (restart)
+        self._apply_capacity(backend)
+
+    def _apply_capacity(self, backend: Backend) -> None:
+        self.router.index.add_backend(backend.name, backend.capacity_blocks or self.config.default_capacity_blocks)
+
+    async def start(self) -> None:
+        await self.pool.probe_all()
+        for backend in self.pool.backends.values():
+            self._apply_capacity(backend)
+        healthy = [b.name for b in self.pool.backends.values() if b.load.healthy]
+        logger.info("router over %d backend(s), %d healthy: %s; policy %s", len(self.pool.backends),
+                    len(healthy), ", ".join(healthy) or "none", self.config.policy.policy)
+
+    @property
+    def default_model(self) -> str | None:
+        return next((b.model_name for b in self.pool.backends.values() if b.model_name), None)
+
+    def route_request(self, body: Any, chat: bool, session_id: str | None) -> RouteRequest:
+        """The request's block keys, from the tokenizer when there is one, else from characters."""
+        if not isinstance(body, dict):
+            return RouteRequest((), 0, session_id)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.default_model
+        cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        token_ids, text = None, None
+        try:
+            token_ids, text = self._prompt(body, chat)
+        except (ValueError, TypeError, KeyError):  # the backend will answer the bad request with a 400
+            return RouteRequest((), 0, session_id)
+        block_size = self.config.policy.block_size
+        if token_ids is None:
+            # Characters as "tokens", blocks of CHARS_PER_TOKEN x block_size characters: the index is
+            # the router's own (its keys are not the engine's), counts are in approximate tokens.
+            code_points = [ord(c) for c in text or ""]
+            keys = prompt_block_keys(code_points, block_size * CHARS_PER_TOKEN, cache_salt, None, model)
+            return RouteRequest(tuple(keys), len(code_points) // CHARS_PER_TOKEN, session_id)
+        keys = prompt_block_keys(token_ids, block_size, cache_salt, None, model)
+        return RouteRequest(tuple(keys), len(token_ids), session_id)
+
+    def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str | None]:
+        """(token ids, None) or (None, text) of the request's (first) prompt."""
+        if chat:
+            messages = body["messages"]
+            if self.tokenizer is not None:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.get(
+                    "add_generation_prompt", True))
+                return self.tokenizer.encode(text, add_special_tokens=False), None
+            return None, "".join(f"{m.get('role')}\n{_message_text(m.get('content'))}\n" for m in messages)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch: route by its first prompt
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt], None
+        if not isinstance(prompt, str):
+            raise ValueError("prompt")
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True)), None
+        return None, prompt
+
+    def describe_backends(self) -> dict[str, Any]:
+        return {"policy": self.config.policy.policy, "block_size": self.config.policy.block_size,
+                "tokenizer": self.config.tokenizer,
+                "backends": [backend.describe(self.router.index.num_blocks(name))
+                             for name, backend in self.pool.backends.items()]}
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content or "")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+                        status_code=status)
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length"}
+
+
+def _reply_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+def build_router_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        probes = asyncio.create_task(state.pool.run_probes())
+        try:
+            yield
+        finally:
+            probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probes
+            await state.client.aclose()
+
+    app = FastAPI(title="kvreuse router", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(b.load.healthy for b in state.pool.backends.values())
+        return JSONResponse({"status": "ok" if healthy else "no healthy backend", "healthy_backends": healthy},
+                            status_code=200 if healthy else 503)
+
+    @app.get("/backends")
+    async def backends() -> JSONResponse:
+        return JSONResponse(state.describe_backends())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _routed(state, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _routed(state, request, chat=False)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
+    async def anything_else(path: str, request: Request) -> Response:
+        body = await request.body()
+        # No prompt to route by: the least loaded healthy backend answers (round-robin among equals).
+        route = RouteRequest((), 0, None)
+        return await _proxy(state, request, body, route, path="/" + path, routed=False)
+
+    return app
+
+
+async def _routed(state: RouterState, request: Request, chat: bool) -> Response:
+    body_bytes = await request.body()
+    try:
+        body = json.loads(body_bytes)
+    except ValueError:
+        body = None  # forwarded as is: the backend answers with its own 400
+    route = state.route_request(body, chat, request.headers.get(SESSION_HEADER))
+    return await _proxy(state, request, body_bytes, route, path=request.url.path, routed=True)
+
+
+async def _proxy(state: RouterState, request: Request, body: bytes, route: RouteRequest, path: str,
+                 routed: bool) -> Response:
+    config = state.config
+    excluded: set[str] = set()
+    last_reply: tuple[int, bytes, dict[str, str]] | None = None
+    query = f"?{request.url.query}" if request.url.query else ""
+    for attempt in range(config.max_retries + 1):
+        if attempt:
+            await asyncio.sleep(config.retry_backoff_s * 2 ** (attempt - 1))
+        try:
+            decision = state.router.choose(route, state.pool.loads, time.monotonic(), exclude=excluded)
+        except LookupError:
+            if not excluded or not any(b.load.healthy for b in state.pool.backends.values()):
+                break
+            excluded.clear()  # every healthy backend failed this request once: try them again
+            decision = state.router.choose(route, state.pool.loads, time.monotonic())
+        backend = state.pool.backends[decision.backend]
+        load = backend.load
+        load.in_flight += 1
+        load.queued_prefill_tokens += decision.uncached_tokens
+        try:
+            upstream = state.client.build_request(request.method, backend.name + path + query, content=body,
+                                                  headers=_forward_headers(request))
+            response = await state.client.send(upstream, stream=True)
+        except httpx.TransportError as error:
+            load.in_flight -= 1
+            load.queued_prefill_tokens -= decision.uncached_tokens
+            backend.failed_requests += 1
+            if isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+                state.pool.mark_down(backend, f"{type(error).__name__} on a request")
+            state.metrics.retries.labels("connection").inc()
+            excluded.add(backend.name)
+            continue
+        except BaseException:
+            load.in_flight -= 1
+            load.queued_prefill_tokens -= decision.uncached_tokens
+            raise
+        load.queued_prefill_tokens -= decision.uncached_tokens
+        if response.status_code in RETRY_STATUSES and attempt < config.max_retries:
+            content = await response.aread()
+            await response.aclose()
+            load.in_flight -= 1
+            state.metrics.retries.labels(str(response.status_code)).inc()
+            last_reply = (response.status_code, content, _reply_headers(response))
+            excluded.add(backend.name)
+            continue
+        if routed:
+            _count_routed(state, backend, decision, route)
+        outcome = "ok" if response.status_code < 400 else "error_status"
+        load.num_decoding += 1
+        return StreamingResponse(_pass_through(state, backend, response, outcome), status_code=response.status_code,
+                                 headers=_reply_headers(response))
+    state.metrics.requests.labels("", "no_backend").inc()
+    if last_reply is not None:
+        status, content, headers = last_reply
+        return Response(content, status_code=status, headers=headers)
+    return _error(503, f"no healthy backend could take the request after {config.max_retries + 1} attempt(s)",
+                  "no_backend")
+
+
+def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision, route: RouteRequest) -> None:
+    state.router.record_sent(backend.name, route)
+    matched_tokens = min(decision.matched_blocks * state.config.policy.block_size, route.num_prompt_tokens)
+    backend.routed_requests += 1
+    backend.routed_matched_tokens += matched_tokens
+    state.metrics.decisions.labels(decision.reason).inc()
+    state.metrics.prompt_tokens.labels(backend.name).inc(route.num_prompt_tokens)
+    state.metrics.matched_tokens.labels(backend.name).inc(matched_tokens)
+
+
+async def _pass_through(state: RouterState, backend: Backend, response: httpx.Response,
+                        outcome: str) -> AsyncIterator[bytes]:
+    tail = b""
+    try:
+        async for chunk in response.aiter_raw():
+            tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+            yield chunk
+    except httpx.HTTPError as error:
+        # Bytes already reached the client: no retry is possible, the client sees a cut stream.
+        outcome = "failed"
+        backend.failed_requests += 1
+        logger.warning("backend %s failed mid-response: %s", backend.name, error)
+        raise
+    finally:
+        await response.aclose()
+        backend.load.num_decoding -= 1
+        backend.load.in_flight -= 1
+        state.metrics.requests.labels(backend.name, outcome).inc()
+        _read_usage(backend, tail)
+
+
+def _read_usage(backend: Backend, tail: bytes) -> None:
+    prompt = _PROMPT_TOKENS.findall(tail)
+    cached = _CACHED_TOKENS.findall(tail)
+    if prompt:
+        backend.reported_prompt_tokens += int(prompt[-1])
+    if cached:
+        backend.reported_cached_tokens += int(cached[-1])

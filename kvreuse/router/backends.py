@@ -1,0 +1,163 @@
+"""Backend state of the router: health probes, /metrics scrapes and per-backend counters.
+
+A `BackendPool` owns one `Backend` per ``--backend`` URL. The router's own accounting (in flight,
+queued prefill tokens, decoding) is updated by the proxy as requests go and come back; KV usage and
+the prefix-cache hit rate come from the backend's ``/metrics``, scraped with each health probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvreuse.router.policy import BackendLoad
+
+logger = logging.getLogger("kvreuse.router")
+
+_METRIC_LINE = re.compile(r"^(kvreuse:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)\s*$")
+_SCRAPED = ("kvreuse:kv_cache_usage_perc", "kvreuse:num_requests_running", "kvreuse:num_requests_waiting",
+            "kvreuse:prefix_cache_hits_total", "kvreuse:prefix_cache_queries_total")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The kvreuse gauges and counters the router reads, from Prometheus text exposition."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if match and match.group(1) in _SCRAPED:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+@dataclass
+class Backend:
+    name: str  # the URL as given, without a trailing slash
+    load: BackendLoad = field(default_factory=BackendLoad)
+    capacity_blocks: int | None = None
+    model_name: str | None = None
+    max_model_len: int | None = None
+    consecutive_failures: int = 0
+    routed_requests: int = 0
+    routed_matched_tokens: int = 0  # the router's estimate of prompt tokens it sent to a warm cache
+    reported_prompt_tokens: int = 0  # from usage in the backend's replies
+    reported_cached_tokens: int = 0
+    failed_requests: int = 0
+    server_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float | None:
+        """The backend's own prefix-cache hit rate (hit tokens / looked-up tokens), all time."""
+        queries = self.server_metrics.get("kvreuse:prefix_cache_queries_total")
+        hits = self.server_metrics.get("kvreuse:prefix_cache_hits_total")
+        if not queries or hits is None:
+            return None
+        return hits / queries
+
+    def describe(self, estimated_cached_blocks: int) -> dict[str, Any]:
+        return {
+            "url": self.name, "healthy": self.load.healthy, "model": self.model_name,
+            "in_flight": self.load.in_flight, "queued_prefill_tokens": self.load.queued_prefill_tokens,
+            "decoding": self.load.num_decoding, "kv_usage": self.load.kv_usage,
+            "num_requests_running": self.server_metrics.get("kvreuse:num_requests_running"),
+            "num_requests_waiting": self.load.num_waiting,
+            "estimated_cached_blocks": estimated_cached_blocks, "capacity_blocks": self.capacity_blocks,
+            "routed_requests": self.routed_requests, "routed_matched_tokens": self.routed_matched_tokens,
+            "reported_prompt_tokens": self.reported_prompt_tokens,
+            "reported_cached_tokens": self.reported_cached_tokens, "failed_requests": self.failed_requests,
+            "hit_rate": self.hit_rate,
+        }
+
+
+class BackendPool:
+    """Probes every backend's ``/health`` each ``probe_interval_s``; calls back when one goes down or up."""
+
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, probe_interval_s: float = 1.0,
+                 probe_timeout_s: float = 2.0, on_down: Callable[[Backend], None] | None = None,
+                 on_up: Callable[[Backend], None] | None = None) -> None:
+        if not urls:
+            raise ValueError("backend: give at least one --backend URL")
+        names = [url.rstrip("/") for url in urls]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend: the same URL is given twice in {urls}")
+        for name in names:
+            if not name.startswith(("http://", "https://")):
+                raise ValueError(f"backend must be an http:// or https:// URL, got {name!r}")
+        if not probe_interval_s > 0:
+            raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s}")
+        self.backends: dict[str, Backend] = {name: Backend(name) for name in names}
+        self._client = client
+        self._probe_interval_s = probe_interval_s
+        self._probe_timeout_s = probe_timeout_s
+        self._on_down = on_down
+        self._on_up = on_up
+
+    @property
+    def loads(self) -> dict[str, BackendLoad]:
+        return {name: backend.load for name, backend in self.backends.items()}
+
+    def mark_down(self, backend: Backend, why: str) -> None:
+        if backend.load.healthy:
+            logger.warning("backend %s is down (%s): out of rotation, its index entries dropped", backend.name, why)
+            backend.load.healthy = False
+            if self._on_down is not None:
+                self._on_down(backend)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(backend) for backend in self.backends.values()))
+
+    async def probe(self, backend: Backend) -> None:
+        try:
+            response = await self._client.get(f"{backend.name}/health", timeout=self._probe_timeout_s)
+            healthy = response.status_code == 200
+            why = f"/health answered {response.status_code}"
+        except httpx.HTTPError as error:
+            healthy, why = False, f"{type(error).__name__}: {error}"
+        if not healthy:
+            backend.consecutive_failures += 1
+            self.mark_down(backend, why)
+            return
+        backend.consecutive_failures = 0
+        if backend.model_name is None:
+            await self._read_model_card(backend)
+        await self._scrape(backend)
+        if not backend.load.healthy:
+            logger.info("backend %s is back: it rejoins with an empty index", backend.name)
+            backend.load.healthy = True
+            if self._on_up is not None:
+                self._on_up(backend)
+
+    async def run_probes(self) -> None:
+        """Forever: probe every backend, sleep, repeat (cancelled at shutdown)."""
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            await self.probe_all()
+
+    async def _read_model_card(self, backend: Backend) -> None:
+        try:
+            response = await self._client.get(f"{backend.name}/v1/models", timeout=self._probe_timeout_s)
+            card = response.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return
+        backend.model_name = card.get("id")
+        backend.max_model_len = card.get("max_model_len")
+        # A server that reports its KV pool size sets the index bound (no kvreuse server does yet).
+        capacity = card.get("kv_cache_blocks") or card.get("num_gpu_blocks")
+        if isinstance(capacity, int) and capacity > 0:
+            backend.capacity_blocks = capacity
+
+    async def _scrape(self, backend: Backend) -> None:
+        try:
+            response = await self._client.get(f"{backend.name}/metrics", timeout=self._probe_timeout_s)
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200:
+            return
+        backend.server_metrics = parse_metrics(response.text)
+        backend.load.kv_usage = backend.server_metrics.get("kvreuse:kv_cache_usage_perc", 0.0)
+        backend.load.num_waiting = int(backend.server_metrics.get("kvreuse:num_requests_waiting", 0))

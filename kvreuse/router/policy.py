@@ -1,0 +1,236 @@
+"""Routing policy of ``kvreuse route``: a prefix index over the backends, a cost model and load guards.
+
+Pure Python, no HTTP and no clock of its own (``now`` is passed in), so every decision can be
+tested exactly. The index holds, per backend, the chained block keys (kvreuse.cache.hashing, the
+same keys the engines compute) of the prompts the router sent there, in an LRU bounded by that
+backend's KV capacity in blocks: the router's belief of what each backend has cached.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvreuse.cache.hashing import block_key, namespace_key
+
+POLICIES = ("cache-aware", "round-robin", "least-loaded", "session")
+
+
+def prompt_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                      adapter: str | None = None, model: str | None = None) -> list[bytes]:
+    """Chained keys of every full block of ``token_ids`` in the namespace (cache_salt, adapter, model)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    parent = namespace_key(cache_salt, adapter, model)
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_key(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """Block key -> backends believed to hold it; each backend's share is an LRU of ``capacity`` blocks."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    def add_backend(self, backend: str, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks of {backend} must be >= 1, got {capacity_blocks}")
+        self._blocks.setdefault(backend, OrderedDict())
+        self._capacity[backend] = capacity_blocks
+        self._evict(backend)
+
+    def capacity(self, backend: str) -> int:
+        return self._capacity[backend]
+
+    def num_blocks(self, backend: str) -> int:
+        return len(self._blocks.get(backend, ()))
+
+    def record(self, backend: str, keys: Sequence[bytes]) -> None:
+        """The backend computed (or reused) these blocks: they become its most recently used."""
+        blocks = self._blocks[backend]
+        for key in keys:  # head first, so the tail of a chain is the most recent and the head outlives it
+            blocks[key] = None
+            blocks.move_to_end(key)
+        self._evict(backend)
+
+    def matched_blocks(self, backend: str, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of ``keys`` the backend is believed to hold (chains: stop at the first miss)."""
+        blocks = self._blocks.get(backend)
+        if not blocks:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            count += 1
+        return count
+
+    def drop_backend(self, backend: str) -> int:
+        """Forget everything the backend held (it failed or restarted); returns how many entries went."""
+        blocks = self._blocks.get(backend)
+        if blocks is None:
+            return 0
+        dropped = len(blocks)
+        blocks.clear()
+        return dropped
+
+    def _evict(self, backend: str) -> None:
+        blocks = self._blocks[backend]
+        while len(blocks) > self._capacity[backend]:
+            blocks.popitem(last=False)
+
+
+@dataclass
+class BackendLoad:
+    """What the router knows of one backend's load (its own accounting plus the last /metrics scrape)."""
+
+    healthy: bool = True
+    in_flight: int = 0  # requests sent there and not finished
+    queued_prefill_tokens: int = 0  # uncached prompt tokens of requests whose first byte has not come back
+    num_decoding: int = 0  # requests streaming their output
+    kv_usage: float = 0.0  # kvreuse:kv_cache_usage_perc, 0..1
+    num_waiting: int = 0  # kvreuse:num_requests_waiting
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: str = "cache-aware"
+    block_size: int = 16
+    # A backend above this multiple of the mean in-flight load is skipped for this request ...
+    max_load_ratio: float = 1.25
+    # ... once it has at least this many requests in flight (else one request on an idle fleet trips it).
+    min_in_flight_for_guard: int = 2
+    max_kv_usage: float = 0.9
+    # Decode cost of one streaming request, in prompt-token equivalents of prefill work.
+    decode_cost_tokens: float = 64.0
+    session_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.max_load_ratio >= 1.0:
+            raise ValueError(f"max_load_ratio must be >= 1.0, got {self.max_load_ratio}")
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
+        if self.min_in_flight_for_guard < 0:
+            raise ValueError(f"min_in_flight_for_guard must be >= 0, got {self.min_in_flight_for_guard}")
+        if self.decode_cost_tokens < 0:
+            raise ValueError(f"decode_cost_tokens must be >= 0, got {self.decode_cost_tokens}")
+        if not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    block_keys: tuple[bytes, ...]
+    num_prompt_tokens: int
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    backend: str
+    matched_blocks: int
+    uncached_tokens: int
+    reason: str  # "cache", "session", "spill" (a guard skipped a better backend), "round-robin", "least-loaded", "fallback"
+
+
+@dataclass
+class _Session:
+    backend: str
+    expires_at: float
+
+
+@dataclass
+class Router:
+    """Chooses a backend per request; ``loads`` is read, never written, here (the proxy keeps it)."""
+
+    config: PolicyConfig
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    _sessions: dict[str, _Session] = field(default_factory=dict)
+    _round_robin: itertools.count = field(default_factory=itertools.count)
+
+    def choose(self, request: RouteRequest, loads: Mapping[str, BackendLoad], now: float,
+               exclude: Iterable[str] = ()) -> RouteDecision:
+        """The backend for ``request``; ``exclude`` holds backends that already failed it."""
+        excluded = set(exclude)
+        healthy = [name for name, load in loads.items() if load.healthy and name not in excluded]
+        if not healthy:
+            raise LookupError("no healthy backend")
+        policy = self.config.policy
+        if policy == "round-robin":
+            return self._decision(request, healthy[next(self._round_robin) % len(healthy)], "round-robin")
+        if policy == "least-loaded":
+            name = min(healthy, key=lambda n: (loads[n].in_flight, self._cost(request, n, loads[n]), n))
+            return self._decision(request, name, "least-loaded")
+        allowed = self._guarded(healthy, loads)
+        if policy == "session" and request.session_id is not None:
+            session = self._sessions.get(request.session_id)
+            if session is not None and session.expires_at > now and session.backend in allowed:
+                session.expires_at = now + self.config.session_ttl_s
+                return self._decision(request, session.backend, "session")
+        candidates = allowed or healthy  # every backend guarded: the cheapest one still serves
+        # Ties (nothing cached anywhere) go to the least loaded, then to the emptiest index (new
+        # prefixes spread over the fleet's KV), then rotate.
+        turn = next(self._round_robin)
+        order = {name: (i - turn) % len(healthy) for i, name in enumerate(healthy)}
+        name = min(candidates, key=lambda n: (self._cost(request, n, loads[n]), loads[n].in_flight,
+                                              self.index.num_blocks(n), order[n]))
+        best_anywhere = max(self.index.matched_blocks(n, request.block_keys) for n in healthy)
+        reason = "fallback" if not allowed else "cache"
+        if allowed and self.index.matched_blocks(name, request.block_keys) < best_anywhere:
+            reason = "spill"
+        if policy == "session" and request.session_id is not None:
+            self._sessions[request.session_id] = _Session(name, now + self.config.session_ttl_s)
+        return self._decision(request, name, reason)
+
+    def record_sent(self, backend: str, request: RouteRequest) -> None:
+        """The request went to ``backend``: its prompt blocks will be cached there."""
+        self.index.record(backend, request.block_keys)
+
+    def backend_failed(self, backend: str) -> int:
+        """Drop the backend's index entries and sessions; returns the index entries dropped."""
+        for session_id in [s for s, session in self._sessions.items() if session.backend == backend]:
+            del self._sessions[session_id]
+        return self.index.drop_backend(backend)
+
+    def expire_sessions(self, now: float) -> None:
+        for session_id in [s for s, session in self._sessions.items() if session.expires_at <= now]:
+            del self._sessions[session_id]
+
+    def session_backend(self, session_id: str, now: float) -> str | None:
+        session = self._sessions.get(session_id)
+        return session.backend if session is not None and session.expires_at > now else None
+
+    def _guarded(self, healthy: list[str], loads: Mapping[str, BackendLoad]) -> list[str]:
+        """Backends that pass this request's guards: not far above the mean load, KV not nearly full."""
+        mean_in_flight = sum(loads[name].in_flight for name in healthy) / len(healthy)
+        allowed = []
+        for name in healthy:
+            load = loads[name]
+            overloaded = (load.in_flight >= self.config.min_in_flight_for_guard
+                          and load.in_flight > self.config.max_load_ratio * mean_in_flight)
+            if overloaded or load.kv_usage > self.config.max_kv_usage:
+                continue
+            allowed.append(name)
+        return allowed
+
+    def _cost(self, request: RouteRequest, name: str, load: BackendLoad) -> float:
+        uncached = self._uncached_tokens(request, name)
+        return load.queued_prefill_tokens + uncached + self.config.decode_cost_tokens * load.num_decoding
+
+    def _uncached_tokens(self, request: RouteRequest, name: str) -> int:
+        matched = self.index.matched_blocks(name, request.block_keys)
+        return max(request.num_prompt_tokens - matched * self.config.block_size, 0)
+
+    def _decision(self, request: RouteRequest, name: str, reason: str) -> RouteDecision:
+        matched = self.index.matched_blocks(name, request.block_keys)
+        return RouteDecision(name, matched, self._uncached_tokens(request, name), reason)

@@ -1,0 +1,164 @@
+"""Routing policy of kvreuse.router: pure decisions, no HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.cache.hashing import extend_block_keys, namespace_key
+from kvreuse.router.policy import BackendLoad, PolicyConfig, PrefixIndex, RouteRequest, Router, prompt_block_keys
+
+BLOCK = 4
+
+
+def request_for(tokens: list[int], session_id: str | None = None, salt: str | None = None) -> RouteRequest:
+    return RouteRequest(tuple(prompt_block_keys(tokens, BLOCK, cache_salt=salt, model="m")), len(tokens), session_id)
+
+
+def fleet(router: Router, *names: str) -> dict[str, BackendLoad]:
+    for name in names:
+        router.index.add_backend(name, capacity_blocks=1000)
+    return {name: BackendLoad() for name in names}
+
+
+def route(router: Router, loads: dict[str, BackendLoad], request: RouteRequest, now: float = 0.0):
+    decision = router.choose(request, loads, now)
+    router.record_sent(decision.backend, request)
+    return decision
+
+
+def test_block_keys_match_the_engine_hashing() -> None:
+    tokens = list(range(11))
+    engine_keys: list[bytes] = []
+    extend_block_keys(engine_keys, namespace_key("salt", None, "m"), tokens, BLOCK)
+    assert prompt_block_keys(tokens, BLOCK, cache_salt="salt", model="m") == engine_keys
+    assert len(engine_keys) == 2  # the partial last block has no key
+    assert prompt_block_keys(tokens, BLOCK, cache_salt="other", model="m")[0] != engine_keys[0]
+
+
+def test_same_prefix_goes_to_the_same_backend() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b", "c")
+    prefix = list(range(100, 132))
+    first = route(router, loads, request_for(prefix + [1, 2]))
+    assert first.matched_blocks == 0
+    for tail in range(5):
+        decision = route(router, loads, request_for(prefix + [7, tail, 9]))
+        assert decision.backend == first.backend
+        assert decision.matched_blocks == len(prefix) // BLOCK
+        assert decision.reason == "cache"
+    other = route(router, loads, request_for(list(range(500, 532))))
+    assert other.backend != first.backend  # a new prefix does not pile onto the warm backend
+
+
+def test_namespaces_do_not_share_blocks() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    tokens = list(range(40))
+    route(router, loads, request_for(tokens, salt="tenant-1"))
+    assert router.choose(request_for(tokens, salt="tenant-2"), loads, 0.0).matched_blocks == 0
+
+
+def test_load_guard_spills_a_hot_prefix() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b", "c", "d")
+    hot = list(range(64))
+    first = route(router, loads, request_for(hot + [1]))
+    loads[first.backend].in_flight = 1
+    # One in flight: under the guard's minimum, the warm backend still wins.
+    assert router.choose(request_for(hot + [2]), loads, 0.0).backend == first.backend
+    loads[first.backend].in_flight = 3  # mean 0.75: 3 > 1.25 x 0.75
+    spilled = route(router, loads, request_for(hot + [3]))
+    assert spilled.backend != first.backend
+    assert spilled.reason == "spill"
+    # The second copy is now known: the next hot request goes where the hot prefix is cached and idle.
+    after = router.choose(request_for(hot + [4]), loads, 0.0)
+    assert after.backend == spilled.backend and after.matched_blocks == len(hot) // BLOCK
+
+
+def test_kv_usage_guard_skips_a_full_backend() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    tokens = list(range(32))
+    first = route(router, loads, request_for(tokens))
+    loads[first.backend].kv_usage = 0.95
+    assert router.choose(request_for(tokens + [5]), loads, 0.0).backend != first.backend
+    loads["a"].kv_usage = loads["b"].kv_usage = 0.95  # every backend guarded: still served
+    assert router.choose(request_for(tokens), loads, 0.0).reason == "fallback"
+
+
+def test_queued_prefill_work_outweighs_a_small_hit() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    tokens = list(range(8))
+    first = route(router, loads, request_for(tokens))
+    loads[first.backend].queued_prefill_tokens = 1000
+    assert router.choose(request_for(tokens + [1, 2]), loads, 0.0).backend != first.backend
+
+
+def test_index_is_an_lru_bounded_by_capacity() -> None:
+    index = PrefixIndex()
+    index.add_backend("a", capacity_blocks=4)
+    old = prompt_block_keys(list(range(12)), BLOCK)  # 3 blocks
+    new = prompt_block_keys(list(range(100, 112)), BLOCK)  # 3 blocks
+    index.record("a", old)
+    index.record("a", old[:1])  # touch the head: it outlives the older tail
+    index.record("a", new)
+    assert index.num_blocks("a") == 4
+    assert index.matched_blocks("a", new) == 3
+    assert index.matched_blocks("a", old) == 1  # only the touched head survived
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        index.add_backend("b", capacity_blocks=0)
+
+
+def test_failed_backend_loses_its_entries_and_gets_no_requests() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    tokens = list(range(40))
+    first = route(router, loads, request_for(tokens))
+    assert router.backend_failed(first.backend) == len(tokens) // BLOCK
+    loads[first.backend].healthy = False
+    decision = router.choose(request_for(tokens), loads, 0.0)
+    assert decision.backend != first.backend and decision.matched_blocks == 0
+    # It comes back: it rejoins, with an empty index.
+    loads[first.backend].healthy = True
+    assert router.index.matched_blocks(first.backend, request_for(tokens).block_keys) == 0
+    assert router.choose(request_for(tokens), loads, 0.0, exclude=[decision.backend]).backend == first.backend
+    loads["a"].healthy = loads["b"].healthy = False
+    with pytest.raises(LookupError):
+        router.choose(request_for(tokens), loads, 0.0)
+
+
+def test_session_stickiness_and_ttl() -> None:
+    router = Router(PolicyConfig(policy="session", block_size=BLOCK, session_ttl_s=10.0))
+    loads = fleet(router, "a", "b", "c")
+    first = route(router, loads, request_for(list(range(16)), session_id="s1"), now=0.0)
+    # Unrelated prompts in the same session stay on its backend, and each use renews the TTL.
+    for step, start in enumerate((200, 300, 400), start=1):
+        decision = route(router, loads, request_for(list(range(start, start + 16)), session_id="s1"), now=8.0 * step)
+        assert decision.backend == first.backend and decision.reason == "session"
+    assert router.session_backend("s1", now=24.0 + 9.9) == first.backend
+    assert router.session_backend("s1", now=24.0 + 10.0) is None  # expired
+    router.expire_sessions(now=100.0)
+    assert router._sessions == {}
+    # A failed backend ends its sessions.
+    sticky = route(router, loads, request_for(list(range(16)), session_id="s2"), now=200.0)
+    router.backend_failed(sticky.backend)
+    assert router.session_backend("s2", now=200.0) is None
+
+
+def test_round_robin_and_least_loaded() -> None:
+    router = Router(PolicyConfig(policy="round-robin", block_size=BLOCK))
+    loads = fleet(router, "a", "b", "c")
+    tokens = list(range(32))
+    assert [route(router, loads, request_for(tokens)).backend for _ in range(6)] == ["a", "b", "c"] * 2
+    least = Router(PolicyConfig(policy="least-loaded", block_size=BLOCK))
+    fleet(least, "a", "b", "c")
+    loads["a"].in_flight, loads["b"].in_flight, loads["c"].in_flight = 3, 1, 2
+    assert least.choose(request_for(tokens), loads, 0.0).backend == "b"
+
+
+@pytest.mark.parametrize("field, value", [("policy", "random"), ("max_load_ratio", 0.5), ("max_kv_usage", 0.0),
+                                          ("block_size", 0), ("session_ttl_s", 0.0)])
+def test_bad_config_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(**{field: value})
