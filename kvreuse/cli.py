@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvreuse.router import add_route_parser
 
     add_route_parser(commands)
+    from kvreuse.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     configure_logging(args.debug)
     if args.command == "serve":
@@ -87,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:  # bad options: one clear line, no traceback
             print(f"kvreuse serve: error: {error}", file=sys.stderr)
             return 2
+    if args.command == "bench":
+        from kvreuse.bench.cli import run_bench
+
+        return run_bench(args)
     if args.command == "route":
         from kvreuse.router import run_route
 
