@@ -101,6 +101,9 @@ def test_shared_prefix_lands_on_one_backend_and_hits(router: str) -> None:
     warm = next(url for url, count in delta.items() if count == 5)
     state = backends_state(router)[warm]
     assert state["estimated_cached_blocks"] >= 10
+    # The index share of each backend is bounded by the KV pool the backend reports.
+    card = httpx.get(f"{warm}/v1/models", timeout=10).json()["data"][0]
+    assert state["capacity_blocks"] == card["kv_cache_blocks"] > 0
     assert state["reported_cached_tokens"] >= sum(cached)
     # A chat request with the same system prompt twice: the router's tokenizer keys match the engine's.
     messages = [{"role": "system", "content": words("system", 100)}, {"role": "user", "content": "hello"}]
@@ -140,11 +143,18 @@ def test_hot_prefix_spreads_once_the_guard_trips(router: str) -> None:
 
 def test_killing_a_backend_loses_no_request_and_it_rejoins(router: str, servers: list[RunningServer],
                                                            tiny_model: Path, tmp_path: Path) -> None:
-    victim = servers[2]
     prompts = [f"{words('load', 60)} {i % 4} request {i}" for i in range(32)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(completion, router, prompt, 32) for prompt in prompts]
-        time.sleep(0.3)
+        # The victim is the backend with the most requests in flight (the policy decides where they go).
+        deadline = time.monotonic() + 10
+        while True:
+            in_flight = {url: b["in_flight"] for url, b in backends_state(router).items()}
+            if max(in_flight.values()) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        victim_index = next(i for i, s in enumerate(servers) if s.base_url == max(in_flight, key=in_flight.get))
+        victim = servers[victim_index]
         victim.process.kill()  # no drain: requests in flight there see their connection drop
         replies = [future.result() for future in futures]
     assert [reply.status_code for reply in replies] == [200] * len(prompts), [r.text for r in replies if r.status_code != 200]
@@ -158,7 +168,7 @@ def test_killing_a_backend_loses_no_request_and_it_rejoins(router: str, servers:
     # It comes back on the same port and rejoins.
     port = int(victim.base_url.rsplit(":", 1)[1])
     restarted = start_server_on_port(tiny_model, tmp_path / "restarted.log", port)
-    servers[2] = restarted
+    servers[victim_index] = restarted
     deadline = time.monotonic() + 10
     while not backends_state(router)[victim.base_url]["healthy"]:
         assert time.monotonic() < deadline, "the restarted backend did not rejoin"

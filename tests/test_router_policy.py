@@ -75,6 +75,55 @@ def test_load_guard_spills_a_hot_prefix() -> None:
     assert after.backend == spilled.backend and after.matched_blocks == len(hot) // BLOCK
 
 
+def test_load_guard_keeps_a_hit_when_other_prefixes_load_the_backend() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b", "c", "d")
+    warm, other = list(range(64)), list(range(1000, 1064))
+    home = route(router, loads, request_for(warm + [1])).backend
+    for i in range(4):  # a second group lives there too, and it is hot
+        router.record_sent(home, request_for(other + [i]))
+    for name, load in loads.items():
+        load.in_flight = 5 if name == home else 1  # mean 2: over 1.25 x the mean, one of five shares `warm`
+    assert router.in_flight_sharing(home, request_for(warm + [2])) == 1
+    decision = router.choose(request_for(warm + [2]), loads, 0.0)
+    assert decision.backend == home and decision.reason == "cache"
+    # A request of the group that does load it is spilled; a cold prompt avoids it too.
+    assert router.in_flight_sharing(home, request_for(other + [3])) == 4
+    assert router.choose(request_for(other + [3]), loads, 0.0).backend != home
+    assert router.choose(request_for(list(range(5000, 5064))), loads, 0.0).backend != home
+
+
+def test_finished_requests_stop_counting_as_sharing() -> None:
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    hot = list(range(32))
+    requests = [request_for(hot + [i]) for i in range(3)]
+    home = route(router, loads, requests[0]).backend
+    for request in requests[1:]:
+        router.record_sent(home, request)
+    assert router.in_flight_sharing(home, requests[0]) == 3
+    for request in requests:
+        router.record_finished(home, request)
+    assert router.in_flight_sharing(home, requests[0]) == 0
+    assert router.index.matched_blocks(home, requests[0].block_keys) == len(hot) // BLOCK  # still cached
+    loads[home].in_flight = 3  # load from elsewhere: the hit stays
+    assert router.choose(requests[0], loads, 0.0).backend == home
+
+
+def test_a_prefix_being_prefilled_draws_its_group_rather_than_an_idle_backend() -> None:
+    # The first request of a group is still in prefill on its backend (its uncached tokens queued
+    # there); a second one of the group waits for it there instead of computing the prefix again.
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    prefix = list(range(512))
+    home = route(router, loads, request_for(prefix + [1])).backend
+    loads[home].in_flight, loads[home].queued_prefill_tokens = 1, 513
+    assert router.choose(request_for(prefix + [2]), loads, 0.0).backend == home
+    # With misses weighed like queued work, the idle backend looks (slightly) cheaper.
+    plain = Router(PolicyConfig(block_size=BLOCK, miss_cost_weight=1.0), index=router.index)
+    assert plain.choose(request_for(prefix + [2]), loads, 0.0).backend != home
+
+
 def test_kv_usage_guard_skips_a_full_backend() -> None:
     router = Router(PolicyConfig(block_size=BLOCK))
     loads = fleet(router, "a", "b")
@@ -158,7 +207,8 @@ def test_round_robin_and_least_loaded() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("policy", "random"), ("max_load_ratio", 0.5), ("max_kv_usage", 0.0),
-                                          ("block_size", 0), ("session_ttl_s", 0.0)])
+                                          ("block_size", 0), ("session_ttl_s", 0.0),
+                                          ("miss_cost_weight", 0.5)])
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})

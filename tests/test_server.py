@@ -111,6 +111,7 @@ def test_models_and_auth(server: RunningServer, client: openai.OpenAI):
     assert [model.id for model in models.data] == [MODEL_NAME]
     raw = httpx.get(f"{server.base_url}/v1/models", headers=auth(KEY_B)).json()["data"][0]
     assert raw["max_model_len"] == MAX_MODEL_LEN and raw["root"] and raw["object"] == "model"
+    assert raw["kv_block_size"] == 16 and raw["kv_cache_blocks"] * 16 >= MAX_MODEL_LEN  # the router reads these
     for headers in ({}, auth("wrong-key"), {"Authorization": KEY_A}):
         response = httpx.get(f"{server.base_url}/v1/models", headers=headers)
         assert response.status_code == 401

@@ -114,6 +114,7 @@ class RouterState:
                                                                       max_keepalive_connections=100))
         self.router = Router(config.policy)
         self.pool = BackendPool(list(config.backends), self.client, probe_interval_s=config.probe_interval_s,
+                                block_size=config.policy.block_size,
                                 on_down=self._backend_down, on_up=self._backend_up)
         for name in self.pool.backends:
             self.router.index.add_backend(name, config.default_capacity_blocks)
@@ -291,12 +292,22 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
         load = backend.load
         load.in_flight += 1
         load.queued_prefill_tokens += decision.uncached_tokens
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("route %s: %s (%s), %d of %d blocks cached there, loads %s", path, backend.name,
+                         decision.reason, decision.matched_blocks, len(route.block_keys),
+                         {b.name: (b.load.in_flight, b.load.queued_prefill_tokens, b.load.num_decoding)
+                          for b in state.pool.backends.values()})
+        if routed:
+            # Recorded now, not when the reply starts: a server sends its headers with the first token,
+            # and requests sharing this prefix that arrive during its prefill must find it here.
+            state.router.record_sent(backend.name, route)
         try:
             upstream = state.client.build_request(request.method, backend.name + path + query, content=body,
                                                   headers=_forward_headers(request))
             response = await state.client.send(upstream, stream=True)
         except httpx.TransportError as error:
             load.in_flight -= 1
+            state.router.record_finished(backend.name, route)
             load.queued_prefill_tokens -= decision.uncached_tokens
             backend.failed_requests += 1
             if isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
@@ -306,6 +317,7 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
             continue
         except BaseException:
             load.in_flight -= 1
+            state.router.record_finished(backend.name, route)
             load.queued_prefill_tokens -= decision.uncached_tokens
             raise
         load.queued_prefill_tokens -= decision.uncached_tokens
@@ -313,6 +325,7 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
             content = await response.aread()
             await response.aclose()
             load.in_flight -= 1
+            state.router.record_finished(backend.name, route)
             state.metrics.retries.labels(str(response.status_code)).inc()
             last_reply = (response.status_code, content, _reply_headers(response))
             excluded.add(backend.name)
@@ -321,7 +334,7 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
             _count_routed(state, backend, decision, route)
         outcome = "ok" if response.status_code < 400 else "error_status"
         load.num_decoding += 1
-        return StreamingResponse(_pass_through(state, backend, response, outcome), status_code=response.status_code,
+        return StreamingResponse(_pass_through(state, backend, route, response, outcome), status_code=response.status_code,
                                  headers=_reply_headers(response))
     state.metrics.requests.labels("", "no_backend").inc()
     if last_reply is not None:
@@ -332,7 +345,6 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
 
 
 def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision, route: RouteRequest) -> None:
-    state.router.record_sent(backend.name, route)
     matched_tokens = min(decision.matched_blocks * state.config.policy.block_size, route.num_prompt_tokens)
     backend.routed_requests += 1
     backend.routed_matched_tokens += matched_tokens
@@ -341,7 +353,7 @@ def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision,
     state.metrics.matched_tokens.labels(backend.name).inc(matched_tokens)
 
 
-async def _pass_through(state: RouterState, backend: Backend, response: httpx.Response,
+async def _pass_through(state: RouterState, backend: Backend, route: RouteRequest, response: httpx.Response,
                         outcome: str) -> AsyncIterator[bytes]:
     tail = b""
     try:
@@ -358,6 +370,7 @@ async def _pass_through(state: RouterState, backend: Backend, response: httpx.Re
         await response.aclose()
         backend.load.num_decoding -= 1
         backend.load.in_flight -= 1
+        state.router.record_finished(backend.name, route)
         state.metrics.requests.labels(backend.name, outcome).inc()
         _read_usage(backend, tail)
 

@@ -79,7 +79,7 @@ class BackendPool:
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, probe_interval_s: float = 1.0,
                  probe_timeout_s: float = 2.0, on_down: Callable[[Backend], None] | None = None,
-                 on_up: Callable[[Backend], None] | None = None) -> None:
+                 on_up: Callable[[Backend], None] | None = None, block_size: int = 16) -> None:
         if not urls:
             raise ValueError("backend: give at least one --backend URL")
         names = [url.rstrip("/") for url in urls]
@@ -92,6 +92,7 @@ class BackendPool:
             raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s}")
         self.backends: dict[str, Backend] = {name: Backend(name) for name in names}
         self._client = client
+        self._block_size = block_size
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._on_down = on_down
@@ -146,10 +147,15 @@ class BackendPool:
             return
         backend.model_name = card.get("id")
         backend.max_model_len = card.get("max_model_len")
-        # A server that reports its KV pool size sets the index bound (no kvreuse server does yet).
+        # A server that reports its KV pool size (kvreuse does) sets the bound of its share of the index.
         capacity = card.get("kv_cache_blocks") or card.get("num_gpu_blocks")
         if isinstance(capacity, int) and capacity > 0:
             backend.capacity_blocks = capacity
+        block_size = card.get("kv_block_size")
+        if isinstance(block_size, int) and block_size != self._block_size:
+            logger.warning("backend %s caches blocks of %d tokens, the router hashes blocks of %d "
+                           "(--block-size): its prefix matches will be off", backend.name, block_size,
+                           self._block_size)
 
     async def _scrape(self, backend: Backend) -> None:
         try:

@@ -31,6 +31,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-kv-usage", type=float, default=0.9, help="skip a backend above this KV usage (0..1)")
     parser.add_argument("--decode-cost-tokens", type=float, default=64.0,
                         help="cost of one decoding request, in prompt tokens of prefill work")
+    parser.add_argument("--miss-cost-weight", type=float, default=2.0,
+                        help="weight of the uncached tokens in a backend's cost against its queued prefill "
+                             "work (>= 1; higher keeps a prefix on fewer backends)")
     parser.add_argument("--session-ttl", type=float, default=600.0, help="seconds a session stays sticky")
     parser.add_argument("--max-retries", type=int, default=2,
                         help="retries on another backend before the first byte (connection error, 429, 502-504)")
@@ -57,7 +60,8 @@ def run_route(args: argparse.Namespace) -> int:
     try:
         policy = PolicyConfig(policy=args.policy, block_size=args.block_size, max_load_ratio=args.max_load_ratio,
                               min_in_flight_for_guard=args.min_in_flight_for_guard, max_kv_usage=args.max_kv_usage,
-                              decode_cost_tokens=args.decode_cost_tokens, session_ttl_s=args.session_ttl)
+                              decode_cost_tokens=args.decode_cost_tokens,
+                              miss_cost_weight=args.miss_cost_weight, session_ttl_s=args.session_ttl)
         config = RouterConfig(backends=tuple(args.backend), policy=policy, tokenizer=args.tokenizer,
                               default_capacity_blocks=args.backend_capacity_blocks, max_retries=args.max_retries,
                               retry_backoff_s=args.retry_backoff,

@@ -9,7 +9,7 @@ backend's KV capacity in blocks: the router's belief of what each backend has ca
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +109,11 @@ class PolicyConfig:
     max_kv_usage: float = 0.9
     # Decode cost of one streaming request, in prompt-token equivalents of prefill work.
     decode_cost_tokens: float = 64.0
+    # Uncached tokens count this many times in the cost: the request waits for them like for queued
+    # work, and on top of that they put a second copy of the prefix into the fleet's KV and lengthen
+    # the queue of every later request on that backend. With 1, a request whose prefix is still being
+    # prefilled on backend A goes to an idle backend B and computes the whole prefix again.
+    miss_cost_weight: float = 2.0
     session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -122,6 +127,8 @@ class PolicyConfig:
             raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
         if self.min_in_flight_for_guard < 0:
             raise ValueError(f"min_in_flight_for_guard must be >= 0, got {self.min_in_flight_for_guard}")
+        if not self.miss_cost_weight >= 1.0:
+            raise ValueError(f"miss_cost_weight must be >= 1.0, got {self.miss_cost_weight}")
         if self.decode_cost_tokens < 0:
             raise ValueError(f"decode_cost_tokens must be >= 0, got {self.decode_cost_tokens}")
         if not self.session_ttl_s > 0:
@@ -157,6 +164,8 @@ class Router:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     _sessions: dict[str, _Session] = field(default_factory=dict)
     _round_robin: itertools.count = field(default_factory=itertools.count)
+    # backend -> block key -> requests in flight there whose prompt holds that block
+    _in_flight_blocks: dict[str, Counter[bytes]] = field(default_factory=dict)
 
     def choose(self, request: RouteRequest, loads: Mapping[str, BackendLoad], now: float,
                exclude: Iterable[str] = ()) -> RouteDecision:
@@ -171,7 +180,7 @@ class Router:
         if policy == "least-loaded":
             name = min(healthy, key=lambda n: (loads[n].in_flight, self._cost(request, n, loads[n]), n))
             return self._decision(request, name, "least-loaded")
-        allowed = self._guarded(healthy, loads)
+        allowed = self._guarded(request, healthy, loads)
         if policy == "session" and request.session_id is not None:
             session = self._sessions.get(request.session_id)
             if session is not None and session.expires_at > now and session.backend in allowed:
@@ -193,8 +202,26 @@ class Router:
         return self._decision(request, name, reason)
 
     def record_sent(self, backend: str, request: RouteRequest) -> None:
-        """The request went to ``backend``: its prompt blocks will be cached there."""
+        """The request went to ``backend``: its prompt blocks will be cached there; it is in flight until
+        ``record_finished``."""
         self.index.record(backend, request.block_keys)
+        self._in_flight_blocks.setdefault(backend, Counter()).update(request.block_keys)
+
+    def record_finished(self, backend: str, request: RouteRequest) -> None:
+        """A request ``record_sent`` to ``backend`` finished, failed or was cancelled."""
+        counts = self._in_flight_blocks.get(backend)
+        if counts is not None:
+            counts.subtract(request.block_keys)
+            for key in request.block_keys:
+                if counts[key] <= 0:
+                    del counts[key]
+
+    def in_flight_sharing(self, backend: str, request: RouteRequest) -> int:
+        """Requests in flight on ``backend`` that share the part of this prompt it is believed to hold."""
+        matched = self.index.matched_blocks(backend, request.block_keys)
+        if matched == 0:
+            return 0
+        return self._in_flight_blocks.get(backend, Counter())[request.block_keys[matched - 1]]
 
     def backend_failed(self, backend: str) -> int:
         """Drop the backend's index entries and sessions; returns the index entries dropped."""
@@ -210,14 +237,23 @@ class Router:
         session = self._sessions.get(session_id)
         return session.backend if session is not None and session.expires_at > now else None
 
-    def _guarded(self, healthy: list[str], loads: Mapping[str, BackendLoad]) -> list[str]:
-        """Backends that pass this request's guards: not far above the mean load, KV not nearly full."""
+    def _guarded(self, request: RouteRequest, healthy: list[str], loads: Mapping[str, BackendLoad]) -> list[str]:
+        """Backends that pass this request's guards: not far above the mean load because of this
+        request's prefix, KV not nearly full."""
+        config = self.config
         mean_in_flight = sum(loads[name].in_flight for name in healthy) / len(healthy)
         allowed = []
         for name in healthy:
             load = loads[name]
-            overloaded = (load.in_flight >= self.config.min_in_flight_for_guard
-                          and load.in_flight > self.config.max_load_ratio * mean_in_flight)
+            overloaded = (load.in_flight >= config.min_in_flight_for_guard
+                          and load.in_flight > config.max_load_ratio * mean_in_flight)
+            if overloaded and self.index.matched_blocks(name, request.block_keys) > 0:
+                # A hit there: skip the backend only when the requests sharing this hit are by
+                # themselves above the limit, i.e. the prefix is hot and moving this request moves that
+                # excess. Above the mean for unrelated reasons (two warm groups' requests arriving
+                # together), it keeps the hit: spilling would compute the prefix a second time to
+                # even out a momentary imbalance.
+                overloaded = self.in_flight_sharing(name, request) >= config.max_load_ratio * mean_in_flight
             if overloaded or load.kv_usage > self.config.max_kv_usage:
                 continue
             allowed.append(name)
@@ -225,7 +261,8 @@ class Router:
 
     def _cost(self, request: RouteRequest, name: str, load: BackendLoad) -> float:
         uncached = self._uncached_tokens(request, name)
-        return load.queued_prefill_tokens + uncached + self.config.decode_cost_tokens * load.num_decoding
+        return (load.queued_prefill_tokens + self.config.miss_cost_weight * uncached
+                + self.config.decode_cost_tokens * load.num_decoding)
 
     def _uncached_tokens(self, request: RouteRequest, name: str) -> int:
         matched = self.index.matched_blocks(name, request.block_keys)

@@ -334,7 +334,10 @@ def completion_logprobs(
              "text_offset": offsets}, text_offset)
 
 
-def model_card(model_id: str, root: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """A /v1/models entry with the ``root`` and ``max_model_len`` fields vLLM clients read."""
+def model_card(model_id: str, root: str, created: int, max_model_len: int, kv_cache_blocks: int,
+               kv_block_size: int) -> dict[str, Any]:
+    """A /v1/models entry with the ``root`` and ``max_model_len`` fields vLLM clients read, plus the KV
+    pool's size (blocks of ``kv_block_size`` tokens) that ``kvreuse route`` bounds its index with."""
     return {"id": model_id, "object": "model", "created": created, "owned_by": "kvreuse", "root": root,
-            "parent": None, "max_model_len": max_model_len, "permission": []}
+            "parent": None, "max_model_len": max_model_len, "permission": [],
+            "kv_cache_blocks": kv_cache_blocks, "kv_block_size": kv_block_size}
