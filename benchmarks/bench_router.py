@@ -6,7 +6,7 @@ policy. Every backend's prefix cache is reset before each run. Reported per run:
 rate (cached / prompt tokens, from each reply's usage), TTFT p50 / p90 as the client measures it,
 and max / mean requests per backend (from the router's /backends).
 
-    python benchmarks/bench_router.py --preset smollm2-135m --dtype bfloat16
+    python benchmarks/bench_router.py --model models/smollm2-135m-v2384 --dtype bfloat16 --temperature 1
     python benchmarks/bench_router.py --preset tiny --dtype float32
 """
 
@@ -82,7 +82,8 @@ def run_workload(url: str, requests: Any, tokenizer: Any, args: argparse.Namespa
     from kvreuse.bench.client import ClientConfig, LoadClient
 
     config = ClientConfig(base_url=url, model=MODEL_NAME, request_rate=args.request_rate,
-                          max_concurrency=args.max_concurrency, seed=args.seed, progress=False)
+                          max_concurrency=args.max_concurrency, seed=args.seed, progress=False,
+                          temperature=args.temperature)
     return LoadClient(config, tokenizer).run(requests).results
 
 
@@ -112,6 +113,7 @@ def routed_counts(router_url: str) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="smollm2-135m")
+    parser.add_argument("--model", default=None, help="a model folder (instead of the preset's)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-backends", type=int, default=4)
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="1 on random weights whose greedy output can be text-less bytes (no chunk to time)")
     parser.add_argument("--router-args", default="", help="extra router options, e.g. '--min-in-flight-for-guard 4'")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvreuse.models.make import ensure_model
     from kvreuse.tokenizer import Tokenizer
 
-    model_dir = ensure_model(args.preset, dtype=args.dtype)
+    model_dir = Path(args.model) if args.model else ensure_model(args.preset, dtype=args.dtype)
     tokenizer = Tokenizer(model_dir)
     options = {
         "shared-prefix": SharedPrefixOptions(num_groups=args.num_groups, prompts_per_group=args.prompts_per_group,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import namespace_key
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.manager import CacheStats, KVCacheManager
@@ -158,7 +159,9 @@ class LLMEngine:
             device=self.device,
         )
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device)
-        self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
+        self.kv_events = KVEventLog()
+        self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
         self.sampler = Sampler()

@@ -104,6 +104,17 @@ def test_shared_prefix_lands_on_one_backend_and_hits(router: str) -> None:
     # The index share of each backend is bounded by the KV pool the backend reports.
     card = httpx.get(f"{warm}/v1/models", timeout=10).json()["data"][0]
     assert state["capacity_blocks"] == card["kv_cache_blocks"] > 0
+    # The backend's KV events reach the router: a reset there empties the router's view of it.
+    deadline = time.monotonic() + 10
+    while backends_state(router)[warm]["kv_events_applied"] < 10:
+        assert time.monotonic() < deadline, backends_state(router)[warm]
+        time.sleep(0.1)
+    assert backends_state(router)[warm]["kv_events"] == "live"
+    assert httpx.post(f"{warm}/reset_prefix_cache", timeout=10).json()["freed_blocks"] >= 10
+    while backends_state(router)[warm]["estimated_cached_blocks"] > 0:
+        assert time.monotonic() < deadline, backends_state(router)[warm]
+        time.sleep(0.1)
+    assert completion(router, f"{prefix} question again?").json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert state["reported_cached_tokens"] >= sum(cached)
     # A chat request with the same system prompt twice: the router's tokenizer keys match the engine's.
     messages = [{"role": "system", "content": words("system", 100)}, {"role": "user", "content": "hello"}]

@@ -447,8 +447,19 @@ def test_tokenize_detokenize_and_reset_prefix_cache(server: RunningServer, llm: 
     chat_cached_tokens(server, KEY_A, "q", system, None)
     assert chat_cached_tokens(server, KEY_A, "q", system, None) > HIT_FLOOR
     assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401
+    events_url = f"{server.base_url}/v1/cache/events"
+    before = httpx.get(events_url, headers=auth(), params={"limit": 1}).json()
+    assert before["last_seq"] > 0 and before["block_size"] == 16 and before["lost"] == 0
+    assert before["events"][0]["seq"] == 1 and before["events"][0]["type"] == "stored" and before["next_after"] == 1
     reset = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=auth())
     assert reset.status_code == 200 and reset.json()["freed_blocks"] > 0
+    since = httpx.get(events_url, headers=auth(), params={"after": before["last_seq"]}).json()
+    assert sum(event["type"] == "removed" for event in since["events"]) == reset.json()["freed_blocks"]
+    assert httpx.get(events_url).status_code == 401
+    for params, field in (({"after": "x"}, "after"), ({"after": -1}, "after"), ({"limit": 0}, "limit"),
+                          ({"limit": 100000}, "limit")):
+        bad = httpx.get(events_url, headers=auth(), params=params)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
     assert chat_cached_tokens(server, KEY_A, "q", system, None) == 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvreuse.cache.blocks import BlockPool
+from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import extend_block_keys
 from kvreuse.cache.prefix import EMPTY_MATCH, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.request import Request
@@ -42,11 +43,12 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.index = PrefixIndex(self.pool, block_size)
+        self.index = PrefixIndex(self.pool, block_size, events)
         self.query_tokens = 0
         self.hit_tokens = 0
         self._copies: list[BlockCopy] = []

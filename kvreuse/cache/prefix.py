@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvreuse.cache.blocks import BlockPool
+from kvreuse.cache.events import KVEventLog
 
 
 @dataclass(eq=False)
@@ -73,9 +74,10 @@ EMPTY_MATCH = PrefixMatch([], None, 0)
 
 
 class PrefixIndex:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, events: KVEventLog | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.events = events  # told of every block stored and removed (for routers); None: nobody listens
         self.roots: dict[bytes, CacheNode] = {}
         self.num_cached_blocks = 0
         self.num_evicted_blocks = 0
@@ -183,6 +185,8 @@ class PrefixIndex:
         self._node_of_block[block_id] = node
         self.num_cached_blocks += 1
         self._maybe_push_candidate(node)
+        if self.events is not None:
+            self.events.stored(key)
         return node
 
     def release(self, nodes: Sequence[CacheNode]) -> None:
@@ -243,6 +247,8 @@ class PrefixIndex:
         self.pool.mark_evicted(node.block_id)
         self.num_cached_blocks -= 1
         self.num_evicted_blocks += 1
+        if self.events is not None:
+            self.events.removed(node.key)
         if parent.is_root:
             if not parent.children:
                 del self.roots[parent.key]

@@ -51,6 +51,8 @@ class RouterConfig:
     retry_backoff_s: float = 0.05
     probe_interval_s: float = 1.0
     request_timeout_s: float = 600.0
+    kv_events: bool = True  # follow the backends' GET /v1/cache/events where they publish them
+    backend_api_key: str | None = None  # for the router's own calls to the backends
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -115,7 +117,9 @@ class RouterState:
         self.router = Router(config.policy)
         self.pool = BackendPool(list(config.backends), self.client, probe_interval_s=config.probe_interval_s,
                                 block_size=config.policy.block_size,
-                                on_down=self._backend_down, on_up=self._backend_up)
+                                on_down=self._backend_down, on_up=self._backend_up,
+                                on_kv_events=self._apply_kv_events if config.kv_events else None,
+                                on_kv_reset=self._backend_restarted, api_key=config.backend_api_key)
         for name in self.pool.backends:
             self.router.index.add_backend(name, config.default_capacity_blocks)
         self.tokenizer = None
@@ -128,6 +132,17 @@ class RouterState:
     def _backend_down(self, backend: Backend) -> None:
         dropped = self.router.backend_failed(backend.name)
         logger.info("dropped %d index entries of %s", dropped, backend.name)
+
+    def _apply_kv_events(self, backend: Backend, events: list[tuple[str, bytes]]) -> None:
+        index = self.router.index
+        for kind, key in events:
+            if kind == "stored":
+                index.record(backend.name, (key,))
+            elif kind == "removed":
+                index.remove(backend.name, key)
+
+    def _backend_restarted(self, backend: Backend) -> None:
+        self.router.backend_failed(backend.name)
 
     def _backend_up(self, backend: Backend) -> None:
         self.router.backend_failed(backend.name)  # whatever it held before may be gone (restart)

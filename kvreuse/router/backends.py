@@ -35,6 +35,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+KV_EVENT_PAGES_PER_PROBE = 8  # pages of KV events (4,096 each) one probe applies before it yields
+
+
 @dataclass
 class Backend:
     name: str  # the URL as given, without a trailing slash
@@ -49,6 +52,13 @@ class Backend:
     reported_cached_tokens: int = 0
     failed_requests: int = 0
     server_metrics: dict[str, float] = field(default_factory=dict)
+    # KV events (GET /v1/cache/events): "live" while the index follows them, "unavailable" when the
+    # server has none (the index is the router's own guess), "lost" after a gap in the sequence.
+    kv_events: str = "unknown"
+    kv_events_epoch: str | None = None
+    kv_events_after: int = 0
+    kv_events_applied: int = 0
+    kv_events_lost: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -70,7 +80,8 @@ class Backend:
             "routed_requests": self.routed_requests, "routed_matched_tokens": self.routed_matched_tokens,
             "reported_prompt_tokens": self.reported_prompt_tokens,
             "reported_cached_tokens": self.reported_cached_tokens, "failed_requests": self.failed_requests,
-            "hit_rate": self.hit_rate,
+            "hit_rate": self.hit_rate, "kv_events": self.kv_events, "kv_events_applied": self.kv_events_applied,
+            "kv_events_lost": self.kv_events_lost,
         }
 
 
@@ -79,7 +90,9 @@ class BackendPool:
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, probe_interval_s: float = 1.0,
                  probe_timeout_s: float = 2.0, on_down: Callable[[Backend], None] | None = None,
-                 on_up: Callable[[Backend], None] | None = None, block_size: int = 16) -> None:
+                 on_up: Callable[[Backend], None] | None = None, block_size: int = 16,
+                 on_kv_events: Callable[[Backend, list[tuple[str, bytes]]], None] | None = None,
+                 on_kv_reset: Callable[[Backend], None] | None = None, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("backend: give at least one --backend URL")
         names = [url.rstrip("/") for url in urls]
@@ -93,6 +106,10 @@ class BackendPool:
         self.backends: dict[str, Backend] = {name: Backend(name) for name in names}
         self._client = client
         self._block_size = block_size
+        self._on_kv_events = on_kv_events
+        self._on_kv_reset = on_kv_reset
+        # The router's own calls (model card, KV events) carry this key; requests carry the client's.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._on_down = on_down
@@ -127,6 +144,8 @@ class BackendPool:
         if backend.model_name is None:
             await self._read_model_card(backend)
         await self._scrape(backend)
+        if self._on_kv_events is not None and backend.kv_events != "unavailable":
+            await self._read_kv_events(backend)
         if not backend.load.healthy:
             logger.info("backend %s is back: it rejoins with an empty index", backend.name)
             backend.load.healthy = True
@@ -141,7 +160,8 @@ class BackendPool:
 
     async def _read_model_card(self, backend: Backend) -> None:
         try:
-            response = await self._client.get(f"{backend.name}/v1/models", timeout=self._probe_timeout_s)
+            response = await self._client.get(f"{backend.name}/v1/models", timeout=self._probe_timeout_s,
+                                              headers=self._headers)
             card = response.json()["data"][0]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             return
@@ -156,6 +176,48 @@ class BackendPool:
             logger.warning("backend %s caches blocks of %d tokens, the router hashes blocks of %d "
                            "(--block-size): its prefix matches will be off", backend.name, block_size,
                            self._block_size)
+
+    async def _read_kv_events(self, backend: Backend) -> None:
+        """Apply the backend's KV events since the last read (a few pages at most per probe)."""
+        for _ in range(KV_EVENT_PAGES_PER_PROBE):
+            try:
+                response = await self._client.get(f"{backend.name}/v1/cache/events", headers=self._headers,
+                                                  params={"after": backend.kv_events_after},
+                                                  timeout=self._probe_timeout_s)
+            except httpx.HTTPError:
+                return  # the health probe decides about the backend; the index keeps its guesses
+            if response.status_code in (404, 405):
+                logger.info("backend %s publishes no KV events: the router estimates its cache", backend.name)
+                backend.kv_events = "unavailable"
+                return
+            try:
+                page = response.json()
+                epoch, events = page["epoch"], page["events"]
+                next_after, lost = int(page["next_after"]), int(page["lost"])
+                decoded = [(event["type"], bytes.fromhex(event["key"])) for event in events]
+            except (ValueError, KeyError, TypeError):
+                logger.warning("backend %s: unreadable KV events (HTTP %d)", backend.name, response.status_code)
+                return
+            if epoch != backend.kv_events_epoch:
+                if backend.kv_events_epoch is not None:
+                    # The server restarted: its cache is empty, whatever the index believed.
+                    logger.info("backend %s restarted (new KV event epoch): its index entries dropped",
+                                backend.name)
+                    if self._on_kv_reset is not None:
+                        self._on_kv_reset(backend)
+                backend.kv_events_epoch, backend.kv_events_after = epoch, 0
+                continue
+            if lost:
+                backend.kv_events_lost += lost
+                logger.warning("backend %s: %d KV events lost (the router fell behind); its index is a "
+                               "guess until the evicted blocks age out", backend.name, lost)
+            backend.kv_events = "lost" if backend.kv_events_lost else "live"
+            if decoded and self._on_kv_events is not None:
+                self._on_kv_events(backend, decoded)
+                backend.kv_events_applied += len(decoded)
+            backend.kv_events_after = next_after
+            if not decoded:
+                return
 
     async def _scrape(self, backend: Backend) -> None:
         try:

@@ -39,6 +39,11 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retries on another backend before the first byte (connection error, 429, 502-504)")
     parser.add_argument("--retry-backoff", type=float, default=0.05,
                         help="seconds before the first retry, doubled for the next")
+    parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="follow each backend's stored / removed block events (GET /v1/cache/events) so "
+                             "the index holds what the backend holds; without them it is the router's guess")
+    parser.add_argument("--backend-api-key", default=None,
+                        help="API key for the router's own calls to the backends (model card, KV events)")
     parser.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     parser.add_argument("--access-log", action="store_true")
     parser.add_argument("--debug", action="store_true")
@@ -65,7 +70,8 @@ def run_route(args: argparse.Namespace) -> int:
         config = RouterConfig(backends=tuple(args.backend), policy=policy, tokenizer=args.tokenizer,
                               default_capacity_blocks=args.backend_capacity_blocks, max_retries=args.max_retries,
                               retry_backoff_s=args.retry_backoff,
-                              probe_interval_s=args.probe_interval)
+                              probe_interval_s=args.probe_interval, kv_events=args.kv_events,
+                              backend_api_key=args.backend_api_key)
         state = RouterState(config)
     except ValueError as error:
         print(f"kvreuse route: error: {error}", file=sys.stderr)

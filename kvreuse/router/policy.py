@@ -59,6 +59,12 @@ class PrefixIndex:
             blocks.move_to_end(key)
         self._evict(backend)
 
+    def remove(self, backend: str, key: bytes) -> None:
+        """The backend evicted this block (a KV event): requests stop matching at it."""
+        blocks = self._blocks.get(backend)
+        if blocks is not None:
+            blocks.pop(key, None)
+
     def matched_blocks(self, backend: str, keys: Sequence[bytes]) -> int:
         """How many leading blocks of ``keys`` the backend is believed to hold (chains: stop at the first miss)."""
         blocks = self._blocks.get(backend)

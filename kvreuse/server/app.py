@@ -305,6 +305,19 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"no pin with id {pin_id!r}", error_type="not_found_error", param="pin_id")
         return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True, "pin": removed})
 
+    @app.get("/v1/cache/events")
+    async def cache_events(request: Request) -> JSONResponse:
+        """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route)."""
+        state.authenticate(request)
+        after = _query_int(request, "after", 0, 0, None)
+        limit = _query_int(request, "limit", KV_EVENTS_PAGE, 1, KV_EVENTS_PAGE)
+        log = state.llm_engine.kv_events
+        batch = log.read(after, limit)
+        return JSONResponse({"object": "cache.events", "epoch": log.epoch,
+                             "block_size": state.llm_engine.kv_cache.block_size,
+                             "events": [event.to_json() for event in batch.events],
+                             "next_after": batch.next_after, "lost": batch.lost, "last_seq": log.last_seq})
+
     register_anthropic_routes(app, state)
 
     @app.post("/v1/completions")
@@ -375,6 +388,23 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"freed_blocks": freed_blocks})
 
     return app
+
+
+KV_EVENTS_PAGE = 4096  # most events one /v1/cache/events reply carries
+
+
+def _query_int(request: Request, name: str, default: int, minimum: int, maximum: int | None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be an integer, got {raw!r}", param=name) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        limit = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise bad_request(f"{name} must be {limit}, got {value}", param=name)
+    return value
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
