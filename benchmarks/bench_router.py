@@ -4,7 +4,8 @@ For each workload (shared-prefix, hot-prefix) the same requests go (1) to one se
 "single server holding every prefix" hit-rate baseline), then (2) through the router under each
 policy. Every backend's prefix cache is reset before each run. Reported per run: prefix-cache hit
 rate (cached / prompt tokens, from each reply's usage), TTFT p50 / p90 as the client measures it,
-and max / mean requests per backend (from the router's /backends).
+max / mean requests per backend (from the router's /backends) and max / mean of each backend's
+time-averaged requests in flight (sampled from /backends every 0.1 s).
 
     python benchmarks/bench_router.py --model models/smollm2-135m-v2384 --dtype bfloat16 --temperature 1
     python benchmarks/bench_router.py --preset tiny --dtype float32
@@ -18,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +107,45 @@ def summarize(results: list[Any], routed: dict[str, int] | None) -> dict[str, An
     return summary
 
 
+class InFlightSampler:
+    """Polls the router's /backends every ``interval_s`` while a run goes: each backend's time-averaged
+    number of requests in flight (the load the guards act on; routed counts weigh a 32-token hit the
+    same as a 544-token miss)."""
+
+    def __init__(self, router_url: str, interval_s: float = 0.1) -> None:
+        self._url, self._interval_s = router_url, interval_s
+        self._sums: dict[str, float] = {}
+        self._samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._done.wait(self._interval_s):
+                try:
+                    backends = client.get(f"{self._url}/backends").json()["backends"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+                for backend in backends:
+                    self._sums[backend["url"]] = self._sums.get(backend["url"], 0.0) + backend["in_flight"]
+                self._samples += 1
+
+    def summary(self) -> dict[str, Any]:
+        if not self._samples:
+            return {}
+        means = {url: total / self._samples for url, total in self._sums.items()}
+        average = statistics.mean(means.values())
+        return {"mean_in_flight": means, "max_over_mean_in_flight": max(means.values()) / average if average else None}
+
+
 def routed_counts(router_url: str) -> dict[str, int]:
     state = httpx.get(f"{router_url}/backends", timeout=10).json()
     return {b["url"]: b["routed_requests"] for b in state["backends"]}
@@ -175,13 +216,18 @@ def main(argv: list[str] | None = None) -> int:
                 router = start([sys.executable, "-m", "kvreuse.router", "--port", str(port), "--policy", policy,
                                 "--tokenizer", str(model_dir), *args.router_args.split(), *[x for b in backends for x in ("--backend", b.url)]],
                                port, logs / f"router-{policy}.log", dict(os.environ))
+                sampler = InFlightSampler(router.url)
                 try:
                     before = routed_counts(router.url)
+                    sampler.start()
                     results = run_workload(router.url, workload.requests, tokenizer, args)
+                    sampler.stop()
                     after = routed_counts(router.url)
                 finally:
+                    sampler.stop()
                     stop(router)
                 summary = summarize(results, {url: after[url] - before[url] for url in after})
+                summary.update(sampler.summary())
                 report["runs"][f"{name}/{policy}"] = summary
                 print(f"  {policy}: {json.dumps(summary)}", flush=True)
     finally:
@@ -189,7 +235,24 @@ def main(argv: list[str] | None = None) -> int:
             stop(backend)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print_table(report["runs"])
     return 0
+
+
+def print_table(runs: dict[str, dict[str, Any]]) -> None:
+    """One line per run, then the ratios the router's goals are stated in."""
+    print(f"\n{'workload/run':30s} {'hit rate':>8s} {'TTFT p50':>10s} {'TTFT p90':>10s} "
+          f"{'max/mean routed':>15s} {'max/mean in flight':>18s}")
+    for name, run in runs.items():
+        routed, in_flight = run.get("max_over_mean_load"), run.get("max_over_mean_in_flight")
+        print(f"{name:30s} {run['hit_rate']:8.1%} {run['ttft_p50_s'] * 1000:8.0f} ms {run['ttft_p90_s'] * 1000:7.0f} ms "
+              f"{'-' if routed is None else f'{routed:.2f}':>15} {'-' if in_flight is None else f'{in_flight:.2f}':>18}")
+    for workload in sorted({name.split("/")[0] for name in runs}):
+        single, aware, rr = (runs.get(f"{workload}/{run}") for run in ("single-server", "cache-aware", "round-robin"))
+        if single and aware:
+            print(f"{workload}: cache-aware hit rate / single server {aware['hit_rate'] / single['hit_rate']:.3f}")
+        if aware and rr:
+            print(f"{workload}: TTFT p50 round-robin / cache-aware {rr['ttft_p50_s'] / aware['ttft_p50_s']:.2f}")
 
 
 if __name__ == "__main__":
