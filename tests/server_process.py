@@ -33,8 +33,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: Path, log_path: Path, *extra_args: str) -> RunningServer:
-    port = free_port()
+def start_server(model_dir: Path, log_path: Path, *extra_args: str, port: int | None = None) -> RunningServer:
+    """A server on ``port`` (default: a free one), once its /health answers 200."""
+    port = port or free_port()
     command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", str(model_dir), *SERVER_OPTIONS,
                "--port", str(port), "--served-model-name", MODEL_NAME, *extra_args]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import MODEL_NAME, SERVER_OPTIONS, RunningServer, free_port, start_server, stop_server
+from server_process import MODEL_NAME, RunningServer, free_port, start_server, stop_server
 
 SERVER_ARGS = ("--kv-cache-memory", "16MiB")
 # 16 MiB / (2 layers x K,V x 2 kv heads x 16 dims x 4 bytes x 16 tokens) = 2048 blocks per backend.
@@ -178,7 +178,7 @@ def test_killing_a_backend_loses_no_request_and_it_rejoins(router: str, servers:
     assert state["healthy"] is False and state["estimated_cached_blocks"] == 0
     # It comes back on the same port and rejoins.
     port = int(victim.base_url.rsplit(":", 1)[1])
-    restarted = start_server_on_port(tiny_model, tmp_path / "restarted.log", port)
+    restarted = start_server(tiny_model, tmp_path / "restarted.log", *SERVER_ARGS, port=port)
     servers[victim_index] = restarted
     deadline = time.monotonic() + 10
     while not backends_state(router)[victim.base_url]["healthy"]:
@@ -186,24 +186,3 @@ def test_killing_a_backend_loses_no_request_and_it_rejoins(router: str, servers:
         time.sleep(0.2)
     reply = completion(router, words("after", 40))
     assert reply.status_code == 200
-
-
-def start_server_on_port(model_dir: Path, log_path: Path, port: int) -> RunningServer:
-    """Like server_process.start_server, on a given port (a backend coming back where it was)."""
-    command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", str(model_dir), *SERVER_OPTIONS,
-               *SERVER_ARGS, "--port", str(port), "--served-model-name", MODEL_NAME]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, server.log_tail()
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the server did not become healthy:\n{server.log_tail()}")
-        time.sleep(0.1)

@@ -43,6 +43,7 @@ class KVEventBatch:
     events: list[KVEvent]
     next_after: int  # pass as ``after`` to read on from here
     lost: int  # events the reader missed because the ring overwrote them (0: its view is exact)
+    last_seq: int  # the newest event's seq when this batch was read
 
 
 class KVEventLog:
@@ -53,11 +54,6 @@ class KVEventLog:
         self._last_seq = 0
         self._lock = threading.Lock()
         self.epoch = uuid.uuid4().hex
-
-    @property
-    def last_seq(self) -> int:
-        with self._lock:
-            return self._last_seq
 
     def stored(self, key: bytes) -> None:
         self._append("stored", key)
@@ -79,9 +75,9 @@ class KVEventLog:
         with self._lock:
             if after >= self._last_seq:
                 # Nothing new; ``after`` beyond the end comes from a reader of another epoch.
-                return KVEventBatch([], min(after, self._last_seq), 0)
+                return KVEventBatch([], self._last_seq, 0, self._last_seq)
             oldest = self._events[0].seq
             lost = max(oldest - after - 1, 0)
             start = max(after + 1 - oldest, 0)
             events = list(itertools.islice(self._events, start, start + limit))
-        return KVEventBatch(events, events[-1].seq if events else after, lost)
+            return KVEventBatch(events, events[-1].seq, lost, self._last_seq)

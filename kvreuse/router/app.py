@@ -119,7 +119,7 @@ class RouterState:
                                 block_size=config.policy.block_size,
                                 on_down=self._backend_down, on_up=self._backend_up,
                                 on_kv_events=self._apply_kv_events if config.kv_events else None,
-                                on_kv_reset=self._backend_restarted, api_key=config.backend_api_key)
+                                on_kv_reset=self._backend_down, api_key=config.backend_api_key)
         for name in self.pool.backends:
             self.router.index.add_backend(name, config.default_capacity_blocks)
         self.tokenizer = None
@@ -140,9 +140,6 @@ class RouterState:
                 index.record(backend.name, (key,))
             elif kind == "removed":
                 index.remove(backend.name, key)
-
-    def _backend_restarted(self, backend: Backend) -> None:
-        self.router.backend_failed(backend.name)
 
     def _backend_up(self, backend: Backend) -> None:
         self.router.backend_failed(backend.name)  # whatever it held before may be gone (restart)

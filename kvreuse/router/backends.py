@@ -212,7 +212,7 @@ class BackendPool:
                 logger.warning("backend %s: %d KV events lost (the router fell behind); its index is a "
                                "guess until the evicted blocks age out", backend.name, lost)
             backend.kv_events = "lost" if backend.kv_events_lost else "live"
-            if decoded and self._on_kv_events is not None:
+            if decoded:
                 self._on_kv_events(backend, decoded)
                 backend.kv_events_applied += len(decoded)
             backend.kv_events_after = next_after

@@ -224,7 +224,9 @@ class Router:
 
     def in_flight_sharing(self, backend: str, request: RouteRequest) -> int:
         """Requests in flight on ``backend`` that share the part of this prompt it is believed to hold."""
-        matched = self.index.matched_blocks(backend, request.block_keys)
+        return self._sharing(backend, request, self.index.matched_blocks(backend, request.block_keys))
+
+    def _sharing(self, backend: str, request: RouteRequest, matched: int) -> int:
         if matched == 0:
             return 0
         return self._in_flight_blocks.get(backend, Counter())[request.block_keys[matched - 1]]
@@ -253,13 +255,14 @@ class Router:
             load = loads[name]
             overloaded = (load.in_flight >= config.min_in_flight_for_guard
                           and load.in_flight > config.max_load_ratio * mean_in_flight)
-            if overloaded and self.index.matched_blocks(name, request.block_keys) > 0:
+            matched = self.index.matched_blocks(name, request.block_keys) if overloaded else 0
+            if matched:
                 # A hit there: skip the backend only when the requests sharing this hit are by
                 # themselves above the limit, i.e. the prefix is hot and moving this request moves that
                 # excess. Above the mean for unrelated reasons (two warm groups' requests arriving
                 # together), it keeps the hit: spilling would compute the prefix a second time to
                 # even out a momentary imbalance.
-                overloaded = self.in_flight_sharing(name, request) >= config.max_load_ratio * mean_in_flight
+                overloaded = self._sharing(name, request, matched) >= config.max_load_ratio * mean_in_flight
             if overloaded or load.kv_usage > self.config.max_kv_usage:
                 continue
             allowed.append(name)

@@ -316,7 +316,7 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"object": "cache.events", "epoch": log.epoch,
                              "block_size": state.llm_engine.kv_cache.block_size,
                              "events": [event.to_json() for event in batch.events],
-                             "next_after": batch.next_after, "lost": batch.lost, "last_seq": log.last_seq})
+                             "next_after": batch.next_after, "lost": batch.lost, "last_seq": batch.last_seq})
 
     register_anthropic_routes(app, state)
 
