@@ -13,7 +13,9 @@ bad field (``requests[3].messages[0].role``); a bad request fails alone and the 
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import logging
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import LLMEngine
+from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.sampling import SamplingParams
 from kvreuse.system_prompt import leading_system_messages, system_prompt_pin
 
@@ -178,18 +181,15 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
     return {"results": results, "summary": summary}
 
 
-def add_run_parser(subparsers, add_engine_arguments) -> None:
-    parser = subparsers.add_parser("run", help="run a batch file of requests (system prompt cache format)")
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvreuse run``: the batch file, where results go, and the engine's options."""
     parser.add_argument("input", help="the batch file (JSON)")
     parser.add_argument("--output", default=None, help="where to write results (default: print them)")
     add_engine_arguments(parser)
 
 
-def run_command(args) -> int:
-    import sys
-
-    from kvreuse.cli import llm_from_args
-
+def run_command(args: argparse.Namespace) -> int:
+    """``kvreuse run``: run the batch file; returns the exit status (2 on a bad file or options)."""
     try:
         batch = load_batch_file(args.input)
         llm = llm_from_args(args)

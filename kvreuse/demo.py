@@ -11,6 +11,7 @@ import argparse
 import statistics
 import time
 
+from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.sampling import SamplingParams
 
 SYSTEM_PROMPT = (
@@ -34,6 +35,14 @@ QUESTIONS = [
 ]
 
 
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvreuse demo``: the engine's, with the model made from a preset when none is given."""
+    add_engine_arguments(parser, default_model="")
+    parser.add_argument("--preset", default="smollm2-135m", help="model made on first use when --model is not given")
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from kvreuse.llm import LLM
     from kvreuse.models.make import ensure_model
@@ -42,11 +51,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"Preparing the default model (preset {args.preset}, made once and cached)...", flush=True)
         args.model = str(ensure_model(args.preset))
     started = time.monotonic()
-    from kvreuse.cli import llm_from_args
-
     llm: LLM = llm_from_args(args)
-    print(f"Loaded {args.model} in {time.monotonic() - started:.1f} s "
-          f"(dtype {llm.engine.dtype}, device {llm.engine.device}).\n")
+    engine = llm.engine
+    print(f"Loaded {args.model} in {time.monotonic() - started:.1f} s: dtype "
+          f"{str(engine.dtype).removeprefix('torch.')} ({engine.dtype_reason}), device {engine.device}.\n")
     # Repeat the instructions so the shared prefix is long (about a thousand tokens), as real ones are.
     system = SYSTEM_PROMPT * 8
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

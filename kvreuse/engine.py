@@ -23,7 +23,7 @@ from kvreuse.cache.manager import CacheStats, KVCacheManager
 from kvreuse.cache.pins import Pin, PinRegistry, PinSpec
 from kvreuse.cache.prefix import PrefixMatch
 from kvreuse.config import EngineConfig
-from kvreuse.models.loader import load_model, resolve_dtype, resolve_model_path
+from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.request import Request
 from kvreuse.runner.forward_batch import ForwardBatch
@@ -103,7 +103,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, self.dtype_reason = resolve_dtype_with_reason(config.dtype, self.device)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), self.dtype_reason)
         model_path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or config.model
         self.model, self.model_config = load_model(

@@ -467,11 +467,11 @@ def test_multi_turn_waits_for_the_previous_turn_and_carries_its_reply(stub, toke
 
 
 def test_cli_writes_json_and_a_small_png(stub, tiny_model: Path, tmp_path: Path) -> None:
-    from kvreuse.bench.cli import main
+    from kvreuse.cli import main
 
     base_url, _ = stub
     out, plot = tmp_path / "run.json", tmp_path / "run.png"
-    code = main(["serve", "--base-url", base_url, "--model", "stub", "--tokenizer", str(tiny_model),
+    code = main(["bench", "serve", "--base-url", base_url, "--model", "stub", "--tokenizer", str(tiny_model),
                  "--workload", "shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2",
                  "--gsp-system-prompt-len", "32", "--gsp-question-len", "4", "--gsp-output-len", "5",
                  "--reset-prefix-cache", "--disable-tqdm", "--out", str(out), "--plot", str(plot)])
@@ -481,7 +481,7 @@ def test_cli_writes_json_and_a_small_png(stub, tiny_model: Path, tmp_path: Path)
     assert document["summary"]["cache_hit_rate"] == pytest.approx(0.6)
     assert document["workload"]["options"]["system_prompt_len"] == 32
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size < 150_000
-    assert main(["serve", "--base-url", base_url, "--model", "stub", "--tokenizer", str(tiny_model),
+    assert main(["bench", "serve", "--base-url", base_url, "--model", "stub", "--tokenizer", str(tiny_model),
                  "--workload", "random", "--random-input-len", "0", "--disable-tqdm"]) == 2
 
 

@@ -320,3 +320,30 @@ def test_runner_rejects_positions_beyond_the_model(checkpoints):
     sequence.num_computed = config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 256"):
         runner.execute(_make_batch([(sequence, [1])]))
+
+
+AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl avx512dq\n"
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_does_it_natively():
+    from kvreuse.models.loader import cpu_bfloat16_support, cpu_flags
+
+    # Plain AVX-512: oneDNN would emulate bf16 (its own probe says "supported"), so not native.
+    flags = cpu_flags(AVX512_ONLY)
+    assert flags is not None and "avx512f" in flags
+    native, reason = cpu_bfloat16_support(flags)
+    assert not native and "no native bfloat16" in reason
+    assert cpu_bfloat16_support(cpu_flags(AVX512_ONLY.replace("avx512dq", "avx512dq avx512_bf16")))[0]
+    assert cpu_bfloat16_support(cpu_flags("flags : avx2 amx_tile amx_bf16\n"))[0]
+    assert cpu_bfloat16_support(cpu_flags("Features\t: fp asimd bf16 i8mm\n"))[0]  # aarch64
+    assert cpu_flags("no flags here") is None
+    assert not cpu_bfloat16_support(frozenset())[0]
+
+
+def test_auto_dtype_reason_names_the_deciding_fact():
+    from kvreuse.models.loader import cpu_supports_bfloat16, resolve_dtype_with_reason
+
+    dtype, reason = resolve_dtype_with_reason("auto", "cpu")
+    assert dtype == (torch.bfloat16 if cpu_supports_bfloat16() else torch.float32)
+    assert reason.startswith("auto: the CPU has")
+    assert resolve_dtype_with_reason("float32", "cpu") == (torch.float32, "as asked")

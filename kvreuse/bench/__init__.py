@@ -5,9 +5,6 @@
 - ``report`` / ``plot``: summaries, the printed table, JSON with every request, PNG plots.
 - ``reference_server``: plain transformers with copied prompt caches behind the same API.
 - ``compare``: kvreuse with caching on / off and transformers, one after another, same workload.
+- ``options``: the workload and client options both commands share.
 - ``cli``: ``kvreuse bench serve`` and ``kvreuse bench compare`` (``python -m kvreuse.bench``).
 """
-
-from kvreuse.bench.cli import add_bench_parser, run_bench
-
-__all__ = ["add_bench_parser", "run_bench"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvreuse.bench.cli import main
+from kvreuse.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from kvreuse.bench.client import BenchmarkRun, LoadClient
+from kvreuse.bench.options import build_workload, client_config, config_dict, load_tokenizer, workload_dict
 from kvreuse.bench.workloads import RandomOptions, TextTokenizer, Workload, generate_workload
 
 SYSTEMS = ("kvreuse", "kvreuse-no-cache", "transformers")
@@ -182,7 +183,6 @@ def _warmup_workload(tokenizer: TextTokenizer, seed: int, count: int) -> Workloa
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from kvreuse.bench.cli import _config_dict, _workload_dict, build_workload, client_config, load_tokenizer
     from kvreuse.bench.report import machine_description, write_json
 
     labels = [label.strip() for label in args.systems.split(",") if label.strip()]
@@ -228,8 +228,8 @@ def run_compare(args: argparse.Namespace) -> int:
             "dtype": dtype,
             "device": device,
             "kv_cache_memory": args.kv_cache_memory,
-            "config": _config_dict(client_config(args, "", SERVED_MODEL_NAME), args),
-            "workload": _workload_dict(workload),
+            "config": config_dict(client_config(args, "", SERVED_MODEL_NAME), args),
+            "workload": workload_dict(workload),
             "machine": machine_description(),
             "ratios": ratios,
             "systems": {
@@ -271,7 +271,6 @@ def _run_systems(args: argparse.Namespace, labels: list[str], model_dir: str, de
                  tokenizer: TextTokenizer, workload: Workload, warmup: Workload | None, log_dir: Path,
                  runs: dict[str, BenchmarkRun], summaries: dict[str, Any], commands: dict[str, list[str]]) -> None:
     """Each system in turn: start its server, warm it up, run the workload, stop it."""
-    from kvreuse.bench.cli import client_config
     from kvreuse.bench.report import format_table, summarize
 
     for label in labels:

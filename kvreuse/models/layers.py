@@ -10,6 +10,7 @@ twice and peak memory stays near the model size.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,13 +20,26 @@ from torch import nn
 from kvreuse.models.config import Llama3RopeScaling
 
 
+@functools.cache
 def cpu_weight_packing_available() -> bool:
-    """oneDNN's linear with a prepacked weight (a private op that torch.compile uses on CPU)."""
-    return (
+    """oneDNN's linear with a prepacked bfloat16 weight (a private op that torch.compile uses on CPU).
+
+    Probed once with a tiny weight: the ops exist in every oneDNN build, but the bf16 reorder needs
+    AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on plain AVX2 CPUs.
+    """
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    try:
+        weight = torch.ones(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool(torch.equal(out, torch.full((2, 16), 16.0, dtype=torch.bfloat16)))
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor:

@@ -28,41 +28,71 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
+# CPU features that make bfloat16 matmuls native. Without them oneDNN still runs bf16 (its probe
+# ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` says True on plain AVX-512), but emulated: 2-4x
+# slower than float32. x86 names from /proc/cpuinfo "flags"; aarch64 names from its "Features".
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (or the given text); None where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def cpu_bfloat16_support(flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """(whether this CPU does bfloat16 natively, the reason in words), from its feature flags."""
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return False, "the CPU's features cannot be read (no /proc/cpuinfo), so bfloat16 may be emulated"
+    native = sorted(flags & NATIVE_BF16_CPU_FLAGS)
+    if native:
+        return True, f"the CPU has native bfloat16 ({', '.join(native)})"
+    return False, "the CPU has no native bfloat16 (no AVX512_BF16 or AMX): bf16 would be emulated, 2-4x slower"
+
+
 def cpu_supports_bfloat16() -> bool:
-    """True when this CPU has native bf16 matmul support through oneDNN (e.g. AVX512-BF16, AMX)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if probe is None:
-        return False
-    try:
-        return bool(probe())
-    except RuntimeError:
-        return False
+    """True when this CPU does bfloat16 matmuls natively (AVX512-BF16, AMX, Arm BF16)."""
+    return cpu_bfloat16_support()[0]
+
+
+def resolve_dtype_with_reason(dtype: str | torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """``resolve_dtype`` and why: for "auto", the hardware fact that decided it (for the start-up log)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype, "as asked"
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16, "auto: the GPU supports bfloat16"
+            return torch.float16, "auto: the GPU has no bfloat16"
+        native, reason = cpu_bfloat16_support()
+        return (torch.bfloat16 if native else torch.float32), f"auto: {reason}"
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
+    return _DTYPE_NAMES[name], "as asked"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
     """A torch dtype from "auto", a name such as "bfloat16", or a torch.dtype.
 
-    "auto" is bfloat16 on CUDA (float16 on GPUs without bf16) and on CPUs with native bf16, else float32.
-    On CPUs with AVX512-BF16 but no AMX, bf16 halves decode time (memory bound) but makes large
-    prefill matmuls slower than float32; pass "float32" explicitly for prefill-heavy work there.
+    "auto" is bfloat16 on CUDA (float16 on GPUs without bf16) and on CPUs with native bf16
+    (AVX512-BF16, AMX), else float32. On CPUs with AVX512-BF16 but no AMX, bf16 halves decode time
+    (memory bound) but makes large prefill matmuls slower than float32; pass "float32" explicitly for
+    prefill-heavy work there.
     """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPE_NAMES.values():
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        return dtype
-    name = str(dtype).lower().removeprefix("torch.")
-    if name == "auto":
-        device = torch.device(device)
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and cpu_supports_bfloat16():
-            return torch.bfloat16
-        return torch.float32
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
-    return _DTYPE_NAMES[name]
+    return resolve_dtype_with_reason(dtype, device)[0]
 
 
 def resolve_model_path(model: str | Path) -> Path:

@@ -599,12 +599,11 @@ def _tokenizer_vocab_size(tokenizer_json: Path) -> int:
 # Command line
 
 
-def main_make_model(argv: list[str] | None = None) -> int:
-    """``kvreuse make-model OUT [--preset ...]``: write a model folder; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="kvreuse make-model",
-        description="Make an HF model folder with random weights and a trained byte-level BPE tokenizer.",
-    )
+MAKE_MODEL_DESCRIPTION = "Make an HF model folder with random weights and a trained byte-level BPE tokenizer."
+
+
+def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvreuse make-model OUT``."""
     parser.add_argument("out", help="output folder (created if missing)")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES),
@@ -620,7 +619,10 @@ def main_make_model(argv: list[str] | None = None) -> int:
                          help="always write weights")
     weights.add_argument("--no-weights", dest="write_weights", action="store_false",
                          help="write config and tokenizer only (run with load_format=dummy)")
-    args = parser.parse_args(argv)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """Write the model folder ``args`` describe; returns the exit status (2 on bad options)."""
     try:
         out_path = make_model(
             args.out, preset=args.preset, arch=args.arch, dtype=args.dtype,
@@ -637,6 +639,13 @@ def main_make_model(argv: list[str] | None = None) -> int:
           f"vocab={config['vocab_size']} dtype={args.dtype} "
           f"weights={', '.join(weight_files) if weight_files else 'none (use load_format=dummy)'}")
     return 0
+
+
+def main_make_model(argv: list[str] | None = None) -> int:
+    """``python -m kvreuse.models.make OUT [--preset ...]`` (the same as ``kvreuse make-model``)."""
+    parser = argparse.ArgumentParser(prog="kvreuse make-model", description=MAKE_MODEL_DESCRIPTION)
+    add_make_model_arguments(parser)
+    return run_make_model(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

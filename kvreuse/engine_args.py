@@ -1,0 +1,63 @@
+"""Engine options shared by every command that loads a model, and the logging set-up.
+
+``kvreuse.cli`` mounts the sub-commands; the sub-commands (demo, serve, run, bench compare) import
+their engine options from here, never from ``kvreuse.cli``, so the command layer has no import
+circle. Names follow vLLM's engine arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from kvreuse.config import SCHEDULING_POLICIES
+
+if TYPE_CHECKING:
+    from kvreuse.llm import LLM
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def configure_logging(debug: bool = False) -> None:
+    """kvreuse's loggers at DEBUG with ``--debug``, else at ``KVREUSE_LOG`` (INFO by default)."""
+    level_name = "DEBUG" if debug else os.environ.get("KVREUSE_LOG", "INFO").upper()
+    level = getattr(logging, level_name, logging.INFO)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("kvreuse").setLevel(level)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """Engine options of every command that loads a model (names as vLLM's)."""
+    parser.add_argument("--model", default=default_model, required=default_model is None,
+                        help="model folder or hub id")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), "
+                             "else float32")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 2GiB or 512MiB")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--scheduling-policy", default="lpm", choices=list(SCHEDULING_POLICIES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                        help="share of the KV pool that pins may hold; over it the least recently used pin is demoted")
+
+
+def llm_from_args(args: argparse.Namespace) -> LLM:
+    from kvreuse.llm import LLM
+
+    return LLM(
+        args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,
+        served_model_name=getattr(args, "served_model_name", None),
+    )
