@@ -1,4 +1,4 @@
-"""``kvreuse route``: options and the entry point (wired into kvreuse.cli by ``add_route_parser``)."""
+"""``kvreuse route``: options and the entry point (mounted by kvreuse.cli with ``add_route_arguments``)."""
 
 from __future__ import annotations
 
@@ -46,14 +46,6 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API key for the router's own calls to the backends (model card, KV events)")
     parser.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     parser.add_argument("--access-log", action="store_true")
-    parser.add_argument("--debug", action="store_true")
-
-
-def add_route_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``route`` command to ``kvreuse``'s subparsers."""
-    parser = subparsers.add_parser("route", help="prefix-aware router in front of several servers")
-    add_route_arguments(parser)
-    return parser
 
 
 def run_route(args: argparse.Namespace) -> int:
@@ -85,8 +77,9 @@ def run_route(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse route", description="prefix-aware router over kvreuse servers")
     add_route_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="log every routing decision")
     args = parser.parse_args(argv)
-    from kvreuse.cli import configure_logging
+    from kvreuse.engine_args import configure_logging
 
     configure_logging(args.debug)
     return run_route(args)

@@ -30,7 +30,7 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvreuse serve`` beyond the engine's (see kvreuse.cli.add_engine_arguments)."""
+    """Options of ``kvreuse serve`` beyond the engine's (see kvreuse.engine_args.add_engine_arguments)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
@@ -56,7 +56,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit status."""
-    from kvreuse.cli import llm_from_args
+    from kvreuse.engine_args import llm_from_args
     from kvreuse.server.app import ServerConfig, ServerState, build_app
     from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
