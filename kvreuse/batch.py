@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import LLMEngine
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
+from kvreuse.inputs import InputProcessor, TokenizedPrompt, validate_messages
+from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.sampling import SamplingParams
 from kvreuse.system_prompt import leading_system_messages, system_prompt_pin
 
@@ -96,13 +98,11 @@ def load_batch_file(path: str | Path) -> BatchFile:
         raise BatchFileError(f"{path}: {field_path(first['loc'])}: {first['msg']}") from None
 
 
-def _prompt_of(engine: LLMEngine, request: BatchRequest, apply_chat_template: bool) -> tuple[list[dict], str]:
-    messages = [message.model_dump(exclude_none=True) for message in request.messages]
+def _prompt_of(inputs: InputProcessor, messages: list[dict[str, Any]], apply_chat_template: bool) -> TokenizedPrompt:
     if apply_chat_template:
-        return messages, engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    from kvreuse.tokenizer import flatten_message_content
-
-    return messages, "\n".join(m["content"] for m in flatten_message_content(messages))
+        return inputs.from_messages(messages)
+    # Without the template the messages' texts are joined, and encoded as plain text (bos included).
+    return inputs.from_text("\n".join(m["content"] for m in validate_messages(messages)))
 
 
 def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
@@ -112,6 +112,7 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
         logger.warning("LoRA adapters are not supported by this version; requests naming one will fail")
     started = time.monotonic()
     pending: dict[str, int] = {}
+    outputs = OutputProcessor(engine.tokenizer)  # the batch runs on this thread, like the engine
     for index, request in enumerate(batch.requests):
         where = f"requests[{index}]"
         try:
@@ -121,25 +122,26 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
                 )
             if request.save_system_prompt_kv_cache:  # the specific error first: "must be text only"
                 leading_system_messages([m.model_dump(exclude_none=True) for m in request.messages])
-            messages, prompt_text = _prompt_of(engine, request, batch.apply_chat_template)
-            token_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=not batch.apply_chat_template)
+            messages = [message.model_dump(exclude_none=True) for message in request.messages]
+            prompt = _prompt_of(engine.inputs, messages, batch.apply_chat_template)
             pins: list[PinSpec] = []
             if request.save_system_prompt_kv_cache:
-                pins.append(system_prompt_pin(engine.tokenizer, messages, token_ids,
+                pins.append(system_prompt_pin(engine.tokenizer, messages, prompt.token_ids,
                                               apply_chat_template=batch.apply_chat_template))
             params = SamplingParams(
                 temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                 max_tokens=request.max_tokens, stop=request.stop, ignore_eos=request.ignore_eos,
             )
-            engine.add_request(f"batch-{index}", {"prompt": prompt_text, "prompt_token_ids": token_ids}, params,
+            engine.add_request(f"batch-{index}", prompt.as_engine_prompt(), params,
                                cache_salt=request.cache_salt, pins=pins)
+            outputs.add_request(f"batch-{index}", prompt.token_ids, params)
             pending[f"batch-{index}"] = index
         except ValueError as error:
             results[index]["error"] = f"{where}: {error}"
             logger.warning("%s failed: %s", where, error)
 
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in step_and_process(engine, outputs):
             if not output.finished or output.request_id not in pending:
                 continue
             index = pending.pop(output.request_id)

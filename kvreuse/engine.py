@@ -1,9 +1,11 @@
 """LLMEngine: add_request / step / abort. One step is schedule -> run -> sample -> update.
 
 The engine validates input (a bad request raises before it touches any state, so nothing else in
-flight is disturbed), turns the scheduler's decision into a ForwardBatch, samples, detokenizes,
-checks stop conditions and returns RequestOutputs. With ``n > 1`` a request becomes n sequences
-that share the prompt (the scheduler's in-batch sharing makes them compute it once).
+flight is disturbed), turns the scheduler's decision into a ForwardBatch, samples, checks the stop
+conditions it can see in token ids (eos, stop tokens, length) and returns RequestOutputs of token ids.
+Text, stop strings and stream deltas are the caller's side (kvreuse.output_processor), which calls
+`finish_sequence` when a stop string ends a sample. With ``n > 1`` a request becomes n sequences that
+share the prompt (the scheduler's in-batch sharing makes them compute it once).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from kvreuse.cache.manager import CacheStats, KVCacheManager
 from kvreuse.cache.pins import Pin, PinRegistry, PinSpec
 from kvreuse.cache.prefix import PrefixMatch
 from kvreuse.config import EngineConfig
+from kvreuse.errors import InvalidRequestError
+from kvreuse.inputs import InputProcessor, PromptInput
 from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.request import Request
@@ -30,11 +34,9 @@ from kvreuse.runner.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler, SamplingParams, SamplingState
 from kvreuse.scheduler import Scheduler, ScheduledRequest
-from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse")
-
-PromptInput = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -73,7 +75,6 @@ class _Sequence:
     """Per-sequence output state the scheduler does not need."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer
     output: CompletionOutput
 
 
@@ -167,6 +168,8 @@ class LLMEngine:
         self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        # The engine thread's own way in (string prompts, validation); callers on other threads own theirs.
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[int, tuple[_Group, _Sequence]] = {}  # id(Request) -> owner
         self._prompt_tokens = 0
@@ -192,12 +195,13 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        prompt_text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
+        tokenized = self.inputs.from_prompt(prompt)
+        prompt_text, token_ids = tokenized.text, tokenized.token_ids
         vocab = self.model_config.vocab_size
         for position, token_id in enumerate(params.stop_token_ids):
             if token_id >= vocab:
-                raise ValueError(f"stop_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(
+                    f"stop_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         for spec in pins:
             self.check_pin(spec, len(token_ids))
         namespace = namespace_key(cache_salt, adapter, self.model_name)
@@ -219,41 +223,12 @@ class LLMEngine:
                 params, self.device, eos_token_ids=sorted(self.eos_token_ids),
                 prompt_token_ids=token_ids, sequence_index=index,
             )
-            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens)
-            sequence = _Sequence(request, detokenizer, CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None))
+            sequence = _Sequence(request, CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None))
             group.sequences.append(sequence)
         self._groups[request_id] = group
         for sequence in group.sequences:
             self._sequences[id(sequence.request)] = (group, sequence)
             self.scheduler.add(sequence.request)
-
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _as_token_list(prompt["prompt_token_ids"], "prompt_token_ids")
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt_token_ids' (list of ints) or 'prompt' (string)")
-        if isinstance(prompt, (list, tuple)):
-            return None, _as_token_list(prompt, "prompt_token_ids")
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: at least 1 token is required")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, longer than max_model_len={self.max_model_len} "
-                f"allows (at most {self.max_model_len - 1} prompt tokens, leaving room for one output token)"
-            )
-        vocab = self.model_config.vocab_size
-        for position, token in enumerate(token_ids):
-            if not 0 <= token < vocab:
-                raise ValueError(
-                    f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab})"
-                )
 
     def check_pin(self, spec: PinSpec, num_prompt_tokens: int) -> None:
         if not self.kv.enable_prefix_caching:
@@ -270,6 +245,20 @@ class LLMEngine:
         if spec.ttl is not None and spec.ttl <= 0:
             raise ValueError(f"a pin's ttl must be positive seconds, got {spec.ttl}")
 
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """End one sample that a stop string ended on the caller's side (the engine sees no text).
+        A no-op for a request or sample that has already finished."""
+        group = self._groups.get(request_id)
+        if group is None or not 0 <= index < len(group.sequences):
+            return
+        sequence = group.sequences[index]
+        if sequence.output.finished:
+            return
+        sequence.output.finish_reason, sequence.output.stop_reason = "stop", stop_reason
+        self.scheduler.finish(sequence.request, "stop", stop_reason)
+        if group.finished:
+            self._make_output(group)  # drops the group's bookkeeping
+
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
         if group is None:
@@ -277,6 +266,9 @@ class LLMEngine:
         for sequence in group.sequences:
             self._sequences.pop(id(sequence.request), None)
             self.scheduler.finish(sequence.request, "abort")
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -391,48 +383,15 @@ class LLMEngine:
         if output.logprobs is not None:
             output.logprobs.append(token_logprobs)
 
-        finish: tuple[str, int | str | None] | None = None
+        finish: tuple[str, int | None] | None = None
         # The sampler masks EOS and stop tokens until min_tokens are out, so no min_tokens check here.
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             finish = ("stop", token_id)
-        delta = sequence.detokenizer.add(token_id)
-        if finish is not None and not params.include_stop_str_in_output:
-            delta = ""
-        if finish is None and (
-            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
-        ):
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             finish = ("length", None)
-            delta += sequence.detokenizer.finish()  # text held back for an incomplete character
-        if finish in (None, ("length", None)) and delta and request.num_output_tokens >= params.min_tokens:
-            stop_hit = self._find_stop_string(output.text, delta, params)
-            if stop_hit is not None:
-                stop_string, cut = stop_hit
-                end = cut + (len(stop_string) if params.include_stop_str_in_output else 0)
-                full = output.text + delta
-                # A stop string may begin in text already sent; only the part before it is kept.
-                delta = full[len(output.text) : end] if end > len(output.text) else ""
-                output.text = full[: min(end, len(output.text))]
-                finish = ("stop", stop_string)
-        output.text += delta
-        output.text_delta += delta
         if finish is not None:
             self.scheduler.finish(request, finish[0], finish[1])
             output.finish_reason, output.stop_reason = finish
-
-    @staticmethod
-    def _find_stop_string(text: str, delta: str, params: SamplingParams) -> tuple[str, int] | None:
-        """The earliest stop string that ends inside ``delta``: (stop, index in text + delta)."""
-        if not params.stop:
-            return None
-        full = text + delta
-        best: tuple[str, int] | None = None
-        for stop in params.stop:
-            # Only occurrences that end in the new text are new; earlier ones were checked before.
-            search_from = max(0, len(text) - len(stop) + 1)
-            index = full.find(stop, search_from)
-            if index != -1 and (best is None or index < best[1]):
-                best = (stop, index)
-        return best
 
     def _make_output(self, group: _Group) -> RequestOutput:
         finished = group.finished
@@ -446,13 +405,12 @@ class LLMEngine:
             output = sequence.output
             outputs.append(
                 CompletionOutput(
-                    index=output.index, text=output.text, token_ids=list(output.token_ids),
+                    index=output.index, token_ids=list(output.token_ids),
                     finish_reason=output.finish_reason, stop_reason=output.stop_reason,
                     logprobs=list(output.logprobs) if output.logprobs is not None else None,
-                    text_delta=output.text_delta, token_ids_delta=output.token_ids_delta,
+                    token_ids_delta=output.token_ids_delta,
                 )
             )
-            output.text_delta = ""
             output.token_ids_delta = []
         first = group.sequences[0].request
         return RequestOutput(
@@ -487,6 +445,11 @@ class LLMEngine:
     def list_pins(self) -> list[Pin]:
         self.pins.expire(time.time())
         return sorted(self.pins.pins.values(), key=lambda pin: pin.created)
+
+    def get_pin(self, pin_id: str) -> Pin | None:
+        """The pin with this id, or None (expired pins are dropped first)."""
+        self.pins.expire(time.time())
+        return self.pins.pins.get(pin_id)
 
     def unpin(self, pin_id: str) -> Pin:
         """Remove a pin (its blocks stay cached as ordinary LRU entries). KeyError if unknown."""
@@ -523,12 +486,6 @@ class LLMEngine:
             "request %s: cache miss at token position %d: ...%r >>> %r...; prompt token %d, %s",
             request.request_id, position, before, after, tokens[position], reason,
         )
-
-
-def _as_token_list(value: Any, field_name: str) -> list[int]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ValueError(f"{field_name} must be a list of integers")
-    return list(value)
 
 
 def _resolve_device(device: str) -> torch.device:

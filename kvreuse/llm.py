@@ -9,12 +9,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvreuse.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
-from kvreuse.engine import LLMEngine, PromptInput
+from kvreuse.engine import LLMEngine
+from kvreuse.inputs import PromptInput, TokenizedPrompt
+from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.system_prompt import pin_prompt_now
 
-Message = dict[str, Any]
+ChatMessage = dict[str, Any]
 
 # A bar is worth drawing only when a batch takes a while.
 PROGRESS_BAR_MIN_REQUESTS = 16
@@ -64,6 +66,9 @@ class LLM:
             max_model_len=max_model_len,
         )
         self.engine = LLMEngine(config)
+        # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer and inputs.
+        self.inputs = self.engine.inputs
+        self._outputs = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -88,11 +93,13 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params_list, use_tqdm, cache_salt)
+        # Validate everything first: a bad prompt must not leave half a batch queued.
+        tokenized = [self.inputs.from_prompt(prompt) for prompt in prompts]
+        return self._run(tokenized, params_list, use_tqdm, cache_salt)
 
     def chat(
         self,
-        messages: list[Message] | list[list[Message]],
+        messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
@@ -101,12 +108,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        prompts: list[PromptInput] = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-            # The template already holds any bos token: encoding must not add a second one.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm, cache_salt)
 
@@ -125,23 +128,21 @@ class LLM:
         return params_list
 
     def _run(
-        self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool, cache_salt: str | None
+        self, prompts: list[TokenizedPrompt], params_list: list[SamplingParams], use_tqdm: bool,
+        cache_salt: str | None,
     ) -> list[RequestOutput]:
         engine = self.engine
-        # Validate everything first: a bad prompt must not leave half a batch queued.
-        for prompt in prompts:
-            _, token_ids = engine.tokenize_prompt(prompt)
-            engine.validate_prompt(token_ids)
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, params in zip(request_ids, prompts, params_list):
-            engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            engine.add_request(request_id, prompt.as_engine_prompt(), params, cache_salt=cache_salt)
+            self._outputs.add_request(request_id, prompt.token_ids, params)
         finished: dict[str, RequestOutput] = {}
         show_bar = use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_REQUESTS
         with tqdm(total=len(prompts), desc="requests", disable=not show_bar, unit="req") as bar:
             while len(finished) < len(request_ids):
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests of this batch unfinished")
-                for output in engine.step():
+                for output in step_and_process(engine, self._outputs):
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
@@ -150,7 +151,7 @@ class LLM:
     # --- explicit caching -------------------------------------------------------------------------
     def pin(
         self,
-        prompt: str | list[int] | list[Message],
+        prompt: str | list[int] | list[ChatMessage],
         *,
         ttl: float | None = None,
         cache_salt: str | None = None,

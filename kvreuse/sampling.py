@@ -30,8 +30,12 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvreuse.errors import InvalidRequestError
+
 # Temperatures below this are treated as greedy: dividing logits by them only amplifies noise.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Stop strings per request: OpenAI allows 4; every decode step scans each one, so the list is bounded.
+MAX_STOP_STRINGS = 64
 
 # torch.Generator.manual_seed accepts this range; checking it up front turns a late RuntimeError
 # inside the engine loop into a ValueError when the request is made.
@@ -78,42 +82,48 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+            raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}", "n")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                      "temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}", "top_k")
         if self.top_k == -1:
             self.top_k = 0
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None and (not _is_int(self.seed) or not _MIN_SEED <= self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}",
+                                      "seed")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}", "max_tokens")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an int between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            raise InvalidRequestError(
+                f"min_tokens must be an int between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+                "min_tokens",
             )
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.max_logprobs
         ):
-            raise ValueError(
-                f"logprobs must be None or an int between 0 and {self.max_logprobs}, got {self.logprobs!r}"
+            raise InvalidRequestError(
+                f"logprobs must be None or an int between 0 and {self.max_logprobs}, got {self.logprobs!r}",
+                "logprobs",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", name)
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}", "repetition_penalty"
+            )
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -121,10 +131,17 @@ class SamplingParams:
             return []
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)):
-            raise ValueError(f"stop must be a string, a list of strings or None, got {type(stop).__name__}")
+            raise InvalidRequestError(
+                f"stop must be a string, a list of strings or None, got {type(stop).__name__}", "stop"
+            )
+        if len(items) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed (every step checks each one)",
+                "stop",
+            )
         for item in items:
             if not isinstance(item, str) or not item:
-                raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {item!r}", "stop")
         return list(items)
 
     @staticmethod
@@ -132,12 +149,14 @@ class SamplingParams:
         if stop_token_ids is None:
             return []
         if not isinstance(stop_token_ids, (list, tuple)):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative ints or None, got {type(stop_token_ids).__name__}"
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of non-negative ints or None, got {type(stop_token_ids).__name__}",
+                "stop_token_ids",
             )
         for token_id in stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
+                raise InvalidRequestError(f"stop_token_ids must be non-negative ints, got {token_id!r}",
+                                          "stop_token_ids")
         return list(stop_token_ids)
 
     @property

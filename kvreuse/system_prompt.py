@@ -8,11 +8,16 @@ a different entry, exactly as the prompt text would be.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.cache.pins import Pin, PinSpec
+from kvreuse.errors import InvalidRequestError
+from kvreuse.inputs import InputProcessor, common_prefix_length, validate_messages
 from kvreuse.sampling import SamplingParams
-from kvreuse.tokenizer import Tokenizer, flatten_message_content
+
+if TYPE_CHECKING:
+    from kvreuse.engine import LLMEngine
+    from kvreuse.tokenizer import Tokenizer
 
 
 def leading_system_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -26,16 +31,19 @@ def leading_system_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[
             for part_index, part in enumerate(content):
                 if not isinstance(part, Mapping) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"messages[{index}].content[{part_index}]: a system prompt saved with "
-                        f"save_system_prompt_kv_cache must be text only, found a {kind!r} part"
+                        f"save_system_prompt_kv_cache must be text only, found a {kind!r} part",
+                        f"messages[{index}].content[{part_index}]",
                     )
         elif not isinstance(content, str):
-            raise ValueError(f"messages[{index}].content: a saved system prompt must be text")
+            raise InvalidRequestError(f"messages[{index}].content: a saved system prompt must be text",
+                                      f"messages[{index}].content")
         system.append(dict(message))
     if not system:
-        raise ValueError("save_system_prompt_kv_cache is set but the conversation has no system message first")
-    return flatten_message_content(system)
+        raise InvalidRequestError(
+            "save_system_prompt_kv_cache is set but the conversation has no system message first", "messages")
+    return validate_messages(system)
 
 
 def system_prompt_pin(
@@ -49,23 +57,20 @@ def system_prompt_pin(
 ) -> PinSpec:
     """PinSpec for the system-prompt prefix of ``prompt_token_ids`` (the conversation's tokens)."""
     system = leading_system_messages(messages)
+    inputs = InputProcessor(tokenizer)  # rendering and encoding only: the caller's tokenizer, the caller's thread
     if apply_chat_template:
-        text = tokenizer.apply_chat_template(system, add_generation_prompt=False)
+        system_prompt = inputs.from_messages(system, add_generation_prompt=False, validate=False)
     else:
-        text = "\n".join(message["content"] for message in system)
-    system_ids = tokenizer.encode(text, add_special_tokens=not apply_chat_template)
+        system_prompt = inputs.from_text("\n".join(message["content"] for message in system), validate=False)
+    text = system_prompt.text or ""
     # The system part's tokens are a prefix of the conversation's, up to tokenizer merges at the seam.
-    common = 0
-    for ours, theirs in zip(system_ids, prompt_token_ids):
-        if ours != theirs:
-            break
-        common += 1
+    common = common_prefix_length(system_prompt.token_ids, prompt_token_ids)
     return PinSpec(num_tokens=common, key=f"system\x00{adapter or ''}\x00{text}", kind="system_prompt",
                    ttl=ttl, adapter=adapter)
 
 
 def pin_prompt_now(
-    engine: Any,
+    engine: LLMEngine,
     prompt: str | list[int] | list[Mapping[str, Any]],
     *,
     ttl: float | None = None,
@@ -78,18 +83,18 @@ def pin_prompt_now(
     A conversation (list of messages) pins its system prompt, keyed as the system prompt cache
     keys it; a string or token ids pin the whole prompt.
     """
-    tokenizer = engine.tokenizer
+    inputs = engine.inputs  # this runs on the engine's thread (start-up, or LLM on the caller's thread)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping):
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False)
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        spec = system_prompt_pin(tokenizer, prompt, token_ids, ttl=ttl)  # type: ignore[arg-type]
+        tokenized = inputs.from_messages(prompt, add_generation_prompt=False)
+        spec = system_prompt_pin(inputs.tokenizer, prompt, tokenized.token_ids, ttl=ttl)  # type: ignore[arg-type]
         if kind != "api":
             spec = PinSpec(spec.num_tokens, spec.key, kind, spec.ttl, spec.adapter, spec.owner)
     else:
-        text, token_ids = engine.tokenize_prompt(prompt)
-        key = text if text is not None else "tokens:" + ",".join(map(str, token_ids))
+        tokenized = inputs.from_prompt(prompt)  # type: ignore[arg-type]
+        token_ids = tokenized.token_ids
+        key = tokenized.text if tokenized.text is not None else "tokens:" + ",".join(map(str, token_ids))
         spec = PinSpec(num_tokens=len(token_ids), key=key, kind=kind, ttl=ttl)
-    engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, SamplingParams(max_tokens=1),
+    engine.add_request(request_id, tokenized.as_engine_prompt(), SamplingParams(max_tokens=1),
                        cache_salt=cache_salt, pins=[spec])
     saved: list[str] = []
     while engine.has_unfinished_requests():
@@ -98,4 +103,7 @@ def pin_prompt_now(
                 saved = output.pins_saved
     if not saved:
         raise ValueError("the prefix could not be pinned (the pinned budget is too small; see the log)")
-    return engine.pins.pins[saved[0]]
+    pin = engine.get_pin(saved[0])
+    if pin is None:
+        raise ValueError(f"the pin {saved[0]} expired before it could be returned (ttl={ttl})")
+    return pin

@@ -1,8 +1,8 @@
 """Tokenizer, chat template and incremental (streaming) detokenizer.
 
 ``Tokenizer`` wraps ``transformers.AutoTokenizer`` for a local model folder and adds what the engine
-needs on top: the full set of end-of-sequence ids, message validation for chat templates (OpenAI
-style text parts are flattened), and decoding that tolerates ids the tokenizer does not know
+needs on top: the full set of end-of-sequence ids, the chat template over checked messages (OpenAI
+style text parts are flattened by kvreuse.inputs), and decoding that tolerates ids the tokenizer does not know
 (random models may have a config vocab larger than the tokenizer's).
 
 ``IncrementalDetokenizer`` turns a stream of token ids into text deltas. With byte-level BPE one
@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvreuse.errors import InvalidRequestError
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -40,52 +42,6 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
     return []
-
-
-def flatten_message_content(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validate chat messages and turn list-of-text-parts content into plain strings.
-
-    Text parts are joined with "\\n". Any other part type (image, audio, ...) raises ValueError
-    naming the message index and the part type, since the engine only handles text.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages must contain at least 1 message, got 0")
-    flattened: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object with 'role' and 'content', "
-                             f"got {type(message).__name__}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{index}].role must be a non-empty string, got {role!r}")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, Sequence):
-            texts: list[str] = []
-            for part_index, part in enumerate(content):
-                if not isinstance(part, Mapping):
-                    raise ValueError(f"messages[{index}].content[{part_index}] must be an object, "
-                                     f"got {type(part).__name__}")
-                part_type = part.get("type")
-                if part_type != "text":
-                    raise ValueError(f"messages[{index}].content[{part_index}] has type {part_type!r}; "
-                                     "only 'text' content parts are supported")
-                part_text = part.get("text")
-                if not isinstance(part_text, str):
-                    raise ValueError(f"messages[{index}].content[{part_index}].text must be a string, "
-                                     f"got {type(part_text).__name__}")
-                texts.append(part_text)
-            text = "\n".join(texts)
-        else:
-            raise ValueError(f"messages[{index}].content must be a string, a list of text parts or null, "
-                             f"got {type(content).__name__}")
-        flattened.append({**message, "content": text})
-    return flattened
 
 
 class Tokenizer:
@@ -138,10 +94,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
-        """Render ``messages`` with the model's chat template; extra kwargs go to the template."""
+        """Render ``messages`` (checked and flattened by kvreuse.inputs.validate_messages) with the model's
+        chat template; extra kwargs go to the template."""
+        from kvreuse.inputs import validate_messages
+
         if not self.chat_template:
-            raise ValueError(f"the tokenizer at {self.path} has no chat_template; send a plain prompt instead")
-        flattened = flatten_message_content(messages)
+            raise InvalidRequestError(f"the tokenizer at {self.path} has no chat_template; send a plain prompt "
+                                      "instead", "messages")
+        flattened = validate_messages(messages)
         rendered = self.hf_tokenizer.apply_chat_template(
             flattened, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )

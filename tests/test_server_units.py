@@ -230,7 +230,7 @@ def fake_state(num_waiting: int, max_waiting: int):
     from kvreuse.server.app import ServerConfig, ServerState
 
     llm_engine = SimpleNamespace(tokenizer=None, max_model_len=64, model_config=SimpleNamespace(vocab_size=100))
-    engine = SimpleNamespace(engine=llm_engine, model_name="m", is_running=True, num_pending_commands=0,
+    engine = SimpleNamespace(engine=llm_engine, tokenizer=None, model_name="m", is_running=True, num_pending_commands=0,
                              stats=SimpleNamespace(num_waiting=num_waiting))
     return ServerState(engine, ServerConfig(max_waiting_requests=max_waiting))  # type: ignore[arg-type]
 

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.models.make import ENDOFTEXT, IM_END, IM_START, make_model
-from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer, flatten_message_content
+from kvreuse.inputs import validate_messages
+from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MIXED_TEXT = (
     "Hello, world! The price is $12.50 (about 11 €).\n"
@@ -129,7 +130,7 @@ def test_text_parts_are_flattened(tokenizer: Tokenizer) -> None:
     plain = [{"role": "user", "content": "first\nsecond"}]
     assert tokenizer.apply_chat_template(parts) == tokenizer.apply_chat_template(plain)
     # Other fields survive, null content becomes "".
-    flattened = flatten_message_content([{"role": "assistant", "content": None, "name": "bot"}])
+    flattened = validate_messages([{"role": "assistant", "content": None, "name": "bot"}])
     assert flattened == [{"role": "assistant", "content": "", "name": "bot"}]
 
 

@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.engine import PromptInput
+from kvreuse.errors import InvalidRequestError
+from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.anthropic import register_anthropic_routes
@@ -70,7 +71,7 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.llm_engine = engine.engine  # read-only use here: tokenizer, limits, prompt validation
-        self.tokenizer = self.llm_engine.tokenizer
+        self.tokenizer = engine.tokenizer  # the event loop's own tokenizer object (the engine thread has another)
         self.model_name = engine.model_name
         self.max_model_len = self.llm_engine.max_model_len
         self.vocab_size = self.llm_engine.model_config.vocab_size
@@ -114,16 +115,10 @@ class ServerState:
     def checked_prompt(self, prompt: str | list[int], param: str) -> tuple[PromptInput, int]:
         """(the prompt for the engine, its token count); a bad prompt is a 400 naming ``param``."""
         try:
-            text, token_ids = self.llm_engine.tokenize_prompt(prompt)
-            self.llm_engine.validate_prompt(token_ids)
-        except ValueError as error:
-            message = str(error)
-            code = "context_length_exceeded" if "max_model_len" in message else None
-            raise bad_request(message, param, code) from None
-        engine_prompt: PromptInput = {"prompt_token_ids": token_ids}
-        if text is not None:
-            engine_prompt["prompt"] = text
-        return engine_prompt, len(token_ids)
+            tokenized = self.engine.inputs.from_prompt(prompt, param=param)
+        except InvalidRequestError as error:
+            raise bad_request(error.message, param, error.code) from None
+        return tokenized.as_engine_prompt(), len(tokenized.token_ids)
 
     def check_stop_token_ids(self, stop_token_ids: list[int] | None) -> None:
         # An id beyond the vocabulary would fail inside the sampler, in the middle of a batch.

@@ -6,8 +6,14 @@ post commands to an inbox that the engine thread drains at the start of each ite
 step's outputs go back to the per-request asyncio queues in one ``call_soon_threadsafe`` per step.
 An idle engine thread blocks on the inbox (no busy loop).
 
-Outputs are cumulative (full text, token ids and logprobs so far), so a consumer that falls behind
-only needs the newest one: `AsyncEngine.generate` skips to the latest queued output.
+Outputs are cumulative (all token ids and logprobs so far), so a consumer that falls behind only
+needs the newest one: `AsyncEngine.generate` skips to the latest queued output.
+
+Text is made on the event loop, not the engine thread: `generate` runs the engine's token ids
+through an `OutputProcessor` (detokenizing, stop strings, stream holdback) and sends a finish
+command back when a stop string ends a sample. The event loop has its own `Tokenizer` object
+(``AsyncEngine.tokenizer``, also behind ``AsyncEngine.inputs`` for encoding), the engine thread
+keeps the engine's: no tokenizer object is used from two threads.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.engine import EngineStats, LLMEngine, PromptInput
+from kvreuse.engine import EngineStats, LLMEngine
+from kvreuse.inputs import InputProcessor, PromptInput
+from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
+from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse.server")
 
@@ -64,6 +73,15 @@ class _Abort:
 
 
 @dataclass
+class _FinishSequence:
+    """A stop string ended this sample (the event loop saw it in the text)."""
+
+    request_id: str
+    index: int
+    stop_reason: str
+
+
+@dataclass
 class _Call:
     function: Callable[[LLMEngine], Any]
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
@@ -79,11 +97,15 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stats_log_interval_s: float = 10.0) -> None:
         self.engine = engine
         self.model_name = engine.model_name
+        # The event loop's own tokenizer object (the engine thread uses engine.tokenizer).
+        self.tokenizer = Tokenizer(engine.tokenizer.path)
+        self.inputs = InputProcessor(self.tokenizer, engine.max_model_len, engine.model_config.vocab_size)
+        self._outputs = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(engine.model_name, lambda: self.stats)
         # Replaced whole after every iteration; readers on other threads see one consistent snapshot.
         self.stats: EngineStats = engine.stats()
         self._stats_logger = PeriodicStatsLogger(stats_log_interval_s, logger, self.stats)
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _FinishSequence | _Call | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # set if the loop itself died
@@ -122,13 +144,17 @@ class AsyncEngine:
         arrival_time: float | None = None,
         pins: Sequence[PinSpec] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until the finished one. Leaving early (the client
-        went away, the task was cancelled) aborts the request, so its KV blocks return to the pool."""
+        """Queue a request and yield its processed outputs (text, stream deltas) until the finished
+        one. Leaving early (the client went away, the task was cancelled) aborts the request, so its
+        KV blocks return to the pool."""
         if not self.is_running:
             raise EngineError("the engine loop is not running")
+        tokenized = self.inputs.from_prompt(prompt, validate=False)  # handlers validated it already
+        self._outputs.add_request(request_id, tokenized.token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, stream, tuple(pins)))
+        self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
+                             tuple(pins)))
         finished = False
         try:
             while True:
@@ -138,11 +164,15 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine side has already dropped the request
                     raise item
-                finished = item.finished
-                yield item
+                processed = self._outputs.process(item)
+                for index, stop_string in processed.stopped:
+                    self._inbox.put(_FinishSequence(request_id, index, stop_string))
+                finished = processed.output.finished
+                yield processed.output
                 if finished:
                     return
         finally:
+            self._outputs.abort(request_id)
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
@@ -193,7 +223,7 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort | _Call) -> None:
+    def _apply(self, command: _Add | _Abort | _FinishSequence | _Call) -> None:
         engine = self.engine
         if isinstance(command, _Add):
             try:
@@ -204,6 +234,12 @@ class AsyncEngine:
                 _deliver_now(command.stream, error)
                 return
             self._streams[command.request_id] = command.stream
+        elif isinstance(command, _FinishSequence):
+            if command.request_id in self._streams:
+                engine.finish_sequence(command.request_id, command.index, command.stop_reason)
+                if not engine.has_request(command.request_id):
+                    del self._streams[command.request_id]
+                    self.metrics.request_finished("stop")
         elif isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 engine.abort_request(command.request_id)
