@@ -40,7 +40,7 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
-class Message(BaseModel):
+class BatchMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
@@ -48,7 +48,7 @@ class Message(BaseModel):
 
 class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    messages: list[Message] = Field(min_length=1)
+    messages: list[BatchMessage] = Field(min_length=1)
     save_system_prompt_kv_cache: bool = False
     lora_name: str | None = None
     max_tokens: int = Field(default=256, ge=1)

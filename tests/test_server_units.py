@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvreuse.server.app import StopStringHoldback
 from kvreuse.server.auth import ApiKeyAuth, load_api_keys, tenant_id_of
-from kvreuse.server.errors import APIError, param_of_value_error
+from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 
@@ -138,51 +137,6 @@ def test_bad_completion_prompts(prompt):
     request = parse_request(CompletionRequest, json.dumps({"prompt": prompt}).encode())
     error = api_error(request.prompts)
     assert error.status_code == 400 and error.param == "prompt"
-
-
-def test_param_of_value_error():
-    assert param_of_value_error("top_p must be in (0, 1], got 0") == "top_p"
-    assert param_of_value_error("n must be an int >= 1, got 0") == "n"
-    assert param_of_value_error("stop strings must be non-empty strings, got ''") == "stop"
-    assert param_of_value_error("logprobs must be None or an int", {"logprobs": "top_logprobs"}) == "top_logprobs"
-    assert param_of_value_error("messages[1].content[0] has type 'image_url'") == "messages[1].content[0]"
-    assert param_of_value_error("the prompt is empty: at least 1 token is required") is None
-
-
-# --- stop-string hold-back ------------------------------------------------------------------------------
-
-
-def stream_through(holdback: StopStringHoldback, texts: list[str], final: str) -> str:
-    sent = "".join(holdback.release(text, finished=False) for text in texts)
-    return sent + holdback.release(final, finished=True)
-
-
-def test_holdback_never_sends_the_start_of_a_stop_string():
-    # The engine's cumulative text grows "Hello wo" -> "Hello world"; stop "wor" is hit and the final
-    # text is cut to "Hello ". Without hold-back "wo" would already be out.
-    holdback = StopStringHoldback(["wor"])
-    assert holdback.release("Hello w", finished=False) == "Hello "
-    assert holdback.release("Hello wo", finished=False) == ""
-    assert holdback.release("Hello ", finished=True) == ""
-    assert holdback.num_sent == len("Hello ")
-
-
-def test_holdback_releases_text_once_it_cannot_start_a_stop():
-    holdback = StopStringHoldback(["STOP", "xy"])
-    assert holdback.release("abcS", finished=False) == "abc"
-    assert holdback.release("abcST", finished=False) == ""
-    assert holdback.release("abcSTa", finished=False) == "STa"  # "STa" cannot start a stop any more
-    assert holdback.release("abcSTax", finished=False) == ""
-    assert stream_through(StopStringHoldback(["xy"]), ["ax", "axb"], "axbc") == "axbc"
-
-
-def test_holdback_without_stops_sends_everything():
-    holdback = StopStringHoldback([])
-    assert holdback.release("abc", finished=False) == "abc"
-    assert holdback.release("abcd", finished=False) == "d"
-
-
-# --- keys and tenants --------------------------------------------------------------------------------------
 
 
 def test_auth_checks_bearer_keys():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from kvreuse.bench.client import BenchmarkRun, ClientConfig, LoadClient
 from kvreuse.bench.options import (

@@ -14,16 +14,20 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.cache.pins import PinSpec
+from kvreuse.inputs import InputProcessor, common_prefix_length
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvreuse.server.app import ServerState
 
 MAX_BREAKPOINTS = 4
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -42,7 +46,7 @@ class TextBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
-class Message(BaseModel):
+class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]
     content: str | list[TextBlock]
@@ -52,7 +56,7 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -104,7 +108,7 @@ def _openai_messages(system: list[TextBlock], messages: list[list[TextBlock]], r
     return result
 
 
-def breakpoint_prefixes(tokenizer, body: MessagesRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
+def breakpoint_prefixes(inputs: InputProcessor, body: MessagesRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
     """(prefix length in tokens, ttl seconds) for each cache_control block, in prompt order.
 
     The prefix of a breakpoint is the conversation rendered up to and including its block; its
@@ -133,14 +137,8 @@ def breakpoint_prefixes(tokenizer, body: MessagesRequest, prompt_ids: list[int])
         else:
             partial = _openai_messages(system, messages[:message_index] + [messages[message_index][: block_index + 1]],
                                        roles[: message_index + 1])
-        text = tokenizer.apply_chat_template(partial, add_generation_prompt=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        common = 0
-        for ours, theirs in zip(ids, prompt_ids):
-            if ours != theirs:
-                break
-            common += 1
-        prefixes.append((common, ttl))
+        ids = inputs.from_messages(partial, add_generation_prompt=False, validate=False).token_ids
+        prefixes.append((common_prefix_length(ids, prompt_ids), ttl))
     return prefixes
 
 
@@ -166,7 +164,7 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def register_anthropic_routes(app: FastAPI, state: Any) -> None:
+def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     """Add ``POST /v1/messages`` to ``app`` (``state`` is the server's ServerState)."""
 
     @app.post("/v1/messages")
@@ -186,16 +184,14 @@ def register_anthropic_routes(app: FastAPI, state: Any) -> None:
                 return anthropic_error(400, f"{_field_path(first['loc'])}: {first['msg']}")
             if body.model != state.model_name:
                 return anthropic_error(404, f"model: {body.model!r} is not served here (try {state.model_name!r})")
-            tokenizer = state.tokenizer
             conversation = _openai_messages(_blocks(body.system), [_blocks(m.content) for m in body.messages],
                                             [m.role for m in body.messages])
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
-            prompt, num_prompt_tokens = state.checked_prompt(token_ids, "messages")
-            prompt["prompt"] = text
+            tokenized = state.engine.inputs.from_messages(conversation)
+            token_ids = tokenized.token_ids
+            prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
             max_tokens = state.max_tokens((body.max_tokens, "max_tokens"), num_prompt_tokens)
             block_size = state.llm_engine.kv.block_size
-            breakpoints = breakpoint_prefixes(tokenizer, body, token_ids)
+            breakpoints = breakpoint_prefixes(state.engine.inputs, body, token_ids)
             salt = state.auth.cache_salt(tenant, None)
             owner = tenant.tenant_id if tenant is not None and state.auth.isolate_tenants else None
             pins = [PinSpec(num_tokens=length, key=f"breakpoint\x00{salt or ''}\x00{token_ids[:length]}",
@@ -236,7 +232,6 @@ def register_anthropic_routes(app: FastAPI, state: Any) -> None:
             })
 
         async def events() -> AsyncIterator[bytes]:
-            sent_text = ""
             started = False
             try:
                 async for output in outputs:
@@ -251,9 +246,9 @@ def register_anthropic_routes(app: FastAPI, state: Any) -> None:
                             "usage": _usage(output, last_breakpoint, 1)}})
                         yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
                                                            "content_block": {"type": "text", "text": ""}})
-                    delta = completion.text[len(sent_text):]
+                    # text_delta holds back a possible start of a stop string (kvreuse.output_processor).
+                    delta = completion.text_delta
                     if delta:
-                        sent_text = completion.text
                         yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                            "delta": {"type": "text_delta", "text": delta}})
                     if output.finished:

@@ -1,11 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes over an `AsyncEngine`.
 
 Handlers authenticate, parse and validate (every bad input is a 4xx in OpenAI's error shape before
-anything reaches the engine), tokenize on the event loop, then stream the engine's outputs. A
-stream sends nothing, not even its headers, before the first token exists, so the time to first
-token a client measures is the real one. Text that could be the start of a stop string is held back
-until it is clear it is not (the engine cuts the final text at the stop string, but a delta already
-sent cannot be taken back). A client that goes away aborts its request.
+anything reaches the engine), tokenize on the event loop (kvreuse.inputs, through the AsyncEngine's
+own tokenizer), then stream the processed outputs. A stream sends nothing, not even its headers,
+before the first token exists, so the time to first token a client measures is the real one. Stream
+deltas are the output processor's ``text_delta``: text that could be the start of a stop string is
+held back until it is clear it is not. A client that goes away aborts its request.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +34,7 @@ from kvreuse.server.async_engine import AsyncEngine, EngineError
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.system_prompt import system_prompt_pin
 from kvreuse.server.errors import (
-    APIError, bad_request, internal_error, model_not_found, param_of_value_error, unavailable,
+    APIError, bad_request, internal_error, model_not_found, unavailable,
 )
 from kvreuse.server.protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, TokenTexts,
@@ -205,6 +204,11 @@ def build_app(state: ServerState) -> FastAPI:
         api_error = APIError(error.status_code, str(error.detail))
         return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
 
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request_handler(_: Request, error: InvalidRequestError) -> JSONResponse:
+        # Raised by the input module, SamplingParams and the engine, with the field and code attached.
+        return JSONResponse(bad_request(error.message, error.param, error.code).body(), status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error_handler(_: Request, error: RequestValidationError) -> JSONResponse:
         return JSONResponse(bad_request(str(error)).body(), status_code=400)
@@ -247,27 +251,19 @@ def build_app(state: ServerState) -> FastAPI:
         state.check_model(body.model)
         body.check()
         state.check_stop_token_ids(body.stop_token_ids)
-        tokenizer = state.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
-            token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds any bos
-        except ValueError as error:
-            raise bad_request(str(error), param_of_value_error(str(error)) or "messages") from None
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as error:
-            # Messages of an unexpected shape fail inside the template: still the client's input.
-            raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
-        prompt, num_prompt_tokens = state.checked_prompt(token_ids, "messages")
-        prompt["prompt"] = text
+        tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt)
+        token_ids = tokenized.token_ids
+        prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
         max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
         renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
         params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
         pins: list[PinSpec] = []
         if body.save_system_prompt_kv_cache:
+            spec = system_prompt_pin(state.tokenizer, body.messages, token_ids)
             try:
-                spec = system_prompt_pin(tokenizer, body.messages, token_ids)
-                state.llm_engine.check_pin(spec, num_prompt_tokens)
+                state.llm_engine.check_pin(spec, num_prompt_tokens)  # reads configuration only
             except ValueError as error:
-                raise bad_request(str(error), param_of_value_error(str(error)) or "messages") from None
+                raise bad_request(str(error), "save_system_prompt_kv_cache") from None
             pins.append(dataclasses.replace(spec, owner=state.owner_of(tenant)))
         generation = _Generation(
             chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
@@ -290,7 +286,7 @@ def build_app(state: ServerState) -> FastAPI:
         owner = state.owner_of(state.authenticate(request))
 
         def remove(engine: Any) -> dict[str, Any] | None:
-            pin = engine.pins.pins.get(pin_id)
+            pin = engine.get_pin(pin_id)
             if pin is None or (owner is not None and pin.owner != owner):
                 return None  # another tenant's pin is as good as absent
             return engine.unpin(pin_id).as_dict()
@@ -349,18 +345,14 @@ def build_app(state: ServerState) -> FastAPI:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
-        tokenizer = state.tokenizer
-        try:
-            if body.messages is not None:
-                text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
-                token_ids = tokenizer.encode(text, add_special_tokens=False)
-            else:
-                token_ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        except ValueError as error:
-            raise bad_request(str(error), param_of_value_error(str(error)) or "messages") from None
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as error:
-            # Messages of an unexpected shape fail inside the template: still the client's input.
-            raise bad_request(f"the chat template rejected the messages: {error}", "messages") from None
+        inputs = state.engine.inputs
+        if body.messages is not None:
+            tokenized = inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                             validate=False)
+        else:
+            tokenized = inputs.from_text(body.prompt or "", add_special_tokens=body.add_special_tokens,
+                                         validate=False)
+        token_ids = tokenized.token_ids
         return JSONResponse({"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids})
 
     @app.post("/detokenize")
@@ -438,8 +430,8 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except EngineError as error:
         raise internal_error(str(error)) from None
-    except ValueError as error:  # the engine refused the request (the handlers' checks should have)
-        raise bad_request(str(error), param_of_value_error(str(error))) from None
+    except InvalidRequestError as error:  # the engine refused the request (the handlers' checks should have)
+        raise bad_request(error.message, error.param, error.code) from None
     finally:
         if not handed_to_stream:
             admission.release()
@@ -563,39 +555,8 @@ async def _stream_body(
 # --- response bodies -----------------------------------------------------------------------------------------
 
 
-class StopStringHoldback:
-    """Releases streamed text only once it cannot be the start of a stop string.
-
-    The engine ends the final text before a stop string, but a stream cannot take back a delta: so
-    the longest suffix of the text that is a proper prefix of some stop string waits until the next
-    token shows whether the stop string follows, or the request finishes.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.max_partial = max((len(stop) for stop in self.stops), default=1) - 1
-        self.num_sent = 0
-
-    def release(self, text: str, finished: bool) -> str:
-        """The text to send now, given the full text so far."""
-        end = len(text) if finished else len(text) - self._partial_stop_length(text)
-        if end <= self.num_sent:
-            return ""
-        released = text[self.num_sent:end]
-        self.num_sent = end
-        return released
-
-    def _partial_stop_length(self, text: str) -> int:
-        for length in range(min(self.max_partial, len(text)), 0, -1):
-            suffix = text[-length:]
-            if any(stop.startswith(suffix) for stop in self.stops):
-                return length
-        return 0
-
-
 @dataclass
 class _ChoiceStream:
-    holdback: StopStringHoldback
     started: bool = False
     finished: bool = False
     num_logprobs_sent: int = 0
@@ -621,7 +582,7 @@ class _StreamWriter:
         }
         for prompt_index, params in enumerate(generation.params):
             for sample in range(params.n):
-                self.choices[prompt_index * params.n + sample] = _ChoiceStream(StopStringHoldback(params.stop or []))
+                self.choices[prompt_index * params.n + sample] = _ChoiceStream()
 
     def encode(self, prompt_index: int, output: RequestOutput) -> bytes:
         self.last_outputs[prompt_index] = output
@@ -632,7 +593,8 @@ class _StreamWriter:
             if choice.finished:
                 continue
             finished = completion.finish_reason is not None
-            text = choice.holdback.release(completion.text, finished)
+            # Held back while it could still be the start of a stop string (kvreuse.output_processor).
+            text = completion.text_delta
             entries = None
             if self.generation.num_logprobs is not None and completion.logprobs is not None and (text or finished):
                 entries = completion.logprobs[choice.num_logprobs_sent:]

@@ -1,13 +1,12 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 
-Handlers raise `APIError`; the app turns it into the JSON body. SamplingParams and the engine raise
-ValueErrors whose message starts with the field name; `param_of_value_error` maps that name back to
-the request parameter the client sent, so a 400 names what the client must change.
+Handlers raise `APIError`; the app turns it into the JSON body. SamplingParams, the input module and
+the engine raise `kvreuse.errors.InvalidRequestError`, whose ``param`` and ``code`` become the 400's
+fields as they are (no message is parsed), so a 400 names what the client must change.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,27 +56,3 @@ def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
 
 def internal_error(message: str) -> APIError:
     return APIError(500, message, error_type="server_error", code="internal_error")
-
-
-# A field name, optionally followed by an index path: "top_p", "messages[2].content[0]".
-_LEADING_PATH = re.compile(r"^([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)")
-# One-word fields: any other leading word ("the prompt ...", "a prompt ...") is prose, not a name.
-_SINGLE_WORD_FIELDS = frozenset({"n", "temperature", "seed", "stop", "logprobs", "prompt", "messages", "model", "tokens"})
-
-
-def param_of_value_error(message: str, renames: Mapping[str, str] | None = None) -> str | None:
-    """The request parameter a ValueError message is about: its leading field name or path
-    (``"top_p must be in (0, 1]..."`` -> ``"top_p"``, ``"messages[1].role must..."`` ->
-    ``"messages[1].role"``), with a bare name renamed through ``renames`` (e.g.
-    ``{"logprobs": "top_logprobs"}`` for chat)."""
-    match = _LEADING_PATH.match(message)
-    if match is None:
-        return None
-    name, path = match.group(1), match.group(2)
-    if path:
-        return name + path
-    if renames and name in renames:
-        return renames[name]
-    if "_" in name or name in _SINGLE_WORD_FIELDS:
-        return name
-    return None

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvreuse.sampling import SamplingParams, TokenLogprobs
-from kvreuse.server.errors import APIError, bad_request, param_of_value_error
+from kvreuse.errors import InvalidRequestError
+from kvreuse.server.errors import APIError, bad_request
 
 # Most samples per request: each is a sequence in the engine, so this bounds what one request costs.
 MAX_N = 128
@@ -85,7 +86,7 @@ class _SamplingRequest(_StrictModel):
                               f"got {len(self.cache_salt)} characters", "cache_salt")
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
-        """SamplingParams from the request; a ValueError becomes a 400 naming the request field."""
+        """SamplingParams from the request; a bad value becomes a 400 naming the request field."""
         try:
             return SamplingParams(
                 n=self.n,
@@ -106,8 +107,10 @@ class _SamplingRequest(_StrictModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as error:
-            raise bad_request(str(error), param_of_value_error(str(error), renames)) from None
+        except InvalidRequestError as error:
+            # The request may name a field differently from SamplingParams (chat's top_logprobs).
+            param = renames.get(error.param, error.param) if error.param else None
+            raise bad_request(error.message, param, error.code) from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
