@@ -14,7 +14,7 @@ import pytest
 
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
-KEY_A, KEY_B = "pins-tenant-a", "pins-tenant-b"
+KEY_A, KEY_B, ADMIN = "pins-tenant-a", "pins-tenant-b", "pins-admin"
 GREEDY = {"temperature": 0}  # current anthropic SDKs have no temperature argument; the API field still exists
 SYSTEM = "You are a helpful Python programming assistant. Prefer the standard library. " * 8
 WARM = "You review pull requests for a payments team. Be strict about money arithmetic. " * 8
@@ -24,11 +24,13 @@ TEAM = "You summarise incident reports for the on-call team. Lead with customer 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     folder = tmp_path_factory.mktemp("explicit")
+    admin_file = folder / "admin-keys.txt"
+    admin_file.write_text(f"# operators\n{ADMIN}\n")
     warm_file = folder / "warm.json"
     warm_file.write_text(json.dumps([WARM, {"messages": [{"role": "system", "content": TEAM}],
                                             "cache_salt": "public:team"}]))
     running = start_server(tiny_model, folder / "server.log", "--api-key", KEY_A, "--api-key", KEY_B,
-                           "--isolate-tenants", "--warm-prompts", str(warm_file), "--stats-log-interval", "0")
+                           "--admin-keys-file", str(admin_file), "--isolate-tenants", "--warm-prompts", str(warm_file), "--stats-log-interval", "0")
     yield running
     stop_server(running)
 
@@ -72,8 +74,13 @@ def test_save_system_prompt_then_reuse_without_flag(server: RunningServer):
     assert second.usage.prompt_tokens_details.cached_tokens >= saved[0]["tokens"]
     assert [pin for pin in pins(server) if pin["id"] == saved[0]["id"]][0]["hits"] == 1
 
-    # Tenant B neither sees nor deletes tenant A's pin.
+    # Tenant B neither sees nor deletes tenant A's pin; an admin key sees every tenant's pins.
     assert saved[0]["id"] not in {pin["id"] for pin in pins(server, KEY_B)}
+    b_pin = ask(openai_client(server, KEY_B), SYSTEM + " (team B)", "Hi", save_system_prompt_kv_cache=True)
+    assert b_pin.usage is not None
+    b_ids = {pin["id"] for pin in pins(server, KEY_B) if pin["kind"] == "system_prompt"}
+    assert len(b_ids) == 1 and not b_ids & {pin["id"] for pin in pins(server, KEY_A)}
+    assert {saved[0]["id"], *b_ids} <= {pin["id"] for pin in pins(server, ADMIN)}
     denied = httpx.delete(f"{server.base_url}/v1/cache/pins/{saved[0]['id']}",
                           headers={"Authorization": f"Bearer {KEY_B}"})
     assert denied.status_code == 404 and denied.json()["error"]["param"] == "pin_id"

@@ -422,3 +422,16 @@ def test_cuda_greedy_and_seeded_rows() -> None:
     assert output.token_ids[1] == output.token_ids[3]
     alone = Sampler()(logits[1:2], [SamplingState.create(params[1], device)]).token_ids[0]
     assert alone == output.token_ids[1]
+
+
+def test_stop_list_is_capped_and_errors_carry_the_field():
+    from kvreuse.errors import InvalidRequestError
+    from kvreuse.sampling import MAX_STOP_STRINGS
+
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop) == MAX_STOP_STRINGS
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRINGS}") as error:
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    assert error.value.param == "stop"
+    with pytest.raises(ValueError) as error:
+        SamplingParams(top_p=0)
+    assert isinstance(error.value, InvalidRequestError) and error.value.param == "top_p"

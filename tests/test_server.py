@@ -43,7 +43,7 @@ HIT_FLOOR = 400
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     running = start_server(tiny_model, log_path, "--api-key", KEY_A, "--api-key", KEY_B, "--isolate-tenants",
-                           "--stats-log-interval", "1")
+                           "--admin-key", ADMIN_KEY, "--stats-log-interval", "1")
     yield running
     stop_server(running)
 
@@ -56,6 +56,9 @@ def llm(tiny_model: Path) -> LLM:
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
+
+
+ADMIN_KEY = "admin-key-for-tests"
 
 
 def auth(key: str = KEY_A) -> dict[str, str]:
@@ -406,7 +409,29 @@ MALFORMED = [
     (COMPLETIONS, completion(seed="x"), 400, "seed"),
     (COMPLETIONS, completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    (CHAT, chat(messages=[{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]), 400,
+     "messages[1].role"),
+    (CHAT, chat(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
+    (COMPLETIONS, completion(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
 ]
+
+
+def test_roles_and_stop_cap_as_openai_clients_see_them(server: RunningServer, client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError, match="role must be one of"):
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
+                                       messages=[{"role": "wizard", "content": "hi"}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="at most 64"):
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=1, stop=[f"s{i}" for i in range(65)],
+                                       messages=[{"role": "user", "content": "hi"}])
+    # The roles OpenAI accepts all work (developer is its newer name for system), and 64 stops are fine.
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=2, temperature=0, stop=[f"s{i}" for i in range(64)],
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "hello"}, {"role": "tool", "content": "42"},
+                  {"role": "user", "content": "and?"}],
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), MALFORMED,
@@ -447,18 +472,25 @@ def test_tokenize_detokenize_and_reset_prefix_cache(server: RunningServer, llm: 
     chat_cached_tokens(server, KEY_A, "q", system, None)
     assert chat_cached_tokens(server, KEY_A, "q", system, None) > HIT_FLOOR
     assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401
+    # A tenant key may not flush every tenant's cache, nor read every tenant's block keys: 403.
+    for key in (KEY_A, KEY_B):
+        denied = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=auth(key))
+        assert denied.status_code == 403, denied.text
+        assert denied.json()["error"]["type"] == "permission_error" and "admin key" in denied.json()["error"]["message"]
+    assert chat_cached_tokens(server, KEY_A, "q", system, None) > HIT_FLOOR  # nothing was flushed
     events_url = f"{server.base_url}/v1/cache/events"
-    before = httpx.get(events_url, headers=auth(), params={"limit": 1}).json()
+    assert httpx.get(events_url, headers=auth(KEY_B)).status_code == 403
+    before = httpx.get(events_url, headers=auth(ADMIN_KEY), params={"limit": 1}).json()
     assert before["last_seq"] > 0 and before["block_size"] == 16 and before["lost"] == 0
     assert before["events"][0]["seq"] == 1 and before["events"][0]["type"] == "stored" and before["next_after"] == 1
-    reset = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=auth())
+    reset = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=auth(ADMIN_KEY))
     assert reset.status_code == 200 and reset.json()["freed_blocks"] > 0
-    since = httpx.get(events_url, headers=auth(), params={"after": before["last_seq"]}).json()
+    since = httpx.get(events_url, headers=auth(ADMIN_KEY), params={"after": before["last_seq"]}).json()
     assert sum(event["type"] == "removed" for event in since["events"]) == reset.json()["freed_blocks"]
     assert httpx.get(events_url).status_code == 401
     for params, field in (({"after": "x"}, "after"), ({"after": -1}, "after"), ({"limit": 0}, "limit"),
                           ({"limit": 100000}, "limit")):
-        bad = httpx.get(events_url, headers=auth(), params=params)
+        bad = httpx.get(events_url, headers=auth(ADMIN_KEY), params=params)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
     assert chat_cached_tokens(server, KEY_A, "q", system, None) == 0
 

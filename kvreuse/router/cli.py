@@ -43,7 +43,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="follow each backend's stored / removed block events (GET /v1/cache/events) so "
                              "the index holds what the backend holds; without them it is the router's guess")
     parser.add_argument("--backend-api-key", default=None,
-                        help="API key for the router's own calls to the backends (model card, KV events)")
+                        help="key for the router's own calls to the backends (model card, KV events); when the "
+                             "backends use keys it must be one of their --admin-key keys (the KV event log "
+                             "holds every tenant's block keys)")
     parser.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     parser.add_argument("--access-log", action="store_true")
 

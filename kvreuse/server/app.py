@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.cache.pins import PinSpec
+from kvreuse.engine import LLMEngine
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
@@ -52,6 +53,7 @@ CLIENT_CLOSED_REQUEST = 499
 @dataclass(frozen=True)
 class ServerConfig:
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
     isolate_tenants: bool = False
     # Requests waiting for the engine beyond this get a 503 instead of an ever longer queue.
     max_waiting_requests: int = 1024
@@ -74,7 +76,7 @@ class ServerState:
         self.model_name = engine.model_name
         self.max_model_len = self.llm_engine.max_model_len
         self.vocab_size = self.llm_engine.model_config.vocab_size
-        self.auth = ApiKeyAuth(config.api_keys, config.isolate_tenants)
+        self.auth = ApiKeyAuth(config.api_keys, config.isolate_tenants, config.admin_keys)
         self.token_texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
         self.draining = False
@@ -102,6 +104,12 @@ class ServerState:
     # --- validation helpers -------------------------------------------------------------------------
     def authenticate(self, request: Request) -> Tenant | None:
         return self.auth.authenticate(request.headers.get("authorization"))
+
+    def pin_owner_filter(self, tenant: Tenant | None) -> str | None:
+        """Whose pins this caller may see and delete: None for all (an admin, or tenants not isolated)."""
+        if tenant is not None and tenant.is_admin:
+            return None
+        return self.owner_of(tenant)
 
     def owner_of(self, tenant: Tenant | None) -> str | None:
         """Who owns pins made by this caller (only when tenants are isolated)."""
@@ -276,16 +284,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/cache/pins")
     async def list_pins(request: Request) -> JSONResponse:
-        owner = state.owner_of(state.authenticate(request))
+        owner = state.pin_owner_filter(state.authenticate(request))
         pins = await state.engine.call(lambda engine: [pin.as_dict() for pin in engine.list_pins()])
         visible = [pin for pin in pins if owner is None or pin["owner"] in (None, owner)]
         return JSONResponse({"object": "list", "data": visible})
 
     @app.delete("/v1/cache/pins/{pin_id}")
     async def delete_pin(pin_id: str, request: Request) -> JSONResponse:
-        owner = state.owner_of(state.authenticate(request))
+        owner = state.pin_owner_filter(state.authenticate(request))
 
-        def remove(engine: Any) -> dict[str, Any] | None:
+        def remove(engine: LLMEngine) -> dict[str, Any] | None:
             pin = engine.get_pin(pin_id)
             if pin is None or (owner is not None and pin.owner != owner):
                 return None  # another tenant's pin is as good as absent
@@ -298,8 +306,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/cache/events")
     async def cache_events(request: Request) -> JSONResponse:
-        """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route)."""
-        state.authenticate(request)
+        """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route).
+        Every tenant's keys are in it, so it needs an admin key when keys are configured."""
+        state.auth.require_admin(state.authenticate(request), "reading the KV event log")
         after = _query_int(request, "after", 0, 0, None)
         limit = _query_int(request, "limit", KV_EVENTS_PAGE, 1, KV_EVENTS_PAGE)
         log = state.llm_engine.kv_events
@@ -368,7 +377,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        state.authenticate(request)  # an admin action: needs a key whenever keys are configured
+        # It flushes every tenant's cache: an admin action whenever keys are configured.
+        state.auth.require_admin(state.authenticate(request), "resetting the prefix cache")
         state.check_accepting()
         freed_blocks = await state.engine.call(lambda engine: engine.reset_prefix_cache())
         logger.info("prefix cache reset: %d idle blocks freed", freed_blocks)

@@ -9,6 +9,10 @@ the caller's key itself, so no client can pick another tenant's namespace and ti
 A client salt that starts with ``public:`` is used as is by everyone, which shares a system prompt
 across tenants on purpose. Tenant ids are a keyed hash of the key (never the key itself), stable
 across restarts so several replicas with the same keys agree.
+
+Admin keys (``--admin-key``) are accepted wherever an API key is (each is its own tenant) and are
+the only keys that may act on every tenant: reset the prefix cache, read the KV event log (every
+tenant's block keys), see and delete every tenant's pins. A tenant key asking for those gets a 403.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.server.errors import unauthorized
+from kvreuse.server.errors import forbidden, unauthorized
 
 PUBLIC_SALT_PREFIX = "public:"
 TENANT_SALT_PREFIX = "tenant:"
@@ -32,35 +36,43 @@ class Tenant:
     """The caller behind one API key; ``tenant_id`` is a keyed hash of that key."""
 
     tenant_id: str
+    is_admin: bool = False
 
 
 def tenant_id_of(api_key: str) -> str:
     return hmac.new(_TENANT_ID_LABEL, api_key.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
 
 
-def load_api_keys(keys: Iterable[str] | None = None, keys_file: str | Path | None = None) -> list[str]:
-    """Keys from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per line, ``#`` comments)."""
+def load_api_keys(keys: Iterable[str] | None = None, keys_file: str | Path | None = None,
+                  what: str = "api_key") -> list[str]:
+    """Keys from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per line, ``#`` comments);
+    ``what`` names the option in errors (``admin_key`` for the admin keys)."""
     collected = [key.strip() for key in (keys or [])]
     if keys_file is not None:
         try:
             lines = Path(keys_file).read_text(encoding="utf-8").splitlines()
         except OSError as error:
-            raise ValueError(f"api_keys_file {str(keys_file)!r} cannot be read: {error.strerror}") from None
+            raise ValueError(f"{what}s_file {str(keys_file)!r} cannot be read: {error.strerror}") from None
         collected += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     for key in collected:
         if not key:
-            raise ValueError("api_key must not be empty")
+            raise ValueError(f"{what} must not be empty")
     return list(dict.fromkeys(collected))  # duplicates dropped, order kept
 
 
 class ApiKeyAuth:
     """Checks bearer keys and turns (caller, client cache_salt) into the salt the engine gets."""
 
-    def __init__(self, api_keys: Sequence[str] = (), isolate_tenants: bool = False) -> None:
-        if isolate_tenants and not api_keys:
+    def __init__(self, api_keys: Sequence[str] = (), isolate_tenants: bool = False,
+                 admin_keys: Sequence[str] = ()) -> None:
+        if isolate_tenants and not (api_keys or admin_keys):
             raise ValueError("isolate_tenants needs at least one api_key: tenants are told apart by their key")
+        both = set(api_keys) & set(admin_keys)
+        if both:
+            raise ValueError(f"a key is given both as api_key and admin_key ({len(both)} key(s)): give it once")
         self.isolate_tenants = isolate_tenants
         self._keys = [(key.encode("utf-8"), Tenant(tenant_id_of(key))) for key in api_keys]
+        self._keys += [(key.encode("utf-8"), Tenant(tenant_id_of(key), is_admin=True)) for key in admin_keys]
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +97,11 @@ class ApiKeyAuth:
         if found is None:
             raise unauthorized("invalid API key")
         return found
+
+    def require_admin(self, tenant: Tenant | None, action: str) -> None:
+        """403 unless the caller may act on every tenant: an admin key, or a server without keys."""
+        if self._keys and (tenant is None or not tenant.is_admin):
+            raise forbidden(f"{action} needs an admin key (--admin-key); this key is a tenant key")
 
     def cache_salt(self, tenant: Tenant | None, client_salt: str | None) -> str | None:
         """The salt of the request's cache namespace (see the module docstring)."""

@@ -45,6 +45,10 @@ def unauthorized(message: str) -> APIError:
                     headers={"WWW-Authenticate": 'Bearer realm="kvreuse"'})
 
 
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, error_type="permission_error", code="admin_key_required")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model {model!r} does not exist.", param="model", code="model_not_found")
 

@@ -38,6 +38,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=None,
                         help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several")
     parser.add_argument("--api-keys-file", default=None, help="file with one API key per line (# comments)")
+    parser.add_argument("--admin-key", action="append", default=None,
+                        help="a key that may also act on every tenant: POST /reset_prefix_cache, GET "
+                             "/v1/cache/events (what kvreuse route reads), every tenant's pins; repeatable")
+    parser.add_argument("--admin-keys-file", default=None, help="file with one admin key per line (# comments)")
     parser.add_argument("--isolate-tenants", action="store_true",
                         help="derive each request's cache namespace from its API key (salts starting "
                              "with 'public:' stay shared)")
@@ -62,9 +66,10 @@ def run_server(args: argparse.Namespace) -> int:
     from kvreuse.server.auth import load_api_keys
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
-    config = ServerConfig(api_keys=tuple(api_keys), isolate_tenants=args.isolate_tenants,
+    admin_keys = load_api_keys(args.admin_key, args.admin_keys_file, what="admin_key")
+    config = ServerConfig(api_keys=tuple(api_keys), admin_keys=tuple(admin_keys), isolate_tenants=args.isolate_tenants,
                           max_waiting_requests=args.max_waiting_requests, model_root=args.model)
-    if args.isolate_tenants and not api_keys:
+    if args.isolate_tenants and not (api_keys or admin_keys):
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
@@ -78,8 +83,8 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("model %s loaded in %.1f s (served as %r, max_model_len %d, device %s, dtype %s)%s",
                 args.model, time.monotonic() - started, state.model_name, state.max_model_len,
                 llm.engine.device, llm.engine.dtype,
-                f"; {len(api_keys)} API key(s){', tenants isolated' if args.isolate_tenants else ''}"
-                if api_keys else "")
+                f"; {len(api_keys)} API key(s), {len(admin_keys)} admin key(s)"
+                f"{', tenants isolated' if args.isolate_tenants else ''}" if api_keys or admin_keys else "")
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=30, lifespan="off",
