@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -164,10 +164,11 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:
-    """Add ``POST /v1/messages`` to ``app`` (``state`` is the server's ServerState)."""
+def anthropic_router(state: ServerState) -> APIRouter:
+    """``POST /v1/messages`` over the server's state."""
+    router = APIRouter()
 
-    @app.post("/v1/messages")
+    @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         arrival_time = time.monotonic()
         try:
@@ -265,3 +266,5 @@ def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:
                 admission.release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    return router

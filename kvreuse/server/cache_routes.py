@@ -1,0 +1,88 @@
+"""Cache administration routes: pins (tenant-scoped), the KV event log (admin), the cache reset (admin).
+
+Where keys are configured a tenant sees and deletes only its own pins (an admin key sees all), and
+reading the KV event log (every tenant's block keys; kvreuse route follows it) or flushing the
+prefix cache needs an admin key.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kvreuse.engine import LLMEngine
+from kvreuse.server.app import ServerState
+from kvreuse.server.errors import APIError, bad_request
+
+logger = logging.getLogger("kvreuse.server")
+
+
+def cache_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/cache/pins")
+    async def list_pins(request: Request) -> JSONResponse:
+        owner = state.pin_owner_filter(state.authenticate(request))
+        pins = await state.engine.call(lambda engine: [pin.as_dict() for pin in engine.list_pins()])
+        visible = [pin for pin in pins if owner is None or pin["owner"] in (None, owner)]
+        return JSONResponse({"object": "list", "data": visible})
+
+    @router.delete("/v1/cache/pins/{pin_id}")
+    async def delete_pin(pin_id: str, request: Request) -> JSONResponse:
+        owner = state.pin_owner_filter(state.authenticate(request))
+
+        def remove(engine: LLMEngine) -> dict[str, Any] | None:
+            pin = engine.get_pin(pin_id)
+            if pin is None or (owner is not None and pin.owner != owner):
+                return None  # another tenant's pin is as good as absent
+            return engine.unpin(pin_id).as_dict()
+
+        removed = await state.engine.call(remove)
+        if removed is None:
+            raise APIError(404, f"no pin with id {pin_id!r}", error_type="not_found_error", param="pin_id")
+        return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True, "pin": removed})
+
+    @router.get("/v1/cache/events")
+    async def cache_events(request: Request) -> JSONResponse:
+        """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route).
+        Every tenant's keys are in it, so it needs an admin key when keys are configured."""
+        state.auth.require_admin(state.authenticate(request), "reading the KV event log")
+        after = _query_int(request, "after", 0, 0, None)
+        limit = _query_int(request, "limit", KV_EVENTS_PAGE, 1, KV_EVENTS_PAGE)
+        log = state.llm_engine.kv_events
+        batch = log.read(after, limit)
+        return JSONResponse({"object": "cache.events", "epoch": log.epoch,
+                             "block_size": state.llm_engine.kv_cache.block_size,
+                             "events": [event.to_json() for event in batch.events],
+                             "next_after": batch.next_after, "lost": batch.lost, "last_seq": batch.last_seq})
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        # It flushes every tenant's cache: an admin action whenever keys are configured.
+        state.auth.require_admin(state.authenticate(request), "resetting the prefix cache")
+        state.check_accepting()
+        freed_blocks = await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        logger.info("prefix cache reset: %d idle blocks freed", freed_blocks)
+        return JSONResponse({"freed_blocks": freed_blocks})
+
+    return router
+
+
+KV_EVENTS_PAGE = 4096  # most events one /v1/cache/events reply carries
+
+
+def _query_int(request: Request, name: str, default: int, minimum: int, maximum: int | None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be an integer, got {raw!r}", param=name) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        limit = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise bad_request(f"{name} must be {limit}, got {value}", param=name)
+    return value

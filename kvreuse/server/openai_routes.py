@@ -1,0 +1,457 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /tokenize, /detokenize.
+
+Handlers authenticate, parse and validate (every bad input is a 4xx before anything reaches the
+engine), tokenize on the event loop (kvreuse.inputs, through the AsyncEngine's own tokenizer), then
+serve the processed outputs. A stream sends nothing, not even its headers, before the first token
+exists, so the time to first token a client measures is the real one. Stream deltas are the output
+processor's ``text_delta``: text that could be the start of a stop string is held back until it is
+clear it is not. A client that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvreuse.cache.pins import PinSpec
+from kvreuse.errors import InvalidRequestError
+from kvreuse.inputs import PromptInput
+from kvreuse.outputs import CompletionOutput, RequestOutput
+from kvreuse.sampling import SamplingParams
+from kvreuse.server.app import ServerState
+from kvreuse.server.async_engine import EngineError
+from kvreuse.server.errors import bad_request, internal_error
+from kvreuse.server.protocol import (
+    SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
+    completion_logprobs, dumps, parse_request, sse_event, usage,
+)
+from kvreuse.system_prompt import system_prompt_pin
+
+logger = logging.getLogger("kvreuse.server")
+
+ResultT = TypeVar("ResultT")
+
+# Status for a request whose client went away before the answer (nginx's convention; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        tenant = state.authenticate(request)
+        state.check_accepting()
+        body = parse_request(ChatCompletionRequest, await request.body())
+        state.check_model(body.model)
+        body.check()
+        state.check_stop_token_ids(body.stop_token_ids)
+        tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt)
+        token_ids = tokenized.token_ids
+        prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
+        max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
+        renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
+        pins: list[PinSpec] = []
+        if body.save_system_prompt_kv_cache:
+            spec = system_prompt_pin(state.tokenizer, body.messages, token_ids)
+            try:
+                state.llm_engine.check_pin(spec, num_prompt_tokens)  # reads configuration only
+            except ValueError as error:
+                raise bad_request(str(error), "save_system_prompt_kv_cache") from None
+            pins.append(dataclasses.replace(spec, owner=state.owner_of(tenant)))
+        generation = _Generation(
+            chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
+            prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
+            cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
+            stream=bool(body.stream), include_usage=body.include_usage_in_stream,
+            num_logprobs=body.num_logprobs, user=body.user, pins=pins,
+        )
+        return await _serve(state, request, generation)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        tenant = state.authenticate(request)
+        state.check_accepting()
+        body = parse_request(CompletionRequest, await request.body())
+        state.check_model(body.model)
+        body.check()
+        state.check_stop_token_ids(body.stop_token_ids)
+        prompts: list[PromptInput] = []
+        lengths: list[int] = []
+        params: list[SamplingParams] = []
+        for raw_prompt in body.prompts():
+            prompt, num_prompt_tokens = state.checked_prompt(raw_prompt, "prompt")
+            max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
+            prompts.append(prompt)
+            lengths.append(num_prompt_tokens)
+            params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, renames={}))
+        generation = _Generation(
+            chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
+            prompts=prompts, prompt_lengths=lengths, params=params,
+            cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
+            stream=bool(body.stream), include_usage=body.include_usage_in_stream,
+            num_logprobs=body.logprobs, user=body.user,
+        )
+        return await _serve(state, request, generation)
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        state.authenticate(request)
+        body = parse_request(TokenizeRequest, await request.body())
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        inputs = state.engine.inputs
+        if body.messages is not None:
+            tokenized = inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                             validate=False)
+        else:
+            tokenized = inputs.from_text(body.prompt or "", add_special_tokens=body.add_special_tokens,
+                                         validate=False)
+        token_ids = tokenized.token_ids
+        return JSONResponse({"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids})
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        state.authenticate(request)
+        body = parse_request(DetokenizeRequest, await request.body())
+        state.check_model(body.model)
+        for position, token_id in enumerate(body.tokens):
+            if not 0 <= token_id < state.vocab_size:
+                raise bad_request(f"tokens[{position}] = {token_id} is outside the vocabulary "
+                                  f"[0, {state.vocab_size})", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+
+    return router
+
+
+@dataclass
+class _Generation:
+    """A validated chat or completions request, ready for the engine."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    prompts: list[PromptInput]
+    prompt_lengths: list[int]
+    params: list[SamplingParams]  # one per prompt (the output budget depends on the prompt length)
+    cache_salt: str | None
+    arrival_time: float
+    stream: bool
+    include_usage: bool
+    num_logprobs: int | None  # None: no logprobs
+    user: str | None
+    pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+    def engine_request_id(self, prompt_index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+# --- running a generation ---------------------------------------------------------------------------------
+
+
+async def _serve(state: ServerState, request: Request, generation: _Generation) -> Response:
+    admission = state.admit()
+    if generation.user is not None and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: user %r, %d prompt(s)", generation.request_id, generation.user, len(generation.prompts))
+    engine = state.engine
+    outputs = _merge([
+        engine.generate(generation.engine_request_id(index), prompt, params,
+                        cache_salt=generation.cache_salt, arrival_time=generation.arrival_time,
+                        pins=generation.pins if index == 0 else ())
+        for index, (prompt, params) in enumerate(zip(generation.prompts, generation.params))
+    ])
+    handed_to_stream = False
+    try:
+        if not generation.stream:
+            finals = await _unless_disconnected(request, _collect_finals(outputs))
+            return Response(dumps(_full_response(state, generation, finals)), media_type="application/json")
+        # Headers go out with the first token, not before: what the client times is the real TTFT.
+        first = await _unless_disconnected(request, anext(outputs))
+        writer = _StreamWriter(state, generation)
+        response = _EventStreamResponse(_stream_body(writer, first, outputs), on_close=admission.release)
+        handed_to_stream = True
+        return response
+    except _ClientDisconnected:
+        logger.debug("%s: the client went away; request aborted", generation.request_id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except EngineError as error:
+        raise internal_error(str(error)) from None
+    except InvalidRequestError as error:  # the engine refused the request (the handlers' checks should have)
+        raise bad_request(error.message, error.param, error.code) from None
+    finally:
+        if not handed_to_stream:
+            admission.release()
+            try:
+                await outputs.aclose()  # aborts whatever is still running (no-op once finished)
+            except RuntimeError:  # still running in a task being cancelled: its own cleanup aborts
+                pass
+
+
+async def _merge(
+    generators: Sequence[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as (prompt index, output), in arrival order."""
+    if len(generators) == 1:
+        try:
+            async for output in generators[0]:
+                yield 0, output
+        finally:
+            await generators[0].aclose()  # type: ignore[attr-defined]  # aborts the request if unfinished
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, generator: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in generator:
+                merged.put_nowait((index, output))
+            merged.put_nowait((index, None))
+        except Exception as error:
+            merged.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(index, generator)) for index, generator in enumerate(generators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a request still running is aborted by its generator's cleanup
+
+
+async def _collect_finals(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in outputs:
+        if output.finished:
+            finals[index] = output
+    return finals
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable[ResultT]) -> ResultT:
+    """Await ``awaitable`` unless the client disconnects first (then cancel it and raise)."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _EventStreamResponse(StreamingResponse):
+    """SSE response whose cleanup (abort if unfinished, release the admission) always runs."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body = body
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._body.aclose()  # type: ignore[attr-defined]
+            except RuntimeError:  # already closing after a cancellation
+                pass
+            self._on_close()
+
+
+async def _stream_body(
+    writer: _StreamWriter, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[bytes]:
+    try:
+        try:
+            yield writer.encode(*first)
+            async for index, output in outputs:
+                data = writer.encode(index, output)
+                if data:
+                    yield data
+        except EngineError as error:
+            yield sse_event(internal_error(str(error)).body())
+            yield SSE_DONE
+            return
+        if writer.generation.include_usage:
+            yield writer.usage_event()
+        yield SSE_DONE
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+
+
+# --- response bodies -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ChoiceStream:
+    started: bool = False
+    finished: bool = False
+    num_logprobs_sent: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+@dataclass
+class _StreamWriter:
+    """Turns cumulative engine outputs into OpenAI SSE chunks (chat or completions)."""
+
+    state: ServerState
+    generation: _Generation
+    choices: dict[int, _ChoiceStream] = field(default_factory=dict)
+    last_outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        generation = self.generation
+        self.header = {
+            "id": generation.request_id,
+            "object": "chat.completion.chunk" if generation.chat else "text_completion",
+            "created": generation.created,
+            "model": generation.model,
+        }
+        for prompt_index, params in enumerate(generation.params):
+            for sample in range(params.n):
+                self.choices[prompt_index * params.n + sample] = _ChoiceStream()
+
+    def encode(self, prompt_index: int, output: RequestOutput) -> bytes:
+        self.last_outputs[prompt_index] = output
+        parts: list[bytes] = []
+        for completion in output.outputs:
+            choice_index = prompt_index * self.generation.n + completion.index
+            choice = self.choices[choice_index]
+            if choice.finished:
+                continue
+            finished = completion.finish_reason is not None
+            # Held back while it could still be the start of a stop string (kvreuse.output_processor).
+            text = completion.text_delta
+            entries = None
+            if self.generation.num_logprobs is not None and completion.logprobs is not None and (text or finished):
+                entries = completion.logprobs[choice.num_logprobs_sent:]
+                choice.num_logprobs_sent = len(completion.logprobs)
+            finish_reason = _finish_reason(completion) if finished else None
+            if self.generation.chat:
+                self._chat_chunks(parts, choice_index, choice, text, entries, finish_reason)
+            else:
+                self._completion_chunks(parts, choice_index, choice, text, entries, finish_reason)
+            choice.finished = finished
+        return b"".join(parts)
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
+        payload: dict[str, Any] = {**self.header, "choices": [choice]}
+        if self.generation.include_usage:
+            payload["usage"] = None  # OpenAI's shape: usage only in the last chunk
+        return sse_event(payload)
+
+    def _chat_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, text: str,
+                     entries: Sequence[Any] | None, finish_reason: str | None) -> None:
+        if not (text or entries or finish_reason):
+            return  # e.g. a first token that completes no character yet: nothing to show, role included
+        if not choice.started:
+            # The role goes out with the first content, never earlier: a client timing the first
+            # chunk measures the time to the first text.
+            choice.started = True
+            parts.append(self._event({"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
+        if text or entries:
+            logprobs = None
+            if entries is not None:
+                logprobs = chat_logprobs(entries, self.state.token_texts, self.generation.num_logprobs or 0)
+            parts.append(self._event({"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                                      "finish_reason": None}))
+        if finish_reason is not None:
+            parts.append(self._event({"index": index, "delta": {}, "logprobs": None,
+                                      "finish_reason": finish_reason}))
+
+    def _completion_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, text: str,
+                           entries: Sequence[Any] | None, finish_reason: str | None) -> None:
+        if not (text or entries or finish_reason):
+            return
+        logprobs = None
+        if entries is not None:
+            logprobs, choice.text_offset = completion_logprobs(entries, self.state.token_texts, choice.text_offset)
+        parts.append(self._event({"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}))
+
+    def usage_event(self) -> bytes:
+        return sse_event({**self.header, "choices": [], "usage": _usage(self.generation, self.last_outputs)})
+
+
+def _finish_reason(completion: CompletionOutput) -> str:
+    # "abort" never reaches a client that is still listening; report anything else as OpenAI names it.
+    return completion.finish_reason if completion.finish_reason in ("stop", "length") else "stop"
+
+
+def _usage(generation: _Generation, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+    completion_tokens = sum(len(c.token_ids) for output in outputs.values() for c in output.outputs)
+    cached_tokens = sum(output.num_cached_tokens for output in outputs.values())
+    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens)
+
+
+def _full_response(state: ServerState, generation: _Generation, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    choices = []
+    for prompt_index in range(len(generation.prompts)):
+        for completion in finals[prompt_index].outputs:
+            index = prompt_index * generation.n + completion.index
+            choice: dict[str, Any] = {"index": index}
+            if generation.chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+                choice["logprobs"] = (
+                    chat_logprobs(completion.logprobs or [], state.token_texts, generation.num_logprobs or 0)
+                    if generation.num_logprobs is not None else None
+                )
+            else:
+                choice["text"] = completion.text
+                choice["logprobs"] = (
+                    completion_logprobs(completion.logprobs or [], state.token_texts)[0]
+                    if generation.num_logprobs is not None else None
+                )
+            choice["finish_reason"] = _finish_reason(completion)
+            choice["stop_reason"] = completion.stop_reason
+            choices.append(choice)
+    return {
+        "id": generation.request_id,
+        "object": "chat.completion" if generation.chat else "text_completion",
+        "created": generation.created,
+        "model": generation.model,
+        "choices": choices,
+        "usage": _usage(generation, finals),
+    }
