@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -16,10 +16,12 @@ _EXPORTS = {
     "SamplingParams": "kvreuse.sampling",
     "RequestOutput": "kvreuse.outputs",
     "CompletionOutput": "kvreuse.outputs",
+    "LoRARequest": "kvreuse.lora.request",
 }
 
 if TYPE_CHECKING:
     from kvreuse.llm import LLM
+    from kvreuse.lora.request import LoRARequest
     from kvreuse.outputs import CompletionOutput, RequestOutput
     from kvreuse.sampling import SamplingParams
 

@@ -63,6 +63,8 @@ class SchedulerConfig:
     starvation_limit: int = 16
     # lpm: beyond this many waiting requests, matching every one each step costs more than it saves.
     lpm_max_queue: int = 256
+    # Distinct LoRA adapters among the running requests (the engine sets it from LoRAConfig.max_loras).
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -71,6 +73,18 @@ class SchedulerConfig:
                 f"got {self.scheduling_policy!r}"
             )
         for name in ("max_num_batched_tokens", "max_num_seqs", "starvation_limit", "lpm_max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters resident (and in one batch) at once; the least recently used idle one goes
+    max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -89,6 +103,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ share the prompt (the scheduler's in-batch sharing makes them compute it once).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,6 +28,9 @@ from kvreuse.cache.prefix import PrefixMatch
 from kvreuse.config import EngineConfig
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor, PromptInput
+from kvreuse.lora.batch import LoRABatch, LoRASegment
+from kvreuse.lora.manager import LoRAManager
+from kvreuse.lora.request import LoRARequest
 from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.request import Request
@@ -164,7 +168,13 @@ class LLMEngine:
         # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
         self.kv_events = KVEventLog()
         self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching, self.kv_events)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        scheduler_config = config.scheduler
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoRAManager(self.model_config, self.dtype, self.device, config.lora.max_loras,
+                                    config.lora.max_lora_rank)
+            scheduler_config = dataclasses.replace(scheduler_config, max_loras=config.lora.max_loras)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -184,13 +194,15 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
-        adapter: str | None = None,
+        lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
         pins: list[PinSpec] | tuple[PinSpec, ...] = (),
     ) -> None:
         """Queue a request. Raises ValueError on bad input, before any state changes.
 
         ``pins``: prefixes of this request to pin once their KV is computed (explicit caching).
+        ``lora_request``: the adapter to run with; its KV lives in a namespace keyed by the digest
+        of its weights (``adapter_digest``), so no other adapter, nor the base model, can hit it.
         """
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
@@ -204,6 +216,7 @@ class LLMEngine:
                     f"stop_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         for spec in pins:
             self.check_pin(spec, len(token_ids))
+        adapter = self.adapter_digest(lora_request)
         namespace = namespace_key(cache_salt, adapter, self.model_name)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins))
@@ -218,6 +231,7 @@ class LLMEngine:
                 prompt=prompt_text,
                 parent_id=request_id,
                 index=index,
+                adapter=adapter,
             )
             request.sampling_state = SamplingState.create(
                 params, self.device, eos_token_ids=sorted(self.eos_token_ids),
@@ -229,6 +243,16 @@ class LLMEngine:
         for sequence in group.sequences:
             self._sequences[id(sequence.request)] = (group, sequence)
             self.scheduler.add(sequence.request)
+
+    def adapter_digest(self, lora_request: LoRARequest | None) -> str | None:
+        """The cache identity of a request's adapter (None: the base model). Loads the adapter when it is
+        new or its files changed; raises InvalidRequestError when LoRA is off or the adapter is refused."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("this engine was started without LoRA support (enable_lora=True, or "
+                                      "kvreuse serve --enable-lora)", "lora_request")
+        return self.lora.resolve(lora_request)
 
     def check_pin(self, spec: PinSpec, num_prompt_tokens: int) -> None:
         if not self.kv.enable_prefix_caching:
@@ -341,10 +365,13 @@ class LLMEngine:
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_requests: list[Request] = []
+        adapter_rows: dict[str, list[int]] = {}
         for item in scheduled:
             request, count = item.request, item.num_tokens
             start = request.num_computed_tokens
             end = start + count
+            if request.adapter is not None:
+                adapter_rows.setdefault(request.adapter, []).extend(range(len(input_ids), len(input_ids) + count))
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = request.block_ids
@@ -365,8 +392,21 @@ class LLMEngine:
             block_tables=block_tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(device, non_blocking=True),
             block_copies=self.kv.take_copies(),
+            lora=self._lora_batch(adapter_rows, len(input_ids)),
         )
         return batch, sampling_requests
+
+    def _lora_batch(self, adapter_rows: dict[str, list[int]], num_tokens: int) -> LoRABatch | None:
+        """The step's adapters and their token rows (rows of the base model get no segment)."""
+        if not adapter_rows or self.lora is None:
+            return None
+        in_use = set(adapter_rows)
+        segments = []
+        for digest, rows in adapter_rows.items():
+            adapter = self.lora.activate(digest, in_use)
+            row_index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device)
+            segments.append(LoRASegment(adapter, row_index))
+        return LoRABatch(segments)
 
     def _append_token(self, group: _Group, sequence: _Sequence, token_id: int, token_logprobs: Any, now: float) -> None:
         request, output = sequence.request, sequence.output

@@ -8,9 +8,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvreuse.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
+from kvreuse.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, parse_memory_size
 from kvreuse.engine import LLMEngine
 from kvreuse.inputs import PromptInput, TokenizedPrompt
+from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
@@ -43,6 +44,9 @@ class LLM:
         seed: int = 0,
         served_model_name: str | None = None,
         max_pinned_fraction: float = 0.5,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -63,6 +67,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 scheduling_policy=scheduling_policy,
             ),
+            lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
             max_model_len=max_model_len,
         )
         self.engine = LLMEngine(config)
@@ -81,11 +86,13 @@ class LLM:
         use_tqdm: bool = True,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or a list of token ids. Every prompt is
         validated before any is queued, so a bad one raises ValueError and nothing runs.
+        ``lora_request``: one adapter for every prompt, or a list with one (or None) per prompt.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
@@ -95,7 +102,7 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         # Validate everything first: a bad prompt must not leave half a batch queued.
         tokenized = [self.inputs.from_prompt(prompt) for prompt in prompts]
-        return self._run(tokenized, params_list, use_tqdm, cache_salt)
+        return self._run(tokenized, params_list, use_tqdm, cache_salt, self._loras_per_prompt(lora_request, len(prompts)))
 
     def chat(
         self,
@@ -105,13 +112,24 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt)
                    for conversation in conversations]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params_list, use_tqdm, cache_salt)
+        return self._run(prompts, params_list, use_tqdm, cache_salt, self._loras_per_prompt(lora_request, len(prompts)))
+
+    @staticmethod
+    def _loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                          count: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"lora_request has {len(loras)} entries but there are {count} prompts")
+        return loras
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
@@ -129,12 +147,15 @@ class LLM:
 
     def _run(
         self, prompts: list[TokenizedPrompt], params_list: list[SamplingParams], use_tqdm: bool,
-        cache_salt: str | None,
+        cache_salt: str | None, loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            engine.adapter_digest(lora)  # a refused adapter fails the call before anything is queued
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, params_list):
-            engine.add_request(request_id, prompt.as_engine_prompt(), params, cache_salt=cache_salt)
+        for request_id, prompt, params, lora in zip(request_ids, prompts, params_list, loras):
+            engine.add_request(request_id, prompt.as_engine_prompt(), params, cache_salt=cache_salt,
+                               lora_request=lora)
             self._outputs.add_request(request_id, prompt.token_ids, params)
         finished: dict[str, RequestOutput] = {}
         show_bar = use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_REQUESTS

@@ -34,6 +34,7 @@ class Request:
     parent_id: str | None = None  # the user-visible request when n > 1
     index: int = 0  # which of the n completions this is
     sampling_state: Any = None  # kvreuse.sampling.SamplingState, built by the engine
+    adapter: str | None = None  # digest of the LoRA adapter's weights (None: the base model)
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

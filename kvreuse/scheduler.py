@@ -134,9 +134,13 @@ class Scheduler:
             order = list(self.waiting)
 
         admitted: list[Request] = []
+        adapters = {r.adapter for r in self.running if r.adapter is not None}
         for request in order:
             if budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
+            if (config.max_loras is not None and request.adapter is not None
+                    and request.adapter not in adapters and len(adapters) >= config.max_loras):
+                continue  # max_loras other adapters are running; this one waits for a slot
             match = matches.get(id(request))
             if match is None:
                 match = self.kv.match(request)
@@ -150,6 +154,8 @@ class Scheduler:
                 request.num_cached_tokens = match.num_tokens
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            if request.adapter is not None:
+                adapters.add(request.adapter)
             admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             out.admitted.append((request, match))

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.models.config import Llama3RopeScaling
+
+if TYPE_CHECKING:
+    from kvreuse.lora.batch import LoRABatch
 
 
 @functools.cache
@@ -147,11 +151,18 @@ class Linear(nn.Module):
 
         # oneDNN's blocked copy of the weight on CPU (see pack_for_cpu); None: plain F.linear.
         self.packed_weight: torch.Tensor | None = None
+        # Where LoRA adapters attach (set by the model): the decoder layer and PEFT's module name per part.
+        self.lora_layer: int | None = None
+        self.lora_modules: tuple[str, ...] = ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            lora.apply(self, x, out)
+        return out
 
     def pack_for_cpu(self) -> bool:
         """Reorder a bfloat16 CPU weight into oneDNN's blocked layout, as torch.compile does.
@@ -183,9 +194,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], False, dtype, device)
         self.down_proj = Linear(intermediate_size, [hidden_size], False, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place: the [T, intermediate] activations are the largest tensors of a prefill, and
         # not allocating a second one is measurably faster on CPU.
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(F.silu(gate).mul_(up), lora)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, pack_weight_for_cpu
 from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
+
+if TYPE_CHECKING:
+    from kvreuse.lora.batch import LoRABatch
 
 
 class LlamaFamilyAttention(nn.Module):
@@ -41,6 +44,8 @@ class LlamaFamilyAttention(nn.Module):
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias, dtype, device
         )
         self.o_proj = Linear(self.q_size, [config.hidden_size], False, dtype, device)
+        self.qkv_proj.lora_layer, self.qkv_proj.lora_modules = layer_idx, ("q_proj", "k_proj", "v_proj")
+        self.o_proj.lora_layer, self.o_proj.lora_modules = layer_idx, ("o_proj",)
         if config.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
@@ -49,10 +54,11 @@ class LlamaFamilyAttention(nn.Module):
             self.k_norm = None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -62,7 +68,7 @@ class LlamaFamilyAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
 class LlamaFamilyDecoderLayer(nn.Module):
@@ -75,13 +81,16 @@ class LlamaFamilyDecoderLayer(nn.Module):
         self.self_attn = LlamaFamilyAttention(config, layer_idx, attention_backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
+        self.mlp.gate_up_proj.lora_layer, self.mlp.gate_up_proj.lora_modules = layer_idx, ("gate_proj", "up_proj")
+        self.mlp.down_proj.lora_layer, self.mlp.down_proj.lora_modules = layer_idx, ("down_proj",)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         # The residual stream is owned by the model forward, so it is updated in place.
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata))
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata, lora))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden), lora))
 
 
 class LlamaFamilyModel(nn.Module):
@@ -151,16 +160,18 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored).
+        """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
+        ``lora`` adds each adapter's deltas to its own token rows.
 
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, kv_caches, attn_metadata)
+            hidden = layer(hidden, cos, sin, kv_caches, attn_metadata, lora)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

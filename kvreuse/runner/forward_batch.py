@@ -8,9 +8,12 @@ this flat description. Sequences are concatenated: sequence i owns tokens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from kvreuse.lora.batch import LoRABatch
 
 
 class BlockCopy(NamedTuple):
@@ -35,6 +38,7 @@ class ForwardBatch:
     block_tables: list[list[int]]  # block ids per sequence, covering context_lens[i] tokens
     logits_indices: torch.Tensor  # [num_seqs] int64: row of the token whose logits are sampled
     block_copies: list[BlockCopy] = field(default_factory=list)  # done before the forward
+    lora: LoRABatch | None = None  # adapters of this step and their token rows (None: base model only)
 
     @property
     def num_seqs(self) -> int:

@@ -67,7 +67,7 @@ class ModelRunner:
         self.kv_cache.copy_blocks(batch.block_copies)
         metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora)
             return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:

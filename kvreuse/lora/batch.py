@@ -1,0 +1,57 @@
+"""Applying several adapters in one batch: rows grouped by adapter, one small matmul pair per group.
+
+The engine puts each step's tokens in a `LoRABatch` (which adapter, which token rows); every adapted
+projection then adds ``(x[rows] @ A.T) @ B.T * scaling`` to its output columns for those rows. Base
+rows get nothing. Pure PyTorch, the same on CPU and CUDA; the metadata travels in the ForwardBatch,
+never through a global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvreuse.lora.adapter import LoRAAdapter
+
+
+class AdaptableLinear(Protocol):
+    """What LoRABatch needs of a (possibly fused) projection."""
+
+    output_sizes: list[int]
+    lora_layer: int | None  # the decoder layer it belongs to
+    lora_modules: tuple[str, ...]  # PEFT's module name of each fused part, e.g. ("q_proj", "k_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class LoRASegment:
+    adapter: LoRAAdapter
+    rows: torch.Tensor | None  # token rows of the batch that use it; None: every row
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    segments: Sequence[LoRASegment]
+
+    def apply(self, linear: AdaptableLinear, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add every segment's adapter delta to ``out`` (= base projection of ``x``), in place."""
+        if linear.lora_layer is None:
+            return
+        for segment in self.segments:
+            adapter, rows = segment.adapter, segment.rows
+            inputs = x if rows is None else x.index_select(0, rows)
+            start = 0
+            for size, module in zip(linear.output_sizes, linear.lora_modules):
+                weights = adapter.weights.get((linear.lora_layer, module))
+                if weights is not None:
+                    # PEFT's order: lora_B(lora_A(x)) * scaling, added to the base output.
+                    delta = F.linear(F.linear(inputs, weights.lora_a), weights.lora_b) * adapter.scaling
+                    target = out[:, start:start + size]
+                    if rows is None:
+                        target.add_(delta)
+                    else:
+                        target.index_add_(0, rows, delta)
+                start += size
