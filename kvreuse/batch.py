@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import LLMEngine
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
+from kvreuse.errors import InvalidRequestError
+from kvreuse.lora.request import LoRARequest
 from kvreuse.inputs import InputProcessor, TokenizedPrompt, validate_messages
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.sampling import SamplingParams
@@ -108,32 +110,35 @@ def _prompt_of(inputs: InputProcessor, messages: list[dict[str, Any]], apply_cha
 def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
     """Run every request of ``batch``; returns {"results": [...], "summary": {...}}."""
     results: list[dict[str, Any]] = [{"index": i, "error": None} for i in range(len(batch.requests))]
-    if batch.available_lora_weights:
-        logger.warning("LoRA adapters are not supported by this version; requests naming one will fail")
+    loras = {name: LoRARequest(name, number, path)
+             for number, (name, path) in enumerate(sorted(batch.available_lora_weights.items()), start=1)}
     started = time.monotonic()
     pending: dict[str, int] = {}
     outputs = OutputProcessor(engine.tokenizer)  # the batch runs on this thread, like the engine
     for index, request in enumerate(batch.requests):
         where = f"requests[{index}]"
         try:
+            lora = None
             if request.lora_name is not None:
-                raise ValueError(
-                    f"lora_name {request.lora_name!r}: LoRA adapters are not supported by this version"
-                )
+                lora = loras.get(request.lora_name)
+                if lora is None:
+                    raise InvalidRequestError(f"lora_name {request.lora_name!r} is not in available_lora_weights "
+                                              f"({', '.join(sorted(loras)) or 'none given'})", "lora_name")
+            adapter = engine.adapter_digest(lora)  # a refused adapter fails this request only
             if request.save_system_prompt_kv_cache:  # the specific error first: "must be text only"
                 leading_system_messages([m.model_dump(exclude_none=True) for m in request.messages])
             messages = [message.model_dump(exclude_none=True) for message in request.messages]
             prompt = _prompt_of(engine.inputs, messages, batch.apply_chat_template)
             pins: list[PinSpec] = []
             if request.save_system_prompt_kv_cache:
-                pins.append(system_prompt_pin(engine.tokenizer, messages, prompt.token_ids,
+                pins.append(system_prompt_pin(engine.tokenizer, messages, prompt.token_ids, adapter=adapter,
                                               apply_chat_template=batch.apply_chat_template))
             params = SamplingParams(
                 temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                 max_tokens=request.max_tokens, stop=request.stop, ignore_eos=request.ignore_eos,
             )
             engine.add_request(f"batch-{index}", prompt.as_engine_prompt(), params,
-                               cache_salt=request.cache_salt, pins=pins)
+                               cache_salt=request.cache_salt, pins=pins, lora_request=lora)
             outputs.add_request(f"batch-{index}", prompt.token_ids, params)
             pending[f"batch-{index}"] = index
         except ValueError as error:
@@ -194,6 +199,8 @@ def run_command(args: argparse.Namespace) -> int:
     """``kvreuse run``: run the batch file; returns the exit status (2 on a bad file or options)."""
     try:
         batch = load_batch_file(args.input)
+        if batch.available_lora_weights:
+            args.enable_lora = True  # the file names adapters: LoRA support is implied
         llm = llm_from_args(args)
         result = run_batch(llm.engine, batch)
     except ValueError as error:

@@ -48,6 +48,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
                         help="share of the KV pool that pins may hold; over it the least recently used pin is demoted")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders or .safetensors)")
+    parser.add_argument("--max-loras", type=int, default=4,
+                        help="adapters resident (and in one batch) at once; the least recently used idle one is unloaded")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
@@ -60,4 +64,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,
         served_model_name=getattr(args, "served_model_name", None),
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )

@@ -40,7 +40,7 @@ def seed_examples() -> dict:
 def test_seed_examples_save_reuse_and_per_request_errors(tiny_model, tmp_path):
     path = tmp_path / "batch.json"
     path.write_text(json.dumps(seed_examples()))
-    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB", enable_lora=True)
     result = run_batch(llm.engine, load_batch_file(path))
     saved, reused, lora, multimodal = result["results"]
     assert saved["error"] is None and len(saved["saved_entries"]) == 1
@@ -51,8 +51,9 @@ def test_seed_examples_save_reuse_and_per_request_errors(tiny_model, tmp_path):
     assert pin["id"] == pin_id and pin["kind"] == "system_prompt" and pin["hits"] == 1
     assert reused["metrics"]["reused_tokens"] >= pin["tokens"]
     assert reused["metrics"]["computed_tokens"] == reused["metrics"]["prompt_tokens"] - reused["metrics"]["reused_tokens"]
-    # LoRA is not supported yet: that request fails alone, with a message saying so.
-    assert "requests[2]" in lora["error"] and "LoRA adapters are not supported" in lora["error"]
+    # The seed's adapter path does not exist here: that request fails alone, naming the path
+    # (tests/test_lora.py runs the same example with a real adapter).
+    assert "requests[2]" in lora["error"] and "french_adapter.safetensors' does not exist" in lora["error"]
     assert "requests[3]" in multimodal["error"] and "text only" in multimodal["error"]
     assert result["summary"]["errors"] == 2 and result["summary"]["requests"] == 4
     for item in (saved, reused):

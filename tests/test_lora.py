@@ -242,3 +242,37 @@ def test_rank_shape_and_module_refusals(tiny_models, adapters, tmp_path):
     off = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     with pytest.raises(InvalidRequestError, match="enable_lora") as error:
         off.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapters["llama-a"])))
+
+
+def test_seed_lora_example_through_kvreuse_run(tiny_models, adapters, tmp_path):
+    """The system prompt cache seed's LoRA example, end to end through the real console script."""
+    import os
+    import subprocess
+
+    model_dir = tiny_models["qwen2"]
+    french = tmp_path / "french_adapter.safetensors"
+    shutil.copy(adapters["qwen2-a"] / "adapter_model.safetensors", french)
+    shutil.copy(adapters["qwen2-a"] / "adapter_config.json", tmp_path / "adapter_config.json")
+    system = "Translate the following to French. Keep the register and the punctuation of the original. " * 2
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+    batch = {
+        "available_lora_weights": {"french": str(french)},
+        "requests": [
+            {"messages": conversation, "lora_name": "french", "save_system_prompt_kv_cache": True, "max_tokens": 3},
+            {"messages": conversation, "lora_name": "french", "max_tokens": 3},
+            {"messages": conversation, "max_tokens": 3},  # the base model: never the adapter's entry
+            {"messages": conversation, "lora_name": "german", "max_tokens": 3},
+        ],
+    }
+    path, out = tmp_path / "batch.json", tmp_path / "results.json"
+    path.write_text(json.dumps(batch))
+    done = subprocess.run(["kvreuse", "run", str(path), "--model", str(model_dir), "--output", str(out),
+                           "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8MiB"],
+                          capture_output=True, text=True, timeout=180, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr
+    saved, reused, base, unknown = json.loads(out.read_text())["results"]
+    assert saved["error"] is None and len(saved["saved_entries"]) == 1
+    assert reused["hit_entries"] == saved["saved_entries"] and reused["metrics"]["reused_tokens"] > 20
+    assert base["error"] is None and base["hit_entries"] == [] and base["metrics"]["reused_tokens"] == 0
+    assert base["text"] != saved["text"] or saved["text"] == ""
+    assert "requests[3]" in unknown["error"] and "'german' is not in available_lora_weights" in unknown["error"]

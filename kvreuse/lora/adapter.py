@@ -79,6 +79,8 @@ class LoRAAdapter:
 def adapter_files(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     """(the weights file, the adapter_config.json or None) of a PEFT folder or a bare .safetensors file."""
     location = Path(path)
+    if not location.exists():
+        raise InvalidRequestError(f"lora_path {str(location)!r} does not exist", "lora_path")
     if location.is_dir():
         weights = location / "adapter_model.safetensors"
         if not weights.is_file():
