@@ -52,6 +52,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of admitted requests
     generation_tokens: int
     steps: int
+    num_loras_resident: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         cache = self.cache
@@ -71,6 +72,7 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "steps": self.steps,
+            "num_loras_resident": self.num_loras_resident,
         }
 
 
@@ -475,6 +477,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             steps=self._steps,
+            num_loras_resident=len(self.lora.resident) if self.lora is not None else 0,
         )
 
     def reset_prefix_cache(self) -> int:

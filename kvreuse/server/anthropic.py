@@ -183,8 +183,10 @@ def anthropic_router(state: ServerState) -> APIRouter:
             except ValidationError as error:
                 first = error.errors()[0]
                 return anthropic_error(400, f"{_field_path(first['loc'])}: {first['msg']}")
-            if body.model != state.model_name:
+            if body.model != state.model_name and body.model not in state.adapters:
                 return anthropic_error(404, f"model: {body.model!r} is not served here (try {state.model_name!r})")
+            adapter = state.adapters.get(body.model)
+            lora_request = adapter.lora_request if adapter is not None else None
             conversation = _openai_messages(_blocks(body.system), [_blocks(m.content) for m in body.messages],
                                             [m.role for m in body.messages])
             tokenized = state.engine.inputs.from_messages(conversation)
@@ -213,8 +215,9 @@ def anthropic_router(state: ServerState) -> APIRouter:
 
         message_id = f"msg_{uuid.uuid4().hex}"
         admission = state.admit()
+        state.engine.metrics.request_started(body.model if lora_request is not None else None)
         outputs = state.engine.generate(message_id, prompt, params, cache_salt=salt, arrival_time=arrival_time,
-                                        pins=pins)
+                                        pins=pins, lora_request=lora_request)
         if not body.stream:
             try:
                 final = None

@@ -27,12 +27,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
+from kvreuse.lora.request import LoRARequest
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import APIError, bad_request, internal_error, model_not_found, unavailable
 from kvreuse.server.protocol import TokenTexts, model_card
 
 logger = logging.getLogger("kvreuse.server")
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """An adapter clients select with ``"model": name``; ``digest`` is its identity in the cache."""
+
+    lora_request: LoRARequest
+    digest: str
+
+    def model_card(self, parent: str, created: int) -> dict[str, Any]:
+        return {"id": self.lora_request.lora_name, "object": "model", "created": created, "owned_by": "kvreuse",
+                "root": self.lora_request.lora_path, "parent": parent, "permission": [],
+                "adapter_digest": self.digest}
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,7 @@ class ServerConfig:
     # Requests waiting for the engine beyond this get a 503 instead of an ever longer queue.
     max_waiting_requests: int = 1024
     model_root: str | None = None  # the "root" of the /v1/models entry (default: the model name)
+    lora_dirs: tuple[str, ...] = ()  # the only folders POST /v1/load_lora_adapter may read adapters from
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -64,6 +79,7 @@ class ServerState:
         self.auth = ApiKeyAuth(config.api_keys, config.isolate_tenants, config.admin_keys)
         self.token_texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
+        self.adapters: dict[str, ServedAdapter] = {}  # served adapter names (--lora-modules, load route)
         self.draining = False
         self.num_in_flight = 0  # generation requests admitted and not yet answered in full
 
@@ -101,8 +117,14 @@ class ServerState:
         return tenant.tenant_id if tenant is not None and self.auth.isolate_tenants else None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
             raise model_not_found(model)
+
+    def lora_of(self, model: str | None) -> ServedAdapter | None:
+        """The adapter a request's ``model`` names (vLLM's convention), None for the base model;
+        a 404 for a name that is neither."""
+        self.check_model(model)
+        return self.adapters.get(model) if model is not None else None
 
     def checked_prompt(self, prompt: str | list[int], param: str) -> tuple[PromptInput, int]:
         """(the prompt for the engine, its token count); a bad prompt is a 400 naming ``param``."""
@@ -193,21 +215,26 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         state.authenticate(request)
-        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+        adapters = [adapter.model_card(state.model_name, state.created) for adapter in state.adapters.values()]
+        return JSONResponse({"object": "list", "data": [_model_card(state), *adapters]})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
         state.authenticate(request)
-        state.check_model(model_id)
+        adapter = state.lora_of(model_id)
+        if adapter is not None:
+            return JSONResponse(adapter.model_card(state.model_name, state.created))
         return JSONResponse(_model_card(state))
 
     from kvreuse.server.anthropic import anthropic_router
     from kvreuse.server.cache_routes import cache_router
+    from kvreuse.server.lora_routes import lora_router
     from kvreuse.server.openai_routes import openai_router
 
     app.include_router(openai_router(state))
     app.include_router(anthropic_router(state))
     app.include_router(cache_router(state))
+    app.include_router(lora_router(state))
     return app
 
 

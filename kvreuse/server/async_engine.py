@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import EngineStats, LLMEngine
 from kvreuse.inputs import InputProcessor, PromptInput
+from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
@@ -65,6 +66,7 @@ class _Add:
     arrival_time: float
     stream: _Stream
     pins: tuple[PinSpec, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -143,6 +145,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         pins: Sequence[PinSpec] = (),
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its processed outputs (text, stream deltas) until the finished
         one. Leaving early (the client went away, the task was cancelled) aborts the request, so its
@@ -154,7 +157,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
-                             tuple(pins)))
+                             tuple(pins), lora_request))
         finished = False
         try:
             while True:
@@ -229,7 +232,7 @@ class AsyncEngine:
             try:
                 engine.add_request(command.request_id, command.prompt, command.params,
                                    cache_salt=command.cache_salt, arrival_time=command.arrival_time,
-                                   pins=command.pins)
+                                   pins=command.pins, lora_request=command.lora_request)
             except ValueError as error:  # handlers validate first; this is a last line of defence
                 _deliver_now(command.stream, error)
                 return

@@ -60,7 +60,15 @@ class ServerMetrics:
             f"{PREFIX}prompt_tokens_cached", "Prompt tokens of requests that were served from the prefix cache.",
             labels, registry=self.registry,
         ).labels(model_name)
+        # Requests per LoRA adapter (mirrors vLLM's lora_requests_info; "" is the base model).
+        self._lora_requests = Counter(
+            f"{PREFIX}lora_requests", "Generation requests by the LoRA adapter they ran with ('' = base model).",
+            [*labels, "lora_name"], registry=self.registry,
+        )
         self.registry.register(_EngineStatsCollector(model_name, engine_stats))
+
+    def request_started(self, lora_name: str | None) -> None:
+        self._lora_requests.labels(self.model_name, lora_name or "").inc()
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, finish_reason).inc()
@@ -96,6 +104,8 @@ class _EngineStatsCollector:
             ("num_requests_running", "Sequences in the running batch.", stats.num_running),
             ("num_requests_waiting", "Sequences waiting to be admitted.", stats.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", cache.usage),
+            ("lora_resident_adapters", "LoRA adapters loaded on the device (at most max_loras).",
+             stats.num_loras_resident),
         )
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])

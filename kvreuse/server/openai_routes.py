@@ -27,7 +27,7 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.server.app import ServerState
+from kvreuse.server.app import ServedAdapter, ServerState
 from kvreuse.server.async_engine import EngineError
 from kvreuse.server.errors import bad_request, internal_error
 from kvreuse.server.protocol import (
@@ -53,7 +53,7 @@ def openai_router(state: ServerState) -> APIRouter:
         tenant = state.authenticate(request)
         state.check_accepting()
         body = parse_request(ChatCompletionRequest, await request.body())
-        state.check_model(body.model)
+        adapter = state.lora_of(body.model)
         body.check()
         state.check_stop_token_ids(body.stop_token_ids)
         tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt)
@@ -64,14 +64,16 @@ def openai_router(state: ServerState) -> APIRouter:
         params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
         pins: list[PinSpec] = []
         if body.save_system_prompt_kv_cache:
-            spec = system_prompt_pin(state.tokenizer, body.messages, token_ids)
+            spec = system_prompt_pin(state.tokenizer, body.messages, token_ids,
+                                     adapter=adapter.digest if adapter is not None else None)
             try:
                 state.llm_engine.check_pin(spec, num_prompt_tokens)  # reads configuration only
             except ValueError as error:
                 raise bad_request(str(error), "save_system_prompt_kv_cache") from None
             pins.append(dataclasses.replace(spec, owner=state.owner_of(tenant)))
         generation = _Generation(
-            chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
+            chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model or state.model_name,
+            created=int(time.time()), adapter=adapter,
             prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
@@ -85,7 +87,7 @@ def openai_router(state: ServerState) -> APIRouter:
         tenant = state.authenticate(request)
         state.check_accepting()
         body = parse_request(CompletionRequest, await request.body())
-        state.check_model(body.model)
+        adapter = state.lora_of(body.model)
         body.check()
         state.check_stop_token_ids(body.stop_token_ids)
         prompts: list[PromptInput] = []
@@ -98,7 +100,8 @@ def openai_router(state: ServerState) -> APIRouter:
             lengths.append(num_prompt_tokens)
             params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, renames={}))
         generation = _Generation(
-            chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=state.model_name, created=int(time.time()),
+            chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=body.model or state.model_name,
+            created=int(time.time()), adapter=adapter,
             prompts=prompts, prompt_lengths=lengths, params=params,
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
@@ -154,6 +157,7 @@ class _Generation:
     include_usage: bool
     num_logprobs: int | None  # None: no logprobs
     user: str | None
+    adapter: ServedAdapter | None = None  # the LoRA adapter "model" named (None: the base model)
     pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
 
     @property
@@ -176,10 +180,12 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
     if generation.user is not None and logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: user %r, %d prompt(s)", generation.request_id, generation.user, len(generation.prompts))
     engine = state.engine
+    lora_request = generation.adapter.lora_request if generation.adapter is not None else None
+    engine.metrics.request_started(lora_request.lora_name if lora_request is not None else None)
     outputs = _merge([
         engine.generate(generation.engine_request_id(index), prompt, params,
                         cache_salt=generation.cache_salt, arrival_time=generation.arrival_time,
-                        pins=generation.pins if index == 0 else ())
+                        pins=generation.pins if index == 0 else (), lora_request=lora_request)
         for index, (prompt, params) in enumerate(zip(generation.prompts, generation.params))
     ])
     handed_to_stream = False

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.sampling import SamplingParams, TokenLogprobs
 from kvreuse.errors import InvalidRequestError
@@ -217,6 +217,15 @@ class TokenizeRequest(_StrictModel):
 class DetokenizeRequest(_StrictModel):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_StrictModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_StrictModel):
+    lora_name: str = Field(min_length=1)
 
 
 RequestModelT = TypeVar("RequestModelT", bound=BaseModel)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from kvreuse.lora.request import LoRARequest
+
 if TYPE_CHECKING:
     from kvreuse.server.app import ServerState
 
@@ -42,6 +44,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a key that may also act on every tenant: POST /reset_prefix_cache, GET "
                              "/v1/cache/events (what kvreuse route reads), every tenant's pins; repeatable")
     parser.add_argument("--admin-keys-file", default=None, help="file with one admin key per line (# comments)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (PEFT folders or .safetensors files); clients select one with "
+                             "\"model\": NAME (needs --enable-lora)")
+    parser.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
+                        help="folder POST /v1/load_lora_adapter may read adapters from (repeatable; without it "
+                             "loading over HTTP is off)")
     parser.add_argument("--isolate-tenants", action="store_true",
                         help="derive each request's cache namespace from its API key (salts starting "
                              "with 'public:' stay shared)")
@@ -61,13 +69,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit status."""
     from kvreuse.engine_args import llm_from_args
-    from kvreuse.server.app import ServerConfig, ServerState, build_app
+    from kvreuse.server.app import ServedAdapter, ServerConfig, ServerState, build_app
     from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     admin_keys = load_api_keys(args.admin_key, args.admin_keys_file, what="admin_key")
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     config = ServerConfig(api_keys=tuple(api_keys), admin_keys=tuple(admin_keys), isolate_tenants=args.isolate_tenants,
+                          lora_dirs=tuple(args.lora_dir or ()),
                           max_waiting_requests=args.max_waiting_requests, model_root=args.model)
     if args.isolate_tenants and not (api_keys or admin_keys):
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
@@ -79,6 +91,8 @@ def run_server(args: argparse.Namespace) -> int:
         warm_up(llm.engine, args.warm_prompts)
     engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval)
     state = ServerState(engine, config)
+    for lora in lora_modules:  # loaded and checked now: a bad adapter stops the start with its reason
+        state.adapters[lora.lora_name] = ServedAdapter(lora, llm.engine.adapter_digest(lora))
     app = build_app(state)
     logger.info("model %s loaded in %.1f s (served as %r, max_model_len %d, device %s, dtype %s)%s",
                 args.model, time.monotonic() - started, state.model_name, state.max_model_len,
@@ -97,6 +111,19 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def parse_lora_modules(specs: list[str]) -> list[LoRARequest]:
+    """``--lora-modules name=path ...`` as LoRARequests (ids numbered from 1 in the given order)."""
+    loras: list[LoRARequest] = []
+    for number, spec in enumerate(specs, start=1):
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            raise ValueError(f"lora_modules: expected NAME=PATH, got {spec!r}")
+        if any(lora.lora_name == name for lora in loras):
+            raise ValueError(f"lora_modules: the name {name!r} is given twice")
+        loras.append(LoRARequest(name, number, path))
+    return loras
 
 
 def warm_up(engine, path: str) -> None:
