@@ -368,6 +368,9 @@ class LLMEngine:
         logits_indices: list[int] = []
         sampling_requests: list[Request] = []
         adapter_rows: dict[str, list[int]] = {}
+        if self.lora is not None:
+            # Sequences of one adapter side by side: each adapter then owns one contiguous run of rows.
+            scheduled = sorted(scheduled, key=lambda item: item.request.adapter or "")
         for item in scheduled:
             request, count = item.request, item.num_tokens
             start = request.num_computed_tokens
@@ -406,8 +409,12 @@ class LLMEngine:
         segments = []
         for digest, rows in adapter_rows.items():
             adapter = self.lora.activate(digest, in_use)
-            row_index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device)
-            segments.append(LoRASegment(adapter, row_index))
+            if len(rows) == num_tokens:
+                segments.append(LoRASegment(adapter, None))
+            elif rows[-1] - rows[0] + 1 == len(rows):  # contiguous (the batch is sorted by adapter)
+                segments.append(LoRASegment(adapter, slice(rows[0], rows[-1] + 1)))
+            else:
+                segments.append(LoRASegment(adapter, torch.tensor(rows, dtype=torch.long, device=self.device)))
         return LoRABatch(segments)
 
     def _append_token(self, group: _Group, sequence: _Sequence, token_id: int, token_logprobs: Any, now: float) -> None:

@@ -29,7 +29,7 @@ class AdaptableLinear(Protocol):
 @dataclass(frozen=True)
 class LoRASegment:
     adapter: LoRAAdapter
-    rows: torch.Tensor | None  # token rows of the batch that use it; None: every row
+    rows: slice | torch.Tensor | None  # token rows that use it: a contiguous run, an index, or None (all)
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,22 @@ class LoRABatch:
             return
         for segment in self.segments:
             adapter, rows = segment.adapter, segment.rows
-            inputs = x if rows is None else x.index_select(0, rows)
+            if rows is None:
+                inputs = x
+            elif isinstance(rows, slice):
+                inputs = x[rows]
+            else:
+                inputs = x.index_select(0, rows)
             start = 0
             for size, module in zip(linear.output_sizes, linear.lora_modules):
                 weights = adapter.weights.get((linear.lora_layer, module))
                 if weights is not None:
                     # PEFT's order: lora_B(lora_A(x)) * scaling, added to the base output.
                     delta = F.linear(F.linear(inputs, weights.lora_a), weights.lora_b) * adapter.scaling
-                    target = out[:, start:start + size]
                     if rows is None:
-                        target.add_(delta)
+                        out[:, start:start + size].add_(delta)
+                    elif isinstance(rows, slice):
+                        out[rows, start:start + size].add_(delta)
                     else:
-                        target.index_add_(0, rows, delta)
+                        out[:, start:start + size].index_add_(0, rows, delta)
                 start += size
