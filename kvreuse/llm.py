@@ -176,11 +176,12 @@ class LLM:
         *,
         ttl: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> dict[str, Any]:
         """Compute and pin the KV of a prompt (a string, token ids, or a conversation whose system
         prompt is pinned), so LRU never evicts it. Returns the pin's description (see ``pins()``)."""
         return pin_prompt_now(self.engine, prompt, ttl=ttl, cache_salt=cache_salt,
-                              request_id=f"pin-{next(self._ids)}").as_dict()
+                              request_id=f"pin-{next(self._ids)}", lora_request=lora_request).as_dict()
 
     def unpin(self, pin_id: str) -> None:
         """Remove a pin; its blocks stay cached as ordinary (evictable) entries."""

@@ -1,6 +1,6 @@
 """The system prompt cache: which prefix of a conversation is "the system prompt" and its pin key.
 
-The entry's key is (system prompt as formatted by the chat template, adapter name) when the chat
+The entry's key is (system prompt as formatted by the chat template, adapter digest) when the chat
 template is applied, the raw system text otherwise, so any whitespace or punctuation difference is
 a different entry, exactly as the prompt text would be.
 """
@@ -17,6 +17,7 @@ from kvreuse.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvreuse.engine import LLMEngine
+    from kvreuse.lora.request import LoRARequest
     from kvreuse.tokenizer import Tokenizer
 
 
@@ -77,6 +78,7 @@ def pin_prompt_now(
     cache_salt: str | None = None,
     kind: str = "api",
     request_id: str = "pin",
+    lora_request: LoRARequest | None = None,
 ) -> Pin:
     """Compute and pin a prompt's KV on an idle ``LLMEngine`` (stepping it here, synchronously).
 
@@ -86,16 +88,18 @@ def pin_prompt_now(
     inputs = engine.inputs  # this runs on the engine's thread (start-up, or LLM on the caller's thread)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping):
         tokenized = inputs.from_messages(prompt, add_generation_prompt=False)
-        spec = system_prompt_pin(inputs.tokenizer, prompt, tokenized.token_ids, ttl=ttl)  # type: ignore[arg-type]
+        spec = system_prompt_pin(inputs.tokenizer, prompt, tokenized.token_ids, ttl=ttl,  # type: ignore[arg-type]
+                                 adapter=engine.adapter_digest(lora_request))
         if kind != "api":
             spec = PinSpec(spec.num_tokens, spec.key, kind, spec.ttl, spec.adapter, spec.owner)
     else:
         tokenized = inputs.from_prompt(prompt)  # type: ignore[arg-type]
         token_ids = tokenized.token_ids
         key = tokenized.text if tokenized.text is not None else "tokens:" + ",".join(map(str, token_ids))
-        spec = PinSpec(num_tokens=len(token_ids), key=key, kind=kind, ttl=ttl)
+        adapter = engine.adapter_digest(lora_request)
+        spec = PinSpec(num_tokens=len(token_ids), key=f"{adapter or ''}\x00{key}", kind=kind, ttl=ttl, adapter=adapter)
     engine.add_request(request_id, tokenized.as_engine_prompt(), SamplingParams(max_tokens=1),
-                       cache_salt=cache_salt, pins=[spec])
+                       cache_salt=cache_salt, pins=[spec], lora_request=lora_request)
     saved: list[str] = []
     while engine.has_unfinished_requests():
         for output in engine.step():

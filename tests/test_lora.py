@@ -276,3 +276,18 @@ def test_seed_lora_example_through_kvreuse_run(tiny_models, adapters, tmp_path):
     assert base["error"] is None and base["hit_entries"] == [] and base["metrics"]["reused_tokens"] == 0
     assert base["text"] != saved["text"] or saved["text"] == ""
     assert "requests[3]" in unknown["error"] and "'german' is not in available_lora_weights" in unknown["error"]
+
+
+def test_pins_saved_under_an_adapter_serve_only_that_adapter(tiny_models, adapters):
+    model_dir = tiny_models["qwen2"]
+    llm = make_llm(model_dir, kv_cache_memory="16MiB")
+    french = LoRARequest("french", 1, str(adapters["qwen2-a"]))
+    system = [{"role": "system", "content": "Translate the following to French, keeping the tone. " * 4}]
+    pin = llm.pin(system, lora_request=french)
+    assert pin["tokens"] >= 16 and pin["adapter"] == llm.engine.adapter_digest(french)
+    question = system + [{"role": "user", "content": "Hello"}]
+    base = llm.chat(question, GREEDY, use_tqdm=False)[0]
+    assert base.num_cached_tokens == 0 and base.pins_hit == []
+    adapted = llm.chat(question, GREEDY, use_tqdm=False, lora_request=french)[0]
+    assert adapted.pins_hit == [pin["id"]] and adapted.num_cached_tokens >= pin["tokens"]
+    assert llm.pin(system)["id"] != pin["id"]  # the base model's entry is another entry

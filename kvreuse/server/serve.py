@@ -24,6 +24,7 @@ import uvicorn
 from kvreuse.lora.request import LoRARequest
 
 if TYPE_CHECKING:
+    from kvreuse.engine import LLMEngine
     from kvreuse.server.app import ServerState
 
 logger = logging.getLogger("kvreuse.server")
@@ -88,7 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
     started = time.monotonic()
     llm = llm_from_args(args)
     if args.warm_prompts:
-        warm_up(llm.engine, args.warm_prompts)
+        warm_up(llm.engine, args.warm_prompts, {lora.lora_name: lora for lora in lora_modules})
     engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval)
     state = ServerState(engine, config)
     for lora in lora_modules:  # loaded and checked now: a bad adapter stops the start with its reason
@@ -126,8 +127,9 @@ def parse_lora_modules(specs: list[str]) -> list[LoRARequest]:
     return loras
 
 
-def warm_up(engine, path: str) -> None:
-    """Pin every prompt of a --warm-prompts file before serving (strings pin as system prompts)."""
+def warm_up(engine: LLMEngine, path: str, loras: dict[str, LoRARequest]) -> None:
+    """Pin every prompt of a --warm-prompts file before serving (strings pin as system prompts); an
+    entry's ``"model"`` may name a --lora-modules adapter, which then keys the entry."""
     import json
     from pathlib import Path
 
@@ -140,9 +142,15 @@ def warm_up(engine, path: str) -> None:
     if not isinstance(entries, list):
         raise ValueError(f"warm_prompts {path!r}: expected a JSON list of strings or message lists")
     for index, entry in enumerate(entries):
-        cache_salt = None
-        if isinstance(entry, dict):  # {"messages": [...] or "system": "...", "cache_salt": "public:..."}
+        cache_salt, lora = None, None
+        if isinstance(entry, dict):  # {"messages": [...] or "system": "...", "cache_salt": "public:...", "model": ...}
             cache_salt = entry.get("cache_salt")
+            model = entry.get("model")
+            if model is not None and model != engine.model_name:
+                lora = loras.get(model)
+                if lora is None:
+                    raise ValueError(f"warm_prompts[{index}].model: {model!r} is neither the served model nor a "
+                                     f"--lora-modules adapter")
             entry = entry.get("messages", entry.get("system"))
         if isinstance(entry, str):
             entry = [{"role": "system", "content": entry}]
@@ -150,7 +158,8 @@ def warm_up(engine, path: str) -> None:
             raise ValueError(f"warm_prompts[{index}]: expected a string, a list of messages, or "
                              f'{{"messages": [...], "cache_salt": "..."}}')
         try:
-            pin = pin_prompt_now(engine, entry, kind="warm", cache_salt=cache_salt, request_id=f"warm-{index}")
+            pin = pin_prompt_now(engine, entry, kind="warm", cache_salt=cache_salt, request_id=f"warm-{index}",
+                                 lora_request=lora)
         except ValueError as error:
             raise ValueError(f"warm_prompts[{index}]: {error}") from None
         logger.info("warm prompt %d pinned as %s (%d tokens, cache_salt %r)", index, pin.pin_id, pin.num_tokens,
