@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvreuse.cache.hashing import extend_block_keys, namespace_key
-from kvreuse.router.policy import BackendLoad, PolicyConfig, PrefixIndex, RouteRequest, Router, prompt_block_keys
+from kvreuse.router.policy import (BackendBlockIndex, BackendLoad, PolicyConfig, RouteRequest, Router,
+                                   prompt_block_keys)
 
 BLOCK = 4
 
@@ -145,7 +146,7 @@ def test_queued_prefill_work_outweighs_a_small_hit() -> None:
 
 
 def test_index_is_an_lru_bounded_by_capacity() -> None:
-    index = PrefixIndex()
+    index = BackendBlockIndex()
     index.add_backend("a", capacity_blocks=4)
     old = prompt_block_keys(list(range(12)), BLOCK)  # 3 blocks
     new = prompt_block_keys(list(range(100, 112)), BLOCK)  # 3 blocks

@@ -1,7 +1,8 @@
 """Prefix-aware router over several kvreuse servers (``kvreuse route``): policy, backends, HTTP proxy."""
 
 from kvreuse.router.cli import add_route_arguments, run_route
-from kvreuse.router.policy import BackendLoad, PolicyConfig, PrefixIndex, RouteDecision, RouteRequest, Router
+from kvreuse.router.policy import (BackendBlockIndex, BackendLoad, PolicyConfig, RouteDecision, RouteRequest,
+                                   Router)
 
-__all__ = ["BackendLoad", "PolicyConfig", "PrefixIndex", "RouteDecision", "RouteRequest", "Router",
+__all__ = ["BackendBlockIndex", "BackendLoad", "PolicyConfig", "RouteDecision", "RouteRequest", "Router",
            "add_route_arguments", "run_route"]

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -25,8 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kvreuse.inputs import InputProcessor, validate_messages
 from kvreuse.router.backends import Backend, BackendPool
 from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router, prompt_block_keys
+from kvreuse.server.errors import unavailable
+from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse.router")
 
@@ -36,9 +38,6 @@ CHARS_PER_TOKEN = 4
 SESSION_HEADER = "x-session-id"
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "host"})
-_USAGE_TAIL_BYTES = 8192
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 
 @dataclass(frozen=True)
@@ -122,11 +121,11 @@ class RouterState:
                                 on_kv_reset=self._backend_down, api_key=config.backend_api_key)
         for name in self.pool.backends:
             self.router.index.add_backend(name, config.default_capacity_blocks)
-        self.tokenizer = None
+        # The servers' own input processing (chat template, encode), so the router's token ids and
+        # block keys are theirs; no max_model_len / vocabulary checks: the backend answers those.
+        self.inputs: InputProcessor | None = None
         if config.tokenizer is not None:
-            from kvreuse.tokenizer import Tokenizer
-
-            self.tokenizer = Tokenizer(config.tokenizer)
+            self.inputs = InputProcessor(Tokenizer(config.tokenizer))
         self.metrics = RouterMetrics(self)
 
     def _backend_down(self, backend: Backend) -> None:
@@ -166,10 +165,9 @@ class RouterState:
             return RouteRequest((), 0, session_id)
         model = body.get("model") if isinstance(body.get("model"), str) else self.default_model
         cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        token_ids, text = None, None
         try:
             token_ids, text = self._prompt(body, chat)
-        except (ValueError, TypeError, KeyError):  # the backend will answer the bad request with a 400
+        except (ValueError, TypeError):  # InvalidRequestError included: the backend answers it with a 400
             return RouteRequest((), 0, session_id)
         block_size = self.config.policy.block_size
         if token_ids is None:
@@ -182,23 +180,24 @@ class RouterState:
         return RouteRequest(tuple(keys), len(token_ids), session_id)
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str | None]:
-        """(token ids, None) or (None, text) of the request's (first) prompt."""
+        """(token ids, None), or without a tokenizer (None, text), of the request's (first) prompt."""
         if chat:
-            messages = body["messages"]
-            if self.tokenizer is not None:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.get(
-                    "add_generation_prompt", True))
-                return self.tokenizer.encode(text, add_special_tokens=False), None
-            return None, "".join(f"{m.get('role')}\n{_message_text(m.get('content'))}\n" for m in messages)
+            if self.inputs is not None:
+                add_generation_prompt = body.get("add_generation_prompt", True)
+                tokenized = self.inputs.from_messages(body.get("messages"), add_generation_prompt=add_generation_prompt,
+                                                      validate=False)
+                return tokenized.token_ids, None
+            messages = validate_messages(body.get("messages"))
+            return None, "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route by its first prompt
         if isinstance(prompt, list):
             return [int(t) for t in prompt], None
+        if self.inputs is not None:
+            return self.inputs.from_text(prompt, validate=False).token_ids, None
         if not isinstance(prompt, str):
-            raise ValueError("prompt")
-        if self.tokenizer is not None:
-            return self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True)), None
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         return None, prompt
 
     def describe_backends(self) -> dict[str, Any]:
@@ -206,17 +205,6 @@ class RouterState:
                 "tokenizer": self.config.tokenizer,
                 "backends": [backend.describe(self.router.index.num_blocks(name))
                              for name, backend in self.pool.backends.items()]}
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return str(content or "")
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-                        status_code=status)
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
@@ -352,8 +340,9 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
     if last_reply is not None:
         status, content, headers = last_reply
         return Response(content, status_code=status, headers=headers)
-    return _error(503, f"no healthy backend could take the request after {config.max_retries + 1} attempt(s)",
-                  "no_backend")
+    error = unavailable(f"no healthy backend could take the request after {config.max_retries + 1} attempt(s)",
+                        "no_backend")
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision, route: RouteRequest) -> None:
@@ -367,10 +356,10 @@ def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision,
 
 async def _pass_through(state: RouterState, backend: Backend, route: RouteRequest, response: httpx.Response,
                         outcome: str) -> AsyncIterator[bytes]:
-    tail = b""
+    usage = UsageReader(response.headers.get("content-type", ""))
     try:
         async for chunk in response.aiter_raw():
-            tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+            usage.feed(chunk)
             yield chunk
     except httpx.HTTPError as error:
         # Bytes already reached the client: no retry is possible, the client sees a cut stream.
@@ -384,13 +373,56 @@ async def _pass_through(state: RouterState, backend: Backend, route: RouteReques
         backend.load.in_flight -= 1
         state.router.record_finished(backend.name, route)
         state.metrics.requests.labels(backend.name, outcome).inc()
-        _read_usage(backend, tail)
+        _count_usage(backend, usage.usage())
 
 
-def _read_usage(backend: Backend, tail: bytes) -> None:
-    prompt = _PROMPT_TOKENS.findall(tail)
-    cached = _CACHED_TOKENS.findall(tail)
-    if prompt:
-        backend.reported_prompt_tokens += int(prompt[-1])
-    if cached:
-        backend.reported_cached_tokens += int(cached[-1])
+class UsageReader:
+    """The ``usage`` object of a reply, read off the bytes as they pass through.
+
+    An SSE stream (``text/event-stream``) is split into lines as it comes; of its ``data:`` events
+    only the last one naming "usage" is kept and decoded at the end (OpenAI's shape: ``"usage": null``
+    in every chunk, the numbers in the last one), so a long stream costs one JSON decode. A JSON
+    reply is decoded whole at the end. Any other reply has no usage.
+    """
+
+    def __init__(self, content_type: str) -> None:
+        self._streaming = content_type.startswith("text/event-stream")
+        self._json = content_type.startswith("application/json")
+        self._pending = bytearray()  # the JSON body so far, or the SSE line not yet complete
+        self._usage_event: bytes | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if not (self._streaming or self._json):
+            return
+        self._pending += chunk
+        if not self._streaming:
+            return
+        end = self._pending.rfind(b"\n")
+        if end < 0:
+            return
+        for line in self._pending[:end].split(b"\n"):
+            if line.startswith(b"data:") and b'"usage"' in line:
+                self._usage_event = bytes(line[len(b"data:"):])
+        del self._pending[:end + 1]
+
+    def usage(self) -> dict[str, Any] | None:
+        payload = self._usage_event if self._streaming else bytes(self._pending) if self._json else None
+        if payload is None:
+            return None
+        try:
+            document = json.loads(payload)
+        except ValueError:  # a reply cut short, or not what its content type says
+            return None
+        usage = document.get("usage") if isinstance(document, dict) else None
+        return usage if isinstance(usage, dict) else None
+
+
+def _count_usage(backend: Backend, usage: dict[str, Any] | None) -> None:
+    if usage is None:
+        return
+    prompt_tokens = usage.get("prompt_tokens")
+    if isinstance(prompt_tokens, int):
+        backend.reported_prompt_tokens += prompt_tokens
+    cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(cached_tokens, int):
+        backend.reported_cached_tokens += cached_tokens

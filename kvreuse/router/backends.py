@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvreuse.router.policy import BackendLoad
 
 logger = logging.getLogger("kvreuse.router")
 
-_METRIC_LINE = re.compile(r"^(kvreuse:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)\s*$")
-_SCRAPED = ("kvreuse:kv_cache_usage_perc", "kvreuse:num_requests_running", "kvreuse:num_requests_waiting",
-            "kvreuse:prefix_cache_hits_total", "kvreuse:prefix_cache_queries_total")
+# Sample names (a counter's sample carries the "_total" its family name drops).
+_SCRAPED = frozenset({"kvreuse:kv_cache_usage_perc", "kvreuse:num_requests_running", "kvreuse:num_requests_waiting",
+                      "kvreuse:prefix_cache_hits_total", "kvreuse:prefix_cache_queries_total"})
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The kvreuse gauges and counters the router reads, from Prometheus text exposition."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _METRIC_LINE.match(line)
-        if match and match.group(1) in _SCRAPED:
-            values[match.group(1)] = float(match.group(2))
-    return values
+    """The kvreuse gauges and counters the router reads, from Prometheus text exposition.
+
+    A server labels them with its one ``model_name``, so each name has one sample; unparsable text
+    raises ValueError.
+    """
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name in _SCRAPED}
 
 
 KV_EVENT_PAGES_PER_PROBE = 8  # pages of KV events (4,096 each) one probe applies before it yields
@@ -226,6 +226,10 @@ class BackendPool:
             return
         if response.status_code != 200:
             return
-        backend.server_metrics = parse_metrics(response.text)
+        try:
+            backend.server_metrics = parse_metrics(response.text)
+        except ValueError as error:
+            logger.warning("backend %s: unreadable /metrics (%s)", backend.name, error)
+            return
         backend.load.kv_usage = backend.server_metrics.get("kvreuse:kv_cache_usage_perc", 0.0)
         backend.load.num_waiting = int(backend.server_metrics.get("kvreuse:num_requests_waiting", 0))

@@ -13,25 +13,21 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.cache.hashing import block_key, namespace_key
+from kvreuse.cache.hashing import extend_block_keys, namespace_key
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "session")
 
 
 def prompt_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
                       adapter: str | None = None, model: str | None = None) -> list[bytes]:
-    """Chained keys of every full block of ``token_ids`` in the namespace (cache_salt, adapter, model)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    parent = namespace_key(cache_salt, adapter, model)
+    """Chained keys of every full block of ``token_ids`` in the namespace (cache_salt, adapter, model):
+    the engine's own functions, so the keys are the ones its KV events carry."""
     keys: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_key(parent, token_ids[start:start + block_size])
-        keys.append(parent)
+    extend_block_keys(keys, namespace_key(cache_salt, adapter, model), token_ids, block_size)
     return keys
 
 
-class PrefixIndex:
+class BackendBlockIndex:
     """Block key -> backends believed to hold it; each backend's share is an LRU of ``capacity`` blocks."""
 
     def __init__(self) -> None:
@@ -167,7 +163,7 @@ class Router:
     """Chooses a backend per request; ``loads`` is read, never written, here (the proxy keeps it)."""
 
     config: PolicyConfig
-    index: PrefixIndex = field(default_factory=PrefixIndex)
+    index: BackendBlockIndex = field(default_factory=BackendBlockIndex)
     _sessions: dict[str, _Session] = field(default_factory=dict)
     _round_robin: itertools.count = field(default_factory=itertools.count)
     # backend -> block key -> requests in flight there whose prompt holds that block
