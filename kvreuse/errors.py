@@ -18,9 +18,5 @@ class InvalidRequestError(ValueError):
         self.param = param
         self.code = code
 
-    def renamed(self, param: str | None) -> InvalidRequestError:
-        """The same error about another field name (e.g. the API's ``top_logprobs`` for ``logprobs``)."""
-        return InvalidRequestError(self.message, param, self.code)
-
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

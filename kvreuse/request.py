@@ -77,9 +77,5 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

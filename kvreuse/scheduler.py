@@ -73,15 +73,10 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.finished_time = time.monotonic()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -95,7 +90,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(id(request))
                 budget -= num_new
                 index += 1
                 continue

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,6 @@ from kvreuse.bench.workloads import RandomOptions, TextTokenizer, Workload, gene
 
 SYSTEMS = ("kvreuse", "kvreuse-no-cache", "transformers")
 SERVED_MODEL_NAME = "bench-model"
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    label: str
-    command: list[str]
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.bench.client import BenchmarkRun, RequestResult
+from kvreuse.bench.client import BenchmarkRun
 
 REPORT_VERSION = 1
 
@@ -212,12 +212,3 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> None:
     temporary = target.with_name(target.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     os.replace(temporary, target)
-
-
-def results_from_document(document: dict[str, Any]) -> list[RequestResult]:
-    """Rebuild RequestResults from a written JSON document (for plots of saved runs)."""
-    results = []
-    for entry in document["requests"]:
-        fields = {key: value for key, value in entry.items() if key != "tpot_s"}
-        results.append(RequestResult(**fields))
-    return results

@@ -87,9 +87,6 @@ class PrefixIndex:
         self._node_of_block: dict[int, CacheNode] = {}
 
     # --- lookup -----------------------------------------------------------------------------------
-    def root(self, namespace: bytes) -> CacheNode | None:
-        return self.roots.get(namespace)
-
     def node_of_block(self, block_id: int) -> CacheNode | None:
         return self._node_of_block.get(block_id)
 
@@ -260,15 +257,6 @@ class PrefixIndex:
             (node.last_access, next(self._tiebreak), node) for node in self.iter_nodes() if self.is_evictable(node)
         ]
         heapq.heapify(self._heap)
-
-    def num_evictable_now(self) -> int:
-        """Idle blocks that eviction could free if it went all the way (unpinned subtrees with no user)."""
-        return sum(1 for node in self.iter_nodes() if self._subtree_idle(node))
-
-    def _subtree_idle(self, node: CacheNode) -> bool:
-        if node.pin_count or self.pool.ref_counts[node.block_id]:
-            return False
-        return all(self._subtree_idle(child) for child in node.children.values())
 
     def iter_nodes(self):
         stack = [child for root in self.roots.values() for child in root.children.values()]
