@@ -62,6 +62,8 @@ class RouterConfig:
             raise ValueError(f"max_retries must be in 0..10, got {self.max_retries}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+        if not self.probe_interval_s > 0:
+            raise ValueError(f"probe_interval_s must be > 0, got {self.probe_interval_s}")
 
 
 class RouterMetrics:
@@ -114,8 +116,7 @@ class RouterState:
                                                   limits=httpx.Limits(max_connections=1000,
                                                                       max_keepalive_connections=100))
         self.router = Router(config.policy)
-        self.pool = BackendPool(list(config.backends), self.client, probe_interval_s=config.probe_interval_s,
-                                block_size=config.policy.block_size,
+        self.pool = BackendPool(list(config.backends), self.client, block_size=config.policy.block_size,
                                 on_down=self._backend_down, on_up=self._backend_up,
                                 on_kv_events=self._apply_kv_events if config.kv_events else None,
                                 on_kv_reset=self._backend_down, api_key=config.backend_api_key)
@@ -154,6 +155,14 @@ class RouterState:
         healthy = [b.name for b in self.pool.backends.values() if b.load.healthy]
         logger.info("router over %d backend(s), %d healthy: %s; policy %s", len(self.pool.backends),
                     len(healthy), ", ".join(healthy) or "none", self.config.policy.policy)
+
+    async def run_probes(self) -> None:
+        """Forever, each probe interval: probe every backend and forget expired sessions (whose ids
+        would otherwise pile up for the router's lifetime); cancelled at shutdown."""
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await self.pool.probe_all()
+            self.router.expire_sessions(time.monotonic())
 
     @property
     def default_model(self) -> str | None:
@@ -219,7 +228,7 @@ def build_router_app(state: RouterState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.start()
-        probes = asyncio.create_task(state.pool.run_probes())
+        probes = asyncio.create_task(state.run_probes())
         try:
             yield
         finally:

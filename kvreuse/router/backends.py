@@ -86,9 +86,10 @@ class Backend:
 
 
 class BackendPool:
-    """Probes every backend's ``/health`` each ``probe_interval_s``; calls back when one goes down or up."""
+    """Probes every backend's ``/health`` (the router's state calls `probe_all` on its interval); calls
+    back when one goes down or up."""
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient, probe_interval_s: float = 1.0,
+    def __init__(self, urls: list[str], client: httpx.AsyncClient,
                  probe_timeout_s: float = 2.0, on_down: Callable[[Backend], None] | None = None,
                  on_up: Callable[[Backend], None] | None = None, block_size: int = 16,
                  on_kv_events: Callable[[Backend, list[tuple[str, bytes]]], None] | None = None,
@@ -101,8 +102,6 @@ class BackendPool:
         for name in names:
             if not name.startswith(("http://", "https://")):
                 raise ValueError(f"backend must be an http:// or https:// URL, got {name!r}")
-        if not probe_interval_s > 0:
-            raise ValueError(f"probe_interval_s must be > 0, got {probe_interval_s}")
         self.backends: dict[str, Backend] = {name: Backend(name) for name in names}
         self._client = client
         self._block_size = block_size
@@ -110,7 +109,6 @@ class BackendPool:
         self._on_kv_reset = on_kv_reset
         # The router's own calls (model card, KV events) carry this key; requests carry the client's.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._on_down = on_down
         self._on_up = on_up
@@ -151,12 +149,6 @@ class BackendPool:
             backend.load.healthy = True
             if self._on_up is not None:
                 self._on_up(backend)
-
-    async def run_probes(self) -> None:
-        """Forever: probe every backend, sleep, repeat (cancelled at shutdown)."""
-        while True:
-            await asyncio.sleep(self._probe_interval_s)
-            await self.probe_all()
 
     async def _read_model_card(self, backend: Backend) -> None:
         try:
