@@ -56,6 +56,21 @@ class LoRAWeights:
     lora_b: torch.Tensor  # [out_features, r]
 
 
+@dataclass(frozen=True)
+class FusedPart:
+    rank_slice: slice  # columns of the stacked A's output that belong to this part
+    output_slice: slice  # columns of the fused projection's output
+    lora_b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FusedLoRA:
+    """An adapter's weights for one fused projection (e.g. qkv): the parts' A stacked into one matrix."""
+
+    stacked_a: torch.Tensor  # [sum of the adapted parts' r, in_features]
+    parts: tuple[FusedPart, ...]
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -65,6 +80,25 @@ class LoRAAdapter:
     scaling: float
     weights: dict[tuple[int, str], LoRAWeights] = field(repr=False)  # (layer index, module) -> A, B
     source_signature: tuple[Any, ...] = ()  # (path, size, mtime, ctime, inode) of its files when loaded
+
+    _fused: dict[tuple[int, tuple[str, ...]], FusedLoRA | None] = field(default_factory=dict, repr=False)
+
+    def fused(self, layer: int, modules: tuple[str, ...], output_sizes: list[int]) -> FusedLoRA | None:
+        """The weights for a fused projection of ``modules`` (None when none of them is adapted); built once."""
+        key = (layer, modules)
+        if key not in self._fused:
+            stacked, parts, rank_start, out_start = [], [], 0, 0
+            for module, size in zip(modules, output_sizes):
+                weights = self.weights.get((layer, module))
+                if weights is not None:
+                    rank = weights.lora_a.shape[0]
+                    stacked.append(weights.lora_a)
+                    parts.append(FusedPart(slice(rank_start, rank_start + rank), slice(out_start, out_start + size),
+                                           weights.lora_b))
+                    rank_start += rank
+                out_start += size
+            self._fused[key] = FusedLoRA(torch.cat(stacked), tuple(parts)) if stacked else None
+        return self._fused[key]
 
     @property
     def target_modules(self) -> list[str]:

@@ -48,16 +48,18 @@ class LoRABatch:
                 inputs = x[rows]
             else:
                 inputs = x.index_select(0, rows)
-            start = 0
-            for size, module in zip(linear.output_sizes, linear.lora_modules):
-                weights = adapter.weights.get((linear.lora_layer, module))
-                if weights is not None:
-                    # PEFT's order: lora_B(lora_A(x)) * scaling, added to the base output.
-                    delta = F.linear(F.linear(inputs, weights.lora_a), weights.lora_b) * adapter.scaling
-                    if rows is None:
-                        out[:, start:start + size].add_(delta)
-                    elif isinstance(rows, slice):
-                        out[rows, start:start + size].add_(delta)
-                    else:
-                        out[:, start:start + size].index_add_(0, rows, delta)
-                start += size
+            fused = adapter.fused(linear.lora_layer, linear.lora_modules, linear.output_sizes)
+            if fused is None:
+                continue
+            # One matmul with every part's A stacked (a fused qkv or gate_up projection has 2-3 parts),
+            # then each part's B; PEFT's order: lora_B(lora_A(x)) * scaling, added to the base output.
+            shrunk = F.linear(inputs, fused.stacked_a)
+            for part in fused.parts:
+                delta = F.linear(shrunk[:, part.rank_slice], part.lora_b).mul_(adapter.scaling)
+                columns = part.output_slice
+                if rows is None:
+                    out[:, columns].add_(delta)
+                elif isinstance(rows, slice):
+                    out[rows, columns].add_(delta)
+                else:
+                    out[:, columns].index_add_(0, rows, delta)
