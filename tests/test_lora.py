@@ -291,3 +291,28 @@ def test_pins_saved_under_an_adapter_serve_only_that_adapter(tiny_models, adapte
     adapted = llm.chat(question, GREEDY, use_tqdm=False, lora_request=french)[0]
     assert adapted.pins_hit == [pin["id"]] and adapted.num_cached_tokens >= pin["tokens"]
     assert llm.pin(system)["id"] != pin["id"]  # the base model's entry is another entry
+
+
+def test_router_keys_an_adapter_request_as_the_engine_does(tiny_models, adapters):
+    """The router maps a served adapter name to (base model, digest) from /v1/models, so its block keys
+    are the engine's: a prefix cached under one adapter never draws a request for another, or the base."""
+    from kvreuse.router.app import RouterConfig, RouterState
+
+    model_dir = tiny_models["qwen2"]
+    llm = make_llm(model_dir, served_model_name="m", block_size=16, kv_cache_memory="16MiB")
+    french = LoRARequest("french", 1, str(adapters["qwen2-a"]))
+    messages = [{"role": "system", "content": "Translate the following to French, keeping the tone. " * 4},
+                {"role": "user", "content": "Hello"}]
+    engine = llm.engine
+    engine.add_request("r", llm.inputs.from_messages(messages).as_engine_prompt(), GREEDY, lora_request=french)
+    engine.step()
+    engine_keys = list(engine.scheduler.running[0].block_keys)
+    assert len(engine_keys) >= 2
+
+    state = RouterState(RouterConfig(backends=("http://a",), tokenizer=str(model_dir)))
+    backend = state.pool.backends["http://a"]
+    backend.model_name, backend.adapters = "m", {"french": engine.adapter_digest(french)}
+    adapted = state.route_request({"model": "french", "messages": messages}, chat=True, session_id=None)
+    base = state.route_request({"model": "m", "messages": messages}, chat=True, session_id=None)
+    assert list(adapted.block_keys[: len(engine_keys)]) == engine_keys
+    assert not set(adapted.block_keys) & set(base.block_keys)

@@ -168,11 +168,21 @@ class RouterState:
     def default_model(self) -> str | None:
         return next((b.model_name for b in self.pool.backends.values() if b.model_name), None)
 
+    def cache_identity(self, model: str | None) -> tuple[str | None, str | None]:
+        """(model, adapter digest) of the namespace a backend keys this request's KV under: a name that a
+        backend serves as a LoRA adapter is its base model plus the adapter's digest (the engines' rule)."""
+        for backend in self.pool.backends.values():
+            digest = backend.adapters.get(model) if model is not None else None
+            if digest is not None:
+                return backend.model_name, digest
+        return model, None
+
     def route_request(self, body: Any, chat: bool, session_id: str | None) -> RouteRequest:
         """The request's block keys, from the tokenizer when there is one, else from characters."""
         if not isinstance(body, dict):
             return RouteRequest((), 0, session_id)
-        model = body.get("model") if isinstance(body.get("model"), str) else self.default_model
+        model, adapter = self.cache_identity(body.get("model") if isinstance(body.get("model"), str)
+                                             else self.default_model)
         cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         try:
             token_ids, text = self._prompt(body, chat)
@@ -183,9 +193,9 @@ class RouterState:
             # Characters as "tokens", blocks of CHARS_PER_TOKEN x block_size characters: the index is
             # the router's own (its keys are not the engine's), counts are in approximate tokens.
             code_points = [ord(c) for c in text or ""]
-            keys = prompt_block_keys(code_points, block_size * CHARS_PER_TOKEN, cache_salt, None, model)
+            keys = prompt_block_keys(code_points, block_size * CHARS_PER_TOKEN, cache_salt, adapter, model)
             return RouteRequest(tuple(keys), len(code_points) // CHARS_PER_TOKEN, session_id)
-        keys = prompt_block_keys(token_ids, block_size, cache_salt, None, model)
+        keys = prompt_block_keys(token_ids, block_size, cache_salt, adapter, model)
         return RouteRequest(tuple(keys), len(token_ids), session_id)
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str | None]:

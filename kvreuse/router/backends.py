@@ -45,6 +45,8 @@ class Backend:
     capacity_blocks: int | None = None
     model_name: str | None = None
     max_model_len: int | None = None
+    # LoRA adapters the backend serves: name -> digest of its weights (its cache identity), from /v1/models.
+    adapters: dict[str, str] = field(default_factory=dict)
     consecutive_failures: int = 0
     routed_requests: int = 0
     routed_matched_tokens: int = 0  # the router's estimate of prompt tokens it sent to a warm cache
@@ -154,9 +156,16 @@ class BackendPool:
         try:
             response = await self._client.get(f"{backend.name}/v1/models", timeout=self._probe_timeout_s,
                                               headers=self._headers)
-            card = response.json()["data"][0]
+            cards = response.json()["data"]
+            card = cards[0]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             return
+        # kvreuse lists each adapter after the base model, with its parent and the digest its KV is keyed by.
+        backend.adapters = {
+            entry["id"]: entry["adapter_digest"] for entry in cards[1:]
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+            and isinstance(entry.get("adapter_digest"), str) and entry.get("parent") == card.get("id")
+        }
         backend.model_name = card.get("id")
         backend.max_model_len = card.get("max_model_len")
         # A server that reports its KV pool size (kvreuse does) sets the bound of its share of the index.
