@@ -497,8 +497,8 @@ class LLMEngine:
         return sorted(self.pins.pins.values(), key=lambda pin: pin.created)
 
     def get_pin(self, pin_id: str) -> Pin | None:
-        """The pin with this id, or None (expired pins are dropped first)."""
-        self.pins.expire(time.time())
+        """The pin with this id, or None. Expired pins are swept by ``step`` and ``list_pins``, not here:
+        a pin just made with a short TTL is still returned to its maker."""
         return self.pins.pins.get(pin_id)
 
     def unpin(self, pin_id: str) -> Pin:

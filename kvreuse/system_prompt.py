@@ -109,5 +109,5 @@ def pin_prompt_now(
         raise ValueError("the prefix could not be pinned (the pinned budget is too small; see the log)")
     pin = engine.get_pin(saved[0])
     if pin is None:
-        raise ValueError(f"the pin {saved[0]} expired before it could be returned (ttl={ttl})")
+        raise ValueError(f"the pin {saved[0]} was removed before it could be returned")
     return pin
