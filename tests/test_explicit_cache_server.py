@@ -91,6 +91,11 @@ def test_save_system_prompt_then_reuse_without_flag(server: RunningServer):
     again = httpx.delete(f"{server.base_url}/v1/cache/pins/{saved[0]['id']}",
                          headers={"Authorization": f"Bearer {KEY_A}"})
     assert again.status_code == 404
+    # An admin key may delete any tenant's pin.
+    (b_id,) = b_ids
+    by_admin = httpx.delete(f"{server.base_url}/v1/cache/pins/{b_id}", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert by_admin.status_code == 200 and by_admin.json()["pin"]["owner"] is not None
+    assert b_id not in {pin["id"] for pin in pins(server, KEY_B)}
 
 
 def test_save_flag_errors_are_400s_for_that_request_only(server: RunningServer):
@@ -152,6 +157,13 @@ def test_anthropic_errors(server: RunningServer):
                                messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         client.messages.create(model=MODEL_NAME, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    # The stop list cap of every API (64), under this API's field name; 64 are accepted.
+    with pytest.raises(anthropic.BadRequestError, match=r"stop_sequences: .*at most 64"):
+        client.messages.create(model=MODEL_NAME, max_tokens=1, stop_sequences=[f"s{i}" for i in range(65)],
+                               messages=[{"role": "user", "content": "hi"}])
+    capped = client.messages.create(model=MODEL_NAME, max_tokens=1, stop_sequences=[f"s{i}" for i in range(64)],
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert capped.usage.output_tokens == 1
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="other-model", max_tokens=1, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.AuthenticationError):

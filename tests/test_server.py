@@ -1,7 +1,8 @@
 """The server as clients see it: a real ``python -m kvreuse.cli serve`` process on a loopback port
 with the tiny qwen2 model, driven by the official ``openai`` SDK and raw httpx.
 
-One server for the module (two API keys, tenants isolated); the SIGTERM test starts its own.
+One server for the module (two tenant keys and an admin key, tenants isolated); the SIGTERM test
+starts its own.
 Greedy outputs are compared with the offline LLM API on the same model in this process.
 """
 
@@ -289,6 +290,17 @@ def test_salts_and_tenants_separate_caches(server: RunningServer):
     # A public salt is shared across tenants on purpose.
     assert chat_cached_tokens(server, KEY_A, question, system, "public:bookshop") < cold_limit
     assert chat_cached_tokens(server, KEY_B, question, system, "public:bookshop") > HIT_FLOOR
+
+
+def test_admin_key_serves_requests_as_its_own_tenant(server: RunningServer):
+    system = f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT}"
+    question = "Can I return a book?"
+    assert chat_cached_tokens(server, KEY_A, question, system, None) < COLD_LIMIT
+    assert chat_cached_tokens(server, KEY_A, question, system, None) > HIT_FLOOR
+    # The admin key generates like any key, in its own namespace: tenant A's blocks are not its hits.
+    assert chat_cached_tokens(server, ADMIN_KEY, question, system, None) < COLD_LIMIT
+    assert chat_cached_tokens(server, ADMIN_KEY, question, system, None) > HIT_FLOOR
+    assert chat_cached_tokens(server, KEY_B, question, system, None) < COLD_LIMIT
 
 
 # --- concurrency, disconnects ----------------------------------------------------------------------------------

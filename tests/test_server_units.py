@@ -150,6 +150,21 @@ def test_auth_checks_bearer_keys():
     assert ApiKeyAuth([]).authenticate(None) is None
 
 
+def test_admin_keys_act_on_every_tenant_and_tenant_keys_get_403():
+    auth = ApiKeyAuth(["key-a"], isolate_tenants=True, admin_keys=["root"])
+    tenant, admin = auth.authenticate("Bearer key-a"), auth.authenticate("Bearer root")
+    assert tenant is not None and admin is not None and admin.is_admin and not tenant.is_admin
+    assert auth.cache_salt(admin, None) not in (None, auth.cache_salt(tenant, None))  # its own namespace
+    auth.require_admin(admin, "resetting the prefix cache")
+    error = api_error(auth.require_admin, tenant, "resetting the prefix cache")
+    assert error.status_code == 403 and error.error_type == "permission_error"
+    assert "resetting the prefix cache needs an admin key" in error.message and "tenant key" in error.message
+    ApiKeyAuth([]).require_admin(None, "resetting the prefix cache")  # no keys at all: open as before
+    assert ApiKeyAuth([], isolate_tenants=True, admin_keys=["root"]).authenticate("Bearer root") == admin
+    with pytest.raises(ValueError, match="both as api_key and admin_key"):
+        ApiKeyAuth(["key-a"], admin_keys=["key-a"])
+
+
 def test_tenant_salts_cannot_be_chosen_by_clients():
     auth = ApiKeyAuth(["key-a", "key-b"], isolate_tenants=True)
     tenant_a, tenant_b = auth.authenticate("Bearer key-a"), auth.authenticate("Bearer key-b")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvreuse.cache.pins import PinSpec
 from kvreuse.inputs import InputProcessor, common_prefix_length
 from kvreuse.outputs import RequestOutput
-from kvreuse.sampling import SamplingParams
+from kvreuse.sampling import MAX_STOP_STRINGS, SamplingParams
 from kvreuse.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class MessagesRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
+    # SamplingParams' cap, checked here so the 400 names this API's field, in Anthropic's error shape.
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)

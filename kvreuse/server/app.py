@@ -106,6 +106,13 @@ class ServerState:
     def authenticate(self, request: Request) -> Tenant | None:
         return self.auth.authenticate(request.headers.get("authorization"))
 
+    def require_admin(self, request: Request, action: str) -> Tenant | None:
+        """The caller of a route that acts on every tenant (reset, KV events, adapters): a 401 without
+        a valid key, a 403 naming ``action`` for a tenant key; open when no keys are configured."""
+        tenant = self.authenticate(request)
+        self.auth.require_admin(tenant, action)
+        return tenant
+
     def pin_owner_filter(self, tenant: Tenant | None) -> str | None:
         """Whose pins this caller may see and delete: None for all (an admin, or tenants not isolated)."""
         if tenant is not None and tenant.is_admin:

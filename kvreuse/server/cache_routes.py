@@ -49,7 +49,7 @@ def cache_router(state: ServerState) -> APIRouter:
     async def cache_events(request: Request) -> JSONResponse:
         """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route).
         Every tenant's keys are in it, so it needs an admin key when keys are configured."""
-        state.auth.require_admin(state.authenticate(request), "reading the KV event log")
+        state.require_admin(request, "reading the KV event log")
         after = _query_int(request, "after", 0, 0, None)
         limit = _query_int(request, "limit", KV_EVENTS_PAGE, 1, KV_EVENTS_PAGE)
         log = state.llm_engine.kv_events
@@ -62,7 +62,7 @@ def cache_router(state: ServerState) -> APIRouter:
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         # It flushes every tenant's cache: an admin action whenever keys are configured.
-        state.auth.require_admin(state.authenticate(request), "resetting the prefix cache")
+        state.require_admin(request, "resetting the prefix cache")
         state.check_accepting()
         freed_blocks = await state.engine.call(lambda engine: engine.reset_prefix_cache())
         logger.info("prefix cache reset: %d idle blocks freed", freed_blocks)

@@ -42,7 +42,7 @@ def lora_router(state: ServerState) -> APIRouter:
     numbers = itertools.count(1000)  # lora_int_id of adapters loaded over HTTP (kept for vLLM compatibility)
 
     def require_lora(request: Request, action: str) -> None:
-        state.auth.require_admin(state.authenticate(request), action)
+        state.require_admin(request, action)
         if state.llm_engine.lora is None:
             raise bad_request("the server was started without --enable-lora", "lora_name")
 

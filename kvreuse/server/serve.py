@@ -43,7 +43,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default=None, help="file with one API key per line (# comments)")
     parser.add_argument("--admin-key", action="append", default=None,
                         help="a key that may also act on every tenant: POST /reset_prefix_cache, GET "
-                             "/v1/cache/events (what kvreuse route reads), every tenant's pins; repeatable")
+                             "/v1/cache/events (what kvreuse route reads), loading and unloading LoRA adapters, "
+                             "every tenant's pins; accepted wherever an API key is, as its own tenant; repeatable")
     parser.add_argument("--admin-keys-file", default=None, help="file with one admin key per line (# comments)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                         help="LoRA adapters to serve (PEFT folders or .safetensors files); clients select one with "
