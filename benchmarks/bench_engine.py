@@ -9,6 +9,10 @@ Figures (medians of --repeats runs, ratios computed within this run):
   5. Prefix match of a 32k-token prompt in the cache core (hashing reported separately).
 
     python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16
+
+KVREUSE_BENCH_SMOKE=1 runs the same steps on the tiny preset with the smallest sizes (one repeat, short
+prompts, a small KV pool) and prints the same table in seconds: the test suite runs the documented
+commands that way (tests/test_documented_commands.py). Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -203,8 +207,19 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     only = set(args.only.split(","))
+    kv_cache_memory = "2GiB"
+    smoke = os.environ.get("KVREUSE_BENCH_SMOKE") == "1"
+    if smoke:  # the documented commands, run by the test suite: same code path, smallest sizes
+        args.preset, args.repeats = "tiny", 1  # a --model folder is kept (the suite passes tiny ones)
+        args.prefix_len, args.suffix_len, args.match_len = 64, 16, 1024
+        args.nosharing_requests, args.nosharing_prompt, args.nosharing_output = 2, 32, 2
+        args.concurrency, args.decode_prompt, args.decode_tokens = 2, 16, 4
+        kv_cache_memory = "16MiB"
+        print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     results: dict = {"machine": machine_description(), "command": " ".join(["python"] + sys.argv)}
+    if smoke:
+        results["smoke"] = "KVREUSE_BENCH_SMOKE=1 (tiny preset, smallest sizes: not a measurement)"
     if "match" in only:
         results.update(bench_prefix_match(args))
     if only & {"ttft", "nosharing", "decode"}:
@@ -218,14 +233,14 @@ def main() -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         vocab = min(hf_model.config.vocab_size, 30_000)
         rng = random.Random(1)
-        llm = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory="2GiB")
+        llm = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory)
         results["model"] = f"{args.preset} ({model_dir}), {args.dtype}"
         if "ttft" in only:
             results.update(bench_ttft(llm, hf_model, args, rng, vocab))
         if "decode" in only:
             results.update(bench_decode(llm, hf_model, args, rng, vocab))
         if "nosharing" in only:
-            llm_off = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory="2GiB",
+            llm_off = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=False)
             results.update(bench_no_sharing(llm, llm_off, args, rng, vocab))
     for key, value in results.items():

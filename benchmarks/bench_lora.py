@@ -70,6 +70,7 @@ def main() -> int:
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
         args.preset, args.num_requests, args.prompt_tokens, args.output_tokens = "tiny", 4, 16, 4
         args.prefix_tokens, args.repeats, args.rank = 64, 1, 4
+        print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, LoRARequest, SamplingParams
     from kvreuse.models.make import ensure_model

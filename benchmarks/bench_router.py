@@ -9,6 +9,10 @@ time-averaged requests in flight (sampled from /backends every 0.1 s).
 
     python benchmarks/bench_router.py --model models/smollm2-135m-v2384 --dtype bfloat16 --temperature 1
     python benchmarks/bench_router.py --preset tiny --dtype float32
+
+KVREUSE_BENCH_SMOKE=1 runs the same steps with the smallest sizes (tiny preset unless --model is given,
+2 backends, the shared-prefix workload of 2 groups x 2 prompts with 64-token prefixes, both policies)
+and prints the same table: the test suite runs the documented command that way. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -175,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-args", default="", help="extra router options, e.g. '--min-in-flight-for-guard 4'")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
+        args.preset, args.num_backends, args.kv_cache_memory, args.workloads = "tiny", 2, "32MiB", "shared-prefix"
+        args.prefix_len, args.num_groups, args.prompts_per_group, args.hot_requests = 64, 2, 2, 4
+        args.output_len, args.max_concurrency = 2, 2
+        print("KVREUSE_BENCH_SMOKE=1: smoke run with the smallest sizes; the figures mean nothing", flush=True)
 
     from kvreuse.bench.workloads import HotPrefixOptions, SharedPrefixOptions, generate_workload
     from kvreuse.models.make import ensure_model
