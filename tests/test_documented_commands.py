@@ -647,6 +647,12 @@ class DocRuns:
     def _jobs(self, selected: set[str], help_selected: set[str]) -> list[tuple[list[str], Callable]]:
         jobs: list[tuple[list[str], Callable]] = []
         kinds = {command.text: COMMANDS.get(command.text) for command in UNIQUE}
+        # The .ci/run checks first (instant), then the fixed-port lanes (the longest), then the rest.
+        for command in UNIQUE:
+            check = {CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest}.get(kinds[command.text])
+            if check is not None and command.text in selected:
+                jobs.append(([command.text], lambda command=command, check=check: {
+                    command.text: self._timed(check, command)}))
         # Commands on fixed ports, grouped so two that share a port never run at the same time.
         lanes: list[tuple[set[int], list[DocCommand]]] = []
         for command in UNIQUE:
@@ -666,11 +672,11 @@ class DocRuns:
                 keys = [c.text for unit in units for c in unit]
                 jobs.append((keys, lambda units=units: self._run_lane(units, kinds)))
         # Heaviest first: compares, scripts, the demo, then the rest; each its own job.
-        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, MAKE_MODEL: 3, BATCH: 4, CI_INSTALL: 5, CI_PYTEST: 5}
+        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, MAKE_MODEL: 3, BATCH: 4}
         singles = [c for c in UNIQUE if c.text in selected and kinds[c.text] in order]
         singles.sort(key=lambda c: order[kinds[c.text]])
         runners = {COMPARE: self._compare, SCRIPT: self._script, DEMO: self._demo, MAKE_MODEL: self._make_model,
-                   BATCH: self._batch, CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest}
+                   BATCH: self._batch}
         for command in singles:
             run = runners[kinds[command.text]]
             jobs.append(([command.text], lambda command=command, run=run: {command.text: self._timed(run, command)}))
