@@ -21,7 +21,8 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
 - ``kvreuse bench serve``: against the server started just before it in the same block (``... &``), or
   else against a helper server serving the name the command's ``--model`` gives; its --out / --plot
   files are checked.
-- ``kvreuse bench compare``, ``kvreuse run``: as typed; exit 0 and the files they write are checked.
+- ``kvreuse bench compare``: as typed with KVREUSE_BENCH_SMOKE=1 (at most 4 requests); ``kvreuse run``:
+  as typed; exit 0 and the files they write are checked.
 - ``kvreuse route``: helper servers on the backend ports, the router as typed, one request through it
   that the router counts and a backend serves, SIGTERM, exit 0.
 - ``python benchmarks/X.py``: as typed with KVREUSE_BENCH_SMOKE=1 (each script's smoke mode: the same
@@ -797,7 +798,9 @@ class DocRuns:
 
     def _compare(self, command: DocCommand) -> str:
         cwd = self.ws.folder(command.text, commands=[command.text])
-        output, seconds = self._run_checked(command, cwd)
+        # Smoke mode: the command as typed, at most 4 requests (each compare starts three servers).
+        output, seconds = self._run_checked(command, cwd, dict(self.ws.env, KVREUSE_BENCH_SMOKE="1"))
+        assert SMOKE_BANNER in output, f"kvreuse bench compare ignored KVREUSE_BENCH_SMOKE=1:\n{output[-3000:]}"
         notes = check_bench_files(cwd, kvreuse_words(argv_of(command.text)), "kvreuse-bench-compare")
         return f"{notes} ({seconds:.1f} s)"
 

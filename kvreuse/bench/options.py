@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -92,7 +93,20 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
     raise ValueError(f"workload must be one of {list(WORKLOAD_NAMES)}, got {name!r}")
 
 
+# KVREUSE_BENCH_SMOKE=1 (the test suite runs every documented benchmark command this way): the same
+# commands and code paths with at most this many requests; the figures then mean nothing.
+SMOKE_NUM_REQUESTS = 4
+
+
+def smoke_mode() -> bool:
+    return os.environ.get("KVREUSE_BENCH_SMOKE") == "1"
+
+
 def build_workload(args: argparse.Namespace, tokenizer: TextTokenizer) -> Workload:
+    if smoke_mode():
+        print(f"KVREUSE_BENCH_SMOKE=1: smoke run with at most {SMOKE_NUM_REQUESTS} requests; the figures mean "
+              "nothing", flush=True)
+        args.num_requests = min(args.num_requests or SMOKE_NUM_REQUESTS, SMOKE_NUM_REQUESTS)
     return generate_workload(args.workload, tokenizer, workload_options(args), args.seed, args.num_requests)
 
 
