@@ -57,18 +57,18 @@ class LoRAWeights:
 
 
 @dataclass(frozen=True)
-class FusedPart:
-    rank_slice: slice  # columns of the stacked A's output that belong to this part
-    output_slice: slice  # columns of the fused projection's output
-    lora_b: torch.Tensor
-
-
-@dataclass(frozen=True)
 class FusedLoRA:
-    """An adapter's weights for one fused projection (e.g. qkv): the parts' A stacked into one matrix."""
+    """An adapter's weights for one fused projection (e.g. qkv), as two matmuls whatever the parts:
+    the parts' A stacked, and their B placed block-diagonally over the output columns they cover.
+
+    delta = (x @ stacked_a.T) @ expand_b.T, added (times scaling) to ``output_slice`` of the output.
+    The zeros of expand_b cost a few rank-sized multiply-adds; one matmul instead of one per part
+    is what counts for the small batches of decode and warm prefill.
+    """
 
     stacked_a: torch.Tensor  # [sum of the adapted parts' r, in_features]
-    parts: tuple[FusedPart, ...]
+    expand_b: torch.Tensor  # [output_slice width, sum of r]
+    output_slice: slice  # the fused output's columns from the first to the last adapted part
 
 
 @dataclass
@@ -87,17 +87,26 @@ class LoRAAdapter:
         """The weights for a fused projection of ``modules`` (None when none of them is adapted); built once."""
         key = (layer, modules)
         if key not in self._fused:
-            stacked, parts, rank_start, out_start = [], [], 0, 0
+            parts = []  # (output start, lora_a, lora_b) of each adapted part
+            out_start = 0
             for module, size in zip(modules, output_sizes):
                 weights = self.weights.get((layer, module))
                 if weights is not None:
-                    rank = weights.lora_a.shape[0]
-                    stacked.append(weights.lora_a)
-                    parts.append(FusedPart(slice(rank_start, rank_start + rank), slice(out_start, out_start + size),
-                                           weights.lora_b))
-                    rank_start += rank
+                    parts.append((out_start, weights.lora_a, weights.lora_b))
                 out_start += size
-            self._fused[key] = FusedLoRA(torch.cat(stacked), tuple(parts)) if stacked else None
+            if not parts:
+                self._fused[key] = None
+                return None
+            first = parts[0][0]
+            last = parts[-1][0] + parts[-1][2].shape[0]
+            ranks = [lora_a.shape[0] for _, lora_a, _ in parts]
+            reference = parts[0][1]
+            expand_b = torch.zeros(last - first, sum(ranks), dtype=reference.dtype, device=reference.device)
+            rank_start = 0
+            for (start, _, lora_b), rank in zip(parts, ranks):
+                expand_b[start - first:start - first + lora_b.shape[0], rank_start:rank_start + rank] = lora_b
+                rank_start += rank
+            self._fused[key] = FusedLoRA(torch.cat([lora_a for _, lora_a, _ in parts]), expand_b, slice(first, last))
         return self._fused[key]
 
     @property

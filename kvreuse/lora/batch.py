@@ -51,15 +51,13 @@ class LoRABatch:
             fused = adapter.fused(linear.lora_layer, linear.lora_modules, linear.output_sizes)
             if fused is None:
                 continue
-            # One matmul with every part's A stacked (a fused qkv or gate_up projection has 2-3 parts),
-            # then each part's B; PEFT's order: lora_B(lora_A(x)) * scaling, added to the base output.
-            shrunk = F.linear(inputs, fused.stacked_a)
-            for part in fused.parts:
-                delta = F.linear(shrunk[:, part.rank_slice], part.lora_b).mul_(adapter.scaling)
-                columns = part.output_slice
-                if rows is None:
-                    out[:, columns].add_(delta)
-                elif isinstance(rows, slice):
-                    out[rows, columns].add_(delta)
-                else:
-                    out[:, columns].index_add_(0, rows, delta)
+            # Two matmuls for every part of a fused projection (qkv, gate_up): the parts' A stacked, their
+            # B block-diagonal (kvreuse.lora.adapter.FusedLoRA); PEFT's lora_B(lora_A(x)) * scaling.
+            delta = F.linear(F.linear(inputs, fused.stacked_a), fused.expand_b)
+            columns = fused.output_slice
+            if rows is None:
+                out[:, columns].add_(delta, alpha=adapter.scaling)
+            elif isinstance(rows, slice):
+                out[rows, columns].add_(delta, alpha=adapter.scaling)
+            else:
+                out[:, columns].index_add_(0, rows, delta, alpha=adapter.scaling)
