@@ -107,6 +107,7 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16 --repeats 5 --json "
     "docs/bench_engine_cpu.json": SCRIPT,
     "OMP_NUM_THREADS=1 python benchmarks/bench_pins.py --preset smollm2-135m --repeats 3": SCRIPT,
+    "python benchmarks/bench_lora.py --preset smollm2-135m --dtype float32 --repeats 5": SCRIPT,
     "kvreuse serve --model DIR --port 8000 &": SERVE,
     "kvreuse bench serve --base-url http://127.0.0.1:8000 --model DIR --workload shared-prefix --max-concurrency 4 "
     "--out results.json --plot results.png": BENCH_SERVE,
