@@ -525,10 +525,8 @@ class Processes:
         """A long-running command as typed (a trailing & is what this does), exec'd by bash so signals reach it."""
         return self.start(["bash", "-c", "exec " + text.removesuffix("&").strip()], cwd, env, log)
 
-    def stop(self, process: subprocess.Popen, log: Path, what: str, *, reraised_sigterm_ok: bool = False) -> str:
-        """SIGTERM; it must exit with status 0 within 60 s. ``reraised_sigterm_ok``: uvicorn's own handling
-        (kvreuse route) shuts down gracefully and then re-raises the signal, so the status is -15; that
-        counts as clean when the log shows the shutdown completed. (kvreuse serve drains and exits 0.)"""
+    def stop(self, process: subprocess.Popen, log: Path, what: str) -> str:
+        """SIGTERM; it must exit with status 0 within 60 s (kvreuse serve drains first; both exit 0)."""
         try:
             if process.poll() is not None:
                 raise AssertionError(f"{what} exited early with status {process.returncode}:\n{log_tail(log)}")
@@ -539,8 +537,6 @@ class Processes:
                 raise AssertionError(f"{what} did not exit within 60 s of SIGTERM:\n{log_tail(log)}") from None
             if status == 0:
                 return "SIGTERM: exit 0"
-            if reraised_sigterm_ok and status == -signal.SIGTERM and "Application shutdown complete" in log_tail(log):
-                return "SIGTERM: graceful shutdown, then uvicorn re-raised the signal (status -15)"
             raise AssertionError(f"{what} exited with status {status} after SIGTERM:\n{log_tail(log)}")
         finally:
             self.kill_group(process)
@@ -987,7 +983,7 @@ class DocRuns:
         except BaseException:
             self.proc.kill_group(process)
             raise
-        stop_note = self.proc.stop(process, log, "the router", reraised_sigterm_ok=True)
+        stop_note = self.proc.stop(process, log, "the router")
         return (f"openai SDK chat through the router (model {model!r}) served by the backend {backend}; "
                 f"router {stop_note}")
 

@@ -63,9 +63,11 @@ def router(servers: list[RunningServer], tiny_model: Path, tmp_path_factory: pyt
     yield url
     process.send_signal(signal.SIGTERM)
     try:
-        process.wait(10)
+        status = process.wait(10)
     except subprocess.TimeoutExpired:
         process.kill()
+        raise
+    assert status == 0, f"the router exited with {status} after SIGTERM:\n{log_path.read_text()[-3000:]}"
 
 
 def backends_state(router_url: str) -> dict[str, dict]:

@@ -55,6 +55,7 @@ def run_route(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvreuse.router.app import RouterConfig, RouterState, build_router_app
+    from kvreuse.server.serve import CleanExitServer
 
     try:
         policy = PolicyConfig(policy=args.policy, block_size=args.block_size, max_load_ratio=args.max_load_ratio,
@@ -71,8 +72,9 @@ def run_route(args: argparse.Namespace) -> int:
         print(f"kvreuse route: error: {error}", file=sys.stderr)
         return 2
     app = build_router_app(state)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                timeout_keep_alive=30)
+    server = CleanExitServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                            access_log=args.access_log, timeout_keep_alive=30))
+    server.run()
     return 0
 
 

@@ -167,14 +167,9 @@ def warm_up(engine: LLMEngine, path: str, loras: dict[str, LoRARequest]) -> None
                     cache_salt)
 
 
-class DrainingServer(uvicorn.Server):
-    """A uvicorn.Server whose SIGTERM / SIGINT drains in-flight requests before shutting down."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
-        super().__init__(config)
-        self.state = state
-        self.drain_timeout_s = drain_timeout_s
-        self.drain_deadline: float | None = None
+class CleanExitServer(uvicorn.Server):
+    """A uvicorn.Server that exits with status 0 after SIGTERM / SIGINT: uvicorn raises the signal
+    again once it has shut down (exit status -15), which supervisors read as a crash."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -187,7 +182,17 @@ class DrainingServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        # Unlike uvicorn, the signal is not raised again: a drained exit is a clean exit.
+        # Unlike uvicorn, the signal is not raised again: a clean shutdown is a clean exit.
+
+
+class DrainingServer(CleanExitServer):
+    """A uvicorn.Server whose SIGTERM / SIGINT drains in-flight requests before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_deadline is None:
