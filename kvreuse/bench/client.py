@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from kvreuse.bench.workloads import BenchRequest, TextTokenizer
+from kvreuse.inputs import common_prefix_length
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROMPT_FORMATS = ("text", "ids")
@@ -291,16 +292,8 @@ def _longest_shared_prefix(sequence: tuple[int, ...], ordered: list[tuple[int, .
     position = bisect.bisect_left(ordered, sequence)
     best = 0
     for neighbour in ordered[max(0, position - 1):position + 1]:
-        best = max(best, _common_prefix_length(sequence, neighbour))
+        best = max(best, common_prefix_length(sequence, neighbour))
     return best
-
-
-def _common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
-    length = min(len(first), len(second))
-    for index in range(length):
-        if first[index] != second[index]:
-            return index
-    return length
 
 
 async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, Any], endpoint: str,

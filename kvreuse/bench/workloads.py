@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
+from kvreuse.inputs import common_prefix_length
+
 WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "random", "hot-prefix")
 
 # A word token: a leading space and letters only, so the pre-tokenizer splits text at each one.
@@ -418,7 +420,7 @@ def rag_requests(builder: PromptBuilder, options: RagOptions, rng: random.Random
         fixed = instructions + [chunks[chunk] for chunk in picked]
         question, total = builder.prompt_segments(rng, fixed, options.question_len)
         # Shared by design: the instructions plus the longest run of leading chunks seen before.
-        shared_chunks = max((_common_length(picked, earlier) for earlier in seen_prefixes), default=0)
+        shared_chunks = max((common_prefix_length(picked, earlier) for earlier in seen_prefixes), default=0)
         shared = (options.system_prompt_len if index > 0 else 0) + shared_chunks * options.chunk_len
         if shared and not options.system_prompt_len:
             shared += len(builder.special_prefix)
@@ -429,15 +431,6 @@ def rag_requests(builder: PromptBuilder, options: RagOptions, rng: random.Random
             max_tokens=options.output_len, prompt_tokens=total, designed_shared_tokens=shared,
         ))
     return requests
-
-
-def _common_length(first: Sequence[int], second: Sequence[int]) -> int:
-    length = 0
-    for left, right in zip(first, second):
-        if left != right:
-            break
-        length += 1
-    return length
 
 
 def random_requests(builder: PromptBuilder, options: RandomOptions, rng: random.Random) -> list[BenchRequest]:
