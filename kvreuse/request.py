@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvreuse.cache.prefix import CacheNode
-from kvreuse.sampling import SamplingParams
+from kvreuse.sampling import SamplingParams, SamplingState
 
 
 class RequestStatus(enum.Enum):
@@ -33,7 +32,7 @@ class Request:
     prompt: str | None = None
     parent_id: str | None = None  # the user-visible request when n > 1
     index: int = 0  # which of the n completions this is
-    sampling_state: Any = None  # kvreuse.sampling.SamplingState, built by the engine
+    sampling_state: SamplingState | None = None  # built by the engine in add_request
     adapter: str | None = None  # digest of the LoRA adapter's weights (None: the base model)
 
     all_token_ids: list[int] = field(default_factory=list)

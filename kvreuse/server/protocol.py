@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvreuse.sampling import SamplingParams, TokenLogprobs
 from kvreuse.errors import InvalidRequestError
+from kvreuse.sampling import SamplingParams, TokenLogprobs
 from kvreuse.server.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from kvreuse.tokenizer import Tokenizer
 
 # Most samples per request: each is a sequence in the engine, so this bounds what one request costs.
 MAX_N = 128
@@ -294,8 +297,8 @@ class TokenTexts:
 
     MAX_ENTRIES = 1 << 16
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer  # the event loop's own tokenizer object
         self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
