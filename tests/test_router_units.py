@@ -75,3 +75,26 @@ def test_bad_requests_route_anywhere_and_good_ones_by_the_servers_tokens(tiny_mo
     block_size = state.config.policy.block_size
     assert route.num_prompt_tokens == len(token_ids) >= block_size
     assert list(route.block_keys) == prompt_block_keys(token_ids, block_size, model="m")
+
+
+def test_isolated_tenants_are_keyed_as_the_servers_key_them(tiny_model: Path) -> None:
+    """With --isolate-tenants the router derives each request's salt from its API key by the servers'
+    own rule, so tenant A's cached prefix never draws tenant B's requests, and a public: salt is shared."""
+    from kvreuse.server.auth import ApiKeyAuth
+
+    state = RouterState(RouterConfig(backends=("http://a",), tokenizer=str(tiny_model), isolate_tenants=True))
+    server_auth = ApiKeyAuth(["key-a", "key-b"], isolate_tenants=True)
+    body = {"model": "m", "messages": [{"role": "system", "content": "You are terse. " * 20},
+                                       {"role": "user", "content": "hi"}]}
+    token_ids = InputProcessor(Tokenizer(str(tiny_model))).from_messages(body["messages"]).token_ids
+    block_size = state.config.policy.block_size
+    for key in ("key-a", "key-b"):
+        route = state.route_request(body, chat=True, session_id=None, authorization=f"Bearer {key}")
+        salt = server_auth.cache_salt(server_auth.authenticate(f"Bearer {key}"), None)
+        assert list(route.block_keys) == prompt_block_keys(token_ids, block_size, cache_salt=salt, model="m")
+    a = state.route_request(body, chat=True, session_id=None, authorization="Bearer key-a").block_keys
+    b = state.route_request(body, chat=True, session_id=None, authorization="Bearer key-b").block_keys
+    assert not set(a) & set(b)
+    shared = dict(body, cache_salt="public:team")
+    assert state.route_request(shared, chat=True, session_id=None, authorization="Bearer key-a").block_keys == \
+        state.route_request(shared, chat=True, session_id=None, authorization="Bearer key-b").block_keys

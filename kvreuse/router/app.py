@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from kvreuse.inputs import InputProcessor, validate_messages
 from kvreuse.router.backends import Backend, BackendPool
 from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router, prompt_block_keys
+from kvreuse.server.auth import bearer_key, isolated_cache_salt, tenant_id_of
 from kvreuse.server.errors import unavailable
 from kvreuse.tokenizer import Tokenizer
 
@@ -52,6 +53,8 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     kv_events: bool = True  # follow the backends' GET /v1/cache/events where they publish them
     backend_api_key: str | None = None  # for the router's own calls to the backends
+    # The backends run with --isolate-tenants: a request's namespace comes from its API key, as theirs do.
+    isolate_tenants: bool = False
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -177,13 +180,18 @@ class RouterState:
                 return backend.model_name, digest
         return model, None
 
-    def route_request(self, body: Any, chat: bool, session_id: str | None) -> RouteRequest:
+    def route_request(self, body: Any, chat: bool, session_id: str | None,
+                      authorization: str | None = None) -> RouteRequest:
         """The request's block keys, from the tokenizer when there is one, else from characters."""
         if not isinstance(body, dict):
             return RouteRequest((), 0, session_id)
         model, adapter = self.cache_identity(body.get("model") if isinstance(body.get("model"), str)
                                              else self.default_model)
         cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        if self.config.isolate_tenants:
+            key = bearer_key(authorization)
+            if key is not None:  # the backends' rule (kvreuse.server.auth), so the keys are theirs
+                cache_salt = isolated_cache_salt(tenant_id_of(key), cache_salt)
         try:
             token_ids, text = self._prompt(body, chat)
         except (ValueError, TypeError):  # InvalidRequestError included: the backend answers it with a 400
@@ -287,7 +295,7 @@ async def _routed(state: RouterState, request: Request, chat: bool) -> Response:
         body = json.loads(body_bytes)
     except ValueError:
         body = None  # forwarded as is: the backend answers with its own 400
-    route = state.route_request(body, chat, request.headers.get(SESSION_HEADER))
+    route = state.route_request(body, chat, request.headers.get(SESSION_HEADER), request.headers.get("authorization"))
     return await _proxy(state, request, body_bytes, route, path=request.url.path, routed=True)
 
 

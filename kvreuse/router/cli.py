@@ -46,6 +46,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="key for the router's own calls to the backends (model card, KV events); when the "
                              "backends use keys it must be one of their --admin-key keys (the KV event log "
                              "holds every tenant's block keys)")
+    parser.add_argument("--isolate-tenants", action="store_true",
+                        help="the backends run with --isolate-tenants: key each request's prefix with its API "
+                             "key's tenant, as they do, so one tenant's cached prefix never draws another's requests")
     parser.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
     parser.add_argument("--access-log", action="store_true")
 
@@ -66,7 +69,7 @@ def run_route(args: argparse.Namespace) -> int:
                               default_capacity_blocks=args.backend_capacity_blocks, max_retries=args.max_retries,
                               retry_backoff_s=args.retry_backoff,
                               probe_interval_s=args.probe_interval, kv_events=args.kv_events,
-                              backend_api_key=args.backend_api_key)
+                              backend_api_key=args.backend_api_key, isolate_tenants=args.isolate_tenants)
         state = RouterState(config)
     except ValueError as error:
         print(f"kvreuse route: error: {error}", file=sys.stderr)

@@ -43,6 +43,19 @@ def tenant_id_of(api_key: str) -> str:
     return hmac.new(_TENANT_ID_LABEL, api_key.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
 
 
+def isolated_cache_salt(tenant_id: str, client_salt: str | None) -> str:
+    """The salt of an isolated tenant's request (a ``public:`` client salt is kept as is)."""
+    if client_salt is not None and client_salt.startswith(PUBLIC_SALT_PREFIX):
+        return client_salt
+    return f"{TENANT_SALT_PREFIX}{tenant_id}|{client_salt or ''}"
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header, or None."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    return credentials.strip() or None if scheme.lower() == "bearer" else None
+
+
 def load_api_keys(keys: Iterable[str] | None = None, keys_file: str | Path | None = None,
                   what: str = "api_key") -> list[str]:
     """Keys from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per line, ``#`` comments);
@@ -105,8 +118,6 @@ class ApiKeyAuth:
 
     def cache_salt(self, tenant: Tenant | None, client_salt: str | None) -> str | None:
         """The salt of the request's cache namespace (see the module docstring)."""
-        if client_salt is not None and client_salt.startswith(PUBLIC_SALT_PREFIX):
-            return client_salt
         if self.isolate_tenants and tenant is not None:
-            return f"{TENANT_SALT_PREFIX}{tenant.tenant_id}|{client_salt or ''}"
+            return isolated_cache_salt(tenant.tenant_id, client_salt)
         return client_salt
