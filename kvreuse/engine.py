@@ -271,19 +271,19 @@ class LLMEngine:
         if spec.ttl is not None and spec.ttl <= 0:
             raise ValueError(f"a pin's ttl must be positive seconds, got {spec.ttl}")
 
-    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> RequestOutput | None:
         """End one sample that a stop string ended on the caller's side (the engine sees no text).
-        A no-op for a request or sample that has already finished."""
+        Returns the request's final output when this was its last unfinished sample, else None (also
+        for a request or sample that has already finished)."""
         group = self._groups.get(request_id)
         if group is None or not 0 <= index < len(group.sequences):
-            return
+            return None
         sequence = group.sequences[index]
         if sequence.output.finished:
-            return
+            return None
         sequence.output.finish_reason, sequence.output.stop_reason = "stop", stop_reason
         self.scheduler.finish(sequence.request, "stop", stop_reason)
-        if group.finished:
-            self._make_output(group)  # drops the group's bookkeeping
+        return self._make_output(group) if group.finished else None
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -292,9 +292,6 @@ class LLMEngine:
         for sequence in group.sequences:
             self._sequences.pop(id(sequence.request), None)
             self.scheduler.finish(sequence.request, "abort")
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -150,8 +150,7 @@ class InputProcessor:
                 param: str) -> str:
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
-            return self.tokenizer.apply_chat_template(flattened, add_generation_prompt=add_generation_prompt,
-                                                      **kwargs)
+            return self.tokenizer.render_chat(flattened, add_generation_prompt, **kwargs)
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as error:
             # Messages of an unexpected shape fail inside the template: still the caller's input.
             raise InvalidRequestError(f"the chat template rejected the messages: {error}", param) from None

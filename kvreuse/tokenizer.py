@@ -106,10 +106,14 @@ class Tokenizer:
         chat template; extra kwargs go to the template."""
         from kvreuse.inputs import validate_messages
 
+        return self.render_chat(validate_messages(messages), add_generation_prompt, **template_kwargs)
+
+    def render_chat(self, flattened: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The chat template over messages already checked and flattened by validate_messages."""
         if not self.chat_template:
             raise InvalidRequestError(f"the tokenizer at {self.path} has no chat_template; send a plain prompt "
                                       "instead", "messages")
-        flattened = validate_messages(messages)
         rendered = self.hf_tokenizer.apply_chat_template(
             flattened, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
         )

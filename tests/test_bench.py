@@ -29,6 +29,7 @@ from kvreuse.bench.workloads import (
     BenchRequest, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
     generate_workload, sample_zipf_without_replacement,
 )
+from kvreuse.inputs import common_prefix_length
 
 # The stub's script: first token after TTFT_S, then a token every ITL_S.
 TTFT_S = 0.20
@@ -54,15 +55,6 @@ def tokenizer(tiny_model: Path):
 
 def _ids(tokenizer, request: BenchRequest, history=()) -> list[int]:
     return tokenizer.encode(compose_text(request, history))
-
-
-def _common_prefix(first: list[int], second: list[int]) -> int:
-    length = 0
-    for left, right in zip(first, second):
-        if left != right:
-            break
-        length += 1
-    return length
 
 
 @dataclass
@@ -191,11 +183,11 @@ def test_shared_prefix_lengths_are_exact_and_groups_share_exactly_the_system_pro
     assert len(groups) == 3
     for members in groups.values():
         # The group as a whole shares exactly the system prompt; each pair at least that.
-        common = min(_common_prefix(members[0], other) for other in members[1:])
+        common = min(common_prefix_length(members[0], other) for other in members[1:])
         assert common == 96
-        assert all(_common_prefix(a, b) >= 96 for a in members for b in members if a is not b)
+        assert all(common_prefix_length(a, b) >= 96 for a in members for b in members if a is not b)
     heads = [members[0] for members in groups.values()]
-    assert all(_common_prefix(a, b) < 16 for a in heads for b in heads if a is not b)
+    assert all(common_prefix_length(a, b) < 16 for a in heads for b in heads if a is not b)
     # Shuffled (not group after group), and only the first of each group in send order shares nothing.
     order = [request.group for request in workload.requests]
     assert order != sorted(order)
@@ -212,7 +204,7 @@ def test_workloads_are_pure_functions_of_tokenizer_options_and_seed(tokenizer) -
     assert generate_workload("shared-prefix", tokenizer, options, seed=2).requests != first.requests
     # Another workload with the same seed shares no text: a server that ran one cannot hit on the other.
     other = generate_workload("random", tokenizer, RandomOptions(input_len=48, output_len=2, num_requests=4), seed=1)
-    assert all(_common_prefix(_ids(tokenizer, a), _ids(tokenizer, b)) < 8
+    assert all(common_prefix_length(_ids(tokenizer, a), _ids(tokenizer, b)) < 8
                for a in first.requests for b in other.requests)
 
 
@@ -221,7 +213,7 @@ def test_random_prompts_share_nothing_beyond_chance(tokenizer) -> None:
     workload = generate_workload("random", tokenizer, options, seed=0)
     ids = [_ids(tokenizer, request) for request in workload.requests]
     assert all(len(prompt) == 64 == request.prompt_tokens for prompt, request in zip(ids, workload.requests))
-    longest = max(_common_prefix(a, b) for index, a in enumerate(ids) for b in ids[index + 1:])
+    longest = max(common_prefix_length(a, b) for index, a in enumerate(ids) for b in ids[index + 1:])
     assert longest < 4  # a block of 16 never matches
     assert all(request.designed_shared_tokens == 0 for request in workload.requests)
 
@@ -237,7 +229,7 @@ def test_multi_turn_first_turns_share_the_system_prompt_and_histories_extend(tok
     first_turns = [request for request in workload.requests if request.turn == 0]
     first_ids = [_ids(tokenizer, request) for request in first_turns]
     assert all(len(ids) == 50 == request.prompt_tokens for ids, request in zip(first_ids, first_turns))
-    assert all(_common_prefix(first_ids[0], ids) == 40 for ids in first_ids[1:])
+    assert all(common_prefix_length(first_ids[0], ids) == 40 for ids in first_ids[1:])
     assert [request.designed_shared_tokens for request in first_turns] == [0, 40, 40]
     # Each turn's prompt is the previous prompt plus the reply plus the new message.
     conversation = [request for request in workload.requests if request.conversation == "c1"]
@@ -283,7 +275,7 @@ def test_rag_prompts_are_the_picked_chunks_in_order_then_a_question(tokenizer) -
     shared_pairs = [members[:2] for members in by_first.values() if len(members) > 1]
     assert shared_pairs
     for first, second in shared_pairs:
-        assert _common_prefix(_ids(tokenizer, first), _ids(tokenizer, second)) >= 20
+        assert common_prefix_length(_ids(tokenizer, first), _ids(tokenizer, second)) >= 20
     assert workload.requests[0].designed_shared_tokens == 0
 
 

@@ -26,10 +26,6 @@ logger = logging.getLogger("kvreuse.lora")
 class LoRAManager:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_loras: int,
                  max_lora_rank: int) -> None:
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        if max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
         self.config = config
         self.dtype = dtype
         self.device = device

@@ -239,10 +239,9 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
         elif isinstance(command, _FinishSequence):
             if command.request_id in self._streams:
-                engine.finish_sequence(command.request_id, command.index, command.stop_reason)
-                if not engine.has_request(command.request_id):
-                    del self._streams[command.request_id]
-                    self.metrics.request_finished("stop")
+                final = engine.finish_sequence(command.request_id, command.index, command.stop_reason)
+                if final is not None:  # its waiter has its text already; only the bookkeeping is left
+                    self._record_finished(final)
         elif isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 engine.abort_request(command.request_id)
@@ -280,14 +279,18 @@ class AsyncEngine:
                 metrics.inter_token_latency.observe(now - stream.last_output_time)
             stream.last_output_time = now
             if output.finished:
-                del self._streams[output.request_id]
-                e2e = output.metrics.e2e_latency
-                if e2e is not None:
-                    metrics.e2e_request_latency.observe(e2e)
-                metrics.request_finished(output.outputs[0].finish_reason or "stop")
+                self._record_finished(output)
             deliveries.setdefault(stream.loop, []).append((stream, output))
         for loop, items in deliveries.items():
             _call_soon(loop, _put_all, items)
+
+    def _record_finished(self, output: RequestOutput) -> None:
+        """Forget a finished request's stream and count it (latency, finish reason)."""
+        del self._streams[output.request_id]
+        e2e = output.metrics.e2e_latency
+        if e2e is not None:
+            self.metrics.e2e_request_latency.observe(e2e)
+        self.metrics.request_finished(output.outputs[0].finish_reason or "stop")
 
     def _fail_all(self, error: BaseException, *, include_queued: bool = False) -> None:
         """Abort every request in the engine and hand ``error`` to its waiter; with

@@ -98,10 +98,10 @@ class ApiKeyAuth:
             return None
         if not authorization:
             raise unauthorized("missing API key: send 'Authorization: Bearer YOUR_KEY'")
-        scheme, _, credentials = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not credentials.strip():
+        key = bearer_key(authorization)
+        if key is None:
             raise unauthorized("malformed Authorization header: expected 'Bearer YOUR_KEY'")
-        offered = credentials.strip().encode("utf-8")
+        offered = key.encode("utf-8")
         found: Tenant | None = None
         # Compare with every key, in constant time each, so timing does not tell how close a guess was.
         for key, tenant in self._keys:
