@@ -533,6 +533,26 @@ def test_metrics_counters_move(server: RunningServer, client: openai.OpenAI, llm
     assert "engine: prompt" in server.log_tail(100_000)  # the periodic stats line (every 1 s here)
 
 
+def test_a_stop_string_finish_is_counted_like_any_finish(server: RunningServer, client: openai.OpenAI):
+    """A stop string ends a request on the event loop's side; the engine thread still counts it."""
+    prompt = f"Stop check {uuid.uuid4().hex}"
+    free = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    assert stop.strip(), free
+    before = wait_until_idle(server)
+    stopped = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    after = wait_until_idle(server)
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("kvreuse:request_success_total", finished_reason="stop") == 1
+    assert delta("kvreuse:e2e_request_latency_seconds_count") == 1
+
+
 # --- SIGTERM drain (its own server) ------------------------------------------------------------------------------
 
 
