@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvreuse.spec.config import SpeculativeConfig
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1,
@@ -65,6 +67,9 @@ class SchedulerConfig:
     lpm_max_queue: int = 256
     # Distinct LoRA adapters among the running requests (the engine sets it from LoRAConfig.max_loras).
     max_loras: int | None = None
+    # Speculative decoding: slots reserved past a sampling sequence's tokens for the drafted ones (the
+    # engine sets it from SpeculativeConfig.num_speculative_tokens).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -105,6 +110,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
+    speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

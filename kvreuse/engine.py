@@ -33,11 +33,15 @@ from kvreuse.lora.manager import LoRAManager
 from kvreuse.lora.request import LoRARequest
 from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvreuse.request import Request
+from kvreuse.request import Request, RequestStatus
 from kvreuse.runner.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler, SamplingParams, SamplingState
 from kvreuse.scheduler import Scheduler, ScheduledRequest
+from kvreuse.spec.config import SpeculativeConfig
+from kvreuse.spec.eagle import EagleDraft, load_eagle_draft
+from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
+from kvreuse.spec.verify import VerifyItem, VerifyResult, verify
 from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse")
@@ -53,10 +57,12 @@ class EngineStats:
     generation_tokens: int
     steps: int
     num_loras_resident: int = 0
+    spec_decode: SpecDecodeStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         cache = self.cache
-        return {
+        spec = self.spec_decode.as_dict() if self.spec_decode is not None else {}
+        return spec | {
             "prefix_cache_queries_tokens": cache.query_tokens,
             "prefix_cache_hits_tokens": cache.hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
@@ -74,6 +80,55 @@ class EngineStats:
             "steps": self.steps,
             "num_loras_resident": self.num_loras_resident,
         }
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters, as vLLM's ``vllm:spec_decode_*`` metrics."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verifications of at least one drafted token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": self.acceptance_rate,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            # Tokens per verification: 1 (the target's own) + accepted drafts, per draft made.
+            "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
+        }
+
+
+@dataclass
+class _StepItem:
+    """What the engine remembers of one scheduled sequence between its forward and its update."""
+
+    request: Request
+    start: int  # num_computed_tokens before the step
+    num_tokens: int  # tokens the target ran (including drafted ones)
+    draft_token_ids: list[int]  # drafted tokens among them, verified this step
+    table: list[int]  # its block table as the forward used it
+    first_row: int | None  # its first logits row (None: a prefill chunk that samples nothing)
 
 
 @dataclass
@@ -119,11 +174,23 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
 
+        # Speculative decoding: the draft's K/V (one more layer) and its per-slot input feature live in
+        # the target's KV blocks, so every block costs a little more and holds both.
+        self.draft: EagleDraft | None = None
+        extra_bytes_per_token = 0
+        if config.speculative is not None:
+            self.draft = load_eagle_draft(config.speculative.model, config.speculative.method, self.model,
+                                          self.model_config.num_hidden_layers, self.dtype, self.device)
+            element = torch.empty((), dtype=self.dtype).element_size()
+            extra_bytes_per_token = (2 * self.model_config.kv_size + self.model_config.hidden_size) * element
+            logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step",
+                        config.speculative.method, config.speculative.model, self.draft.digest[:12],
+                        config.speculative.num_speculative_tokens)
         cache_config = config.cache
         block_size = cache_config.block_size
-        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype) + extra_bytes_per_token
         num_blocks = KVCache.num_blocks_for_memory(
-            cache_config.kv_cache_memory, block_size, self.model_config, self.dtype
+            cache_config.kv_cache_memory, block_size, self.model_config, self.dtype, extra_bytes_per_token
         )
         capacity = num_blocks * block_size
         context_limit = self.model_config.max_position_embeddings
@@ -158,13 +225,14 @@ class LLMEngine:
             self.max_model_len, "on" if cache_config.enable_prefix_caching else "off",
         )
         self.kv_cache = KVCache(
-            num_layers=self.model_config.num_hidden_layers,
+            num_layers=self.model_config.num_hidden_layers + (1 if self.draft is not None else 0),
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=self.model_config.num_key_value_heads,
             head_dim=self.model_config.head_dim,
             dtype=self.dtype,
             device=self.device,
+            feature_size=self.model_config.hidden_size if self.draft is not None else 0,
         )
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device)
         # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
@@ -176,9 +244,17 @@ class LLMEngine:
             self.lora = LoRAManager(self.model_config, self.dtype, self.device, config.lora.max_loras,
                                     config.lora.max_lora_rank)
             scheduler_config = dataclasses.replace(scheduler_config, max_loras=config.lora.max_loras)
+        self.sampler = Sampler()
+        self.proposer: EagleProposer | None = None
+        self.spec_stats: SpecDecodeStats | None = None
+        if self.draft is not None and config.speculative is not None:
+            self.proposer = EagleProposer(self.draft, self.kv_cache, self.device, self.sampler)
+            self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
+            scheduler_config = dataclasses.replace(
+                scheduler_config, num_lookahead_tokens=config.speculative.num_speculative_tokens)
+        self._draft_probs: dict[int, torch.Tensor] = {}  # id(Request) -> q of its drafted tokens (random sampling)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # The engine thread's own way in (string prompts, validation); callers on other threads own theirs.
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
@@ -219,7 +295,7 @@ class LLMEngine:
         for spec in pins:
             self.check_pin(spec, len(token_ids))
         adapter = self.adapter_digest(lora_request)
-        namespace = namespace_key(cache_salt, adapter, self.model_name)
+        namespace = namespace_key(cache_salt, adapter, self.model_name, self.draft_digest)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins))
         for index in range(params.n):
@@ -245,6 +321,12 @@ class LLMEngine:
         for sequence in group.sequences:
             self._sequences[id(sequence.request)] = (group, sequence)
             self.scheduler.add(sequence.request)
+
+    @property
+    def draft_digest(self) -> str | None:
+        """The speculative draft's cache identity (None without speculation): part of every namespace,
+        because the blocks of this engine also hold the draft's K/V."""
+        return self.draft.digest if self.draft is not None else None
 
     def adapter_digest(self, lora_request: LoRARequest | None) -> str | None:
         """The cache identity of a request's adapter (None: the base model). Loads the adapter when it is
@@ -282,6 +364,7 @@ class LLMEngine:
         if sequence.output.finished:
             return None
         sequence.output.finish_reason, sequence.output.stop_reason = "stop", stop_reason
+        self._draft_probs.pop(id(sequence.request), None)
         self.scheduler.finish(sequence.request, "stop", stop_reason)
         return self._make_output(group) if group.finished else None
 
@@ -291,6 +374,7 @@ class LLMEngine:
             return
         for sequence in group.sequences:
             self._sequences.pop(id(sequence.request), None)
+            self._draft_probs.pop(id(sequence.request), None)
             self.scheduler.finish(sequence.request, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -318,19 +402,88 @@ class LLMEngine:
             if logger.isEnabledFor(logging.DEBUG):
                 self._log_admission(request, match)
 
-        batch, sampling_requests = self._build_batch(scheduled.scheduled)
-        logits = self.runner.execute(batch)
-        self.scheduler.advance(scheduled.scheduled)
+        batch, items = self._build_batch(scheduled.scheduled)
+        if self.proposer is not None:
+            output = self.runner.run(batch, self.proposer.aux_layers)
+            self.proposer.store_features(output, batch.slot_mapping)
+            logits = output.logits
+        else:
+            logits = self.runner.execute(batch)
+        sampling = [item for item in items if item.first_row is not None]
+        results = self._take_tokens(logits, sampling)
+        now = time.monotonic()
+        accepted = {id(item.request): result.num_accepted for item, result in zip(sampling, results)}
+        for item, result in zip(sampling, results):  # before advance: the block keys need the accepted tokens
+            self._append_tokens(item.request, result, now)
+        self.scheduler.advance(scheduled.scheduled, [
+            item.num_tokens - len(item.draft_token_ids) + accepted.get(id(item.request), 0) for item in items])
         self._create_due_pins(scheduled.scheduled, wall_now)
         touched: dict[str, _Group] = {}
-        if sampling_requests:
-            sampled = self.sampler(logits, [request.sampling_state for request in sampling_requests])
-            now = time.monotonic()
-            for request, token_id, token_logprobs in zip(sampling_requests, sampled.token_ids, sampled.logprobs):
-                group, sequence = self._sequences[id(request)]
-                self._append_token(group, sequence, token_id, token_logprobs, now)
-                touched[group.request_id] = group
+        for item, result in zip(sampling, results):
+            group, sequence = self._sequences[id(item.request)]
+            if result.finish is not None:
+                self.scheduler.finish(item.request, *result.finish)
+                sequence.output.finish_reason, sequence.output.stop_reason = result.finish
+            touched[group.request_id] = group
+        if self.proposer is not None:
+            self._draft(items)
         return [self._make_output(group) for group in touched.values()]
+
+    def _take_tokens(self, logits: torch.Tensor, sampling: list[_StepItem]) -> list[VerifyResult]:
+        """Sample (and verify drafted tokens) for every sequence that samples this step."""
+        verify_items = []
+        for item in sampling:
+            request = item.request
+            assert request.sampling_state is not None
+            probs = self._draft_probs.pop(id(request), None)
+            if probs is not None:
+                probs = probs[: len(item.draft_token_ids)]
+            verify_items.append(VerifyItem(request.sampling_state, item.first_row or 0, item.draft_token_ids, probs))
+
+        def finish_check(index: int, token_id: int, count: int) -> tuple[str, int | None] | None:
+            request = sampling[index].request
+            params = request.sampling_params
+            # The sampler masks EOS and stop tokens until min_tokens are out, so no min_tokens check here.
+            if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+                return ("stop", token_id)
+            if request.num_output_tokens + count >= params.max_tokens or request.num_tokens + count >= self.max_model_len:
+                return ("length", None)
+            return None
+
+        results = verify(self.sampler, logits, verify_items, finish_check)
+        if self.spec_stats is not None:
+            for item, result in zip(sampling, results):
+                if item.draft_token_ids:
+                    self.spec_stats.record(len(item.draft_token_ids), result.num_accepted)
+        return results
+
+    def _draft(self, items: list[_StepItem]) -> None:
+        """Bring the draft's K/V up to date for every sequence that ran and draft the next tokens of
+        those that decode next step."""
+        assert self.proposer is not None and self.config.speculative is not None
+        k = self.config.speculative.num_speculative_tokens
+        block_size = self.kv.block_size
+        jobs: list[DraftJob] = []
+        for item in items:
+            request = item.request
+            request.spec_token_ids = []
+            valid_end = request.num_computed_tokens
+            num_propose = 0
+            if request.status is not RequestStatus.FINISHED and valid_end == request.num_tokens - 1:
+                params = request.sampling_params
+                num_propose = max(0, min(
+                    k,
+                    params.max_tokens - request.num_output_tokens - 1,  # drafts the target can still take
+                    self.max_model_len - request.num_tokens - 1,
+                    len(item.table) * block_size - valid_end,  # the lookahead slots held
+                ))
+            jobs.append(DraftJob(request, item.start, valid_end, num_propose, item.table))
+        proposals: dict[int, Proposal] = self.proposer.run(jobs)
+        for index, proposal in proposals.items():
+            request = jobs[index].request
+            request.spec_token_ids = proposal.token_ids
+            if proposal.probs is not None:
+                self._draft_probs[id(request)] = proposal.probs
 
     def _create_due_pins(self, scheduled: list[ScheduledRequest], now: float) -> None:
         """Pin the prefixes requested with add_request(pins=...) once their blocks are cached."""
@@ -354,7 +507,7 @@ class LLMEngine:
                 logger.debug("request %s: pinned %d tokens as %s (%s, ttl %s)", group.request_id,
                              pin.num_tokens, pin.pin_id, pin.kind, pin.ttl)
 
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[Request]]:
+    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[_StepItem]]:
         block_size = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -363,27 +516,31 @@ class LLMEngine:
         context_lens: list[int] = []
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
-        sampling_requests: list[Request] = []
+        items: list[_StepItem] = []
         adapter_rows: dict[str, list[int]] = {}
         if self.lora is not None:
             # Sequences of one adapter side by side: each adapter then owns one contiguous run of rows.
             scheduled = sorted(scheduled, key=lambda item: item.request.adapter or "")
-        for item in scheduled:
-            request, count = item.request, item.num_tokens
+        for scheduled_item in scheduled:
+            request, count = scheduled_item.request, scheduled_item.num_tokens
+            drafts = list(request.spec_token_ids)
             start = request.num_computed_tokens
             end = start + count
             if request.adapter is not None:
                 adapter_rows.setdefault(request.adapter, []).extend(range(len(input_ids), len(input_ids) + count))
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(request.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             table = request.block_ids
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             query_lens.append(count)
             context_lens.append(end)
             block_tables.append(table[: -(-end // block_size)])
-            if end == request.num_tokens:  # the prompt is complete: this step yields a token
-                logits_indices.append(len(input_ids) - 1)
-                sampling_requests.append(request)
+            first_row = None
+            if end - len(drafts) == request.num_tokens:  # the prompt is complete: this step yields tokens
+                first_row = len(logits_indices)
+                logits_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
+            items.append(_StepItem(request, start, count, drafts, list(table) if self.proposer else table, first_row))
         device = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
@@ -396,7 +553,7 @@ class LLMEngine:
             block_copies=self.kv.take_copies(),
             lora=self._lora_batch(adapter_rows, len(input_ids)),
         )
-        return batch, sampling_requests
+        return batch, items
 
     def _lora_batch(self, adapter_rows: dict[str, list[int]], num_tokens: int) -> LoRABatch | None:
         """The step's adapters and their token rows (rows of the base model get no segment)."""
@@ -414,30 +571,21 @@ class LLMEngine:
                 segments.append(LoRASegment(adapter, torch.tensor(rows, dtype=torch.long, device=self.device)))
         return LoRABatch(segments)
 
-    def _append_token(self, group: _Group, sequence: _Sequence, token_id: int, token_logprobs: Any, now: float) -> None:
-        request, output = sequence.request, sequence.output
-        request.append_token(token_id)
-        request.sampling_state.append(token_id)
-        self._generation_tokens += 1
+    def _append_tokens(self, request: Request, result: VerifyResult, now: float) -> None:
+        """Record a step's tokens of one sequence (its SamplingState already has them)."""
+        group, sequence = self._sequences[id(request)]
+        output = sequence.output
+        for token_id, token_logprobs in zip(result.token_ids, result.logprobs):
+            request.append_token(token_id)
+            output.token_ids.append(token_id)
+            output.token_ids_delta.append(token_id)
+            if output.logprobs is not None:
+                output.logprobs.append(token_logprobs)
+        self._generation_tokens += len(result.token_ids)
         if request.first_token_time is None:
             request.first_token_time = now
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-        params = request.sampling_params
-        output.token_ids.append(token_id)
-        output.token_ids_delta.append(token_id)
-        if output.logprobs is not None:
-            output.logprobs.append(token_logprobs)
-
-        finish: tuple[str, int | None] | None = None
-        # The sampler masks EOS and stop tokens until min_tokens are out, so no min_tokens check here.
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-            finish = ("stop", token_id)
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            finish = ("length", None)
-        if finish is not None:
-            self.scheduler.finish(request, finish[0], finish[1])
-            output.finish_reason, output.stop_reason = finish
 
     def _make_output(self, group: _Group) -> RequestOutput:
         finished = group.finished
@@ -482,6 +630,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             steps=self._steps,
             num_loras_resident=len(self.lora.resident) if self.lora is not None else 0,
+            spec_decode=self.spec_stats,
         )
 
     def reset_prefix_cache(self) -> int:

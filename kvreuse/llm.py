@@ -15,6 +15,7 @@ from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
+from kvreuse.spec.config import SpeculativeConfig
 from kvreuse.system_prompt import pin_prompt_now
 
 ChatMessage = dict[str, Any]
@@ -47,7 +48,10 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 64,
+        speculative_config: dict[str, Any] | str | None = None,
     ) -> None:
+        """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
+        "num_speculative_tokens": k}`` (or its JSON text); None: no speculation."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -69,6 +73,7 @@ class LLM:
             ),
             lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
             max_model_len=max_model_len,
+            speculative=SpeculativeConfig.from_value(speculative_config),
         )
         self.engine = LLMEngine(config)
         # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer and inputs.
@@ -195,7 +200,9 @@ class LLM:
         return [pin.as_dict() for pin in self.engine.list_pins()]
 
     def stats(self) -> dict[str, Any]:
-        """Prefix-cache queries and hits (tokens), hit rate, evictions, blocks used / idle / free."""
+        """Prefix-cache queries and hits (tokens), hit rate, evictions, blocks used / idle / free; with
+        speculative decoding also drafts, draft tokens, accepted tokens (total and per position) and
+        the acceptance rate (``spec_decode_*``)."""
         return self.engine.stats().as_dict()
 
     def reset_prefix_cache(self) -> int:

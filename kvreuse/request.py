@@ -37,6 +37,9 @@ class Request:
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Drafted tokens to verify in the next step (speculative decoding). They are not part of
+    # all_token_ids: only the ones the target accepts are appended.
+    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 
     # KV blocks: block_ids[i] holds tokens [i*bs, (i+1)*bs). The first len(cached_nodes) of them are

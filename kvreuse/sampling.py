@@ -367,8 +367,53 @@ class Sampler:
         masked[self._index(row_ids, logits.device), self._index(token_ids, logits.device)] = float("-inf")
         return masked
 
+    def target_distribution(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits after penalties and the min_tokens mask, the probabilities a random row samples from)
+        for rows with temperature > 0: what speculative verification accepts drafted tokens against."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        processed = self._apply_min_tokens_mask(self._apply_penalties(logits, states), states)
+        return processed, self._random_probs(processed, list(states))
+
+    def draw(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """One token per row of ``probs`` [R, V] (need not be normalised), by the exponential race with
+        each seeded row's own generator (exactly V draws per row)."""
+        device, vocab_size = probs.device, probs.shape[1]
+        exponentials = torch.empty_like(probs)
+        unseeded_rows = [i for i, state in enumerate(states) if state.generator is None]
+        if len(unseeded_rows) == len(states):
+            exponentials.exponential_()
+        else:
+            if unseeded_rows:
+                unseeded_index = self._index(unseeded_rows, device)
+                exponentials[unseeded_index] = torch.empty(
+                    len(unseeded_rows), vocab_size, device=device, dtype=probs.dtype
+                ).exponential_()
+            for i, state in enumerate(states):
+                if state.generator is not None:
+                    if state.generator.device.type != device.type:
+                        raise ValueError(
+                            f"generator of a seeded request is on {state.generator.device}, logits on {device}; "
+                            "create the SamplingState on the logits' device"
+                        )
+                    # Exactly V draws per step from the row's own generator: reproducible alone.
+                    exponentials[i].exponential_(generator=state.generator)
+        # Exp(1) can round to 0; a zero would turn a masked token's 0 / 0 into NaN, which argmax picks.
+        exponentials.clamp_(min=torch.finfo(exponentials.dtype).tiny)
+        return probs.div(exponentials).argmax(dim=-1)
+
+    def token_logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
+    ) -> list[TokenLogprobs | None]:
+        """Logprobs of given tokens under ``logits`` (already penalised, as from ``target_distribution``)."""
+        return self._logprobs(logits, token_ids, states)
+
     def _sample_random(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """One token per row of ``logits`` [R, V] for rows with temperature > 0."""
+        return self.draw(self._random_probs(logits, states), states)
+
+    def _random_probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, min-p, top-k and top-p applied, softmaxed: [R, V]."""
         device, vocab_size = logits.device, logits.shape[1]
         params = [state.params for state in states]
         scaled = logits / self._row_values([p.temperature for p in params], device)
@@ -392,29 +437,7 @@ class Sampler:
                 scaled = scaled.clone()
                 scaled[index] = truncated
 
-        probs = scaled.softmax(dim=-1)
-        exponentials = torch.empty_like(probs)
-        unseeded_rows = [i for i, state in enumerate(states) if state.generator is None]
-        if len(unseeded_rows) == len(states):
-            exponentials.exponential_()
-        else:
-            if unseeded_rows:
-                unseeded_index = self._index(unseeded_rows, device)
-                exponentials[unseeded_index] = torch.empty(
-                    len(unseeded_rows), vocab_size, device=device, dtype=probs.dtype
-                ).exponential_()
-            for i, state in enumerate(states):
-                if state.generator is not None:
-                    if state.generator.device.type != device.type:
-                        raise ValueError(
-                            f"generator of a seeded request is on {state.generator.device}, logits on {device}; "
-                            "create the SamplingState on the logits' device"
-                        )
-                    # Exactly V draws per step from the row's own generator: reproducible alone.
-                    exponentials[i].exponential_(generator=state.generator)
-        # Exp(1) can round to 0; a zero would turn a masked token's 0 / 0 into NaN, which argmax picks.
-        exponentials.clamp_(min=torch.finfo(exponentials.dtype).tiny)
-        return probs.div_(exponentials).argmax(dim=-1)
+        return scaled.softmax(dim=-1)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], vocab_size: int) -> torch.Tensor:

@@ -82,7 +82,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.grow(request, num_new):
+            if request.spec_token_ids:  # verify as many drafted tokens as the budget leaves room for
+                del request.spec_token_ids[budget - num_new:]
+                num_new += len(request.spec_token_ids)
+            while not self.kv.grow(request, num_new + self._lookahead(request, num_new)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -99,7 +102,16 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots to reserve past this step's tokens: a sequence that samples this step drafts up to
+        ``num_lookahead_tokens`` tokens, whose draft K/V need slots before the target has verified them."""
+        lookahead = self.config.num_lookahead_tokens
+        if lookahead and request.num_computed_tokens + num_new - len(request.spec_token_ids) >= request.num_tokens:
+            return lookahead
+        return 0
+
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -141,7 +153,8 @@ class Scheduler:
             if self.kv.is_next_block_pending(request, match):
                 continue  # another prefill is computing this prefix; it will be a hit next step
             num_new = min(request.num_tokens - match.num_tokens, budget)
-            if not self.kv.admit(request, match, num_new):
+            lookahead = self.config.num_lookahead_tokens if match.num_tokens + num_new >= request.num_tokens else 0
+            if not self.kv.admit(request, match, num_new + lookahead):
                 break  # the pool is full of running requests; wait for some to finish
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
@@ -165,10 +178,15 @@ class Scheduler:
                 request.num_times_passed_over += 1
 
     # --- after the forward ------------------------------------------------------------------------
-    def advance(self, scheduled: list[ScheduledRequest]) -> None:
-        """Account for computed tokens and cache every block that became full."""
-        for item in scheduled:
+    def advance(self, scheduled: list[ScheduledRequest], num_computed: list[int] | None = None) -> None:
+        """Account for computed tokens and cache every block that became full.
+
+        ``num_computed[i]``: tokens of ``scheduled[i]`` whose K/V are now final (default: all it ran);
+        fewer when drafted tokens were rejected: their slots are overwritten by later steps.
+        """
+        for index, item in enumerate(scheduled):
             request = item.request
-            request.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed_blocks(request)
+            request.num_computed_tokens += item.num_tokens if num_computed is None else num_computed[index]
+            if request.status is RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(request)
         self.kv.end_step()

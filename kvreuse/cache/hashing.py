@@ -1,7 +1,7 @@
 """Stable content keys for KV blocks.
 
 The key of block i is BLAKE2b(key of block i-1 || tokens of block i); the first block's parent is the
-key of the request's namespace (cache_salt, adapter, model). Keys are stable across processes and
+key of the request's namespace (cache_salt, adapter, model, speculative draft). Keys are stable across processes and
 machines (never Python's salted ``hash``), so a router can compute the same keys as the servers.
 A key alone never decides a hit: matching also compares the tokens, so a collision cannot serve
 wrong KV.
@@ -17,11 +17,18 @@ from collections.abc import Sequence
 KEY_BYTES = 16
 
 
-def namespace_key(cache_salt: str | None = None, adapter: str | None = None, model: str | None = None) -> bytes:
-    """Key of the cache namespace; requests in different namespaces never share a block."""
-    canonical = json.dumps(
-        {"cache_salt": cache_salt, "adapter": adapter, "model": model}, sort_keys=True, separators=(",", ":")
-    )
+def namespace_key(cache_salt: str | None = None, adapter: str | None = None, model: str | None = None,
+                  draft: str | None = None) -> bytes:
+    """Key of the cache namespace; requests in different namespaces never share a block.
+
+    ``draft``: digest of the speculative draft whose K/V and features the blocks also hold (an engine
+    with another draft, or none, must not read them). Left out of the key when None, so engines without
+    speculation keep the keys they always had.
+    """
+    fields: dict[str, str | None] = {"cache_salt": cache_salt, "adapter": adapter, "model": model}
+    if draft is not None:
+        fields["draft"] = draft
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES).digest()
 
 

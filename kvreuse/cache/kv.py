@@ -30,6 +30,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        feature_size: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
@@ -52,6 +53,13 @@ class KVCache:
         # Per-layer views, so the attention code indexes a plain [num_slots, heads, head_dim] tensor.
         self.key_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(num_layers)]
         self.value_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(num_layers)]
+        # Speculative decoding: one feature vector per slot (what an EAGLE draft reads for the position
+        # before its token), so a prefix hit brings the draft's input along with the K/V. One extra row,
+        # always zero, stands for "position -1" (the first token has no predecessor).
+        self.feature_size = feature_size
+        self.features: torch.Tensor | None = None
+        if feature_size > 0:
+            self.features = torch.zeros((num_blocks * block_size + 1, feature_size), dtype=dtype, device=self.device)
 
     @classmethod
     def for_model(
@@ -69,8 +77,19 @@ class KVCache:
         return self.num_blocks * self.block_size
 
     @property
+    def zero_feature_slot(self) -> int:
+        """The features row that is always zero (the feature "before" position 0)."""
+        return self.num_slots
+
+    @property
     def memory_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        features = self.features.numel() * self.features.element_size() if self.features is not None else 0
+        return self.kv.numel() * self.kv.element_size() + features
+
+    def write_features(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
+        """Store one feature row [num_tokens, feature_size] per slot."""
+        assert self.features is not None, "this KVCache was made without feature_size"
+        self.features.index_copy_(0, slot_mapping, features.to(self.dtype))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [num_tokens, kv_heads, head_dim] of ``layer`` at ``slot_mapping`` [num_tokens]."""
@@ -101,15 +120,19 @@ class KVCache:
         dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
         # Gather first (a copy), then scatter: correct even if a destination is another copy's source.
         self.kv[:, :, dst] = self.kv[:, :, src]
+        if self.features is not None:
+            self.features[dst] = self.features[src]
 
     @staticmethod
     def num_blocks_for_memory(
-        memory_bytes: int, block_size: int, model_config: ModelConfig, dtype: torch.dtype
+        memory_bytes: int, block_size: int, model_config: ModelConfig, dtype: torch.dtype,
+        extra_bytes_per_token: int = 0,
     ) -> int:
-        """How many blocks of ``block_size`` tokens fit in ``memory_bytes``; at least one or ValueError."""
+        """How many blocks of ``block_size`` tokens fit in ``memory_bytes``; at least one or ValueError.
+        ``extra_bytes_per_token``: what a token needs beyond the model's K/V (a draft's K/V and feature)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        bytes_per_block = block_size * model_config.kv_bytes_per_token(dtype)
+        bytes_per_block = block_size * (model_config.kv_bytes_per_token(dtype) + extra_bytes_per_token)
         num_blocks = memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(

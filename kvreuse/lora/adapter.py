@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from kvreuse.models.loader import tensors_digest
 from kvreuse.errors import InvalidRequestError
 from kvreuse.models.config import ModelConfig
 
@@ -238,11 +239,4 @@ def _check_peft_config(peft_config: dict[str, Any], config_file: Path | None) ->
 
 
 def _digest(rank: int, alpha: float, rslora: bool, tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps({"format": 1, "r": rank, "lora_alpha": alpha, "use_rslora": rslora},
-                             sort_keys=True).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        digest.update(f"\x00{name}\x00{tensor.dtype}\x00{tuple(tensor.shape)}\x00".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
+    return tensors_digest({"format": 1, "r": rank, "lora_alpha": alpha, "use_rslora": rslora}, tensors)

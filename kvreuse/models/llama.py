@@ -161,16 +161,19 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
-        lora: LoRABatch | None = None,
+        lora: LoRABatch | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
-        ``lora`` adds each adapter's deltas to its own token rows.
+        ``lora`` adds each adapter's deltas to its own token rows. For each layer index in ``aux_layers``
+        a copy of the residual stream entering that layer is appended to ``aux_out`` (EAGLE-3's features).
 
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
+            if index in aux_layers and aux_out is not None:
+                aux_out.append(hidden.clone())  # the layers update the residual stream in place
             hidden = layer(hidden, cos, sin, kv_caches, attn_metadata, lora)
         return self.model.norm(hidden)
 

@@ -117,9 +117,10 @@ def validate_batch(batch: ForwardBatch, block_size: int) -> None:
         if length != batch.num_tokens:
             raise ValueError(f"{name} has {length} entries but input_ids has {batch.num_tokens}")
     # A prefill chunk that does not finish its prompt samples nothing, so fewer rows are fine.
-    if int(batch.logits_indices.shape[0]) > num_seqs:
+    # Verifying drafted tokens samples several rows of one sequence, so the bound is the token count.
+    if int(batch.logits_indices.shape[0]) > batch.num_tokens:
         raise ValueError(
-            f"logits_indices has {int(batch.logits_indices.shape[0])} entries, more than the {num_seqs} sequences"
+            f"logits_indices has {int(batch.logits_indices.shape[0])} entries, more than the {batch.num_tokens} tokens"
         )
     for index, (query_len, context_len, table) in enumerate(
         zip(batch.query_lens, batch.context_lens, batch.block_tables)

@@ -10,6 +10,7 @@ function of (tokens, positions, cache, metadata) and the engine never touches a 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,12 @@ from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.runner.attention import AttentionBackend
 from kvreuse.runner.forward_batch import ForwardBatch
+
+
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # float32 [len(logits_indices), vocab]
+    hidden: torch.Tensor  # final hidden states of every token of the step [num_tokens, hidden]
+    aux_hidden: list[torch.Tensor]  # residual streams entering the requested layers, [num_tokens, hidden] each
 
 
 class ModelRunner:
@@ -29,7 +36,8 @@ class ModelRunner:
         device: torch.device | str,
         attention_backend: AttentionBackend | None = None,
     ) -> None:
-        if kv_cache.num_layers != model_config.num_hidden_layers:
+        # More KV layers than the model's: a draft model keeps its K/V in the extra ones.
+        if kv_cache.num_layers < model_config.num_hidden_layers:
             raise ValueError(
                 f"kv_cache has {kv_cache.num_layers} layers, the model has {model_config.num_hidden_layers}"
             )
@@ -52,8 +60,14 @@ class ModelRunner:
         """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
 
         That is one row per sequence whose prompt is complete after this step (a prefill chunk
-        that stops mid-prompt has no row), in ``logits_indices`` order.
+        that stops mid-prompt has no row; a verified draft has one row per drafted position), in
+        ``logits_indices`` order.
         """
+        return self.run(batch).logits
+
+    def run(self, batch: ForwardBatch, aux_layers: tuple[int, ...] = ()) -> StepOutput:
+        """``execute`` that also returns every token's final hidden state and the residual streams
+        entering ``aux_layers`` (what a speculative draft reads)."""
         if batch.num_tokens == 0:
             raise ValueError("a ForwardBatch must contain at least one token")
         # Positions run up to context_len - 1; checked on the host lists, so no device sync.
@@ -66,9 +80,10 @@ class ModelRunner:
         batch = self._to_device(batch)
         self.kv_cache.copy_blocks(batch.block_copies)
         metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
+        aux: list[torch.Tensor] = []
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora)
-            return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora, aux_layers, aux)
+            return StepOutput(self.model.compute_logits(hidden.index_select(0, batch.logits_indices)), hidden, aux)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.slot_mapping.device == self.device:
