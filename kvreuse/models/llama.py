@@ -171,10 +171,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
-            if index in aux_layers and aux_out is not None:
-                aux_out.append(hidden.clone())  # the layers update the residual stream in place
+            if index in aux_layers:
+                captured[index] = hidden.clone()  # the layers update the residual stream in place
             hidden = layer(hidden, cos, sin, kv_caches, attn_metadata, lora)
+        if aux_out is not None:
+            aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

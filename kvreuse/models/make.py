@@ -619,6 +619,11 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
                          help="always write weights")
     weights.add_argument("--no-weights", dest="write_weights", action="store_false",
                          help="write config and tokenizer only (run with load_format=dummy)")
+    parser.add_argument("--eagle-draft", default=None, metavar="DRAFT_OUT",
+                        help="also write a random EAGLE draft for the model into this folder "
+                             "(kvreuse distill-eagle trains a useful one)")
+    parser.add_argument("--eagle-method", default="eagle", choices=["eagle", "eagle3"],
+                        help="draft format for --eagle-draft (default: eagle, i.e. EAGLE-1/2)")
 
 
 def run_make_model(args: argparse.Namespace) -> int:
@@ -638,6 +643,15 @@ def run_make_model(args: argparse.Namespace) -> int:
     print(f"{out_path}: {config['architectures'][0]} preset={args.preset} params={num_params:,} "
           f"vocab={config['vocab_size']} dtype={args.dtype} "
           f"weights={', '.join(weight_files) if weight_files else 'none (use load_format=dummy)'}")
+    if args.eagle_draft:
+        from kvreuse.spec.make_draft import make_random_draft
+
+        try:
+            draft_path = make_random_draft(out_path, args.eagle_draft, method=args.eagle_method, seed=args.seed)
+        except ValueError as error:
+            print(f"kvreuse make-model: error: {error}", file=sys.stderr)
+            return 2
+        print(f"{draft_path}: random {args.eagle_method} draft for {out_path} (one decoder layer)")
     return 0
 
 
