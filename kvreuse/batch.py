@@ -7,8 +7,10 @@
 Every request runs through one engine with continuous batching; a request that saves its system
 prompt pins it, and later requests with the same system prompt reuse it with no flag. The output
 has, per request, the text and its metrics (prompt, reused, computed and output tokens, TTFT,
-end-to-end time, error if any) and a summary. A malformed file gets one message that points at the
-bad field (``requests[3].messages[0].role``); a bad request fails alone and the rest run.
+end-to-end time, error if any) and a summary (with speculative decoding, the draft's acceptance
+figures too: ``spec_decode_*``, as ``LLM.stats()`` names them). A malformed file gets one message
+that points at the bad field (``requests[3].messages[0].role``); a bad request fails alone and the
+rest run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.engine import LLMEngine
+from kvreuse.engine import LLMEngine, SpecDecodeStats
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.errors import InvalidRequestError
 from kvreuse.lora.request import LoRARequest
@@ -113,6 +115,7 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
     loras = {name: LoRARequest(name, number, path)
              for number, (name, path) in enumerate(sorted(batch.available_lora_weights.items()), start=1)}
     started = time.monotonic()
+    spec_before = _spec_counts(engine.stats().spec_decode)
     pending: dict[str, int] = {}
     outputs = OutputProcessor(engine.tokenizer)  # the batch runs on this thread, like the engine
     for index, request in enumerate(batch.requests):
@@ -185,7 +188,23 @@ def run_batch(engine: LLMEngine, batch: BatchFile) -> dict[str, Any]:
         "elapsed_s": time.monotonic() - started,
         "pins": [pin.as_dict() for pin in engine.list_pins()],
     }
+    spec = engine.stats().spec_decode
+    if spec is not None and spec_before is not None:  # this batch's share of the engine's counters
+        drafts, draft_tokens, per_position = spec_before
+        per_position = [now - then for now, then in zip(spec.accepted_per_position, per_position)]
+        summary.update(SpecDecodeStats(
+            spec.num_speculative_tokens, num_drafts=spec.num_drafts - drafts,
+            num_draft_tokens=spec.num_draft_tokens - draft_tokens, num_accepted_tokens=sum(per_position),
+            accepted_per_position=per_position,
+        ).as_dict())
     return {"results": results, "summary": summary}
+
+
+def _spec_counts(spec: SpecDecodeStats | None) -> tuple[int, int, list[int]] | None:
+    """(drafts, draft tokens, accepted per position) of the engine's speculative decoding so far."""
+    if spec is None:
+        return None
+    return spec.num_drafts, spec.num_draft_tokens, list(spec.accepted_per_position)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,8 +229,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(text)
         summary = result["summary"]
-        print(f"{summary['requests']} requests, {summary['errors']} errors, hit rate {summary['hit_rate']:.1%}; "
-              f"results in {args.output}")
+        acceptance = (f", speculative acceptance rate {summary['spec_decode_acceptance_rate']:.1%}"
+                      if "spec_decode_acceptance_rate" in summary else "")
+        print(f"{summary['requests']} requests, {summary['errors']} errors, hit rate {summary['hit_rate']:.1%}"
+              f"{acceptance}; results in {args.output}")
     else:
         print(text)
     return 0

@@ -2,7 +2,8 @@
 
 Makes (once, cached on disk) a real-shaped random-weight model, then sends requests that share a
 long system prompt, one after another, and prints for each its prompt tokens, cached tokens and
-TTFT, then cold vs warm TTFT and the hit rate.
+TTFT, then cold vs warm TTFT and the hit rate (and, with ``--speculative-config``, the draft's
+acceptance rate).
 """
 
 from __future__ import annotations
@@ -76,4 +77,10 @@ def run_demo(args: argparse.Namespace) -> int:
               f"(warm/cold {warm / ttfts[0]:.3f})")
     print(f"prefix cache hit rate {stats['prefix_cache_hit_rate']:.1%} "
           f"({stats['prefix_cache_hits_tokens']} of {stats['prefix_cache_queries_tokens']} prompt tokens)")
+    if "spec_decode_acceptance_rate" in stats:  # speculative decoding is on
+        per_position = ", ".join(str(count) for count in stats["spec_decode_num_accepted_tokens_per_pos"])
+        print(f"speculative decoding acceptance rate {stats['spec_decode_acceptance_rate']:.1%} "
+              f"({stats['spec_decode_num_accepted_tokens']} of {stats['spec_decode_num_draft_tokens']} draft tokens; "
+              f"accepted per position {per_position}), mean acceptance length "
+              f"{stats['spec_decode_mean_acceptance_length']:.2f} tokens per step")
     return 0

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.config import SCHEDULING_POLICIES
+from kvreuse.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvreuse.llm import LLM
@@ -52,6 +53,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--max-loras", type=int, default=4,
                         help="adapters resident (and in one batch) at once; the least recently used idle one is unloaded")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    parser.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                        help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
+                             'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
+                             'digest becomes part of every cache key)')
+
+
+def speculative_config_arg(value: str) -> dict[str, Any] | None:
+    """``--speculative-config JSON``, checked when the command line is parsed: a bad value stops the
+    command before any model is made or loaded, with the field named
+    (``kvreuse serve: error: argument --speculative-config: speculative_config.method must be ...``)."""
+    try:
+        config = SpeculativeConfig.from_value(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if config is None:  # the JSON null: no speculation
+        return None
+    return {"method": config.method, "model": config.model, "num_speculative_tokens": config.num_speculative_tokens}
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
@@ -65,4 +83,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        speculative_config=getattr(args, "speculative_config", None),
     )

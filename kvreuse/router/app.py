@@ -180,13 +180,28 @@ class RouterState:
                 return backend.model_name, digest
         return model, None
 
+    def backend_namespaces(self, model: str | None) -> dict[str, tuple[str | None, str | None, str | None]]:
+        """backend -> (model, adapter digest, draft digest) of the namespace that backend keys this
+        request's KV under: its own adapter of that name where it serves one (else the fleet's,
+        `cache_identity`), and its own speculative draft, so the keys are each engine's own."""
+        fleet_model, fleet_adapter = self.cache_identity(model)
+        namespaces = {}
+        for name, backend in self.pool.backends.items():
+            digest = backend.adapters.get(model) if model is not None else None
+            if digest is not None:
+                namespaces[name] = (backend.model_name, digest, backend.draft_digest)
+            else:
+                namespaces[name] = (fleet_model, fleet_adapter, backend.draft_digest)
+        return namespaces
+
     def route_request(self, body: Any, chat: bool, session_id: str | None,
                       authorization: str | None = None) -> RouteRequest:
-        """The request's block keys, from the tokenizer when there is one, else from characters."""
+        """The request's block keys, from the tokenizer when there is one, else from characters; per
+        backend where the backends key it in different namespaces (speculative drafts, adapter weights)."""
         if not isinstance(body, dict):
             return RouteRequest((), 0, session_id)
-        model, adapter = self.cache_identity(body.get("model") if isinstance(body.get("model"), str)
-                                             else self.default_model)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.default_model
+        namespaces = self.backend_namespaces(model)
         cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         if self.config.isolate_tenants:
             key = bearer_key(authorization)
@@ -200,11 +215,18 @@ class RouterState:
         if token_ids is None:
             # Characters as "tokens", blocks of CHARS_PER_TOKEN x block_size characters: the index is
             # the router's own (its keys are not the engine's), counts are in approximate tokens.
-            code_points = [ord(c) for c in text or ""]
-            keys = prompt_block_keys(code_points, block_size * CHARS_PER_TOKEN, cache_salt, adapter, model)
-            return RouteRequest(tuple(keys), len(code_points) // CHARS_PER_TOKEN, session_id)
-        keys = prompt_block_keys(token_ids, block_size, cache_salt, adapter, model)
-        return RouteRequest(tuple(keys), len(token_ids), session_id)
+            token_ids = [ord(c) for c in text or ""]
+            block_size *= CHARS_PER_TOKEN
+            num_prompt_tokens = len(token_ids) // CHARS_PER_TOKEN
+        else:
+            num_prompt_tokens = len(token_ids)
+        # Keys once per distinct namespace: backends with other drafts (or adapter weights) get their own.
+        keys_of = {namespace: tuple(prompt_block_keys(token_ids, block_size, cache_salt, adapter=namespace[1],
+                                                      model=namespace[0], draft=namespace[2]))
+                   for namespace in dict.fromkeys(namespaces.values())}
+        first = next(iter(keys_of.values()))
+        backend_keys = {name: keys_of[namespace] for name, namespace in namespaces.items()} if len(keys_of) > 1 else {}
+        return RouteRequest(first, num_prompt_tokens, session_id, backend_keys)
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str | None]:
         """(token ids, None), or without a tokenizer (None, text), of the request's (first) prompt."""

@@ -47,6 +47,9 @@ class Backend:
     max_model_len: int | None = None
     # LoRA adapters the backend serves: name -> digest of its weights (its cache identity), from /v1/models.
     adapters: dict[str, str] = field(default_factory=dict)
+    # Digest of the speculative draft the backend runs (None: none), from /v1/models: its engine keys
+    # every block with it, so the router's keys for this backend must too.
+    draft_digest: str | None = None
     consecutive_failures: int = 0
     routed_requests: int = 0
     routed_matched_tokens: int = 0  # the router's estimate of prompt tokens it sent to a warm cache
@@ -74,6 +77,7 @@ class Backend:
     def describe(self, estimated_cached_blocks: int) -> dict[str, Any]:
         return {
             "url": self.name, "healthy": self.load.healthy, "model": self.model_name,
+            "draft_digest": self.draft_digest,
             "in_flight": self.load.in_flight, "queued_prefill_tokens": self.load.queued_prefill_tokens,
             "decoding": self.load.num_decoding, "kv_usage": self.load.kv_usage,
             "num_requests_running": self.server_metrics.get("kvreuse:num_requests_running"),
@@ -141,7 +145,8 @@ class BackendPool:
             self.mark_down(backend, why)
             return
         backend.consecutive_failures = 0
-        if backend.model_name is None:
+        if backend.model_name is None or not backend.load.healthy:
+            # Read again when a backend comes back: a restarted server may run another draft or adapters.
             await self._read_model_card(backend)
         await self._scrape(backend)
         if self._on_kv_events is not None and backend.kv_events != "unavailable":
@@ -168,6 +173,12 @@ class BackendPool:
         }
         backend.model_name = card.get("id")
         backend.max_model_len = card.get("max_model_len")
+        draft_digest = card.get("draft_digest")
+        draft_digest = draft_digest if isinstance(draft_digest, str) and draft_digest else None
+        if draft_digest != backend.draft_digest:
+            logger.info("backend %s %s", backend.name, f"runs the speculative draft {draft_digest}: its blocks are "
+                        "keyed with that digest" if draft_digest else "runs no speculative draft")
+        backend.draft_digest = draft_digest
         # A server that reports its KV pool size (kvreuse does) sets the bound of its share of the index.
         capacity = card.get("kv_cache_blocks") or card.get("num_gpu_blocks")
         if isinstance(capacity, int) and capacity > 0:

@@ -3,7 +3,9 @@
 Pure Python, no HTTP and no clock of its own (``now`` is passed in), so every decision can be
 tested exactly. The index holds, per backend, the chained block keys (kvreuse.cache.hashing, the
 same keys the engines compute) of the prompts the router sent there, in an LRU bounded by that
-backend's KV capacity in blocks: the router's belief of what each backend has cached.
+backend's KV capacity in blocks: the router's belief of what each backend has cached. A prompt's keys
+are per backend where the backends' namespaces differ (`RouteRequest.keys_for`): a backend with a
+speculative draft keys every block with the draft's digest too.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ POLICIES = ("cache-aware", "round-robin", "least-loaded", "session")
 
 
 def prompt_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                      adapter: str | None = None, model: str | None = None) -> list[bytes]:
-    """Chained keys of every full block of ``token_ids`` in the namespace (cache_salt, adapter, model):
-    the engine's own functions, so the keys are the ones its KV events carry."""
+                      adapter: str | None = None, model: str | None = None, draft: str | None = None) -> list[bytes]:
+    """Chained keys of every full block of ``token_ids`` in the namespace (cache_salt, adapter, model,
+    draft): the engine's own functions, so the keys are the ones its KV events carry. ``draft`` is the
+    speculative draft's digest of a backend that runs one (its /v1/models card's ``draft_digest``)."""
     keys: list[bytes] = []
-    extend_block_keys(keys, namespace_key(cache_salt, adapter, model), token_ids, block_size)
+    extend_block_keys(keys, namespace_key(cache_salt, adapter, model, draft), token_ids, block_size)
     return keys
 
 
@@ -142,6 +145,13 @@ class RouteRequest:
     block_keys: tuple[bytes, ...]
     num_prompt_tokens: int
     session_id: str | None = None
+    # The keys of backends that key this prompt in another namespace than ``block_keys`` (another
+    # speculative draft, other adapter weights under the same name); empty when all key it alike.
+    backend_keys: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict, hash=False)
+
+    def keys_for(self, backend: str) -> tuple[bytes, ...]:
+        """The block keys of this prompt on ``backend``: the ones its engine computes."""
+        return self.backend_keys.get(backend, self.block_keys)
 
 
 @dataclass(frozen=True)
@@ -195,9 +205,9 @@ class Router:
         order = {name: (i - turn) % len(healthy) for i, name in enumerate(healthy)}
         name = min(candidates, key=lambda n: (self._cost(request, n, loads[n]), loads[n].in_flight,
                                               self.index.num_blocks(n), order[n]))
-        best_anywhere = max(self.index.matched_blocks(n, request.block_keys) for n in healthy)
+        best_anywhere = max(self.index.matched_blocks(n, request.keys_for(n)) for n in healthy)
         reason = "fallback" if not allowed else "cache"
-        if allowed and self.index.matched_blocks(name, request.block_keys) < best_anywhere:
+        if allowed and self.index.matched_blocks(name, request.keys_for(name)) < best_anywhere:
             reason = "spill"
         if policy == "session" and request.session_id is not None:
             self._sessions[request.session_id] = _Session(name, now + self.config.session_ttl_s)
@@ -206,26 +216,28 @@ class Router:
     def record_sent(self, backend: str, request: RouteRequest) -> None:
         """The request went to ``backend``: its prompt blocks will be cached there; it is in flight until
         ``record_finished``."""
-        self.index.record(backend, request.block_keys)
-        self._in_flight_blocks.setdefault(backend, Counter()).update(request.block_keys)
+        keys = request.keys_for(backend)
+        self.index.record(backend, keys)
+        self._in_flight_blocks.setdefault(backend, Counter()).update(keys)
 
     def record_finished(self, backend: str, request: RouteRequest) -> None:
         """A request ``record_sent`` to ``backend`` finished, failed or was cancelled."""
         counts = self._in_flight_blocks.get(backend)
         if counts is not None:
-            counts.subtract(request.block_keys)
-            for key in request.block_keys:
+            keys = request.keys_for(backend)
+            counts.subtract(keys)
+            for key in keys:
                 if counts[key] <= 0:
                     del counts[key]
 
     def in_flight_sharing(self, backend: str, request: RouteRequest) -> int:
         """Requests in flight on ``backend`` that share the part of this prompt it is believed to hold."""
-        return self._sharing(backend, request, self.index.matched_blocks(backend, request.block_keys))
+        return self._sharing(backend, request, self.index.matched_blocks(backend, request.keys_for(backend)))
 
     def _sharing(self, backend: str, request: RouteRequest, matched: int) -> int:
         if matched == 0:
             return 0
-        return self._in_flight_blocks.get(backend, Counter())[request.block_keys[matched - 1]]
+        return self._in_flight_blocks.get(backend, Counter())[request.keys_for(backend)[matched - 1]]
 
     def backend_failed(self, backend: str) -> int:
         """Drop the backend's index entries and sessions; returns the index entries dropped."""
@@ -251,7 +263,7 @@ class Router:
             load = loads[name]
             overloaded = (load.in_flight >= config.min_in_flight_for_guard
                           and load.in_flight > config.max_load_ratio * mean_in_flight)
-            matched = self.index.matched_blocks(name, request.block_keys) if overloaded else 0
+            matched = self.index.matched_blocks(name, request.keys_for(name)) if overloaded else 0
             if matched:
                 # A hit there: skip the backend only when the requests sharing this hit are by
                 # themselves above the limit, i.e. the prefix is hot and moving this request moves that
@@ -270,9 +282,9 @@ class Router:
                 + self.config.decode_cost_tokens * load.num_decoding)
 
     def _uncached_tokens(self, request: RouteRequest, name: str) -> int:
-        matched = self.index.matched_blocks(name, request.block_keys)
+        matched = self.index.matched_blocks(name, request.keys_for(name))
         return max(request.num_prompt_tokens - matched * self.config.block_size, 0)
 
     def _decision(self, request: RouteRequest, name: str, reason: str) -> RouteDecision:
-        matched = self.index.matched_blocks(name, request.block_keys)
+        matched = self.index.matched_blocks(name, request.keys_for(name))
         return RouteDecision(name, matched, self._uncached_tokens(request, name), reason)

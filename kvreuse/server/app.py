@@ -247,5 +247,9 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     kv_cache = state.llm_engine.kv_cache
-    return model_card(state.model_name, state.config.model_root or state.model_name, state.created,
+    card = model_card(state.model_name, state.config.model_root or state.model_name, state.created,
                       state.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+    draft_digest = state.llm_engine.draft_digest
+    if draft_digest is not None:  # speculative decoding: part of every cache namespace (kvreuse route keys with it)
+        card["draft_digest"] = draft_digest
+    return card

@@ -4,7 +4,8 @@ Everything lives in a `CollectorRegistry` owned by one `ServerMetrics` (no modul
 apps in one process never share counters). Engine totals (cache queries and hits, tokens,
 preemptions, evictions, running / waiting, KV usage) are read from the latest `EngineStats` snapshot
 when Prometheus scrapes; per-request latencies are histograms the engine loop observes as outputs
-come out of the engine.
+come out of the engine. With speculative decoding the engine's draft counters are exported too
+(``kvreuse:spec_decode_*``, vLLM's ``vllm:spec_decode_*``); without it they are absent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvreuse.engine import EngineStats
+from kvreuse.engine import EngineStats, SpecDecodeStats
 
 PREFIX = "kvreuse:"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -111,6 +112,31 @@ class _EngineStatsCollector:
             family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterable[Metric]:
+        """vLLM's spec_decode counters. The engine thread updates ``spec`` while this reads it: the
+        per-position counts are read first and the accepted total is their sum (the engine's rule), so
+        one scrape never shows them apart, nor more accepted than drafted tokens (counted before)."""
+        per_position = list(spec.accepted_per_position)
+        counters = (
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", sum(per_position)),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("spec_decode_num_drafts", "Verifications of at least one draft token.", spec.num_drafts),
+        )
+        for name, documentation, value in counters:
+            family = CounterMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+        family = CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = the first drafted token).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(per_position):
+            family.add_metric([self._model_name, str(position)], count)
+        yield family
 
 
 @dataclass
@@ -121,11 +147,16 @@ class _Totals:
     query_tokens: int
     hit_tokens: int
     steps: int
+    draft_tokens: int = 0  # speculative decoding (0 without it)
+    accepted_tokens: int = 0
+    drafts: int = 0
 
     @classmethod
     def of(cls, stats: EngineStats, now: float) -> _Totals:
+        spec = stats.spec_decode
         return cls(now, stats.prompt_tokens, stats.generation_tokens, stats.cache.query_tokens,
-                   stats.cache.hit_tokens, stats.steps)
+                   stats.cache.hit_tokens, stats.steps,
+                   *((spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts) if spec is not None else ()))
 
 
 class PeriodicStatsLogger:
@@ -166,3 +197,14 @@ class PeriodicStatsLogger:
             stats.num_running, stats.num_waiting, 100 * stats.cache.usage,
             interval_hit_rate, elapsed, 100 * stats.cache.hit_rate,
         )
+        if stats.spec_decode is not None:
+            drafted = current.draft_tokens - last.draft_tokens
+            accepted = current.accepted_tokens - last.accepted_tokens
+            drafts = current.drafts - last.drafts
+            self._logger.info(
+                "speculative decoding: acceptance rate %s, mean acceptance length %s, %d of %d draft tokens "
+                "accepted (last %.0f s); acceptance rate %.1f%% (all time)",
+                f"{100 * accepted / drafted:.1f}%" if drafted else "n/a",
+                f"{1 + accepted / drafts:.2f}" if drafts else "n/a", accepted, drafted, elapsed,
+                100 * stats.spec_decode.acceptance_rate,
+            )

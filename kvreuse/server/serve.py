@@ -96,9 +96,13 @@ def run_server(args: argparse.Namespace) -> int:
     for lora in lora_modules:  # loaded and checked now: a bad adapter stops the start with its reason
         state.adapters[lora.lora_name] = ServedAdapter(lora, llm.engine.adapter_digest(lora))
     app = build_app(state)
-    logger.info("model %s loaded in %.1f s (served as %r, max_model_len %d, device %s, dtype %s)%s",
+    speculative = llm.engine.config.speculative
+    logger.info("model %s loaded in %.1f s (served as %r, max_model_len %d, device %s, dtype %s)%s%s",
                 args.model, time.monotonic() - started, state.model_name, state.max_model_len,
                 llm.engine.device, llm.engine.dtype,
+                f"; speculative decoding: {speculative.method} draft {speculative.model} (digest "
+                f"{llm.engine.draft_digest}, in /v1/models), {speculative.num_speculative_tokens} tokens per step"
+                if speculative is not None else "",
                 f"; {len(api_keys)} API key(s), {len(admin_keys)} admin key(s)"
                 f"{', tenants isolated' if args.isolate_tenants else ''}" if api_keys or admin_keys else "")
     uvicorn_config = uvicorn.Config(
