@@ -630,7 +630,9 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             steps=self._steps,
             num_loras_resident=len(self.lora.resident) if self.lora is not None else 0,
-            spec_decode=self.spec_stats,
+            # A copy: the server reads stats on another thread while the engine keeps counting.
+            spec_decode=dataclasses.replace(self.spec_stats, accepted_per_position=list(
+                self.spec_stats.accepted_per_position)) if self.spec_stats is not None else None,
         )
 
     def reset_prefix_cache(self) -> int:
