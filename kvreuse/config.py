@@ -43,6 +43,16 @@ class CacheConfig:
     kv_cache_memory: int = 1 << 30  # bytes for the paged KV pool
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5  # of the KV pool that pins may hold; over it, LRU pins are demoted
+    # KV tiers behind the pool (kvreuse.cache.tiers): host memory bytes (0: none), a disk folder and its
+    # byte cap, a Redis URL.
+    kv_host_memory: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_size: int = 20 * 2**30
+    kv_remote_url: str | None = None
+
+    @property
+    def has_tiers(self) -> bool:
+        return bool(self.kv_host_memory or self.kv_disk_dir or self.kv_remote_url)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
@@ -51,6 +61,14 @@ class CacheConfig:
             raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_host_memory < 0:
+            raise ValueError(f"kv_host_memory must be >= 0 bytes, got {self.kv_host_memory}")
+        if self.kv_disk_size <= 0:
+            raise ValueError(f"kv_disk_size must be positive, got {self.kv_disk_size}")
+        if self.kv_remote_url is not None and not self.kv_remote_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote_url must be a redis://, rediss:// or unix:// URL, got {self.kv_remote_url!r}")
+        if (self.kv_disk_dir or self.kv_remote_url or self.kv_host_memory) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching (enable_prefix_caching=True)")
 
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")

@@ -11,10 +11,12 @@ share the prompt (the scheduler's in-batch sharing makes them compute it once).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +26,10 @@ from kvreuse.cache.hashing import namespace_key
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.manager import CacheStats, KVCacheManager
 from kvreuse.cache.pins import Pin, PinRegistry, PinSpec
+from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
+from kvreuse.cache.tiers.fingerprint import files_digest, model_fingerprint
+from kvreuse.cache.tiers.record import BlockLayout
+from kvreuse.cache.tiers.store import BlockRef, TieredStore
 from kvreuse.cache.prefix import PrefixMatch
 from kvreuse.config import EngineConfig
 from kvreuse.errors import InvalidRequestError
@@ -58,10 +64,13 @@ class EngineStats:
     steps: int
     num_loras_resident: int = 0
     spec_decode: SpecDecodeStats | None = None
+    tiers: dict[str, dict[str, Any]] | None = None  # per tier: queries, hits, bytes, times, verify failures
 
     def as_dict(self) -> dict[str, Any]:
         cache = self.cache
         spec = self.spec_decode.as_dict() if self.spec_decode is not None else {}
+        if self.tiers is not None:
+            spec = spec | {"kv_tiers": self.tiers}
         return spec | {
             "prefix_cache_queries_tokens": cache.query_tokens,
             "prefix_cache_hits_tokens": cache.hit_tokens,
@@ -238,6 +247,10 @@ class LLMEngine:
         # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
         self.kv_events = KVEventLog()
         self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching, self.kv_events)
+        self.tier_store: TieredStore | None = None
+        if cache_config.has_tiers:
+            self.tier_store = self._make_tiers(model_path)
+            self.kv.tiers = _TierGlue(self.tier_store, self.kv_cache)
         scheduler_config = config.scheduler
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
@@ -263,6 +276,45 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+
+    def _make_tiers(self, model_path: Path) -> TieredStore:
+        """The host / disk / remote tiers, all keyed to this engine's model fingerprint."""
+        cache_config = self.config.cache
+        fingerprint = self.model_fingerprint(model_path)
+        layout = BlockLayout(shape=(*self.kv_cache.block_shape, self.kv_cache.feature_size),
+                             dtype=str(self.dtype).removeprefix("torch."), num_bytes=self.kv_cache.block_bytes)
+        tiers: list = []
+        if cache_config.kv_host_memory:
+            tiers.append(HostTier(cache_config.kv_host_memory))
+        if cache_config.kv_disk_dir:
+            tiers.append(DiskTier(cache_config.kv_disk_dir, cache_config.kv_disk_size, fingerprint))
+        if cache_config.kv_remote_url:
+            tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
+        logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
+        return TieredStore(fingerprint, layout, tiers)
+
+    def model_fingerprint(self, model_path: Path) -> str:
+        """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint)."""
+        from kvreuse.models.loader import safetensors_files
+        from kvreuse.models.make import cache_dir
+
+        if self.config.load_format == "dummy":
+            weights = f"dummy-seed-{self.config.seed}"
+        else:
+            weights = files_digest(safetensors_files(model_path), memo=cache_dir() / "weights-digests.json")
+        tokenizer_dir = resolve_model_path(self.config.tokenizer) if self.config.tokenizer else model_path
+        tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
+                           if (tokenizer_dir / name).is_file()]
+        config_text = (model_path / "config.json").read_text(encoding="utf-8") if (model_path / "config.json").is_file() \
+            else repr(self.model_config)
+        kv = self.kv_cache
+        return model_fingerprint({
+            "config": json.loads(config_text) if config_text.startswith("{") else config_text,
+            "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
+            "dtype": str(self.dtype), "kv_dtype": str(kv.dtype), "block_size": kv.block_size,
+            "kv_layers": kv.num_layers, "kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+            "feature_size": kv.feature_size, "draft": self.draft_digest,
+        })
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -427,6 +479,10 @@ class LLMEngine:
             touched[group.request_id] = group
         if self.proposer is not None:
             self._draft(items)
+        if self.tier_store is not None:  # after the draft's K/V: a stored block is complete
+            for node, namespace in self.kv.take_new_blocks():
+                if not node.evicted:
+                    self.tier_store.store(BlockRef(node.key, namespace, node.tokens), self.kv_cache.read_block(node.block_id))
         return [self._make_output(group) for group in touched.values()]
 
     def _take_tokens(self, logits: torch.Tensor, sampling: list[_StepItem]) -> list[VerifyResult]:
@@ -614,10 +670,20 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            cached_tokens_by_tier=self._cached_by_tier(first),
             metrics=group.metrics,
             pins_saved=list(group.pins_saved),
             pins_hit=list(group.pins_hit),
         )
+
+    def _cached_by_tier(self, request: Request) -> dict[str, int] | None:
+        """The request's cached tokens split by the tier they were loaded from (the rest: device)."""
+        if self.tier_store is None:
+            return None
+        cached = max(request.num_cached_tokens, 0)
+        loaded = {tier: min(tokens, cached) for tier, tokens in request.tier_tokens.items()}
+        return {"device": max(cached - sum(loaded.values()), 0)} | {
+            tier.name: loaded.get(tier.name, 0) for tier in self.tier_store.tiers}
 
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -633,11 +699,25 @@ class LLMEngine:
             # A copy: the server reads stats on another thread while the engine keeps counting.
             spec_decode=dataclasses.replace(self.spec_stats, accepted_per_position=list(
                 self.spec_stats.accepted_per_position)) if self.spec_stats is not None else None,
+            tiers=self.tier_store.snapshot() if self.tier_store is not None else None,
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every idle cached block that is not pinned; returns how many blocks were freed."""
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, tiers: tuple[str, ...] = ("device",)) -> int:
+        """Drop every idle cached block that is not pinned from the device pool, and every entry of the
+        other ``tiers`` named (host, disk, remote; pinned disk entries stay); returns how many went."""
+        unknown = sorted(set(tiers) - {"device", "host", "disk", "remote"})
+        if unknown:
+            raise InvalidRequestError(f"unknown tier(s) {', '.join(unknown)}; tiers are device, host, disk, remote",
+                                      "tiers")
+        freed = self.kv.reset_prefix_cache() if "device" in tiers else 0
+        if self.tier_store is not None:
+            freed += sum(self.tier_store.clear([name for name in tiers if name != "device"]).values())
+        return freed
+
+    def flush_tiers(self) -> None:
+        """Wait until every computed block queued for the disk and remote tiers is written (clean exit)."""
+        if self.tier_store is not None:
+            self.tier_store.flush()
 
     # --- pins -------------------------------------------------------------------------------------
     def list_pins(self) -> list[Pin]:
@@ -684,6 +764,22 @@ class LLMEngine:
             "request %s: cache miss at token position %d: ...%r >>> %r...; prompt token %d, %s",
             request.request_id, position, before, after, tokens[position], reason,
         )
+
+
+class _TierGlue:
+    """What the cache manager calls to reach the tiers: lookups go to the store, loaded payloads into
+    the KV tensors (the manager itself never touches a tensor)."""
+
+    def __init__(self, store: TieredStore, kv_cache: KVCache) -> None:
+        self.store = store
+        self.kv_cache = kv_cache
+
+    def lookup(self, blocks):
+        return self.store.lookup(blocks)
+
+    def load(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        for block_id, payload in zip(block_ids, payloads):
+            self.kv_cache.write_block(block_id, payload)
 
 
 def _resolve_device(device: str) -> torch.device:

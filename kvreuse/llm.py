@@ -49,9 +49,15 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 64,
         speculative_config: dict[str, Any] | str | None = None,
+        kv_host_memory: int | str = 0,
+        kv_disk_dir: str | None = None,
+        kv_disk_size: int | str = "20GiB",
+        kv_remote_url: str | None = None,
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
-        "num_speculative_tokens": k}`` (or its JSON text); None: no speculation."""
+        "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
+        KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
+        with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0")."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -63,6 +69,10 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),
+                kv_host_memory=parse_memory_size(kv_host_memory, "kv_host_memory") if kv_host_memory else 0,
+                kv_disk_dir=str(kv_disk_dir) if kv_disk_dir else None,
+                kv_disk_size=parse_memory_size(kv_disk_size, "kv_disk_size"),
+                kv_remote_url=kv_remote_url,
                 enable_prefix_caching=enable_prefix_caching,
                 max_pinned_fraction=max_pinned_fraction,
             ),
@@ -205,6 +215,7 @@ class LLM:
         the acceptance rate (``spec_decode_*``)."""
         return self.engine.stats().as_dict()
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every idle cached block; returns how many blocks were freed."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, tiers: Sequence[str] = ("device",)) -> int:
+        """Drop every idle cached block of the device pool and of the other ``tiers`` named (host, disk,
+        remote); returns how many blocks were dropped."""
+        return self.engine.reset_prefix_cache(tuple(tiers))

@@ -20,6 +20,7 @@ still processes every token: the processor remembers how many it has seen.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -99,11 +100,7 @@ class OutputProcessor:
         finished = all(sample.finished for sample in state.samples)
         if finished:
             del self._requests[output.request_id]
-        processed = RequestOutput(
-            request_id=output.request_id, prompt=output.prompt, prompt_token_ids=output.prompt_token_ids,
-            outputs=completions, finished=finished, num_cached_tokens=output.num_cached_tokens,
-            metrics=output.metrics, pins_saved=output.pins_saved, pins_hit=output.pins_hit,
-        )
+        processed = dataclasses.replace(output, outputs=completions, finished=finished)
         return ProcessedOutput(processed, stopped)
 
     def _consume(self, sample: _SampleText, completion: CompletionOutput) -> list[int]:

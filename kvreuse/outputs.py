@@ -55,3 +55,5 @@ class RequestOutput:
     metrics: RequestMetrics
     pins_saved: list[str] = field(default_factory=list)  # pins this request created (explicit caching)
     pins_hit: list[str] = field(default_factory=list)  # pinned entries this request reused
+    # Where the cached tokens came from when KV tiers are on: device, host, disk, remote (None: no tiers).
+    cached_tokens_by_tier: dict[str, int] | None = None

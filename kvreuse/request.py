@@ -49,6 +49,9 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # chained keys of the full blocks
 
     num_cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
+    # KV tiers: blocks below this index were already looked up there; tokens loaded from each tier.
+    tier_checked_blocks: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     num_times_passed_over: int = 0  # for lpm aging
     arrival_order: int = 0

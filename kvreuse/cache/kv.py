@@ -123,6 +123,39 @@ class KVCache:
         if self.features is not None:
             self.features[dst] = self.features[src]
 
+    # --- one block as bytes (KV tiers) ------------------------------------------------------------------
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block's K/V: [layers, 2, block_size, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        element = self.kv.element_size()
+        features = self.block_size * self.feature_size * element
+        return element * self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim + features
+
+    def read_block(self, block_id: int) -> bytes:
+        """One block's K/V of every layer (then its features, if any) as bytes."""
+        start = block_id * self.block_size
+        parts = [self.kv[:, :, start:start + self.block_size].contiguous()]
+        if self.features is not None:
+            parts.append(self.features[start:start + self.block_size].contiguous())
+        return b"".join(part.view(-1).view(torch.uint8).cpu().numpy().tobytes() for part in parts)
+
+    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
+        """Fill one block from ``read_block``'s bytes."""
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"a block payload has {self.block_bytes} bytes, got {len(payload)}")
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        start = block_id * self.block_size
+        kv_part = self.kv[:, :, start:start + self.block_size]
+        kv_bytes = kv_part.numel() * self.kv.element_size()
+        kv_part.copy_(raw[:kv_bytes].view(self.dtype).view(kv_part.shape).to(self.device))
+        if self.features is not None:
+            rows = self.features[start:start + self.block_size]
+            rows.copy_(raw[kv_bytes:].view(self.dtype).view(rows.shape).to(self.device))
+
     @staticmethod
     def num_blocks_for_memory(
         memory_bytes: int, block_size: int, model_config: ModelConfig, dtype: torch.dtype,

@@ -10,13 +10,15 @@ back a request that would otherwise compute the same prefix a second time in the
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvreuse.cache.blocks import BlockPool
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import extend_block_keys
-from kvreuse.cache.prefix import EMPTY_MATCH, Divergence, PrefixIndex, PrefixMatch
+from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
+from kvreuse.cache.tiers.store import BlockRef
 from kvreuse.request import Request
 from kvreuse.runner.forward_batch import BlockCopy
 
@@ -42,6 +44,13 @@ class CacheStats:
         return self.blocks_in_use / self.num_blocks
 
 
+class TierSource(Protocol):
+    """The KV tiers as the manager sees them (the engine's glue: kvreuse.cache.tiers.glue)."""
+
+    def lookup(self, blocks: Sequence[BlockRef]) -> list[tuple[str, memoryview]]: ...
+    def load(self, block_ids: list[int], payloads: list[memoryview]) -> None: ...
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: KVEventLog | None = None) -> None:
@@ -55,6 +64,10 @@ class KVCacheManager:
         self._copy_sources: list[int] = []  # blocks held until their copy has run
         self._pending: Counter[bytes] = Counter()  # block keys running prefills will compute
         self._pending_of: dict[int, deque[bytes]] = {}  # id(request) -> its pending keys, in order
+        # KV tiers behind the pool (None: the pool is all there is). Blocks computed since the engine
+        # last took them, for the write-through tiers: (node, namespace).
+        self.tiers: TierSource | None = None
+        self._new_blocks: list[tuple[CacheNode, bytes]] = []
 
     # --- lookup -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -69,9 +82,55 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return EMPTY_MATCH
         self.update_block_keys(request)
-        return self.index.match(
-            request.namespace, request.all_token_ids, request.block_keys, request.num_tokens - 1
-        )
+        match = self.index.match(request.namespace, request.all_token_ids, request.block_keys, request.num_tokens - 1)
+        if self.tiers is not None:
+            match = self._extend_from_tiers(request, match)
+        return match
+
+    def _extend_from_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
+        """Load the blocks that follow the device match from the tiers (the longest contiguous run they
+        hold, each record verified) into fresh device blocks, cached as idle; then match again."""
+        assert self.tiers is not None
+        size = self.block_size
+        limit = min((request.num_tokens - 1) // size, len(request.block_keys))  # never the last token
+        start = match.num_blocks
+        if start >= limit or limit <= request.tier_checked_blocks:
+            return match
+        request.tier_checked_blocks = limit
+        tokens = request.all_token_ids
+        refs = [BlockRef(request.block_keys[i], request.namespace, tokens[i * size:(i + 1) * size])
+                for i in range(start, limit)]
+        found = self.tiers.lookup(refs)
+        if not found:
+            return match
+        held = [node.block_id for node in match.nodes] + ([match.partial.node.block_id] if match.partial else [])
+        for block in held:  # making room must not evict the chain the loaded blocks hang under
+            self.pool.acquire(block)
+        self._ensure_free(len(found))
+        count = min(len(found), self.pool.num_free)
+        if count:
+            blocks = self.pool.allocate(count)
+            self.tiers.load(blocks, [payload for _, payload in found[:count]])
+            parent = match.nodes[-1] if match.nodes else None
+            loaded: list[CacheNode] = []
+            for offset, block in enumerate(blocks):
+                i = start + offset
+                parent = self.index.insert(request.namespace, parent, request.block_keys[i],
+                                           tokens[i * size:(i + 1) * size], block)
+                loaded.append(parent)
+                self.pool.release(block)
+            self.index.release(loaded)
+            for tier, _ in found[:count]:
+                request.tier_tokens[tier] = request.tier_tokens.get(tier, 0) + size
+        for block in held:
+            self.pool.release(block)
+        self.index.release(list(match.nodes) + ([match.partial.node] if match.partial else []))
+        return self.index.match(request.namespace, tokens, request.block_keys, request.num_tokens - 1)
+
+    def take_new_blocks(self) -> list[tuple[CacheNode, bytes]]:
+        """Blocks computed (and cached) since the last call, with their namespace: for write-through."""
+        blocks, self._new_blocks = self._new_blocks, []
+        return blocks
 
     def divergence(self, request: Request, match: PrefixMatch) -> Divergence:
         return self.index.divergence(request.namespace, request.all_token_ids, match)
@@ -168,6 +227,8 @@ class KVCacheManager:
                 self.pool.acquire(node.block_id)
                 self.pool.release(own_block)
                 request.block_ids[i] = node.block_id
+            elif self.tiers is not None:
+                self._new_blocks.append((node, request.namespace))
             request.cached_nodes.append(node)
             if pending and pending[0] == key:
                 pending.popleft()

@@ -1,0 +1,242 @@
+"""Where evicted or written-through KV blocks live outside the device pool: host memory, a disk
+folder, a Redis (or Valkey) server. Each stores opaque record bytes (``record.py``) under a block key
+and knows nothing of tensors; checks happen when a record is decoded. Plain Python, no torch.
+
+Every backend is safe to call from the engine thread (lookups) and the store's writer thread
+(writes) at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+
+class HostTier:
+    """Records in this process's memory, LRU within ``capacity_bytes``; filled with blocks the device
+    pool evicts (on CUDA this is the host RAM behind the GPU; on a CPU it is the same RAM as the pool,
+    so it is off unless asked for)."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._records: OrderedDict[bytes, bytes] = OrderedDict()
+        self.num_bytes = 0
+        self._lock = threading.Lock()
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        with self._lock:
+            found = []
+            for key in keys:
+                record = self._records.get(key)
+                if record is not None:
+                    self._records.move_to_end(key)
+                found.append(record)
+            return found
+
+    def put(self, key: bytes, record: bytes) -> None:
+        if len(record) > self.capacity_bytes:
+            return
+        with self._lock:
+            if key in self._records:
+                self._records.move_to_end(key)
+                return
+            self._records[key] = record
+            self.num_bytes += len(record)
+            while self.num_bytes > self.capacity_bytes:
+                _, dropped = self._records.popitem(last=False)
+                self.num_bytes -= len(dropped)
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            record = self._records.pop(key, None)
+            if record is not None:
+                self.num_bytes -= len(record)
+
+    def clear(self) -> int:
+        with self._lock:
+            count = len(self._records)
+            self._records.clear()
+            self.num_bytes = 0
+            return count
+
+
+class DiskTier:
+    """One file per block under ``directory/<fingerprint>/``, LRU within ``capacity_bytes``.
+
+    Writes go to a temporary file in the same folder, then ``os.replace``: a crash leaves either the
+    whole record or none. Files left by earlier runs are found at start-up (oldest first, by mtime), so
+    a restarted server hits what the last one computed. Keys protected by ``protect`` (pinned
+    prefixes) are never dropped to make room.
+    """
+
+    name = "disk"
+    SUFFIX = ".kvb"
+
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, fingerprint: str) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"kv_disk_size must be positive, got {capacity_bytes}")
+        self.root = Path(directory) / fingerprint[:32]
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()
+        self._protected: Counter[bytes] = Counter()
+        self._lock = threading.Lock()
+        self.num_bytes = 0
+        entries = []
+        for path in self.root.glob(f"*{self.SUFFIX}"):
+            try:
+                stat = path.stat()
+                key = bytes.fromhex(path.name[: -len(self.SUFFIX)])
+            except (OSError, ValueError):
+                continue
+            entries.append((stat.st_mtime_ns, key, stat.st_size))
+        for _, key, size in sorted(entries):
+            self._sizes[key] = size
+            self.num_bytes += size
+        for leftover in self.root.glob("*.tmp-*"):  # a write interrupted by a crash
+            leftover.unlink(missing_ok=True)
+
+    def _path(self, key: bytes) -> Path:
+        return self.root / f"{key.hex()}{self.SUFFIX}"
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        found: list[bytes | None] = []
+        for key in keys:
+            with self._lock:
+                known = key in self._sizes
+                if known:
+                    self._sizes.move_to_end(key)
+            record = None
+            if known:
+                try:
+                    record = self._path(key).read_bytes()
+                except OSError:
+                    self.delete(key)
+            found.append(record)
+        return found
+
+    def put(self, key: bytes, record: bytes) -> None:
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+                return
+        if len(record) > self.capacity_bytes:
+            return
+        path = self._path(key)
+        temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        with open(temporary, "wb") as handle:
+            handle.write(record)
+        os.replace(temporary, path)
+        with self._lock:
+            self._sizes[key] = len(record)
+            self.num_bytes += len(record)
+            self._make_room()
+
+    def _make_room(self) -> None:
+        for key in list(self._sizes):
+            if self.num_bytes <= self.capacity_bytes:
+                return
+            if self._protected[key] > 0:
+                continue
+            self.num_bytes -= self._sizes.pop(key)
+            self._path(key).unlink(missing_ok=True)
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self.num_bytes -= size
+        self._path(key).unlink(missing_ok=True)
+
+    def protect(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._protected.update(keys)
+
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._protected.subtract(keys)
+            for key in [key for key, count in self._protected.items() if count <= 0]:
+                del self._protected[key]
+            self._make_room()
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = [key for key in self._sizes if self._protected[key] <= 0]
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+
+class RedisTier:
+    """Records in a Redis or Valkey server (redis-py), shared by every kvreuse server that uses it.
+
+    A server that is down, slow or refusing never fails a request: each call is bounded by
+    ``timeout_s`` (socket connect and read), and after a failure the tier answers misses without
+    touching the network for ``retry_s`` seconds. So a lookup costs at most ``timeout_s`` once per
+    ``retry_s`` while Redis is away, and nothing otherwise.
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, fingerprint: str, timeout_s: float = 0.25, retry_s: float = 5.0) -> None:
+        import redis  # optional dependency: only servers with --kv-remote-url need it
+
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix = f"kvreuse:v{1}:{fingerprint}:".encode()
+        self.retry_s = retry_s
+        self._down_until = 0.0
+        self.num_errors = 0
+        self._errors = (redis.RedisError, OSError)
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self) -> None:
+        self.num_errors += 1
+        self._down_until = time.monotonic() + self.retry_s
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys or not self.available:
+            return [None] * len(keys)
+        try:
+            return list(self.client.mget([self.prefix + key.hex().encode() for key in keys]))
+        except self._errors:
+            self._failed()
+            return [None] * len(keys)
+
+    def put(self, key: bytes, record: bytes) -> None:
+        if not self.available:
+            return
+        try:
+            self.client.set(self.prefix + key.hex().encode(), record)
+        except self._errors:
+            self._failed()
+
+    def delete(self, key: bytes) -> None:
+        if not self.available:
+            return
+        try:
+            self.client.delete(self.prefix + key.hex().encode())
+        except self._errors:
+            self._failed()
+
+    def clear(self) -> int:
+        if not self.available:
+            return 0
+        try:
+            keys = list(self.client.scan_iter(match=self.prefix + b"*", count=1000))
+            if keys:
+                self.client.delete(*keys)
+            return len(keys)
+        except self._errors:
+            self._failed()
+            return 0
