@@ -268,6 +268,9 @@ class LLMEngine:
         self._draft_probs: dict[int, torch.Tensor] = {}  # id(Request) -> q of its drafted tokens (random sampling)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.pins = PinRegistry(self.kv.index, int(cache_config.max_pinned_fraction * num_blocks))
+        disk = self.tier_store.tier("disk") if self.tier_store is not None else None
+        if isinstance(disk, DiskTier):
+            self.pins.listener = disk  # a pinned prefix stays on disk while pinned (and so survives restarts)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # The engine thread's own way in (string prompts, validation); callers on other threads own theirs.
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.model_config.vocab_size)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvreuse.cache.prefix import CacheNode, PrefixIndex
 
@@ -49,9 +50,17 @@ class PinBudgetError(ValueError):
     """A single pin is larger than the whole pinned budget."""
 
 
+class PinListener(Protocol):
+    """Told which block keys a pin holds and releases (the disk tier keeps pinned entries)."""
+
+    def protect(self, keys: Iterable[bytes]) -> None: ...
+    def unprotect(self, keys: Iterable[bytes]) -> None: ...
+
+
 class PinRegistry:
     def __init__(self, index: PrefixIndex, max_pinned_blocks: int) -> None:
         self.index = index
+        self.listener: PinListener | None = None
         self.max_pinned_blocks = max_pinned_blocks
         self.pins: dict[str, Pin] = {}
         self._pins_by_tail: dict[int, list[Pin]] = {}  # id(last node) -> pins ending there
@@ -93,6 +102,8 @@ class PinRegistry:
             existing.ttl = ttl if ttl is None or existing.ttl is None else max(ttl, existing.ttl)
             return existing
         self.index.pin(nodes)
+        if self.listener is not None:
+            self.listener.protect(node.key for node in nodes)
         pin = Pin(pin_id, key, kind, nodes, len(nodes) * self.index.block_size, adapter, now, now, ttl,
                   owner=owner)
         self.pins[pin_id] = pin
@@ -109,6 +120,8 @@ class PinRegistry:
         if not tail_pins:
             del self._pins_by_tail[id(pin.nodes[-1])]
         self.index.unpin(pin.nodes)
+        if self.listener is not None:
+            self.listener.unprotect(node.key for node in pin.nodes)
         return pin
 
     def _enforce_budget(self, keep: Pin) -> None:
