@@ -784,6 +784,15 @@ class _TierGlue:
         for block_id, payload in zip(block_ids, payloads):
             self.kv_cache.write_block(block_id, payload)
 
+    def evicted(self, node) -> None:
+        """A block the device pool evicts (its KV still in place): the host tier keeps a copy."""
+        if self.store.tier("host") is None:
+            return
+        root = node
+        while root.parent is not None:  # the namespace is the key of the chain's root
+            root = root.parent
+        self.store.evicted(BlockRef(node.key, root.key, node.tokens), self.kv_cache.read_block(node.block_id))
+
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":

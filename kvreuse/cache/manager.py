@@ -10,7 +10,7 @@ back a request that would otherwise compute the same prefix a second time in the
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +49,19 @@ class TierSource(Protocol):
 
     def lookup(self, blocks: Sequence[BlockRef]) -> list[tuple[str, memoryview]]: ...
     def load(self, block_ids: list[int], payloads: list[memoryview]) -> None: ...
+    def evicted(self, node: CacheNode) -> None: ...  # called before the block can be reused
+
+
+class _SpillingIndex(PrefixIndex):
+    """The prefix index, telling ``on_evict`` of each block it evicts while the block's KV is still
+    intact (the host tier keeps a copy of it)."""
+
+    on_evict: Callable[[CacheNode], None] | None = None
+
+    def _remove(self, node: CacheNode) -> None:
+        if self.on_evict is not None:
+            self.on_evict(node)
+        super()._remove(node)
 
 
 class KVCacheManager:
@@ -57,7 +70,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.index = PrefixIndex(self.pool, block_size, events)
+        self.index = _SpillingIndex(self.pool, block_size, events)
+        self.index.on_evict = self._evicted
         self.query_tokens = 0
         self.hit_tokens = 0
         self._copies: list[BlockCopy] = []
@@ -126,6 +140,10 @@ class KVCacheManager:
             self.pool.release(block)
         self.index.release(list(match.nodes) + ([match.partial.node] if match.partial else []))
         return self.index.match(request.namespace, tokens, request.block_keys, request.num_tokens - 1)
+
+    def _evicted(self, node: CacheNode) -> None:
+        if self.tiers is not None:
+            self.tiers.evicted(node)
 
     def take_new_blocks(self) -> list[tuple[CacheNode, bytes]]:
         """Blocks computed (and cached) since the last call, with their namespace: for write-through."""

@@ -100,6 +100,7 @@ class DiskTier:
         for _, key, size in sorted(entries):
             self._sizes[key] = size
             self.num_bytes += size
+        self._make_room()  # a restart with a smaller capacity_bytes: the oldest files go now
         for leftover in self.root.glob("*.tmp-*"):  # a write interrupted by a crash
             leftover.unlink(missing_ok=True)
 

@@ -1,0 +1,546 @@
+"""KV tiers behind the device pool (host memory, disk, Redis), end to end on a tiny float32 model, CPU.
+
+What must hold whatever the tiers do: greedy output equals a cold run (an engine without tiers);
+``cached_tokens_by_tier`` names the tier a prefix came from; the cache core's invariants hold after
+every engine step; a block is served only to an engine with the same model fingerprint (weights,
+dtype, block size, tokenizer), across processes with different hash seeds; a corrupted or misnamed
+record is a counted miss and is removed; byte caps and protected (pinned) disk entries hold; a Redis
+tier is shared between engines, separated by tenant, and a Redis that stops never hangs a request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.cache.tiers import record
+from kvreuse.cache.tiers.backends import DiskTier, HostTier
+from kvreuse.engine import LLMEngine
+from kvreuse.outputs import RequestOutput
+
+MAX_NEW = 8
+BLOCK = 4
+PROMPT_LEN = 40
+# Tokens a tier can serve for a whole prompt: every full block before the last prompt token.
+TIER_TOKENS = (PROMPT_LEN - 1) // BLOCK * BLOCK
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# 32 blocks of 4 tokens (2 KiB each for the tiny model): four 48-token requests cannot all stay.
+SMALL_POOL = "64KiB"
+SERVED_NAME = "tiny"  # one model name for every folder, so block keys agree and only the fingerprint differs
+
+
+def prompt_ids(seed: int, length: int = PROMPT_LEN, vocab: int = 300) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=generator).tolist()
+
+
+PROMPTS = [prompt_ids(1000 + i) for i in range(6)]
+
+
+def make_llm(model_dir: Path, **kwargs) -> LLM:
+    options = dict(dtype="float32", device="cpu", kv_cache_memory=SMALL_POOL, block_size=BLOCK,
+                   served_model_name=SERVED_NAME)
+    options.update(kwargs)
+    return LLM(str(model_dir), **options)
+
+
+def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY,
+                cache_salt: str | None = None) -> list[RequestOutput]:
+    """Drive the engine step by step, checking the cache invariants after every step; the final outputs."""
+    ids = []
+    for i, prompt in enumerate(prompts):
+        request_id = f"req-{id(prompts)}-{i}-{time.monotonic_ns()}"
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
+        ids.append(request_id)
+    done: dict[str, RequestOutput] = {}
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    stats = engine.stats().cache
+    assert stats.blocks_in_use == 0, "a finished workload left blocks in use"
+    assert stats.blocks_free + stats.blocks_idle == stats.num_blocks
+    return [done[request_id] for request_id in ids]
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model: Path):
+    """Greedy tokens of an engine without tiers (a big pool, nothing evicted), per prompt."""
+    llm = make_llm(tiny_model, kv_cache_memory="8MiB")
+    assert llm.engine.tier_store is None
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def reference(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in memo:
+            llm.engine.reset_prefix_cache()
+            memo[key] = tokens_of(run_checked(llm.engine, [prompt]))[0]
+        return memo[key]
+
+    return reference
+
+
+def fill_and_evict(engine: LLMEngine, cold) -> None:
+    """Run PROMPTS[0], then three more prompts that push every one of its blocks out of the pool."""
+    first = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(first) == [cold(PROMPTS[0])]
+    assert first[0].cached_tokens_by_tier is not None and sum(first[0].cached_tokens_by_tier.values()) == 0
+    for prompt in PROMPTS[1:4]:
+        assert tokens_of(run_checked(engine, [prompt])) == [cold(prompt)]
+    assert engine.stats().cache.evicted_blocks >= (PROMPT_LEN + MAX_NEW - 1) // BLOCK
+    engine.flush_tiers()
+
+
+def disk_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob(f"*{DiskTier.SUFFIX}"))
+
+
+def read_header(path: Path) -> dict:
+    data = path.read_bytes()
+    (length,) = record._LENGTH.unpack_from(data, len(record.MAGIC))
+    start = len(record.MAGIC) + record._LENGTH.size
+    return json.loads(data[start:start + length])
+
+
+def file_of_block(directory: Path, tokens: list[int]) -> Path:
+    matches = [path for path in disk_files(directory) if read_header(path)["tokens"] == list(tokens)]
+    assert len(matches) == 1, f"expected one record for tokens {tokens}, found {len(matches)}"
+    return matches[0]
+
+
+# --- 1. evicted from the device pool, served from a tier -------------------------------------------
+@pytest.mark.parametrize("tiers, expected_tier", [
+    ({"kv_disk_dir": True}, "disk"),
+    ({"kv_host_memory": "1MiB"}, "host"),
+    ({"kv_host_memory": "1MiB", "kv_disk_dir": True}, "host"),  # host is looked up before disk
+], ids=["disk", "host", "host-before-disk"])
+def test_evicted_prefix_hits_from_tier(tiny_model: Path, tmp_path: Path, cold, tiers, expected_tier):
+    options = dict(tiers)
+    if options.get("kv_disk_dir"):
+        options["kv_disk_dir"] = str(tmp_path / "disk")
+    llm = make_llm(tiny_model, **options)
+    engine = llm.engine
+    fill_and_evict(engine, cold)
+
+    again = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(again) == [cold(PROMPTS[0])]
+    expected = {name: 0 for name in ["device", *(t.name for t in engine.tier_store.tiers)]}
+    expected[expected_tier] = TIER_TOKENS
+    assert again[0].cached_tokens_by_tier == expected
+    assert again[0].num_cached_tokens == TIER_TOKENS
+    stats = llm.stats()["kv_tiers"]
+    assert stats[expected_tier]["hits"] == TIER_TOKENS // BLOCK
+    assert stats[expected_tier]["hit_bytes"] == TIER_TOKENS // BLOCK * engine.kv_cache.block_bytes
+    assert all(not tier["verify_failures"] for tier in stats.values())
+
+    # Loaded blocks are ordinary device blocks now: the same prompt again is a device hit.
+    device = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(device) == [cold(PROMPTS[0])]
+    assert device[0].cached_tokens_by_tier["device"] == PROMPT_LEN - 1  # full blocks, then a partial copy
+    assert device[0].cached_tokens_by_tier[expected_tier] == 0
+
+    # One batch: a tier hit that stops mid-prompt (the same 30-token head, then other tokens) beside a
+    # cold prompt; the device pool is emptied first.
+    engine.reset_prefix_cache(("device",))
+    engine.flush_tiers()
+    head = PROMPTS[0][:30] + prompt_ids(77, 14)
+    batch = [head, PROMPTS[4]]
+    outputs = run_checked(engine, batch)
+    assert tokens_of(outputs) == [cold(prompt) for prompt in batch]
+    assert outputs[0].cached_tokens_by_tier[expected_tier] == 28  # the 7 full blocks inside the head
+    assert outputs[0].num_cached_tokens == 28
+    assert outputs[1].num_cached_tokens == 0
+
+
+# --- 2. across processes, and only for the same fingerprint ---------------------------------------
+PROCESS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from kvreuse import LLM, SamplingParams
+
+    model, disk, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = LLM(model, dtype="float32", device="cpu", kv_cache_memory="64KiB", block_size=4,
+              served_model_name="tiny", kv_disk_dir=disk)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = [llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0] for prompt in prompts]
+    llm.engine.flush_tiers()
+    print("RESULT " + json.dumps({
+        "fingerprint": llm.engine.tier_store.fingerprint,
+        "tokens": [output.outputs[0].token_ids for output in outputs],
+        "by_tier": [output.cached_tokens_by_tier for output in outputs],
+        "disk": llm.stats()["kv_tiers"]["disk"],
+    }))
+""")
+
+
+def run_process(script: Path, model: Path, disk: Path, prompts: list[list[int]], hash_seed: int) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([sys.executable, str(script), str(model), str(disk), json.dumps(prompts)],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def changed_weight_copy(model: Path, out: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    tensors = load_file(out / "model.safetensors")
+    name = sorted(name for name in tensors if "k_proj.weight" in name)[0]
+    tensors[name] = tensors[name] + 0.05
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def other_vocab_tokenizer(model: Path, out: Path) -> Path:
+    """The same tokenizer files with two ordinary tokens' ids swapped: another vocab, same strings."""
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model / name).is_file():
+            shutil.copy(model / name, out / name)
+    data = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    by_id = {index: token for token, index in vocab.items()}
+    first, second = by_id[500], by_id[501]
+    vocab[first], vocab[second] = 501, 500
+    (out / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    return out
+
+
+def test_disk_tier_across_processes_and_fingerprint_variants(tiny_model: Path, tmp_path: Path, cold):
+    script = tmp_path / "tiers_process.py"
+    script.write_text(PROCESS_SCRIPT, encoding="utf-8")
+    disk = tmp_path / "disk"
+    prompts = PROMPTS[:2]
+
+    first = run_process(script, tiny_model, disk, prompts, hash_seed=1)
+    assert first["tokens"] == [cold(prompt) for prompt in prompts]
+    assert [by_tier["disk"] for by_tier in first["by_tier"]] == [0, 0]
+    assert first["disk"]["stores"] > 0
+    root = disk / first["fingerprint"][:32]
+    assert len(disk_files(root)) == first["disk"]["stores"]
+
+    second = run_process(script, tiny_model, disk, prompts, hash_seed=2)
+    assert second["fingerprint"] == first["fingerprint"]
+    assert second["tokens"] == [cold(prompt) for prompt in prompts]
+    assert [by_tier for by_tier in second["by_tier"]] == [{"device": 0, "disk": TIER_TOKENS}] * 2
+    assert second["disk"]["verify_failures"] == {}
+
+    records = {path.name: path.read_bytes() for path in disk_files(root)}
+    variants = {
+        "weight": (changed_weight_copy(tiny_model, tmp_path / "weight"), {}),
+        "dtype": (tiny_model, {"dtype": "bfloat16"}),
+        "block_size": (tiny_model, {"block_size": 8}),
+        "tokenizer": (tiny_model, {"tokenizer": str(other_vocab_tokenizer(tiny_model, tmp_path / "tok"))}),
+    }
+    for name, (model, options) in variants.items():
+        llm = make_llm(model, kv_disk_dir=str(disk), **options)
+        engine = llm.engine
+        assert engine.tier_store.fingerprint != first["fingerprint"], name
+        tier = engine.tier_store.tier("disk")
+        assert tier.root != root and tier.num_bytes == 0, name
+        outputs = run_checked(engine, prompts)
+        assert all(output.cached_tokens_by_tier["disk"] == 0 for output in outputs), name
+        assert llm.stats()["kv_tiers"]["disk"]["hits"] == 0, name
+        if name == "weight":
+            # Records of the first model put under this model's folder are read and refused.
+            engine.flush_tiers()
+            engine.reset_prefix_cache(("device", "disk"))
+            for key_name, data in records.items():
+                tier.put(bytes.fromhex(key_name.removesuffix(DiskTier.SUFFIX)), data)
+            again = run_checked(engine, prompts)
+            assert tokens_of(again) == tokens_of(outputs)
+            assert all(output.num_cached_tokens == 0 for output in again)
+            assert llm.stats()["kv_tiers"]["disk"]["verify_failures"] == {"fingerprint": 2}
+        if name in ("block_size", "tokenizer"):  # the same weights and dtype: the same greedy tokens
+            assert tokens_of(outputs) == [cold(prompt) for prompt in prompts], name
+        del llm, engine, tier
+    # The first model's folder is untouched by the others.
+    assert {path.name for path in disk_files(root)} == set(records)
+
+
+# --- 3. corrupted and misnamed records --------------------------------------------------------------
+def test_corrupt_and_misnamed_records_are_rejected_and_removed(tiny_model: Path, tmp_path: Path, cold):
+    disk = tmp_path / "disk"
+    llm = make_llm(tiny_model, kv_disk_dir=str(disk))
+    engine = llm.engine
+    tier = engine.tier_store.tier("disk")
+    assert tokens_of(run_checked(engine, PROMPTS[:2])) == [cold(p) for p in PROMPTS[:2]]
+    engine.flush_tiers()
+    engine.reset_prefix_cache(("device",))
+
+    # A flipped payload byte in block 2 of prompt 0; block 0's record of prompt 1 copied over block 1's.
+    flipped = file_of_block(disk, PROMPTS[0][2 * BLOCK:3 * BLOCK])
+    data = bytearray(flipped.read_bytes())
+    data[-7] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    misnamed = file_of_block(disk, PROMPTS[1][BLOCK:2 * BLOCK])
+    shutil.copy(file_of_block(disk, PROMPTS[1][:BLOCK]), misnamed)
+
+    removed: dict[bytes, bool] = {}
+    delete = tier.delete
+
+    def watched_delete(key: bytes) -> None:
+        delete(key)
+        removed[key] = tier._path(key).exists()
+
+    tier.delete = watched_delete
+    outputs = run_checked(engine, PROMPTS[:2])
+    assert tokens_of(outputs) == [cold(p) for p in PROMPTS[:2]]
+    # The run stops at the bad record: two good blocks of prompt 0, one of prompt 1.
+    assert [output.cached_tokens_by_tier["disk"] for output in outputs] == [2 * BLOCK, BLOCK]
+    failures = llm.stats()["kv_tiers"]["disk"]["verify_failures"]
+    assert failures == {"checksum": 1, "key": 1}
+    bad_keys = {bytes.fromhex(path.name.removesuffix(DiskTier.SUFFIX)) for path in (flipped, misnamed)}
+    assert set(removed) == bad_keys and not any(removed.values()), "a rejected record was not removed"
+
+    # The recomputed blocks were written again, now intact.
+    engine.flush_tiers()
+    for path, tokens in ((flipped, PROMPTS[0][2 * BLOCK:3 * BLOCK]), (misnamed, PROMPTS[1][BLOCK:2 * BLOCK])):
+        key = bytes.fromhex(path.name.removesuffix(DiskTier.SUFFIX))
+        record.decode(path.read_bytes(), engine.tier_store.fingerprint, key, tokens, engine.tier_store.layout)
+
+
+# --- 4. byte caps and protected entries ---------------------------------------------------------------
+def test_disk_and_host_byte_caps_hold(tiny_model: Path, tmp_path: Path, cold):
+    disk = tmp_path / "disk"
+    cap = 48 * 1024  # about 20 records of 2 KiB; five prompts write about 55
+    llm = make_llm(tiny_model, kv_disk_dir=str(disk), kv_disk_size=cap, kv_host_memory=cap)
+    engine = llm.engine
+    for prompt in PROMPTS[:5]:
+        assert tokens_of(run_checked(engine, [prompt])) == [cold(prompt)]
+        engine.flush_tiers()
+        files = disk_files(disk)
+        assert files and sum(path.stat().st_size for path in files) <= cap
+    assert engine.tier_store.tier("disk").num_bytes <= cap
+    assert 0 < engine.tier_store.tier("host").num_bytes <= cap
+    stats = llm.stats()["kv_tiers"]["disk"]
+    assert stats["store_bytes"] > cap  # more was written than fits: the cap dropped the oldest
+    # The newest prompt's blocks are the ones kept, the oldest one's are gone.
+    assert file_of_block(disk, PROMPTS[4][:BLOCK]).is_file()
+    assert not [path for path in disk_files(disk) if read_header(path)["tokens"] == PROMPTS[0][:BLOCK]]
+
+    # A restart with a smaller cap over the same folder holds the new cap too.
+    smaller = DiskTier(disk, cap // 2, engine.tier_store.fingerprint)
+    assert smaller.num_bytes <= cap // 2
+    assert sum(path.stat().st_size for path in disk_files(disk)) <= cap // 2
+
+
+def test_host_tier_lru_within_capacity():
+    host = HostTier(capacity_bytes=250)
+    for index in range(5):
+        host.put(bytes([index]), bytes(100))
+        assert host.num_bytes <= 250
+    assert host.get_many([bytes([0]), bytes([3]), bytes([4])]) == [None, bytes(100), bytes(100)]
+    host.put(b"big", bytes(251))  # larger than the whole tier: not kept, nothing dropped for it
+    assert host.get_many([b"big", bytes([3])]) == [None, bytes(100)]
+
+
+def test_disk_tier_never_drops_protected_entries(tmp_path: Path):
+    tier = DiskTier(tmp_path, capacity_bytes=300, fingerprint="f" * 32)
+    keys = [bytes([index]) * 16 for index in range(8)]
+    tier.put(keys[0], b"a" * 100)
+    tier.protect([keys[0]])
+    tier.protect([keys[0]])  # protected twice: needs two unprotects
+    for key in keys[1:6]:
+        tier.put(key, b"b" * 100)
+        assert tier.num_bytes <= 300
+        assert tier.get_many([keys[0]]) == [b"a" * 100], "a protected entry was dropped"
+    assert tier._path(keys[0]).is_file()
+    assert tier.clear() == 2 and tier.get_many([keys[0]]) == [b"a" * 100]  # clear keeps protected entries
+    tier.put(keys[1], b"b" * 100)
+    tier.put(keys[2], b"b" * 100)
+    tier.unprotect([keys[0]])
+    tier.put(keys[3], b"b" * 100)
+    assert tier.get_many([keys[0]]) == [b"a" * 100], "still protected once"
+    tier.unprotect([keys[0]])  # now an ordinary LRU entry: three more puts push it out
+    for key in keys[4:7]:
+        tier.put(key, b"b" * 100)
+        assert tier.num_bytes <= 300
+    assert tier.get_many([keys[0]]) == [None] and not tier._path(keys[0]).exists()
+    # A restart finds what is on disk, and protection still wins over the cap.
+    again = DiskTier(tmp_path, capacity_bytes=300, fingerprint="f" * 32)
+    assert again.num_bytes == tier.num_bytes == 300
+    again.protect(keys[4:7])
+    again.put(keys[7], b"c" * 100)  # no room and nothing else may go: the new entry is the one dropped
+    assert again.get_many(keys[4:7]) == [b"b" * 100] * 3
+    assert again.get_many([keys[7]]) == [None] and again.num_bytes <= 300
+
+
+# --- 5. Redis --------------------------------------------------------------------------------------
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A real redis-server on 127.0.0.1 with no persistence; yields (url, process); killed at teardown."""
+    if not os.access(REDIS_SERVER, os.X_OK):
+        pytest.skip(f"no redis-server binary at {REDIS_SERVER}: the Redis tier tests need one")
+    redis = pytest.importorskip("redis", reason="redis-py is not installed")
+    port = _free_port()
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server did not start on port {port}")
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+        process.wait(timeout=10)
+
+
+def test_redis_tier_shared_between_engines_and_separated_by_tenant(tiny_model: Path, redis_server, cold):
+    url, _ = redis_server
+    first = make_llm(tiny_model, kv_remote_url=url)
+    second = make_llm(tiny_model, kv_remote_url=url)
+    assert first.engine.tier_store.fingerprint == second.engine.tier_store.fingerprint
+
+    assert tokens_of(run_checked(first.engine, [PROMPTS[0]])) == [cold(PROMPTS[0])]
+    assert tokens_of(run_checked(first.engine, [PROMPTS[1]], cache_salt="tenant-a")) == [cold(PROMPTS[1])]
+    first.engine.flush_tiers()
+    assert first.stats()["kv_tiers"]["remote"]["stores"] > 0
+
+    shared = run_checked(second.engine, [PROMPTS[0]])
+    assert tokens_of(shared) == [cold(PROMPTS[0])]
+    assert shared[0].cached_tokens_by_tier == {"device": 0, "remote": TIER_TOKENS}
+
+    other_tenant = run_checked(second.engine, [PROMPTS[1]], cache_salt="tenant-b")
+    assert tokens_of(other_tenant) == [cold(PROMPTS[1])]
+    assert other_tenant[0].cached_tokens_by_tier == {"device": 0, "remote": 0}
+    no_tenant = run_checked(second.engine, [PROMPTS[1]])
+    assert no_tenant[0].cached_tokens_by_tier["remote"] == 0
+
+    same_tenant = run_checked(second.engine, [PROMPTS[1]], cache_salt="tenant-a")
+    assert tokens_of(same_tenant) == [cold(PROMPTS[1])]
+    assert same_tenant[0].cached_tokens_by_tier == {"device": 0, "remote": TIER_TOKENS}
+    assert second.stats()["kv_tiers"]["remote"]["verify_failures"] == {}
+
+    # reset_prefix_cache(tiers=("remote",)) empties this model's keys on the server.
+    second.engine.flush_tiers()
+    assert second.reset_prefix_cache(tiers=("device", "remote")) > 0
+    cleared = run_checked(second.engine, [PROMPTS[0]])
+    assert cleared[0].num_cached_tokens == 0
+
+
+def test_redis_stopped_mid_run_requests_still_succeed(tiny_model: Path, redis_server, cold):
+    url, process = redis_server
+    llm = make_llm(tiny_model, kv_remote_url=url)
+    engine = llm.engine
+    remote = engine.tier_store.tier("remote")
+    assert tokens_of(run_checked(engine, [PROMPTS[0]])) == [cold(PROMPTS[0])]
+    engine.flush_tiers()
+
+    # A frozen server (SIGSTOP: it accepts connections and never answers), stopped mid-batch.
+    batch = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    engine.reset_prefix_cache(("device",))
+    started = time.monotonic()
+    for i, prompt in enumerate(batch[:2]):
+        engine.add_request(f"frozen-{i}", {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()
+    engine.check_integrity()
+    process.send_signal(signal.SIGSTOP)
+    # If a lookup ever waited on the server without a bound, this thaws it after 30 s, so the test
+    # fails on the time below instead of hanging.
+    watchdog = threading.Timer(30, lambda: process.poll() is None and process.send_signal(signal.SIGCONT))
+    watchdog.daemon = True
+    watchdog.start()
+    done: dict[str, list[int]] = {}
+    engine.add_request("frozen-2", {"prompt_token_ids": batch[2]}, GREEDY)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+                if output.request_id == "frozen-2":
+                    assert output.cached_tokens_by_tier["remote"] == 0  # a miss, not an error
+        engine.check_integrity()
+        assert time.monotonic() - started < 20, "a request hung on a stopped Redis"
+    engine.flush_tiers()
+    assert time.monotonic() - started < 20, "flushing to a stopped Redis hung"
+    assert [done[f"frozen-{i}"] for i in range(3)] == [cold(prompt) for prompt in batch]
+    assert remote.num_errors >= 1
+    watchdog.cancel()
+
+    # Killed outright: refused connections, each retried after retry_s, still only misses.
+    process.kill()
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not remote.available:  # the back-off after the freeze (retry_s) ends
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    remote.retry_s = 0.1
+    for prompt in (PROMPTS[3], PROMPTS[4]):
+        time.sleep(0.2)  # past the back-off: the tier really tries the dead server
+        errors = remote.num_errors
+        started = time.monotonic()
+        outputs = run_checked(engine, [prompt])
+        engine.flush_tiers()
+        assert time.monotonic() - started < 10, "a request hung on a dead Redis"
+        assert tokens_of(outputs) == [cold(prompt)]
+        assert outputs[0].cached_tokens_by_tier["remote"] == 0
+        assert remote.num_errors > errors
+
+
+# --- 6. reset_prefix_cache(tiers=...) -------------------------------------------------------------
+def test_reset_prefix_cache_empties_named_tiers(tiny_model: Path, tmp_path: Path, cold):
+    disk = tmp_path / "disk"
+    llm = make_llm(tiny_model, kv_disk_dir=str(disk), kv_host_memory="1MiB")
+    engine = llm.engine
+    fill_and_evict(engine, cold)
+    assert disk_files(disk) and engine.tier_store.tier("host").num_bytes > 0
+    count = len(disk_files(disk))
+
+    assert llm.reset_prefix_cache(tiers=("disk",)) == count
+    assert disk_files(disk) == [] and engine.tier_store.tier("disk").num_bytes == 0
+    assert engine.tier_store.tier("host").num_bytes > 0  # the other tiers are untouched
+    llm.reset_prefix_cache(tiers=("device", "host"))
+    assert engine.tier_store.tier("host").num_bytes == 0
+    assert engine.stats().cache.cached_blocks == 0
+
+    outputs = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(outputs) == [cold(PROMPTS[0])]
+    assert outputs[0].num_cached_tokens == 0
+
+    with pytest.raises(ValueError) as info:
+        llm.reset_prefix_cache(tiers=("disk", "gpu"))
+    assert getattr(info.value, "param", None) == "tiers"
+    assert "gpu" in str(info.value) and "tiers" in str(info.value)
