@@ -10,7 +10,7 @@ back a request that would otherwise compute the same prefix a second time in the
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,25 +52,13 @@ class TierSource(Protocol):
     def evicted(self, node: CacheNode) -> None: ...  # called before the block can be reused
 
 
-class _SpillingIndex(PrefixIndex):
-    """The prefix index, telling ``on_evict`` of each block it evicts while the block's KV is still
-    intact (the host tier keeps a copy of it)."""
-
-    on_evict: Callable[[CacheNode], None] | None = None
-
-    def _remove(self, node: CacheNode) -> None:
-        if self.on_evict is not None:
-            self.on_evict(node)
-        super()._remove(node)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: KVEventLog | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.index = _SpillingIndex(self.pool, block_size, events)
+        self.index = PrefixIndex(self.pool, block_size, events)
         self.index.on_evict = self._evicted
         self.query_tokens = 0
         self.hit_tokens = 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -78,6 +78,9 @@ class PrefixIndex:
         self.pool = pool
         self.block_size = block_size
         self.events = events  # told of every block stored and removed (for routers); None: nobody listens
+        # Called with each node eviction is about to remove, while its block's KV is still intact
+        # (the host tier keeps a copy); None: nobody listens.
+        self.on_evict: Callable[[CacheNode], None] | None = None
         self.roots: dict[bytes, CacheNode] = {}
         self.num_cached_blocks = 0
         self.num_evicted_blocks = 0
@@ -225,6 +228,8 @@ class PrefixIndex:
             stamp, _, node = heapq.heappop(self._heap)
             if stamp != node.last_access or not self.is_evictable(node):
                 continue  # stale entry
+            if self.on_evict is not None:
+                self.on_evict(node)
             self._remove(node)
             freed += 1
         if len(self._heap) > 2 * self.num_cached_blocks + 1024:

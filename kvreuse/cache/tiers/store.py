@@ -13,6 +13,7 @@ Plain Python, no torch: payloads are bytes; the engine turns them into tensors.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -118,6 +119,8 @@ class TieredStore:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="kvreuse-tier-writer", daemon=True)
             self._writer.start()
+            # The writer is a daemon (it must never keep a process alive); a normal exit waits for it.
+            atexit.register(self.flush)
         self._queue.put((block.key, data))
 
     def evicted(self, block: BlockRef, payload: bytes) -> None:
@@ -149,7 +152,7 @@ class TieredStore:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued write has reached its tiers."""
+        """Wait until every queued write has reached its tiers (also run at interpreter exit)."""
         if self._writer is not None:
             self._queue.join()
 
