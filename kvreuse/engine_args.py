@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from kvreuse.config import SCHEDULING_POLICIES
+from kvreuse.config import SCHEDULING_POLICIES, parse_memory_size
 from kvreuse.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -57,6 +59,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
                              'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
                              'digest becomes part of every cache key)')
+    # KV tiers behind the device pool (kvreuse.cache.tiers): host memory, a disk folder, a Redis server.
+    parser.add_argument("--kv-host-memory", type=memory_size_arg("kv_host_memory", allow_zero=True), default=0,
+                        metavar="SIZE",
+                        help="host-memory KV tier for blocks the device pool evicts, e.g. 4GiB (0: none; on a "
+                             "CPU device this is the same RAM as the pool)")
+    parser.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                        help="disk KV tier: computed blocks are written here in the background and a server "
+                             "restarted on the same folder (same model fingerprint) reuses them")
+    parser.add_argument("--kv-disk-size", type=memory_size_arg("kv_disk_size"), default="20GiB", metavar="SIZE",
+                        help="most bytes the disk tier keeps (least recently used go first)")
+    parser.add_argument("--kv-remote-url", type=remote_url_arg, default=None, metavar="URL",
+                        help="remote KV tier on a Redis or Valkey server, redis://[:PASSWORD@]HOST:PORT/DB (or "
+                             "rediss://, unix://): every server with the same URL and model shares its prefixes; "
+                             "a Redis that is down or slow turns lookups into misses, never errors")
 
 
 def speculative_config_arg(value: str) -> dict[str, Any] | None:
@@ -72,6 +88,51 @@ def speculative_config_arg(value: str) -> dict[str, Any] | None:
     return {"method": config.method, "model": config.model, "num_speculative_tokens": config.num_speculative_tokens}
 
 
+def memory_size_arg(field_name: str, allow_zero: bool = False) -> Callable[[str], int]:
+    """An argparse type: bytes from "4GiB", "512MiB" or a plain number, checked at parse time
+    (``allow_zero``: "0" means off)."""
+
+    def parse(value: str) -> int:
+        if allow_zero and value.strip() in ("0", "0B", "0b"):
+            return 0
+        try:
+            return parse_memory_size(value, field_name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def remote_url_arg(value: str) -> str:
+    """``--kv-remote-url``: a redis://, rediss:// or unix:// URL (checked at parse time)."""
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(f"expected a redis://HOST:PORT/DB, rediss:// or unix:// URL, "
+                                         f"got {redact_url(value)!r}")
+    return value
+
+
+def redact_url(url: str, mask: str = "***") -> str:
+    """The URL with its password (``user:PASSWORD@`` or a ``password=`` query field) replaced by
+    ``mask``, or dropped when ``mask`` is empty: for logs, errors and the /v1/models card."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        if has_password:
+            userinfo = f"{user}:{mask}" if mask else user
+        netloc = f"{userinfo}@{host}" if userinfo else host
+    query = parts.query
+    if query:
+        fields = parse_qsl(query, keep_blank_values=True)
+        fields = [(name, mask if name == "password" else value) for name, value in fields
+                  if name != "password" or mask]
+        query = urlencode(fields, safe="*")
+    # Spelled out, not urlunsplit: that drops the "//" of an empty host (unix:///path).
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
 def llm_from_args(args: argparse.Namespace) -> LLM:
     from kvreuse.llm import LLM
 
@@ -84,4 +145,6 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         speculative_config=getattr(args, "speculative_config", None),
+        kv_host_memory=getattr(args, "kv_host_memory", 0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
+        kv_disk_size=getattr(args, "kv_disk_size", "20GiB"), kv_remote_url=getattr(args, "kv_remote_url", None),
     )

@@ -79,12 +79,16 @@ class RouterMetrics:
                                 registry=self.registry)
         self.retries = Counter("kvreuse_router:retries", "Attempts retried on another backend, by reason.",
                                ["reason"], registry=self.registry)
-        self.decisions = Counter("kvreuse_router:decisions", "Routing decisions by reason (cache, spill, "
-                                 "session, fallback, round-robin, least-loaded).", ["reason"], registry=self.registry)
+        self.decisions = Counter("kvreuse_router:decisions", "Routing decisions by reason (cache, remote, "
+                                 "spill, session, fallback, round-robin, least-loaded).", ["reason"], registry=self.registry)
         self.prompt_tokens = Counter("kvreuse_router:prompt_tokens", "Prompt tokens routed, by backend.",
                                      ["backend"], registry=self.registry)
         self.matched_tokens = Counter("kvreuse_router:matched_tokens", "Prompt tokens routed to a backend "
                                       "believed to hold them, by backend.", ["backend"], registry=self.registry)
+        self.remote_matched_tokens = Counter(
+            "kvreuse_router:remote_matched_tokens", "Prompt tokens routed to a backend that is believed to "
+            "load them from the remote KV tier it shares (not held in its own pool), by backend.", ["backend"],
+            registry=self.registry)
         self.registry.register(_BackendCollector(state))
 
 
@@ -122,7 +126,8 @@ class RouterState:
         self.pool = BackendPool(list(config.backends), self.client, block_size=config.policy.block_size,
                                 on_down=self._backend_down, on_up=self._backend_up,
                                 on_kv_events=self._apply_kv_events if config.kv_events else None,
-                                on_kv_reset=self._backend_down, api_key=config.backend_api_key)
+                                on_kv_reset=self._backend_down, api_key=config.backend_api_key,
+                                on_card=self._card_read)
         for name in self.pool.backends:
             self.router.index.add_backend(name, config.default_capacity_blocks)
         # The servers' own input processing (chat template, encode), so the router's token ids and
@@ -136,13 +141,17 @@ class RouterState:
         dropped = self.router.backend_failed(backend.name)
         logger.info("dropped %d index entries of %s", dropped, backend.name)
 
+    def _card_read(self, backend: Backend) -> None:
+        self.router.set_remote_group(backend.name, backend.kv_remote)
+
     def _apply_kv_events(self, backend: Backend, events: list[tuple[str, bytes]]) -> None:
         index = self.router.index
         for kind, key in events:
             if kind == "stored":
                 index.record(backend.name, (key,))
+                self.router.record_remote(backend.name, (key,))  # written through to its remote tier
             elif kind == "removed":
-                index.remove(backend.name, key)
+                index.remove(backend.name, key)  # gone from its pool, not from the remote
 
     def _backend_up(self, backend: Backend) -> None:
         self.router.backend_failed(backend.name)  # whatever it held before may be gone (restart)
@@ -253,7 +262,18 @@ class RouterState:
         return {"policy": self.config.policy.policy, "block_size": self.config.policy.block_size,
                 "tokenizer": self.config.tokenizer,
                 "backends": [backend.describe(self.router.index.num_blocks(name))
-                             for name, backend in self.pool.backends.items()]}
+                             for name, backend in self.pool.backends.items()],
+                "remote_groups": self.describe_remote_groups()}
+
+    def describe_remote_groups(self) -> dict[str, Any]:
+        """Remote KV tiers shared by backends: group -> its backends and the blocks the router believes it holds."""
+        groups: dict[str, Any] = {}
+        for name, backend in self.pool.backends.items():
+            if backend.kv_remote is not None:
+                group = groups.setdefault(backend.kv_remote, {
+                    "backends": [], "estimated_blocks": self.router.remote_index.num_blocks(backend.kv_remote)})
+                group["backends"].append(name)
+        return groups
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
@@ -342,8 +362,9 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
         load.in_flight += 1
         load.queued_prefill_tokens += decision.uncached_tokens
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("route %s: %s (%s), %d of %d blocks cached there, loads %s", path, backend.name,
-                         decision.reason, decision.matched_blocks, len(route.block_keys),
+            logger.debug("route %s: %s (%s), %d of %d blocks cached there (+%d in its remote tier), loads %s",
+                         path, backend.name, decision.reason, decision.matched_blocks, decision.remote_blocks,
+                         len(route.block_keys),
                          {b.name: (b.load.in_flight, b.load.queued_prefill_tokens, b.load.num_decoding)
                           for b in state.pool.backends.values()})
         if routed:
@@ -395,9 +416,15 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
 
 
 def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision, route: RouteRequest) -> None:
-    matched_tokens = min(decision.matched_blocks * state.config.policy.block_size, route.num_prompt_tokens)
+    block_size = state.config.policy.block_size
+    matched_tokens = min(decision.matched_blocks * block_size, route.num_prompt_tokens)
+    remote_tokens = min((decision.matched_blocks + decision.remote_blocks) * block_size,
+                        route.num_prompt_tokens) - matched_tokens
     backend.routed_requests += 1
     backend.routed_matched_tokens += matched_tokens
+    backend.routed_remote_tokens += remote_tokens
+    if remote_tokens:
+        state.metrics.remote_matched_tokens.labels(backend.name).inc(remote_tokens)
     state.metrics.decisions.labels(decision.reason).inc()
     state.metrics.prompt_tokens.labels(backend.name).inc(route.num_prompt_tokens)
     state.metrics.matched_tokens.labels(backend.name).inc(matched_tokens)
@@ -472,6 +499,12 @@ def _count_usage(backend: Backend, usage: dict[str, Any] | None) -> None:
     prompt_tokens = usage.get("prompt_tokens")
     if isinstance(prompt_tokens, int):
         backend.reported_prompt_tokens += prompt_tokens
-    cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    cached_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
     if isinstance(cached_tokens, int):
         backend.reported_cached_tokens += cached_tokens
+    by_tier = details.get("kvreuse_cached_tokens_by_tier") if isinstance(details, dict) else None
+    if isinstance(by_tier, dict):  # a kvreuse backend with KV tiers: where its cached tokens came from
+        for tier, tokens in by_tier.items():
+            if isinstance(tier, str) and isinstance(tokens, int):
+                backend.reported_cached_by_tier[tier] = backend.reported_cached_by_tier.get(tier, 0) + tokens

@@ -2,7 +2,9 @@
 
 A `BackendPool` owns one `Backend` per ``--backend`` URL. The router's own accounting (in flight,
 queued prefill tokens, decoding) is updated by the proxy as requests go and come back; KV usage and
-the prefix-cache hit rate come from the backend's ``/metrics``, scraped with each health probe.
+the prefix-cache hit rate come from the backend's ``/metrics``, scraped with each health probe. The
+model card (``/v1/models``) gives the KV pool size, adapters, speculative draft and the remote KV tier
+the backend shares (``kv_remote``), read at start and again when a backend comes back.
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ def parse_metrics(text: str) -> dict[str, float]:
             for sample in family.samples if sample.name in _SCRAPED}
 
 
+def remote_group_of(card: dict[str, Any]) -> str | None:
+    """The remote group of a /v1/models base card: "<url_digest>/<fingerprint>" of its ``kv_remote``
+    (the same Redis database and the same model fingerprint), None without one."""
+    remote = card.get("kv_remote")
+    if not isinstance(remote, dict):
+        return None
+    digest, fingerprint = remote.get("url_digest"), remote.get("fingerprint")
+    if not (isinstance(digest, str) and digest and isinstance(fingerprint, str) and fingerprint):
+        return None
+    return f"{digest}/{fingerprint}"
+
+
 KV_EVENT_PAGES_PER_PROBE = 8  # pages of KV events (4,096 each) one probe applies before it yields
 
 
@@ -50,11 +64,16 @@ class Backend:
     # Digest of the speculative draft the backend runs (None: none), from /v1/models: its engine keys
     # every block with it, so the router's keys for this backend must too.
     draft_digest: str | None = None
+    # The remote KV tier the backend shares ("<url digest>/<model fingerprint>" from its card's kv_remote;
+    # None: none): backends showing the same one read each other's blocks.
+    kv_remote: str | None = None
     consecutive_failures: int = 0
     routed_requests: int = 0
     routed_matched_tokens: int = 0  # the router's estimate of prompt tokens it sent to a warm cache
+    routed_remote_tokens: int = 0  # ... and of those the backend loads from its remote KV tier
     reported_prompt_tokens: int = 0  # from usage in the backend's replies
     reported_cached_tokens: int = 0
+    reported_cached_by_tier: dict[str, int] = field(default_factory=dict)  # kvreuse's usage extension
     failed_requests: int = 0
     server_metrics: dict[str, float] = field(default_factory=dict)
     # KV events (GET /v1/cache/events): "live" while the index follows them, "unavailable" when the
@@ -77,15 +96,17 @@ class Backend:
     def describe(self, estimated_cached_blocks: int) -> dict[str, Any]:
         return {
             "url": self.name, "healthy": self.load.healthy, "model": self.model_name,
-            "draft_digest": self.draft_digest,
+            "draft_digest": self.draft_digest, "kv_remote": self.kv_remote,
             "in_flight": self.load.in_flight, "queued_prefill_tokens": self.load.queued_prefill_tokens,
             "decoding": self.load.num_decoding, "kv_usage": self.load.kv_usage,
             "num_requests_running": self.server_metrics.get("kvreuse:num_requests_running"),
             "num_requests_waiting": self.load.num_waiting,
             "estimated_cached_blocks": estimated_cached_blocks, "capacity_blocks": self.capacity_blocks,
             "routed_requests": self.routed_requests, "routed_matched_tokens": self.routed_matched_tokens,
+            "routed_remote_tokens": self.routed_remote_tokens,
             "reported_prompt_tokens": self.reported_prompt_tokens,
-            "reported_cached_tokens": self.reported_cached_tokens, "failed_requests": self.failed_requests,
+            "reported_cached_tokens": self.reported_cached_tokens,
+            "reported_cached_by_tier": dict(self.reported_cached_by_tier), "failed_requests": self.failed_requests,
             "hit_rate": self.hit_rate, "kv_events": self.kv_events, "kv_events_applied": self.kv_events_applied,
             "kv_events_lost": self.kv_events_lost,
         }
@@ -99,7 +120,8 @@ class BackendPool:
                  probe_timeout_s: float = 2.0, on_down: Callable[[Backend], None] | None = None,
                  on_up: Callable[[Backend], None] | None = None, block_size: int = 16,
                  on_kv_events: Callable[[Backend, list[tuple[str, bytes]]], None] | None = None,
-                 on_kv_reset: Callable[[Backend], None] | None = None, api_key: str | None = None) -> None:
+                 on_kv_reset: Callable[[Backend], None] | None = None, api_key: str | None = None,
+                 on_card: Callable[[Backend], None] | None = None) -> None:
         if not urls:
             raise ValueError("backend: give at least one --backend URL")
         names = [url.rstrip("/") for url in urls]
@@ -118,6 +140,7 @@ class BackendPool:
         self._probe_timeout_s = probe_timeout_s
         self._on_down = on_down
         self._on_up = on_up
+        self._on_card = on_card  # after each model card read (remote group, draft, adapters may change)
 
     @property
     def loads(self) -> dict[str, BackendLoad]:
@@ -188,6 +211,13 @@ class BackendPool:
             logger.warning("backend %s caches blocks of %d tokens, the router hashes blocks of %d "
                            "(--block-size): its prefix matches will be off", backend.name, block_size,
                            self._block_size)
+        kv_remote = remote_group_of(card)
+        if kv_remote != backend.kv_remote:
+            logger.info("backend %s %s", backend.name, f"shares the remote KV tier {kv_remote}" if kv_remote
+                        else "has no remote KV tier")
+        backend.kv_remote = kv_remote
+        if self._on_card is not None:
+            self._on_card(backend)
 
     async def _read_kv_events(self, backend: Backend) -> None:
         """Apply the backend's KV events since the last read (a few pages at most per probe)."""

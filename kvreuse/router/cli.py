@@ -34,6 +34,11 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--miss-cost-weight", type=float, default=2.0,
                         help="weight of the uncached tokens in a backend's cost against its queued prefill "
                              "work (>= 1; higher keeps a prefix on fewer backends)")
+    parser.add_argument("--remote-hit-cost-weight", type=float, default=0.25,
+                        help="cost of a prompt token a backend loads from the remote KV tier it shares with "
+                             "others (same kv_remote in /v1/models), as a fraction of a miss (0..1)")
+    parser.add_argument("--remote-capacity-blocks", type=int, default=1 << 18,
+                        help="blocks the router remembers per shared remote KV tier (LRU)")
     parser.add_argument("--session-ttl", type=float, default=600.0, help="seconds a session stays sticky")
     parser.add_argument("--max-retries", type=int, default=2,
                         help="retries on another backend before the first byte (connection error, 429, 502-504)")
@@ -64,7 +69,9 @@ def run_route(args: argparse.Namespace) -> int:
         policy = PolicyConfig(policy=args.policy, block_size=args.block_size, max_load_ratio=args.max_load_ratio,
                               min_in_flight_for_guard=args.min_in_flight_for_guard, max_kv_usage=args.max_kv_usage,
                               decode_cost_tokens=args.decode_cost_tokens,
-                              miss_cost_weight=args.miss_cost_weight, session_ttl_s=args.session_ttl)
+                              miss_cost_weight=args.miss_cost_weight,
+                              remote_hit_cost_weight=args.remote_hit_cost_weight,
+                              remote_capacity_blocks=args.remote_capacity_blocks, session_ttl_s=args.session_ttl)
         config = RouterConfig(backends=tuple(args.backend), policy=policy, tokenizer=args.tokenizer,
                               default_capacity_blocks=args.backend_capacity_blocks, max_retries=args.max_retries,
                               retry_backoff_s=args.retry_backoff,

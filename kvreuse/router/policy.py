@@ -6,6 +6,14 @@ same keys the engines compute) of the prompts the router sent there, in an LRU b
 backend's KV capacity in blocks: the router's belief of what each backend has cached. A prompt's keys
 are per backend where the backends' namespaces differ (`RouteRequest.keys_for`): a backend with a
 speculative draft keys every block with the draft's digest too.
+
+Backends that share a remote KV tier (the same Redis database and model fingerprint, from their
+/v1/models card's ``kv_remote``) form a remote group: every block one of them computes is written to
+the remote, so the router keeps a second index per group (`Router.remote_index`, an LRU of
+``remote_capacity_blocks``). A backend's cost counts the blocks it holds itself as free, the run of
+blocks after them that its group's remote holds as ``remote_hit_cost_weight`` of a miss (loading
+them is cheaper than computing, dearer than a device hit) and the rest as misses. A backend that
+fails loses its own index entries, never its group's: the remote still holds what it wrote.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ class BackendBlockIndex:
 
     def capacity(self, backend: str) -> int:
         return self._capacity[backend]
+
+    def has_backend(self, backend: str) -> bool:
+        return backend in self._capacity
 
     def num_blocks(self, backend: str) -> int:
         return len(self._blocks.get(backend, ()))
@@ -119,6 +130,11 @@ class PolicyConfig:
     # the queue of every later request on that backend. With 1, a request whose prefix is still being
     # prefilled on backend A goes to an idle backend B and computes the whole prefix again.
     miss_cost_weight: float = 2.0
+    # A token a backend loads from the remote KV tier its group shares costs this fraction of a miss
+    # (0: as free as a device hit; 1: as dear as computing it).
+    remote_hit_cost_weight: float = 0.25
+    # Blocks the router remembers per remote group (an LRU; the remote itself may hold more or fewer).
+    remote_capacity_blocks: int = 1 << 18
     session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -134,6 +150,10 @@ class PolicyConfig:
             raise ValueError(f"min_in_flight_for_guard must be >= 0, got {self.min_in_flight_for_guard}")
         if not self.miss_cost_weight >= 1.0:
             raise ValueError(f"miss_cost_weight must be >= 1.0, got {self.miss_cost_weight}")
+        if not 0.0 <= self.remote_hit_cost_weight <= 1.0:
+            raise ValueError(f"remote_hit_cost_weight must be in [0, 1], got {self.remote_hit_cost_weight}")
+        if self.remote_capacity_blocks < 1:
+            raise ValueError(f"remote_capacity_blocks must be >= 1, got {self.remote_capacity_blocks}")
         if self.decode_cost_tokens < 0:
             raise ValueError(f"decode_cost_tokens must be >= 0, got {self.decode_cost_tokens}")
         if not self.session_ttl_s > 0:
@@ -157,9 +177,12 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouteDecision:
     backend: str
-    matched_blocks: int
-    uncached_tokens: int
-    reason: str  # "cache", "session", "spill" (a guard skipped a better backend), "round-robin", "least-loaded", "fallback"
+    matched_blocks: int  # leading blocks the backend holds itself
+    uncached_tokens: int  # prompt tokens it must compute (neither held nor in its remote group)
+    # "cache", "remote" (part of the prompt comes from the remote tier the backend shares), "session",
+    # "spill" (a guard skipped a better backend), "round-robin", "least-loaded", "fallback"
+    reason: str
+    remote_blocks: int = 0  # blocks after ``matched_blocks`` the backend's remote group holds
 
 
 @dataclass
@@ -178,6 +201,29 @@ class Router:
     _round_robin: itertools.count = field(default_factory=itertools.count)
     # backend -> block key -> requests in flight there whose prompt holds that block
     _in_flight_blocks: dict[str, Counter[bytes]] = field(default_factory=dict)
+    # Remote groups: group id -> the blocks its backends wrote there (keyed like BackendBlockIndex's
+    # backends); backend -> its group.
+    remote_index: BackendBlockIndex = field(default_factory=BackendBlockIndex)
+    _remote_groups: dict[str, str] = field(default_factory=dict)
+
+    def set_remote_group(self, backend: str, group: str | None) -> None:
+        """``backend`` shares the remote KV tier ``group`` (its card's url digest and fingerprint), or
+        none. The group's index outlives its members: the remote keeps what they wrote."""
+        if group is None:
+            self._remote_groups.pop(backend, None)
+            return
+        self._remote_groups[backend] = group
+        if not self.remote_index.has_backend(group):
+            self.remote_index.add_backend(group, self.config.remote_capacity_blocks)
+
+    def remote_group(self, backend: str) -> str | None:
+        return self._remote_groups.get(backend)
+
+    def record_remote(self, backend: str, keys: Sequence[bytes]) -> None:
+        """``backend`` computed these blocks (a KV event): its remote group holds them now too."""
+        group = self._remote_groups.get(backend)
+        if group is not None and keys:
+            self.remote_index.record(group, keys)
 
     def choose(self, request: RouteRequest, loads: Mapping[str, BackendLoad], now: float,
                exclude: Iterable[str] = ()) -> RouteDecision:
@@ -207,7 +253,9 @@ class Router:
                                               self.index.num_blocks(n), order[n]))
         best_anywhere = max(self.index.matched_blocks(n, request.keys_for(n)) for n in healthy)
         reason = "fallback" if not allowed else "cache"
-        if allowed and self.index.matched_blocks(name, request.keys_for(name)) < best_anywhere:
+        if allowed and self._remote_blocks(request, name) > 0:
+            reason = "remote"
+        elif allowed and self.index.matched_blocks(name, request.keys_for(name)) < best_anywhere:
             reason = "spill"
         if policy == "session" and request.session_id is not None:
             self._sessions[request.session_id] = _Session(name, now + self.config.session_ttl_s)
@@ -218,6 +266,7 @@ class Router:
         ``record_finished``."""
         keys = request.keys_for(backend)
         self.index.record(backend, keys)
+        self.record_remote(backend, keys)  # its engine writes each computed block through to the remote
         self._in_flight_blocks.setdefault(backend, Counter()).update(keys)
 
     def record_finished(self, backend: str, request: RouteRequest) -> None:
@@ -277,14 +326,36 @@ class Router:
         return allowed
 
     def _cost(self, request: RouteRequest, name: str, load: BackendLoad) -> float:
-        uncached = self._uncached_tokens(request, name)
-        return (load.queued_prefill_tokens + self.config.miss_cost_weight * uncached
-                + self.config.decode_cost_tokens * load.num_decoding)
+        """Queued prefill work, plus this prompt's misses (weighted) and remote hits (a fraction of a
+        miss), plus the decoding requests; tokens the backend holds itself cost nothing."""
+        config = self.config
+        uncached, remote = self._split(request, name)
+        return (load.queued_prefill_tokens
+                + config.miss_cost_weight * (uncached + config.remote_hit_cost_weight * remote)
+                + config.decode_cost_tokens * load.num_decoding)
+
+    def _remote_blocks(self, request: RouteRequest, name: str) -> int:
+        """Blocks right after what ``name`` holds that its remote group holds (the engine looks the
+        tiers up after its device match, for a contiguous run)."""
+        group = self._remote_groups.get(name)
+        if group is None:
+            return 0
+        keys = request.keys_for(name)
+        matched = self.index.matched_blocks(name, keys)
+        return self.remote_index.matched_blocks(group, keys[matched:])
+
+    def _split(self, request: RouteRequest, name: str) -> tuple[int, int]:
+        """(uncached tokens, tokens from the remote tier) of ``request`` on ``name``."""
+        block_size = self.config.block_size
+        prompt = request.num_prompt_tokens
+        held = min(self.index.matched_blocks(name, request.keys_for(name)) * block_size, prompt)
+        reused = min(held + self._remote_blocks(request, name) * block_size, prompt)
+        return prompt - reused, reused - held
 
     def _uncached_tokens(self, request: RouteRequest, name: str) -> int:
-        matched = self.index.matched_blocks(name, request.keys_for(name))
-        return max(request.num_prompt_tokens - matched * self.config.block_size, 0)
+        return self._split(request, name)[0]
 
     def _decision(self, request: RouteRequest, name: str, reason: str) -> RouteDecision:
         matched = self.index.matched_blocks(name, request.keys_for(name))
-        return RouteDecision(name, matched, self._uncached_tokens(request, name), reason)
+        return RouteDecision(name, matched, self._uncached_tokens(request, name), reason,
+                             self._remote_blocks(request, name))

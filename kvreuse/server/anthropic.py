@@ -153,12 +153,19 @@ def _stop_reason(output: RequestOutput) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _usage(output: RequestOutput, last_breakpoint: int, output_tokens: int) -> dict[str, int]:
+def _usage(output: RequestOutput, last_breakpoint: int, output_tokens: int) -> dict[str, Any]:
     prompt = len(output.prompt_token_ids)
     read = output.num_cached_tokens
     creation = max(0, min(last_breakpoint, prompt) - read)
-    return {"input_tokens": prompt - read - creation, "cache_creation_input_tokens": creation,
-            "cache_read_input_tokens": read, "output_tokens": output_tokens}
+    usage: dict[str, Any] = {"input_tokens": prompt - read - creation, "cache_creation_input_tokens": creation,
+                             "cache_read_input_tokens": read, "output_tokens": output_tokens}
+    if output.cached_tokens_by_tier is not None:  # KV tiers: where cache_read_input_tokens came from
+        usage[CACHE_READ_BY_TIER_FIELD] = dict(output.cached_tokens_by_tier)
+    return usage
+
+
+# kvreuse's extension of the Messages usage object (only with KV tiers), as the OpenAI routes' one.
+CACHE_READ_BY_TIER_FIELD = "kvreuse_cache_read_input_tokens_by_tier"
 
 
 def _sse(event: str, data: dict) -> bytes:

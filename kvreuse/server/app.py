@@ -31,7 +31,7 @@ from kvreuse.lora.request import LoRARequest
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import APIError, bad_request, internal_error, model_not_found, unavailable
-from kvreuse.server.protocol import TokenTexts, model_card
+from kvreuse.server.protocol import TokenTexts, model_card, remote_url_digest
 
 logger = logging.getLogger("kvreuse.server")
 
@@ -252,4 +252,10 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     draft_digest = state.llm_engine.draft_digest
     if draft_digest is not None:  # speculative decoding: part of every cache namespace (kvreuse route keys with it)
         card["draft_digest"] = draft_digest
+    remote_url = state.llm_engine.config.cache.kv_remote_url
+    store = state.llm_engine.tier_store
+    if remote_url and store is not None:
+        # A remote KV tier: servers showing the same pair read each other's blocks (kvreuse route groups
+        # them). Only a digest of the URL without its password: the card is open to every tenant.
+        card["kv_remote"] = {"url_digest": remote_url_digest(remote_url), "fingerprint": store.fingerprint}
     return card

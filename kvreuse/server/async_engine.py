@@ -103,7 +103,10 @@ class AsyncEngine:
         self.tokenizer = Tokenizer(engine.tokenizer.path)
         self.inputs = InputProcessor(self.tokenizer, engine.max_model_len, engine.model_config.vocab_size)
         self._outputs = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(engine.model_name, lambda: self.stats)
+        # Tier counters are read live (TieredStore.snapshot takes the store's lock): its writer thread
+        # keeps counting after the step that queued the blocks.
+        self.metrics = ServerMetrics(engine.model_name, lambda: self.stats,
+                                     engine.tier_store.snapshot if engine.tier_store is not None else None)
         # Replaced whole after every iteration; readers on other threads see one consistent snapshot.
         self.stats: EngineStats = engine.stats()
         self._stats_logger = PeriodicStatsLogger(stats_log_interval_s, logger, self.stats)
@@ -120,12 +123,30 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop (requests still in flight are aborted) and wait for the thread."""
+        """Stop the loop (requests still in flight are aborted), wait for the thread, then wait for the
+        KV tier writes still queued (disk, remote) so a clean exit loses none of the computed blocks."""
         if self._thread is None:
             return
         self._inbox.put(_Stop())
         self._thread.join(timeout_s)
         self._thread = None
+        self.flush_tiers()
+
+    def flush_tiers(self) -> None:
+        """Wait for the background tier writer to store every queued block (bounded: each Redis write
+        times out, and a Redis that failed is skipped for a while). Safe from any thread: it touches the
+        store's queue only."""
+        store = self.engine.tier_store
+        if store is None:
+            return
+        started = time.monotonic()
+        try:
+            self.engine.flush_tiers()
+        except Exception:  # an exit must still complete
+            logger.exception("flushing the KV tiers failed")
+            return
+        logger.info("KV tiers flushed in %.2f s (%s)", time.monotonic() - started,
+                    ", ".join(tier.name for tier in store.tiers))
 
     @property
     def is_running(self) -> bool:

@@ -1,4 +1,5 @@
-"""Cache administration routes: pins (tenant-scoped), the KV event log (admin), the cache reset (admin).
+"""Cache administration routes: pins (tenant-scoped), the KV event log (admin), the cache reset (admin;
+which tiers it clears: ``?tiers=device,host,disk,remote``, the device pool alone by default).
 
 Where keys are configured a tenant sees and deletes only its own pins (an admin key sees all), and
 reading the KV event log (every tenant's block keys; kvreuse route follows it) or flushing the
@@ -7,6 +8,7 @@ prefix cache needs an admin key.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -64,14 +66,51 @@ def cache_router(state: ServerState) -> APIRouter:
         # It flushes every tenant's cache: an admin action whenever keys are configured.
         state.require_admin(request, "resetting the prefix cache")
         state.check_accepting()
-        freed_blocks = await state.engine.call(lambda engine: engine.reset_prefix_cache())
-        logger.info("prefix cache reset: %d idle blocks freed", freed_blocks)
-        return JSONResponse({"freed_blocks": freed_blocks})
+        tiers = await _reset_tiers(request)
+        freed_blocks = await state.engine.call(lambda engine: engine.reset_prefix_cache(tiers))
+        logger.info("prefix cache reset (%s): %d idle blocks / entries freed", ", ".join(tiers), freed_blocks)
+        return JSONResponse({"freed_blocks": freed_blocks, "tiers": list(tiers)})
 
     return router
 
 
 KV_EVENTS_PAGE = 4096  # most events one /v1/cache/events reply carries
+KV_TIERS = ("device", "host", "disk", "remote")  # what POST /reset_prefix_cache may clear
+
+
+async def _reset_tiers(request: Request) -> tuple[str, ...]:
+    """The tiers a reset clears: ``?tiers=device,disk`` or a JSON body ``{"tiers": ["device", "disk"]}``
+    (or ``"device,disk"``); the device pool alone by default. An unknown name is a 400 naming ``tiers``;
+    a known tier this server does not have is nothing to clear."""
+    raw: Any = request.query_params.get("tiers")
+    if raw is None:
+        body = await request.body()
+        if body.strip():
+            try:
+                document = json.loads(body)
+            except ValueError:
+                raise bad_request("the body must be a JSON object such as {\"tiers\": [\"device\", \"disk\"]}",
+                                  param="tiers") from None
+            if not isinstance(document, dict) or set(document) - {"tiers"}:
+                raise bad_request("the body may only hold \"tiers\": a list of tier names or one "
+                                  "comma-separated string", param="tiers")
+            raw = document.get("tiers")
+    if raw is None:
+        return ("device",)
+    if isinstance(raw, str):
+        names = [name.strip() for name in raw.split(",")]
+    elif isinstance(raw, list) and all(isinstance(name, str) for name in raw):
+        names = [name.strip() for name in raw]
+    else:
+        raise bad_request("tiers must be a list of tier names or a comma-separated string", param="tiers")
+    names = [name for name in names if name]
+    if not names:
+        raise bad_request(f"tiers is empty: name at least one of {', '.join(KV_TIERS)}", param="tiers")
+    unknown = [name for name in names if name not in KV_TIERS]
+    if unknown:
+        raise bad_request(f"unknown tier(s) {', '.join(map(repr, unknown))} in tiers; tiers are "
+                          f"{', '.join(KV_TIERS)}", param="tiers")
+    return tuple(dict.fromkeys(names))
 
 
 def _query_int(request: Request, name: str, default: int, minimum: int, maximum: int | None) -> int:

@@ -5,7 +5,9 @@ apps in one process never share counters). Engine totals (cache queries and hits
 preemptions, evictions, running / waiting, KV usage) are read from the latest `EngineStats` snapshot
 when Prometheus scrapes; per-request latencies are histograms the engine loop observes as outputs
 come out of the engine. With speculative decoding the engine's draft counters are exported too
-(``kvreuse:spec_decode_*``, vLLM's ``vllm:spec_decode_*``); without it they are absent.
+(``kvreuse:spec_decode_*``, vLLM's ``vllm:spec_decode_*``); without it they are absent. With KV tiers
+(host, disk, remote) their counters are exported with a ``tier`` label (``kvreuse:kv_tier_*``);
+without tiers they are absent.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,10 +34,28 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 
                45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
 
-class ServerMetrics:
-    """The server's Prometheus registry. ``engine_stats`` returns the latest engine snapshot."""
+# The reasons kvreuse.cache.tiers.record gives for a refused record: present at 0 from the start (a
+# reason not listed here still shows up once it happens).
+VERIFY_FAILURE_REASONS = ("format", "fingerprint", "key", "tokens", "layout", "checksum")
+# (metric name, key in EngineStats.tiers[tier], help) of the per-tier KV counters.
+_TIER_COUNTERS = (
+    ("kv_tier_queries", "queries", "Blocks looked up in a KV tier (a lookup stops at the first miss)."),
+    ("kv_tier_hits", "hits", "Blocks loaded from a KV tier into the device pool."),
+    ("kv_tier_hit_bytes", "hit_bytes", "Bytes of KV loaded from a tier into the device pool."),
+    ("kv_tier_stores", "stores", "Blocks written to a KV tier."),
+    ("kv_tier_store_bytes", "store_bytes", "Bytes written to a KV tier (records with their headers)."),
+    ("kv_tier_load_seconds", "load_seconds", "Seconds spent reading a KV tier (lookups, on the engine thread)."),
+    ("kv_tier_store_seconds", "store_seconds", "Seconds spent writing a KV tier (the background writer)."),
+)
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+
+class ServerMetrics:
+    """The server's Prometheus registry. ``engine_stats`` returns the latest engine snapshot;
+    ``tier_stats`` (with KV tiers) returns the tiers' counters now: the background writer updates them
+    after the engine step that queued the blocks, so the step's snapshot would lag while the engine idles."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
+                 tier_stats: Callable[[], dict[str, dict[str, Any]] | None] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -66,7 +87,7 @@ class ServerMetrics:
             f"{PREFIX}lora_requests", "Generation requests by the LoRA adapter they ran with ('' = base model).",
             [*labels, "lora_name"], registry=self.registry,
         )
-        self.registry.register(_EngineStatsCollector(model_name, engine_stats))
+        self.registry.register(_EngineStatsCollector(model_name, engine_stats, tier_stats))
 
     def request_started(self, lora_name: str | None) -> None:
         self._lora_requests.labels(self.model_name, lora_name or "").inc()
@@ -82,9 +103,11 @@ class ServerMetrics:
 class _EngineStatsCollector:
     """Engine counters and gauges, read from the snapshot at scrape time."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
+                 tier_stats: Callable[[], dict[str, dict[str, Any]] | None] | None = None) -> None:
         self._model_name = model_name
         self._engine_stats = engine_stats
+        self._tier_stats = tier_stats
 
     def collect(self) -> Iterable[Metric]:
         stats = self._engine_stats()
@@ -114,6 +137,29 @@ class _EngineStatsCollector:
             yield family
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode)
+        tiers = self._tier_stats() if self._tier_stats is not None else stats.tiers
+        if tiers is not None:
+            yield from self._kv_tiers(tiers)
+
+    def _kv_tiers(self, tiers: dict[str, dict[str, Any]]) -> Iterable[Metric]:
+        """Per-tier counters of the KV tiers behind the device pool (label ``tier``: host, disk, remote),
+        from one consistent copy (``TieredStore.snapshot``, as in ``EngineStats.tiers``)."""
+        for name, key, documentation in _TIER_COUNTERS:
+            family = CounterMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name", "tier"])
+            for tier, counts in tiers.items():
+                family.add_metric([self._model_name, tier], counts.get(key, 0))
+            yield family
+        family = CounterMetricFamily(
+            f"{PREFIX}kv_tier_verify_failures",
+            "Stored blocks refused when read back, by tier and reason (format, fingerprint, key, tokens, layout, "
+            "checksum); each is served as a miss and dropped from its tier.",
+            labels=["model_name", "tier", "reason"],
+        )
+        for tier, counts in tiers.items():
+            failures = counts.get("verify_failures") or {}
+            for reason in dict.fromkeys((*VERIFY_FAILURE_REASONS, *failures)):
+                family.add_metric([self._model_name, tier, reason], failures.get(reason, 0))
+        yield family
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterable[Metric]:
         """vLLM's spec_decode counters. The engine thread updates ``spec`` while this reads it: the

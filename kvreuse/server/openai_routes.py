@@ -32,7 +32,7 @@ from kvreuse.server.async_engine import EngineError
 from kvreuse.server.errors import bad_request, internal_error
 from kvreuse.server.protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
-    completion_logprobs, dumps, parse_request, sse_event, usage,
+    completion_logprobs, dumps, parse_request, sse_event, sum_cached_by_tier, usage,
 )
 from kvreuse.system_prompt import system_prompt_pin
 
@@ -429,7 +429,8 @@ def _finish_reason(completion: CompletionOutput) -> str:
 def _usage(generation: _Generation, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
     completion_tokens = sum(len(c.token_ids) for output in outputs.values() for c in output.outputs)
     cached_tokens = sum(output.num_cached_tokens for output in outputs.values())
-    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens)
+    by_tier = sum_cached_by_tier(output.cached_tokens_by_tier for output in outputs.values())
+    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens, by_tier)
 
 
 def _full_response(state: ServerState, generation: _Generation, finals: dict[int, RequestOutput]) -> dict[str, Any]:

@@ -11,9 +11,10 @@ Responses are plain dicts serialised once with compact separators, the byte form
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -279,13 +280,44 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + dumps(payload) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+# kvreuse's extension of usage.prompt_tokens_details (only with KV tiers): cached_tokens split by tier.
+CACHED_BY_TIER_FIELD = "kvreuse_cached_tokens_by_tier"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          cached_by_tier: dict[str, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with KV tiers, ``prompt_tokens_details`` also splits ``cached_tokens`` by
+    the tier the tokens came from (``{"device": .., "host": .., "disk": .., "remote": ..}``, the tiers
+    the server has; they add up to ``cached_tokens``)."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if cached_by_tier is not None:
+        details[CACHED_BY_TIER_FIELD] = cached_by_tier
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
+
+
+def sum_cached_by_tier(splits: Iterable[dict[str, int] | None]) -> dict[str, int] | None:
+    """The per-tier cached tokens of several outputs added up (None when the server has no tiers)."""
+    total: dict[str, int] | None = None
+    for split in splits:
+        if split is None:
+            continue
+        total = total if total is not None else {}
+        for tier, tokens in split.items():
+            total[tier] = total.get(tier, 0) + tokens
+    return total
+
+
+def remote_url_digest(url: str) -> str:
+    """BLAKE2b (32 hex digits) of a remote tier URL without its password: servers on the same Redis
+    database show the same digest, and the card never carries the URL or anything of its password."""
+    from kvreuse.engine_args import redact_url
+
+    return hashlib.blake2b(redact_url(url, mask="").encode(), digest_size=16).hexdigest()
 
 
 def _finite(logprob: float) -> float:

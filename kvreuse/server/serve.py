@@ -4,7 +4,9 @@ uvicorn's own signal handling would stop accepting connections at once and then 
 signal (exit status -15). Here the first SIGTERM / SIGINT starts a drain instead: requests in
 flight run to completion, new ones get a 503 (the socket stays open so clients get a clear answer,
 not a refused connection), and once nothing is in flight (or ``--drain-timeout`` passed) uvicorn
-shuts down and the process exits 0. A second signal stops waiting.
+shuts down, the engine loop stops, the KV blocks still queued for the disk and remote tiers are
+written (``AsyncEngine.shutdown`` flushes them), and the process exits 0. A second signal stops
+waiting for requests (the flush still runs; each Redis write is bounded by its timeout).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import uvicorn
 from kvreuse.lora.request import LoRARequest
 
 if TYPE_CHECKING:
+    from kvreuse.config import CacheConfig
     from kvreuse.engine import LLMEngine
     from kvreuse.server.app import ServerState
 
@@ -105,6 +108,9 @@ def run_server(args: argparse.Namespace) -> int:
                 if speculative is not None else "",
                 f"; {len(api_keys)} API key(s), {len(admin_keys)} admin key(s)"
                 f"{', tenants isolated' if args.isolate_tenants else ''}" if api_keys or admin_keys else "")
+    if llm.engine.tier_store is not None:
+        logger.info("KV tiers: %s; model fingerprint %s (pending tier writes are flushed at exit)",
+                    describe_tiers(llm.engine.config.cache), llm.engine.tier_store.fingerprint)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=30, lifespan="off",
@@ -117,6 +123,20 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def describe_tiers(cache_config: CacheConfig) -> str:
+    """The KV tiers for the start-up log, the remote URL without its password."""
+    from kvreuse.engine_args import redact_url
+
+    parts = []
+    if cache_config.kv_host_memory:
+        parts.append(f"host {cache_config.kv_host_memory / 2**30:.2f} GiB")
+    if cache_config.kv_disk_dir:
+        parts.append(f"disk {cache_config.kv_disk_dir} ({cache_config.kv_disk_size / 2**30:.2f} GiB)")
+    if cache_config.kv_remote_url:
+        parts.append(f"remote {redact_url(cache_config.kv_remote_url)}")
+    return ", ".join(parts) or "none"
 
 
 def parse_lora_modules(specs: list[str]) -> list[LoRARequest]:
