@@ -40,18 +40,20 @@ class HostTier:
                 found.append(record)
             return found
 
-    def put(self, key: bytes, record: bytes) -> None:
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Keep ``record``; False when it was not stored (larger than the whole tier)."""
         if len(record) > self.capacity_bytes:
-            return
+            return False
         with self._lock:
             if key in self._records:
                 self._records.move_to_end(key)
-                return
+                return True
             self._records[key] = record
             self.num_bytes += len(record)
             while self.num_bytes > self.capacity_bytes:
                 _, dropped = self._records.popitem(last=False)
                 self.num_bytes -= len(dropped)
+            return True
 
     def delete(self, key: bytes) -> None:
         with self._lock:
@@ -123,13 +125,14 @@ class DiskTier:
             found.append(record)
         return found
 
-    def put(self, key: bytes, record: bytes) -> None:
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Write ``record`` (atomically); False when it was not stored (larger than the whole tier)."""
         with self._lock:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
-                return
+                return True
         if len(record) > self.capacity_bytes:
-            return
+            return False
         path = self._path(key)
         temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         with open(temporary, "wb") as handle:
@@ -139,6 +142,7 @@ class DiskTier:
             self._sizes[key] = len(record)
             self.num_bytes += len(record)
             self._make_room()
+            return key in self._sizes
 
     def _make_room(self) -> None:
         for key in list(self._sizes):
@@ -214,13 +218,16 @@ class RedisTier:
             self._failed()
             return [None] * len(keys)
 
-    def put(self, key: bytes, record: bytes) -> None:
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Store ``record``; False while Redis is away (nothing is retried: the block is just not there)."""
         if not self.available:
-            return
+            return False
         try:
             self.client.set(self.prefix + key.hex().encode(), record)
+            return True
         except self._errors:
             self._failed()
+            return False
 
     def delete(self, key: bytes) -> None:
         if not self.available:

@@ -32,7 +32,7 @@ class Tier(Protocol):
     name: str
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
-    def put(self, key: bytes, record: bytes) -> None: ...
+    def put(self, key: bytes, record: bytes) -> bool: ...
     def delete(self, key: bytes) -> None: ...
     def clear(self) -> int: ...
 
@@ -126,9 +126,13 @@ class TieredStore:
     def evicted(self, block: BlockRef, payload: bytes) -> None:
         """A block the device pool gave up: keep it in the host tier (if there is one)."""
         host = self.tier("host")
-        if host is not None:
-            host.put(block.key, record.encode(self.fingerprint, block.key, block.namespace, block.tokens,
-                                              self.layout, payload))
+        if host is None:
+            return
+        data = record.encode(self.fingerprint, block.key, block.namespace, block.tokens, self.layout, payload)
+        if host.put(block.key, data):
+            with self._lock:
+                self.stats["host"].stores += 1
+                self.stats["host"].store_bytes += len(data)
 
     def _write_loop(self) -> None:
         while True:
@@ -140,9 +144,11 @@ class TieredStore:
                 for tier in self._write_through:
                     started = time.perf_counter()
                     try:
-                        tier.put(key, data)
+                        stored = tier.put(key, data)
                     except OSError:
-                        continue  # a full or read-only disk: the block is simply not stored there
+                        stored = False  # a full or read-only disk: the block is simply not stored there
+                    if not stored:
+                        continue
                     with self._lock:
                         stats = self.stats[tier.name]
                         stats.stores += 1
