@@ -351,3 +351,28 @@ def test_bad_speculative_configs_and_drafts_fail_with_the_reason(drafts, tmp_pat
     # Not an EAGLE folder at all: the target itself.
     with pytest.raises(ValueError, match="not an EAGLE draft"):
         make_llm(target, target, 2)
+
+
+def test_disk_tier_keeps_the_draft_kv_with_the_target_kv(drafts, tmp_path):
+    """A block stored on disk by a speculative engine holds the draft's K/V and features too: a second
+    engine (a restart) loads them and ends up with the draft state a cold run computes."""
+    target, draft = drafts["target"], drafts["random"]
+    prompt = prompt_ids(130, 26)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = make_llm(target, draft, 2, kv_disk_dir=str(tmp_path / "disk")).engine
+    [cold] = run_checked(first, [prompt], params, prefix="d1-")
+    first.flush_tiers()
+    second = make_llm(target, draft, 2, kv_disk_dir=str(tmp_path / "disk")).engine
+    [warm] = run_checked(second, [prompt], params, prefix="d2-")
+    assert warm.cached_tokens_by_tier == {"device": 0, "disk": 24}
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    sequence = prompt + warm.outputs[0].token_ids
+    warm_kv, warm_features, blocks = _draft_state(second, sequence)
+    cold_kv, cold_features, _ = _draft_state(first, sequence)
+    assert blocks >= 6
+    torch.testing.assert_close(warm_kv, cold_kv, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(warm_features, cold_features, rtol=1e-4, atol=1e-5)
+    # An engine without the draft (or with another) has another fingerprint: no hit on those files.
+    plain = make_llm(target, kv_disk_dir=str(tmp_path / "disk")).engine
+    [other] = run_checked(plain, [prompt], params, prefix="d3-")
+    assert other.num_cached_tokens == 0
