@@ -123,7 +123,8 @@ def main() -> int:
                         assert by_tier[name] >= args.prefix_tokens - 16, (name, by_tier)
                 times.setdefault(name, []).append(seconds)
                 llm.engine.flush_tiers()
-            # For the restart: a prefix computed here (written through to disk), read by a new process.
+        for _ in range(args.repeats):
+            # For the restart: prefixes computed here (written through to disk), read by a new process.
             fresh = tokens(args.prefix_tokens)
             first_token(fresh + tokens(SUFFIX_TOKENS))
             restart_prompts.append(fresh + tokens(SUFFIX_TOKENS))
