@@ -41,6 +41,7 @@ def _commands() -> list[Command]:
     from kvreuse.demo import add_demo_arguments, run_demo
     from kvreuse.models.make import add_make_model_arguments, run_make_model
     from kvreuse.router.cli import add_route_arguments, run_route
+    from kvreuse.spec.distill import add_distill_arguments, run_distill
 
     return [
         Command("demo", "requests sharing a long system prompt: cold vs warm TTFT", add_demo_arguments, run_demo),
@@ -49,6 +50,8 @@ def _commands() -> list[Command]:
         Command("serve", "OpenAI-compatible HTTP server (FastAPI on uvicorn)", _add_serve_arguments, _run_serve),
         Command("run", "run a batch file of requests (system prompt cache format)", add_run_arguments, run_command),
         Command("route", "prefix-aware router in front of several servers", add_route_arguments, run_route),
+        Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)",
+                add_distill_arguments, run_distill),
     ]
 
 
