@@ -470,7 +470,8 @@ class LLMEngine:
         accepted = {id(item.request): result.num_accepted for item, result in zip(sampling, results)}
         for item, result in zip(sampling, results):  # before advance: the block keys need the accepted tokens
             self._append_tokens(item.request, result, now)
-        self.scheduler.advance(scheduled.scheduled, [
+        # In the batch's order (sorted by adapter with LoRA), each count with its own request.
+        self.scheduler.advance([ScheduledRequest(item.request, item.num_tokens) for item in items], [
             item.num_tokens - len(item.draft_token_ids) + accepted.get(id(item.request), 0) for item in items])
         self._create_due_pins(scheduled.scheduled, wall_now)
         touched: dict[str, _Group] = {}
