@@ -63,7 +63,7 @@ BIN_DIR = str(Path(sys.executable).parent)  # the interpreter's bin: its python 
 COMMAND_TIMEOUT_S = 480
 HEALTH_TIMEOUT_S = 120
 MAX_PARALLEL_RUNS = 3
-HELP_COMMANDS = ("demo", "make-model", "serve", "run", "route", "bench serve", "bench compare")
+HELP_COMMANDS = ("demo", "make-model", "distill-eagle", "serve", "run", "route", "bench serve", "bench compare")
 
 # --- How each documented command is run --------------------------------------------------------------------
 
@@ -77,6 +77,7 @@ SCRIPT = "script"  # python benchmarks/X.py as typed with KVREUSE_BENCH_SMOKE=1;
 SERVE = "serve"  # in the background as typed: /health, one openai SDK request, SIGTERM, exit 0
 BENCH_SERVE = "bench-serve"  # against the server started before it in its block, else a helper; files checked
 ROUTE = "route"  # helper backends on the typed ports, the router as typed, a request through it, SIGTERM
+DISTILL = "distill"  # kvreuse distill-eagle as typed on the fixture model; the draft it writes loads and drafts
 
 SMOLLM_COMPARE = ("kvreuse bench compare --model models/smollm2-135m-v2384 --temperature 1 --seed 0 "
                   "--max-concurrency {concurrency} --workload {workload} {options} --out {name}.json "
@@ -88,10 +89,14 @@ COMMANDS: dict[str, str] = {
     "pip install -e .": CI_INSTALL,
     "kvreuse demo": DEMO,
     'pip install -e ".[test]"': CI_INSTALL,
+    "apt-get update": CI_INSTALL,
+    "apt-get install -y redis-server": CI_INSTALL,
     "python -m pytest": CI_PYTEST,
     "kvreuse make-model ./tiny --preset tiny --arch qwen3 --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./qwen05 --preset qwen2.5-0.5b": MAKE_MODEL,
     "kvreuse make-model ./llama8b --preset llama-3-8b": MAKE_MODEL,
+    "kvreuse make-model ./tiny --preset tiny --dtype float32 --eagle-draft ./tiny-draft": MAKE_MODEL,
+    "kvreuse distill-eagle ./tiny ./tiny-draft": DISTILL,
     "kvreuse serve --model ./qwen05 --dtype bfloat16 --kv-cache-memory 2GiB --port 8000 --api-key KEY_A "
     "--api-key KEY_B --admin-key ADMIN_KEY --isolate-tenants": SERVE,
     "kvreuse run requests.json --model ./qwen05 --output results.json": BATCH,
@@ -147,6 +152,10 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_server_overhead.py --preset tiny --dtype float32 --device cpu": SCRIPT,
     "python benchmarks/bench_server_overhead.py --preset smollm2-135m --device cpu": SCRIPT,
     "python -m pytest tests/test_server_units.py tests/test_server.py": CI_PYTEST,
+    "python benchmarks/bench_spec.py --preset smollm2-135m --dtype float32": SCRIPT,
+    "python benchmarks/bench_tiers.py --preset qwen2.5-0.5b --dtype float32": SCRIPT,
+    "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
+    "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
 }
 
 # What each benchmark script prints when its table is there (a smoke run prints the same table).
@@ -159,6 +168,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
                         r"shared-prefix/cache-aware\s+\S", r"shared-prefix/round-robin\s+\S"),
     "bench_server_overhead.py": (r"client TTFT\s+median", r"engine TTFT\s+median", r"overhead\s+median\s+\S"),
     "bench_lora.py": (r"layout\s+output tok/s", r"4 adapters\s+\S", r"warm TTFT"),
+    "bench_tiers.py": (r"source\s+TTFT ms\s+/ cold", r"disk\s+\d", r"restart \(disk\)\s+\d"),
+    "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
 }
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 
@@ -429,6 +440,12 @@ class Workspace:
                 target = path / name
                 if not target.exists():  # a real copy: the server keeps adapters inside --lora-dir
                     shutil.copytree(self.adapter, target)
+            for name in draft_folders(text):  # the EAGLE draft a --speculative-config names: a random one
+                target = path / name
+                if not target.exists():
+                    from kvreuse.spec.make_draft import make_random_draft
+
+                    make_random_draft(self.model, target)
         return path
 
 
@@ -436,8 +453,10 @@ def named_folders(text: str) -> tuple[set[str], set[str]]:
     """Model folders (--model / --tokenizer values) and adapter folders (--lora-modules NAME=PATH) a
     command names; bench serve's --model is a served name and make-model's folder its output."""
     argv = kvreuse_words(argv_of(text))
-    if argv[:2] == ["kvreuse", "make-model"] or "pip" in argv[:1]:
+    if argv[:2] == ["kvreuse", "make-model"] or "pip" in argv[:1] or "apt-get" in argv[:1]:
         return set(), set()
+    if argv[:2] == ["kvreuse", "distill-eagle"]:  # TARGET_DIR OUT_DIR: the target is a model folder
+        return {os.path.normpath(argv[2])}, set()
     models = set(option_values(argv, "--tokenizer"))
     if argv[:3] != ["kvreuse", "bench", "serve"]:
         models.update(option_values(argv, "--model"))
@@ -449,6 +468,16 @@ def named_folders(text: str) -> tuple[set[str], set[str]]:
             adapters.add(word.split("=", 1)[1])
     clean = {os.path.normpath(name) for name in models if not name.startswith(("http:", "https:", "/"))}
     return clean, {os.path.normpath(name) for name in adapters}
+
+
+def draft_folders(text: str) -> set[str]:
+    """The draft folders a command's ``--speculative-config`` JSON names (relative ones only)."""
+    folders = set()
+    for value in option_values(kvreuse_words(argv_of(text)), "--speculative-config"):
+        model = json.loads(value).get("model", "")
+        if model and not model.startswith("/"):
+            folders.add(os.path.normpath(model))
+    return folders
 
 
 def write_adapter(model_dir: Path, out: Path, rank: int = 4) -> Path:
@@ -670,11 +699,11 @@ class DocRuns:
                 keys = [c.text for unit in units for c in unit]
                 jobs.append((keys, lambda units=units: self._run_lane(units, kinds)))
         # Heaviest first: compares, scripts, the demo, then the rest; each its own job.
-        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, MAKE_MODEL: 3, BATCH: 4}
+        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, DISTILL: 3, MAKE_MODEL: 4, BATCH: 5}
         singles = [c for c in UNIQUE if c.text in selected and kinds[c.text] in order]
         singles.sort(key=lambda c: order[kinds[c.text]])
         runners = {COMPARE: self._compare, SCRIPT: self._script, DEMO: self._demo, MAKE_MODEL: self._make_model,
-                   BATCH: self._batch}
+                   BATCH: self._batch, DISTILL: self._distill}
         for command in singles:
             run = runners[kinds[command.text]]
             jobs.append(([command.text], lambda command=command, run=run: {command.text: self._timed(run, command)}))
@@ -755,7 +784,32 @@ class DocRuns:
         else:
             assert weights, f"no weights in {out}:\n{output}"
         size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        draft = option(kvreuse_words(argv_of(command.text)), "--eagle-draft")
+        if draft:  # the draft must load against the model it was made for
+            import torch
+
+            from kvreuse.models.loader import load_model
+            from kvreuse.spec.eagle import load_eagle_draft
+
+            target, config = load_model(out, torch.float32, "cpu")
+            loaded = load_eagle_draft(cwd / draft, "eagle", target, config.num_hidden_layers, torch.float32,
+                                      torch.device("cpu"))
+            return f"made {out.name} and its draft {draft} (digest {loaded.digest[:12]}) in {seconds:.1f} s"
         return f"made {out.name} in {seconds:.1f} s ({size / 2**20:.1f} MiB; weights {weights or 'none'})"
+
+    def _distill(self, command: DocCommand) -> str:
+        cwd = self.ws.folder(command.text, commands=[command.text])
+        output, seconds = self._run_checked(command, cwd)
+        argv = kvreuse_words(argv_of(command.text))
+        draft = cwd / argv[3]
+        from kvreuse import LLM, SamplingParams
+
+        llm = LLM(str(cwd / argv[2]), dtype="float32", kv_cache_memory="8MiB", speculative_config={
+            "method": "eagle", "model": str(draft), "num_speculative_tokens": 2})
+        llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        stats = llm.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0, stats
+        return f"draft written in {seconds:.1f} s; acceptance {stats['spec_decode_acceptance_rate']:.2f} on one prompt"
 
     def _demo(self, command: DocCommand) -> str:
         from kvreuse.models import make
