@@ -44,7 +44,6 @@ from kvreuse.runner.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler, SamplingParams, SamplingState
 from kvreuse.scheduler import Scheduler, ScheduledRequest
-from kvreuse.spec.config import SpeculativeConfig
 from kvreuse.spec.eagle import EagleDraft, load_eagle_draft
 from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
 from kvreuse.spec.verify import VerifyItem, VerifyResult, verify
@@ -308,11 +307,11 @@ class LLMEngine:
         tokenizer_dir = resolve_model_path(self.config.tokenizer) if self.config.tokenizer else model_path
         tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
                            if (tokenizer_dir / name).is_file()]
-        config_text = (model_path / "config.json").read_text(encoding="utf-8") if (model_path / "config.json").is_file() \
-            else repr(self.model_config)
+        config_file = model_path / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else repr(self.model_config)
         kv = self.kv_cache
         return model_fingerprint({
-            "config": json.loads(config_text) if config_text.startswith("{") else config_text,
+            "config": config,
             "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
             "dtype": str(self.dtype), "kv_dtype": str(kv.dtype), "block_size": kv.block_size,
             "kv_layers": kv.num_layers, "kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,

@@ -77,26 +77,35 @@ def drafts(tiny_models, tmp_path_factory) -> dict[str, Path]:
         "random": make_random_draft(target, root / "random", seed=5),
         "random3": make_random_draft(target, root / "random3", method="eagle3", seed=6, aux_layers=(0, 1, 1)),
     }
-    # The agreeing pair: a target whose attention and MLP add nothing (o_proj = down_proj = 0), so its
-    # next token is argmax(lm_head(norm(embed(token)))); a draft that passes the embedding straight
-    # through (fc = [I | 0], its own o_proj = down_proj = 0) computes argmax(lm_head(embed(token))),
-    # the same token because RMSNorm only rescales the row. Its K/V are still written and read.
-    agree_target = make_model(root / "agree-target", preset="tiny", arch="llama", dtype="float32", seed=2)
-    weights = load_file(agree_target / "model.safetensors")
+    agree_target, agree_draft = make_agreeing_pair(root)
+    folders["agree_target"] = agree_target
+    folders["agree"] = agree_draft
+    return folders
+
+
+def make_agreeing_pair(root: Path, noise: float = 0.0) -> tuple[Path, Path]:
+    """A target whose attention and MLP add nothing (o_proj = down_proj = 0), so its next token is
+    argmax(lm_head(norm(embed(token)))), and a draft that passes the embedding straight through
+    (fc = [I | 0], its own o_proj = down_proj = 0): argmax(lm_head(embed(token))), the same token
+    because RMSNorm only rescales the row. Its K/V are still written and read. ``noise`` perturbs fc so
+    the draft agrees only on some tokens."""
+    target = make_model(root / "agree-target", preset="tiny", arch="llama", dtype="float32", seed=2)
+    weights = load_file(target / "model.safetensors")
     for name, tensor in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensor.zero_()
-    save_file(weights, agree_target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((agree_target / "config.json").read_text())
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
     dconfig = draft_config(config, "eagle")
     tensors = random_draft_tensors(dconfig, "eagle", seed=7)
     hidden = config["hidden_size"]
-    tensors["fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    passthrough = torch.eye(hidden)
+    if noise:
+        passthrough += noise * torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3)) / hidden ** 0.5
+    tensors["fc.weight"] = torch.cat((passthrough, torch.zeros(hidden, hidden)), dim=1)
     tensors["layers.0.self_attn.o_proj.weight"].zero_()
     tensors["layers.0.mlp.down_proj.weight"].zero_()
-    folders["agree_target"] = agree_target
-    folders["agree"] = write_draft(root / "agree", dconfig, tensors)
-    return folders
+    return target, write_draft(root / "agree", dconfig, tensors)
 
 
 # --- losslessness --------------------------------------------------------------------------------
@@ -191,7 +200,7 @@ def test_stop_strings_eos_and_max_tokens_end_where_they_would_without_speculatio
 def test_lora_adapter_with_speculation_matches_without(drafts, tmp_path):
     pytest.importorskip("peft")
     from kvreuse.lora.request import LoRARequest
-    from tests.test_lora import make_adapter
+    from test_lora import make_adapter
 
     target = drafts["target"]
     adapter = make_adapter(target, tmp_path / "adapter", rank=4)

@@ -23,21 +23,19 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file, save_file
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.batch import BatchFile, run_batch
 from kvreuse.cli import build_parser
 from kvreuse.inputs import InputProcessor
-from kvreuse.models.make import make_model
 from kvreuse.router.app import RouterConfig, RouterState
 from kvreuse.router.policy import PolicyConfig, Router, prompt_block_keys
 from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
-from kvreuse.spec.make_draft import draft_config, make_random_draft, random_draft_tensors, write_draft
+from kvreuse.spec.make_draft import make_random_draft
 from kvreuse.tokenizer import Tokenizer
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
+from test_spec import make_agreeing_pair
 
 K = 3  # num_speculative_tokens
 MAX_TOKENS = 24
@@ -51,21 +49,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spec-server")
-    target = make_model(root / "target", preset="tiny", arch="llama", dtype="float32", seed=2)
-    weights = load_file(target / "model.safetensors")
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor.zero_()
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
-    dconfig = draft_config(config, "eagle")
-    tensors = random_draft_tensors(dconfig, "eagle", seed=7)
-    hidden = config["hidden_size"]
-    noise = 0.3 * torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3)) / hidden ** 0.5
-    tensors["fc.weight"] = torch.cat((torch.eye(hidden) + noise, torch.zeros(hidden, hidden)), dim=1)
-    tensors["layers.0.self_attn.o_proj.weight"].zero_()
-    tensors["layers.0.mlp.down_proj.weight"].zero_()
-    return {"target": target, "draft": write_draft(root / "draft", dconfig, tensors),
+    target, draft = make_agreeing_pair(root, noise=0.3)
+    return {"target": target, "draft": draft,
             "random_draft": make_random_draft(target, root / "random-draft", seed=5), "root": root}
 
 

@@ -12,7 +12,6 @@ old weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
