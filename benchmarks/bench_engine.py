@@ -119,21 +119,31 @@ def bench_no_sharing(llm_on, llm_off, args, rng, vocab) -> dict:
     }
 
 
-def bench_decode(llm, hf_model, args, rng, vocab) -> dict:
+def decode_rate(llm, args, rng, vocab, concurrency: int) -> tuple[float, float]:
+    """Decode tokens/s of ``concurrency`` requests generating together (median of --repeats), and the
+    share of the decode steps' time spent outside the model (scheduling, metadata, sampling, output)."""
     from kvreuse import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    ours = []
+    rates, overheads = [], []
     for _ in range(args.repeats):
         prompts = [{"prompt_token_ids": random_tokens(rng, args.decode_prompt, vocab)}
-                   for _ in range(args.concurrency)]
+                   for _ in range(concurrency)]
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        llm.engine.step_timings.clear()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         # Decode rate: tokens after each request's first one, over the time after the last prefill.
         first_token = max(o.metrics.first_token_time for o in outputs)
         decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
-        ours.append(decode_tokens / (max(o.metrics.finished_time for o in outputs) - first_token))
-    hf = []
+        rates.append(decode_tokens / (max(o.metrics.finished_time for o in outputs) - first_token))
+        decodes = [t for t in llm.engine.step_timings if t.num_tokens == t.num_seqs == concurrency]
+        overheads.append(sum(t.overhead_s for t in decodes) / sum(t.step_s + t.output_s for t in decodes))
+    return median(rates), median(overheads)
+
+
+def hf_decode_rate(hf_model, args, rng, vocab) -> float:
+    """transformers generating one request at a time with its KV cache (tokens/s after the first)."""
+    rates = []
     for _ in range(args.repeats):
         prompt = torch.tensor([random_tokens(rng, args.decode_prompt, vocab)])
         with torch.inference_mode():
@@ -145,13 +155,102 @@ def bench_decode(llm, hf_model, args, rng, vocab) -> dict:
                 out = hf_model(token, past_key_values=cache, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 cache = out.past_key_values
-            hf.append((args.decode_tokens - 1) / (time.perf_counter() - start))
-    return {
-        "kvreuse_decode_tok_s_concurrent": median(ours),
-        "transformers_decode_tok_s_one_by_one": median(hf),
-        "decode_speed_ratio": median(ours) / median(hf),
+            rates.append((args.decode_tokens - 1) / (time.perf_counter() - start))
+    return median(rates)
+
+
+def bench_decode(llm, llm_plain, hf_model, args, rng, vocab) -> dict:
+    concurrent, overhead = decode_rate(llm, args, rng, vocab, args.concurrency)
+    one, one_overhead = decode_rate(llm, args, rng, vocab, 1)
+    hf = hf_decode_rate(hf_model, args, rng, vocab)
+    results = {
+        "kvreuse_decode_tok_s_concurrent": concurrent,
+        "transformers_decode_tok_s_one_by_one": hf,
+        "decode_speed_ratio": concurrent / hf,
         "concurrency": args.concurrency,
+        "step_overhead_share_concurrent": overhead,
+        "kvreuse_decode_tok_s_one_stream": one,
+        "step_overhead_share_one_stream": one_overhead,
+        "one_stream_vs_transformers": one / hf,
     }
+    if llm_plain is not None:  # the same engine with every linear layer on plain F.linear (before issue 14)
+        plain, _ = decode_rate(llm_plain, args, rng, vocab, args.concurrency)
+        plain_one, _ = decode_rate(llm_plain, args, rng, vocab, 1)
+        results |= {
+            "plain_kernels_decode_tok_s_concurrent": plain,
+            "decode_concurrent_measured_over_plain_kernels": concurrent / plain,
+            "plain_kernels_decode_tok_s_one_stream": plain_one,
+            "decode_one_stream_measured_over_plain_kernels": one / plain_one,
+        }
+    return results
+
+
+def bench_llama_server(args, rng, vocab) -> dict:
+    """llama.cpp's llama-server on a GGUF of the same folder (../shared/tools/llama_cpp_peer.sh): cold and
+    warm TTFT of the same prefix + suffix shapes (one slot, its prompt cache reused across requests),
+    and one-stream decode tokens/s from the server's own timings."""
+    import subprocess
+
+    import httpx
+
+    port = 8097
+    command = [args.llama_server, "-m", args.gguf, "-c", str(args.prefix_len + args.suffix_len + 256),
+               "-np", "1", "-t", str(torch.get_num_threads()), "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=600) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"llama-server did not start: {' '.join(command)}")
+                time.sleep(0.5)
+
+            def complete(tokens: list[int], n_predict: int) -> tuple[float, dict]:
+                body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
+                        "ignore_eos": True}
+                start = time.perf_counter()
+                response = client.post(f"{url}/completion", json=body)
+                response.raise_for_status()
+                return time.perf_counter() - start, response.json()
+
+            cold, warm, decode = [], [], []
+            for _ in range(args.repeats):
+                prefix = random_tokens(rng, args.prefix_len, vocab)
+                suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
+                cold.append(complete(prefix + suffixes[0], 1)[0])
+                seconds, body = complete(prefix + suffixes[1], 1)
+                assert body["timings"]["prompt_n"] <= args.suffix_len + 16, body["timings"]  # the prefix was reused
+                warm.append(seconds)
+                _, body = complete(random_tokens(rng, args.decode_prompt, vocab), args.decode_tokens)
+                decode.append(body["timings"]["predicted_per_second"])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return {
+        "llama_cpp_ttft_cold_s": median(cold),
+        "llama_cpp_ttft_warm_s": median(warm),
+        "llama_cpp_warm_over_cold": median(warm) / median(cold),
+        "llama_cpp_decode_tok_s_one_stream": median(decode),
+    }
+
+
+def cpu_flags() -> str:
+    """The flags that decide CPU GEMM speed (bf16 runs emulated without avx512_bf16/amx_bf16)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                return " ".join(flag for flag in wanted if flag in present) or "none of avx2/avx512"
+    except OSError:
+        pass
+    return "unknown"
 
 
 def bench_prefix_match(args) -> dict:
@@ -204,6 +303,11 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--match-len", type=int, default=32768)
     parser.add_argument("--only", default="ttft,nosharing,decode,match")
+    parser.add_argument("--no-plain-baseline", action="store_true",
+                        help="skip the second engine on plain F.linear kernels (the before/after decode figures)")
+    parser.add_argument("--llama-server", default=None,
+                        help="llama.cpp's llama-server binary (../shared/tools/llama_cpp_peer.sh prints it)")
+    parser.add_argument("--gguf", default=None, help="the GGUF of the same model folder, for --llama-server")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -217,7 +321,8 @@ def main() -> int:
         kv_cache_memory = "16MiB"
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
-    results: dict = {"machine": machine_description(), "command": " ".join(["python"] + sys.argv)}
+    results: dict = {"machine": machine_description(), "cpu_flags": cpu_flags(),
+                     "command": " ".join(["python"] + sys.argv)}
     if smoke:
         results["smoke"] = "KVREUSE_BENCH_SMOKE=1 (tiny preset, smallest sizes: not a measurement)"
     if "match" in only:
@@ -237,14 +342,31 @@ def main() -> int:
         results["model"] = f"{args.preset} ({model_dir}), {args.dtype}"
         if "ttft" in only:
             results.update(bench_ttft(llm, hf_model, args, rng, vocab))
+            results["kvreuse_warm_ttft_over_transformers"] = (
+                results["kvreuse_ttft_warm_s"] / results["transformers_ttft_warm_copied_cache_s"])
         if "decode" in only:
-            results.update(bench_decode(llm, hf_model, args, rng, vocab))
+            llm_plain = None
+            if not args.no_plain_baseline:
+                os.environ["KVREUSE_LINEAR_KERNEL"] = "plain"  # read once, when the engine chooses its kernels
+                llm_plain = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory)
+                os.environ.pop("KVREUSE_LINEAR_KERNEL")
+            results.update(bench_decode(llm, llm_plain, hf_model, args, rng, vocab))
+            del llm_plain
+        if args.llama_server:
+            if not args.gguf:
+                parser.error("--llama-server needs --gguf")
+            results.update(bench_llama_server(args, rng, vocab))
+            if "kvreuse_ttft_warm_s" in results:
+                results["kvreuse_warm_ttft_over_llama_cpp"] = results["kvreuse_ttft_warm_s"] / results["llama_cpp_ttft_warm_s"]
+            if "kvreuse_decode_tok_s_one_stream" in results:
+                results["kvreuse_one_stream_over_llama_cpp"] = (
+                    results["kvreuse_decode_tok_s_one_stream"] / results["llama_cpp_decode_tok_s_one_stream"])
         if "nosharing" in only:
             llm_off = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=False)
             results.update(bench_no_sharing(llm, llm_off, args, rng, vocab))
     for key, value in results.items():
-        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+        print(f"{key:48s} {value:.4g}" if isinstance(value, float) else f"{key:48s} {value}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,22 @@ class EngineStats:
             "steps": self.steps,
             "num_loras_resident": self.num_loras_resident,
         }
+
+
+@dataclass
+class StepTiming:
+    """Where one engine step's time went. On CPU the forward is synchronous, so the split is exact."""
+
+    num_tokens: int  # tokens the model ran (prefill chunks, decodes, drafted tokens to verify)
+    num_seqs: int
+    step_s: float  # the whole engine step: schedule, batch metadata, forward, sampling, cache updates
+    forward_s: float  # of which the model's forward and logits
+    output_s: float = 0.0  # after the step: detokenizing and stop strings (added by step_and_process)
+
+    @property
+    def overhead_s(self) -> float:
+        """Time outside the model: everything but the forward, output processing included."""
+        return self.step_s - self.forward_s + self.output_s
 
 
 @dataclass
@@ -189,6 +206,8 @@ class LLMEngine:
         if config.speculative is not None:
             self.draft = load_eagle_draft(config.speculative.model, config.speculative.method, self.model,
                                           self.model_config.num_hidden_layers, self.dtype, self.device)
+            if self.device.type == "cpu":
+                self.draft.choose_cpu_kernels()
             element = torch.empty((), dtype=self.dtype).element_size()
             extra_bytes_per_token = (2 * self.model_config.kv_size + self.model_config.hidden_size) * element
             logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step",
@@ -278,6 +297,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+        # The latest steps' time split (forward vs the rest), for benchmarks and the overhead figure.
+        self.step_timings: deque[StepTiming] = deque(maxlen=4096)
 
     def _make_tiers(self, model_path: Path) -> TieredStore:
         """The host / disk / remote tiers, all keyed to this engine's model fingerprint."""
@@ -436,6 +457,7 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -486,7 +508,10 @@ class LLMEngine:
             for node, namespace in self.kv.take_new_blocks():
                 if not node.evicted:
                     self.tier_store.store(BlockRef(node.key, namespace, node.tokens), self.kv_cache.read_block(node.block_id))
-        return [self._make_output(group) for group in touched.values()]
+        outputs = [self._make_output(group) for group in touched.values()]
+        self.step_timings.append(StepTiming(batch.num_tokens, batch.num_seqs, time.perf_counter() - step_start,
+                                            self.runner.last_forward_seconds))
+        return outputs
 
     def _take_tokens(self, logits: torch.Tensor, sampling: list[_StepItem]) -> list[VerifyResult]:
         """Sample (and verify drafted tokens) for every sequence that samples this step."""

@@ -21,6 +21,7 @@ still processes every token: the processor remembers how many it has seen.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -156,13 +157,18 @@ def step_and_process(engine: LLMEngine, processor: OutputProcessor) -> list[Requ
     (LLM, the batch runner); samples ended by a stop string are finished in the engine at once.
     Outputs of requests the processor does not know (added without it) are left out."""
     processed_outputs = []
-    for output in engine.step():
+    last_timing = engine.step_timings[-1] if engine.step_timings else None
+    outputs = engine.step()
+    start = time.perf_counter()
+    for output in outputs:
         if not processor.has_request(output.request_id):
             continue
         processed = processor.process(output)
         for index, stop_string in processed.stopped:
             engine.finish_sequence(output.request_id, index, stop_string)
         processed_outputs.append(processed.output)
+    if engine.step_timings and engine.step_timings[-1] is not last_timing:  # a step ran: add its output time
+        engine.step_timings[-1].output_s = time.perf_counter() - start
     return processed_outputs
 
 

@@ -10,7 +10,6 @@ twice and peak memory stays near the model size.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -19,36 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.models.config import Llama3RopeScaling
+from kvreuse.models.kernels import LinearKernel, PlanBook
 
 if TYPE_CHECKING:
     from kvreuse.lora.batch import LoRABatch
-
-
-@functools.cache
-def cpu_weight_packing_available() -> bool:
-    """oneDNN's linear with a prepacked bfloat16 weight (a private op that torch.compile uses on CPU).
-
-    Probed once with a tiny weight: the ops exist in every oneDNN build, but the bf16 reorder needs
-    AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on plain AVX2 CPUs.
-    """
-    if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
-        return False
-    try:
-        weight = torch.ones(16, 16, dtype=torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return bool(torch.equal(out, torch.full((2, 16), 16.0, dtype=torch.bfloat16)))
-
-
-def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor:
-    # 64: the batch-size hint oneDNN uses to pick the blocking; results are identical for any M.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -149,34 +122,32 @@ class Linear(nn.Module):
         self.weight = _empty_parameter((output_size, input_size), dtype, device)
         self.bias = _empty_parameter((output_size,), dtype, device) if bias else None
 
-        # oneDNN's blocked copy of the weight on CPU (see pack_for_cpu); None: plain F.linear.
-        self.packed_weight: torch.Tensor | None = None
+        # The CPU kernel chosen for this weight's shape (see choose_cpu_kernel); None: plain F.linear.
+        self.kernel: LinearKernel | None = None
         # Where LoRA adapters attach (set by the model): the decoder layer and PEFT's module name per part.
         self.lora_layer: int | None = None
         self.lora_modules: tuple[str, ...] = ()
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        else:
-            out = F.linear(x, self.weight, self.bias)
+        out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
         if lora is not None:
             lora.apply(self, x, out)
         return out
 
-    def pack_for_cpu(self) -> bool:
-        """Reorder a bfloat16 CPU weight into oneDNN's blocked layout, as torch.compile does.
+    def choose_cpu_kernel(self, book: PlanBook) -> bool:
+        """Run this layer on the kernel measured fastest for its shape, per row count (kernels.py).
 
-        Results are bit-identical to F.linear; small-batch GEMMs (decode, short suffixes) run
-        10-45% faster on AVX-512 CPUs. The plain weight is released, so memory does not double.
-        Returns False where packing does not apply.
+        Where the packed kernel wins at every row count the plain weight is released, so memory does
+        not double. Returns False where nothing but plain F.linear applies (not on CPU, or no oneDNN).
         """
-        if not cpu_weight_packing_available() or self.weight is None:
+        if self.weight is None or self.weight.device.type != "cpu":
             return False
-        if self.weight.device.type != "cpu" or self.weight.dtype != torch.bfloat16:
+        plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape))
+        if not plan.uses_packed:
             return False
-        self.packed_weight = pack_weight_for_cpu(self.weight)
-        self.weight = None  # type: ignore[assignment]
+        self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)
+        if not plan.keep_plain:
+            self.weight = None  # type: ignore[assignment]
         return True
 
     def part_rows(self, part: int) -> slice:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, pack_weight_for_cpu
+from kvreuse.models.kernels import LinearKernel, PlanBook
+from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
 
 if TYPE_CHECKING:
@@ -145,7 +147,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
-        self._packed_tied_head: torch.Tensor | None = None  # see pack_weights_for_cpu
+        self._tied_head_kernel: LinearKernel | None = None  # see choose_cpu_kernels
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
         """Route every layer's attention through ``attention_backend`` from the next forward on."""
@@ -184,24 +186,23 @@ class LlamaFamilyForCausalLM(nn.Module):
         """hidden_rows [N, hidden] -> logits [N, vocab] in float32."""
         if self.lm_head is not None:
             return self.lm_head(hidden_rows).float()
-        if self._packed_tied_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                hidden_rows, self._packed_tied_head, None, "none", [], ""
-            ).float()
+        if self._tied_head_kernel is not None:
+            return self._tied_head_kernel(hidden_rows).float()
         return torch.nn.functional.linear(hidden_rows, self.lm_head_weight).float()
 
-    def pack_weights_for_cpu(self) -> int:
-        """Prepack every linear weight for oneDNN (bfloat16 on CPU; bit-identical results, faster
-        small-batch GEMMs). Call after loading; returns how many matrices were packed. A tied
-        output projection gets a packed copy (the embedding lookup still needs the plain one)."""
-        packed = sum(module.pack_for_cpu() for module in self.modules() if isinstance(module, Linear))
+    def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
+        """Give every linear layer (and a tied output projection) the CPU kernel measured fastest for
+        its shape (models/kernels.py). Call after loading; returns how many matrices use a packed copy.
+        A tied output projection keeps the embedding (the lookup needs it) next to its packed copy."""
+        book = book or PlanBook()
+        packed = sum(module.choose_cpu_kernel(book) for module in self.modules() if isinstance(module, Linear))
         embedding = self.model.embed_tokens.weight
-        if (
-            self.lm_head is None and packed
-            and embedding.device.type == "cpu" and embedding.dtype == torch.bfloat16
-        ):
-            self._packed_tied_head = pack_weight_for_cpu(embedding)
-            packed += 1
+        if self.lm_head is None and embedding.device.type == "cpu":
+            plan = book.plan_for(embedding.dtype, tuple(embedding.shape))
+            if plan.uses_packed:
+                self._tied_head_kernel = LinearKernel(embedding.detach(), None, replace(plan, keep_plain=True))
+                packed += 1
+        book.save()
         return packed
 
     # ---- weights -------------------------------------------------------------------------------

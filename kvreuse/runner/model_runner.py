@@ -9,6 +9,7 @@ function of (tokens, positions, cache, metadata) and the engine never touches a 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -53,8 +54,11 @@ class ModelRunner:
         if attention_backend is not None:
             model.set_attention_backend(attention_backend)
         if self.device.type == "cpu":
-            model.pack_weights_for_cpu()
+            model.choose_cpu_kernels()
         self.attention_backend = model.attention_backend
+        # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
+        # Exact on CPU (synchronous); on CUDA it is launch time unless something synchronizes.
+        self.last_forward_seconds = 0.0
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
@@ -81,9 +85,12 @@ class ModelRunner:
         self.kv_cache.copy_blocks(batch.block_copies)
         metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
         aux: list[torch.Tensor] = []
+        start = time.perf_counter()
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora, aux_layers, aux)
-            return StepOutput(self.model.compute_logits(hidden.index_select(0, batch.logits_indices)), hidden, aux)
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        self.last_forward_seconds = time.perf_counter() - start
+        return StepOutput(logits, hidden, aux)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.slot_mapping.device == self.device:

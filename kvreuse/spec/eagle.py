@@ -31,6 +31,7 @@ from torch import nn
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
+from kvreuse.models.kernels import PlanBook
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.models.loader import iterate_safetensors, safetensors_files, tensors_digest
@@ -119,6 +120,14 @@ class EagleDraft(nn.Module):
         if self.norm is not None:
             return self.norm(hidden), hidden
         return hidden, hidden
+
+    def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
+        """The draft's own linear layers on their measured CPU kernels (the target's are chosen by its
+        runner); returns how many use a packed copy."""
+        book = book or PlanBook()
+        packed = sum(module.choose_cpu_kernel(book) for module in self.modules() if isinstance(module, Linear))
+        book.save()
+        return packed
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N, H] -> float32 logits over the target's vocabulary [N, V] (EAGLE-3: tokens outside the
