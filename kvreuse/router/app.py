@@ -1,8 +1,9 @@
 """The router's HTTP side: a FastAPI app that routes OpenAI requests to backends and passes replies through.
 
 Completions and chat completions are routed by the policy (kvreuse.router.policy); every other path
-goes to any healthy backend. Replies pass through byte for byte (status, headers, body, SSE events).
-A kvreuse server sends nothing, not even headers, before the first token, so "before the first
+goes to any healthy backend, except the live dashboard (``GET /dashboard``, ``GET /v1/cache/dashboard``),
+which the router answers itself from every backend's (kvreuse/observatory/dashboard_fleet.py).
+Replies pass through byte for byte (status, headers, body, SSE events). A kvreuse server sends nothing, not even headers, before the first token, so "before the first
 byte" is "before the response headers": until then a failed attempt (connection error, 429, 502,
 503, 504) is retried on another backend, at most ``max_retries`` times, with exponential backoff.
 """
@@ -25,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvreuse.inputs import InputProcessor, validate_messages
+from kvreuse.observatory.dashboard_fleet import BackendTarget, fleet_dashboard
+from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.router.backends import Backend, BackendPool
 from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router, prompt_block_keys
 from kvreuse.server.auth import bearer_key, isolated_cache_salt, tenant_id_of
@@ -312,6 +315,14 @@ def build_router_app(state: RouterState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # The live dashboard across the backends (before the catch-all, which would proxy it to one backend).
+    app.include_router(dashboard_page_router(PageConfig("router", lambda: None)))
+
+    @app.get("/v1/cache/dashboard")
+    async def dashboard(request: Request) -> JSONResponse:
+        targets = [BackendTarget(name, backend.load.healthy) for name, backend in state.pool.backends.items()]
+        return JSONResponse(await fleet_dashboard(state.client, targets, request.headers.get("authorization")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
