@@ -1,10 +1,12 @@
-"""The live dashboard's time series: a ring buffer of per-owner hit counters and its sampler.
+"""The live dashboard's time series: a ring buffer of per-owner hit counters and block states, and its
+sampler.
 
-The engine counts, per cache owner (an isolated tenant, or ``"shared"`` for requests without one),
-the prompt tokens it looked up and the ones it served from the cache; those counters only grow. The
-server samples them once a second into `HitHistory` (ten minutes by default) and every dashboard
-reply turns the samples into series the caller may see: hit rate over a short trailing window, and
-tokens saved (cached prompt tokens) since the start.
+The engine counts, per cache owner (a tenant, or ``"shared"`` for requests without one), the prompt
+tokens it looked up and the ones it served from the cache; those counters only grow. The server
+samples them once a second into `DashboardHistory` (ten minutes by default), with the pool's block
+states (free, idle, in use, pinned), and every dashboard reply turns the samples into series the
+caller may see: hit rate over a short trailing window, tokens saved (cached prompt tokens) since the
+start, and the block states.
 
 Torch-free on purpose: the sampler reaches the engine only through the awaitable it is given (the
 server passes ``AsyncEngine.call``), so the aggregation is tested without a model.
@@ -54,13 +56,25 @@ def counters_from(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, HitCounter]
             for owner, values in raw.items()}
 
 
+BLOCK_STATES = ("free", "idle", "in_use", "pinned")
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What one trip to the engine thread brings back for a sample."""
+
+    counters: Mapping[str, HitCounter]  # owner -> cumulative counters
+    pinned_blocks: int  # distinct blocks held by pins, every tenant's
+
+
 @dataclass(frozen=True)
 class Sample:
     time: float  # Unix seconds (the page shows wall-clock times)
     counters: Mapping[str, HitCounter]  # owner -> cumulative counters at that time
+    blocks: Mapping[str, int] = field(default_factory=dict)  # BLOCK_STATES -> blocks in that state
 
 
-class HitHistory:
+class DashboardHistory:
     """The last ``capacity`` samples; the oldest drops out when a new one comes."""
 
     def __init__(self, capacity: int = 600, window_s: float = 10.0) -> None:
@@ -83,8 +97,9 @@ class HitHistory:
     def series(self, visible: Callable[[str], bool], include_total: bool) -> dict[str, Any]:
         """Per visible owner (and the sum over every owner when ``include_total``): the hit rate over
         the trailing window at each sample (None where no prompt token was looked up in it) and the
-        cumulative tokens saved. Owners the caller may not see are left out of the total too unless
-        ``include_total``: a tenant's page never sums another tenant's traffic."""
+        cumulative tokens saved; a tenant's page never sums another tenant's traffic. Block states are
+        the pool's, the same for every caller (as on /metrics), except pinned blocks, which count every
+        tenant's pins: only with ``include_total``."""
         samples = list(self._samples)
         times = [sample.time for sample in samples]
         owners = sorted({owner for sample in samples for owner in sample.counters if visible(owner)})
@@ -96,12 +111,14 @@ class HitHistory:
                     "tokens_saved": [value.hit_tokens for value in values],
                     "query_tokens": [value.query_tokens for value in values]}
 
+        states = BLOCK_STATES if include_total else tuple(state for state in BLOCK_STATES if state != "pinned")
         return {
             "window_s": self.window_s,
             "time": [round(t, 3) for t in times],
             "total": one(_total) if include_total else None,
             "owners": {owner: one(lambda sample, owner=owner: sample.counters.get(owner, HitCounter()))
                        for owner in owners},
+            "blocks": {state: [sample.blocks.get(state) for sample in samples] for state in states},
         }
 
     def recent(self, counters: Mapping[str, HitCounter], visible: Callable[[str], bool], include_total: bool,
@@ -148,18 +165,20 @@ def _rounded(rate: float | None) -> float | None:
 @dataclass
 class HitSampler:
     """Takes one sample per ``interval_s`` on the event loop. ``read`` fetches the engine's counters
-    (the server runs it on the engine thread through AsyncEngine.call); ``marker`` is a cheap value
-    read on the loop that changes whenever the counters may have (the engine's step count and cache
-    counters from its stats snapshot): while it stays the same the last reading is reused, so an idle
-    engine thread is not woken every second."""
+    and pinned blocks (the server runs it on the engine thread through AsyncEngine.call); ``pool`` reads
+    the free / idle / in-use counts from a snapshot the loop may read; ``marker`` is a cheap value read
+    on the loop that changes whenever the counters may have (the engine's step count and cache counters
+    from its stats snapshot): while it stays the same the last reading is reused, so an idle engine
+    thread is not woken every second."""
 
-    read: Callable[[], Awaitable[Mapping[str, HitCounter]]]
-    history: HitHistory
+    read: Callable[[], Awaitable[EngineReading]]
+    history: DashboardHistory
+    pool: Callable[[], Mapping[str, int]] | None = None
     marker: Callable[[], Hashable] | None = None
     interval_s: float = 1.0
     clock: Callable[[], float] = time.time
     _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
-    _last: Mapping[str, HitCounter] | None = field(default=None, init=False, repr=False)
+    _last: EngineReading | None = field(default=None, init=False, repr=False)
     _last_marker: Hashable = field(default=None, init=False, repr=False)
     _failures: int = field(default=0, init=False, repr=False)
 
@@ -187,7 +206,9 @@ class HitSampler:
             # The marker is read before the counters: a change that lands in between is seen next time.
             self._last = await self.read()
             self._last_marker = marker
-        sample = Sample(self.clock(), self._last)
+        blocks = dict(self.pool()) if self.pool is not None else {}
+        blocks["pinned"] = self._last.pinned_blocks
+        sample = Sample(self.clock(), self._last.counters, blocks)
         self.history.add(sample)
         return sample
 

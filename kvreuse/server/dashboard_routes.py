@@ -13,7 +13,7 @@ the engine, so there is nothing to sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope as ASGIScope, Send
 
 from kvreuse.engine import LLMEngine
-from kvreuse.observatory.dashboard import SHARED_OWNER, HitCounter, HitHistory, HitSampler, counters_from
+from kvreuse.observatory.dashboard import (
+    SHARED_OWNER, DashboardHistory, EngineReading, HitSampler, counters_from,
+)
 from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.server.app import ServerState
@@ -35,15 +37,15 @@ HIT_RATE_WINDOW_S = 10.0
 
 def install_dashboard(app: FastAPI, state: ServerState) -> None:
     """The page, its JSON and the sampler behind the time series (one call in the app factory)."""
-    history = HitHistory(HISTORY_SAMPLES, HIT_RATE_WINDOW_S)
-    sampler = HitSampler(lambda: _read_all_counters(state), history, marker=lambda: _activity_marker(state),
-                         interval_s=SAMPLE_INTERVAL_S)
+    history = DashboardHistory(HISTORY_SAMPLES, HIT_RATE_WINDOW_S)
+    sampler = HitSampler(lambda: _read_engine(state), history, pool=lambda: _pool_blocks(state),
+                         marker=lambda: _activity_marker(state), interval_s=SAMPLE_INTERVAL_S)
     app.add_middleware(_StartSampler, start=sampler.ensure_started)
     app.include_router(dashboard_page_router(PageConfig("server", lambda: state.auth.enabled)))
     app.include_router(dashboard_router(state, history))
 
 
-def dashboard_router(state: ServerState, history: HitHistory) -> APIRouter:
+def dashboard_router(state: ServerState, history: DashboardHistory) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/cache/dashboard")
@@ -57,8 +59,16 @@ def dashboard_router(state: ServerState, history: HitHistory) -> APIRouter:
     return router
 
 
-async def _read_all_counters(state: ServerState) -> Mapping[str, HitCounter]:
-    return counters_from(await state.engine.call(lambda engine: engine.hit_counters(ALL)))
+async def _read_engine(state: ServerState) -> EngineReading:
+    def read(engine: LLMEngine) -> EngineReading:  # on the engine thread
+        return EngineReading(counters_from(engine.hit_counters(ALL)), engine.pins.pinned_blocks())
+
+    return await state.engine.call(read)
+
+
+def _pool_blocks(state: ServerState) -> dict[str, int]:
+    cache = state.engine.stats.cache  # the snapshot the engine thread replaces after every iteration
+    return {"free": cache.blocks_free, "idle": cache.blocks_idle, "in_use": cache.blocks_in_use}
 
 
 def _activity_marker(state: ServerState) -> tuple[int, int, int]:
@@ -87,7 +97,7 @@ def _engine_view(engine: LLMEngine, scope: Scope, pin_owner: str | None) -> dict
     }
 
 
-def _document(state: ServerState, scope: Scope, history: HitHistory, view: dict[str, Any]) -> dict[str, Any]:
+def _document(state: ServerState, scope: Scope, history: DashboardHistory, view: dict[str, Any]) -> dict[str, Any]:
     now = time.time()
     visible = _owner_visible(scope)
     stats = state.engine.stats  # the pool-wide figures are the same for every caller, as on /metrics

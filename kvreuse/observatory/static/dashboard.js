@@ -43,13 +43,6 @@
     return value.toFixed(0) + " s";
   }
 
-  function fmtValue(value) {
-    if (typeof value === "number") return Number.isInteger(value) ? fmtInt(value) : value.toFixed(3);
-    if (value === null || value === undefined) return "–";
-    if (typeof value === "object") return JSON.stringify(value);
-    return String(value);
-  }
-
   function clip(text, limit) {
     const value = String(text ?? "");
     return value.length > limit ? value.slice(0, limit) + "…" : value;
@@ -283,15 +276,17 @@
     Plotly.react(roles["chart-hit-rate"], seriesTraces(series, scope, "hit_rate", 100), rateLayout, PLOT_CONFIG);
     Plotly.react(roles["chart-saved"], seriesTraces(series, scope, "tokens_saved", 1),
                  baseLayout("Tokens saved (cached prompt tokens)", "tokens"), PLOT_CONFIG);
-    const blocks = data.blocks || {};
-    const states = ["free", "idle", "in_use", "pinned"];
-    const blockLayout = baseLayout("KV blocks", "blocks");
-    blockLayout.xaxis = {type: "category"};
-    blockLayout.showlegend = false;
-    Plotly.react(roles["chart-blocks"], [{
-      type: "bar", x: ["free", "idle (cached)", "in use", "pinned"], y: states.map((s) => blocks[s] || 0),
-      marker: {color: ["#cbd5e1", "#60a5fa", "#f59e0b", "#a855f7"]},
-    }], blockLayout, PLOT_CONFIG);
+    // Block states over time: in use and idle (cached) stacked, pinned as a line (a part of those);
+    // free blocks are the rest of the pool (the card shows them), left out so small counts stay visible.
+    const blocks = series.blocks || {};
+    const x = (series.time || []).map((t) => new Date(t * 1000));
+    const traces = [
+      {x, y: blocks.in_use || [], name: "in use", stackgroup: "pool", line: {color: "#f59e0b"}},
+      {x, y: blocks.idle || [], name: "idle (cached)", stackgroup: "pool", line: {color: "#60a5fa"}},
+    ];
+    if (blocks.pinned) traces.push({x, y: blocks.pinned, name: "pinned", mode: "lines", line: {color: "#a855f7", width: 2}});
+    Plotly.react(roles["chart-blocks"], traces, baseLayout("KV blocks (of " + fmtInt((data.blocks || {}).total) + ")",
+                                                           "blocks"), PLOT_CONFIG);
   }
 
   // --- tables ---------------------------------------------------------------------------------------
@@ -336,54 +331,73 @@
   }
 
   function fillDrift(container, drift, scope) {
-    const groups = drift && Array.isArray(drift.groups) ? drift.groups : null;
-    if (!drift) {
+    if (!drift || !Array.isArray(drift.groups)) {
       container.replaceChildren(el("p", "no drift report", "muted"));
       return;
     }
-    const parts = [];
-    if (typeof drift.summary === "string") parts.push(el("p", drift.summary));
-    if (groups) {
-      if (!groups.length) parts.push(el("p", "no misses recorded", "muted"));
-      for (const group of groups) parts.push(driftGroup(group, scope));
-    } else {
-      parts.push(el("pre", JSON.stringify(drift, null, 2), "raw"));
-    }
+    const parts = [el("p", fmtInt(drift.recorded_misses) + " recent partial misses in " + fmtInt(drift.num_groups) +
+                      " group(s), " + fmtInt(drift.tokens_lost) + " tokens recomputed that a stable prompt would have reused",
+                      "muted")];
+    if (!drift.groups.length) parts.push(el("p", "no misses recorded", "muted"));
+    for (const group of drift.groups) parts.push(driftGroup(group, scope));
     container.replaceChildren(...parts);
   }
 
   function driftGroup(group, scope) {
     const box = el("div", null, "drift-group");
-    if (group.message || group.summary) box.appendChild(el("p", group.message || group.summary, "headline"));
+    box.appendChild(el("p", group.sentence, "headline"));
     const facts = el("dl");
-    for (const [name, value] of Object.entries(group)) {
-      if (name === "message" || name === "summary") continue;
-      facts.appendChild(el("dt", name.replaceAll("_", " ")));
+    const fact = (name, value) => {
+      facts.appendChild(el("dt", name));
       const dd = el("dd");
-      if (name === "namespace_owner" || name === "owner") dd.textContent = ownerLabel(value, scope);
-      else if (typeof value === "string") dd.appendChild(el("code", clip(value, TEXT_LIMIT), "prompt"));
-      else dd.textContent = fmtValue(value);
+      if (value instanceof Node) dd.appendChild(value);
+      else dd.textContent = value;
       facts.appendChild(dd);
+    };
+    fact("requests", fmtInt(group.requests) + " · diverging at token " + fmtInt(group.position) + " · " +
+         fmtInt(group.tokens_lost_per_request) + " tokens lost each");
+    fact("prefix starts", el("code", group.template, "prompt"));
+    fact("text before", el("code", clip(group.before, TEXT_LIMIT), "prompt"));
+    fact("cached text", el("code", group.cached_text, "prompt"));
+    fact("this request", el("code", group.request_text, "prompt"));
+    if (Array.isArray(group.volatile) && group.volatile.length) {
+      fact("volatile", group.volatile.map((span) => span.kind + " " + JSON.stringify(span.text) + " (" + span.side + ")")
+                                     .join(", "));
     }
+    if (Array.isArray(group.advice) && group.advice.length) {
+      const list = el("ul");
+      for (const line of group.advice) list.appendChild(el("li", line));
+      fact("advice", list);
+    }
+    fact("owner", ownerLabel(group.namespace_owner, scope));
+    if (typeof group.last_seen === "number") fact("last seen", new Date(group.last_seen * 1000).toLocaleTimeString());
     box.appendChild(facts);
     return box;
   }
+
+  function fmtMiB(bytes) {
+    return typeof bytes === "number" ? (bytes / 1048576).toFixed(1) + " MiB" : "–";
+  }
+
+  const TIER_COLUMNS = [
+    ["lookups", (t) => fmtInt(t.queries)],
+    ["hits", (t) => fmtInt(t.hits)],
+    ["hit rate", (t) => (t.queries ? fmtRate(t.hits / t.queries) : "–")],
+    ["loaded", (t) => fmtMiB(t.hit_bytes)],
+    ["blocks stored", (t) => fmtInt(t.stores)],
+    ["stored", (t) => fmtMiB(t.store_bytes)],
+    ["load time", (t) => (typeof t.load_seconds === "number" ? t.load_seconds.toFixed(2) + " s" : "–")],
+    ["verify failures", (t) => fmtInt(Object.values(t.verify_failures || {}).reduce((a, b) => a + b, 0))],
+  ];
 
   function fillTiers(roles, tiers) {
     const names = tiers ? Object.keys(tiers) : [];
     roles["tiers-section"].hidden = !names.length;
     if (!names.length) return;
-    const columns = [];
-    for (const name of names) {
-      for (const [field, value] of Object.entries(tiers[name] || {})) {
-        if (typeof value !== "object" && !columns.includes(field)) columns.push(field);
-      }
-    }
     const head = document.createElement("tr");
-    head.appendChild(el("th", "tier"));
-    for (const field of columns) head.appendChild(el("th", field.replaceAll("_", " ")));
+    for (const title of ["tier", ...TIER_COLUMNS.map(([name]) => name)]) head.appendChild(el("th", title));
     roles["tiers-head"].replaceChildren(head);
-    roles.tiers.replaceChildren(...names.map((name) => row([name, ...columns.map((f) => fmtValue(tiers[name][f]))])));
+    roles.tiers.replaceChildren(...names.map((name) => row([name, ...TIER_COLUMNS.map(([, show]) => show(tiers[name] || {}))])));
   }
 
   // --- start ----------------------------------------------------------------------------------------
