@@ -1,12 +1,17 @@
-"""Engine benchmark: kvreuse against transformers on the same model folder, in one run.
+"""Engine benchmark: kvreuse against transformers (and optionally llama.cpp) on the same model folder, in one run.
 
-Figures (medians of --repeats runs, ratios computed within this run):
+Figures (medians of --repeats runs, ratios computed within this run; the machine and its CPU flags first):
   1. TTFT warm / TTFT cold for a shared prefix (default 2,048 tokens) + a new suffix (64 tokens);
      transformers' usual practice for the warm case (a deep copy of a saved prompt cache) alongside.
   2. Cold prefill tokens/s, kvreuse / transformers, on the same prompt.
   3. A workload with no sharing: throughput with prefix caching on / off.
-  4. Decode tokens/s with 16 concurrent requests / transformers generating one request at a time.
+  4. Decode tokens/s with 16 concurrent requests and with one stream, against transformers generating
+     one request at a time, and against the same engine with every linear layer on plain F.linear
+     (the kernels before issue 14: the before/after ratio in one run); the share of each decode
+     step spent outside the model (scheduling, metadata, sampling, detokenizing).
   5. Prefix match of a 32k-token prompt in the cache core (hashing reported separately).
+  6. With --llama-server BIN --gguf FILE (from ../shared/tools/llama_cpp_peer.sh): llama.cpp's cold
+     and warm TTFT on the same shapes and its one-stream decode tokens/s.
 
     python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16
 

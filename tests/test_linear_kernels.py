@@ -18,18 +18,21 @@ from kvreuse.models.layers import Linear
 needs_onednn = pytest.mark.skipif(not kernels.packing_available(torch.float32), reason="no oneDNN on this build")
 
 
-def test_decide_packs_the_small_row_counts_up_to_the_first_loss():
-    plain = {1: 100.0, 4: 200.0, 16: 400.0, 64: 900.0, 256: 3000.0}
-    packed = {1: 60.0, 4: 90.0, 16: 300.0, 64: 950.0, 256: 2000.0}
+def test_decide_finds_the_crossover_and_ignores_one_noisy_probe():
+    plain = {1: 100.0, 2: 100.0, 4: 100.0, 8: 100.0, 256: 100.0, 512: 100.0}
+    # Packed wins at 2-8 rows; the 1-row probe was hit by noise; 256 and up lose.
+    packed = {1: 120.0, 2: 50.0, 4: 50.0, 8: 50.0, 256: 130.0, 512: 140.0}
     plan = decide(plain, packed)
-    # 64 loses, so 256 (a win after a loss) does not extend the range: the crossover is 16.
-    assert plan.packed_max_rows == 16 and plan.keep_plain
-    # Packed slower already at one row: never used.
-    assert decide({1: 1.0, 2: 2.0}, {1: 1.5, 2: 1.0}).packed_max_rows == 0
-    # Faster or within the tolerance everywhere: the plain weight is released.
-    tied = decide({1: 100.0, 512: 1000.0}, {1: 50.0, 512: 1000.0 * kernels.DROP_PLAIN_TOLERANCE})
+    assert plan.packed_max_rows == 8 and plan.keep_plain
+    # Slower everywhere: never packed.
+    assert decide({1: 1.0, 2: 2.0}, {1: 1.5, 2: 2.5}).packed_max_rows == 0
+    # Faster everywhere but 10% slower at the largest size: packed up to the size before, plain kept.
+    edge = decide({1: 100.0, 64: 100.0, 512: 100.0, 2048: 100.0}, {1: 50.0, 64: 50.0, 512: 50.0, 2048: 110.0})
+    assert edge.packed_max_rows == 512 and edge.keep_plain
+    # Faster, or within the tolerance at the largest sizes: the plain weight is released.
+    tied = decide({1: 100.0, 512: 1000.0, 2048: 4000.0},
+                  {1: 50.0, 512: 1000.0 * kernels.DROP_PLAIN_TOLERANCE, 2048: 4000.0})
     assert tied.packed_max_rows == ALWAYS and not tied.keep_plain
-    assert decide({1: 100.0, 512: 1000.0}, {1: 50.0, 512: 1100.0}).keep_plain
 
 
 @needs_onednn

@@ -11,6 +11,7 @@ Face parameter names onto the fused q/k/v and gate/up projections, one tensor at
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import replace
@@ -24,6 +25,8 @@ from kvreuse.models.config import ModelConfig
 from kvreuse.models.kernels import LinearKernel, PlanBook
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvreuse.lora.batch import LoRABatch
@@ -203,6 +206,11 @@ class LlamaFamilyForCausalLM(nn.Module):
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, replace(plan, keep_plain=True))
                 packed += 1
         book.save()
+        kernels = [m.kernel for m in self.modules() if isinstance(m, Linear) and m.kernel is not None]
+        kernels += [self._tied_head_kernel] if self._tied_head_kernel is not None else []
+        extra = sum(kernel.extra_bytes for kernel in kernels)
+        logger.info("CPU linear kernels: %d of the matrices packed for oneDNN, %.0f MiB kept beside the plain "
+                    "weights (where the packed kernel wins only for small row counts)", packed, extra / 2**20)
         return packed
 
     # ---- weights -------------------------------------------------------------------------------
