@@ -337,7 +337,8 @@ class Chromium:
                                              or details.get("text", "")))
         elif method == "Log.entryAdded":  # failed loads, CSP violations and other browser-side messages
             entry = params.get("entry", {})
-            page.console.append(ConsoleEntry(entry.get("level", "info"), f"{entry.get('text')} ({entry.get('url', '')})"))
+            text = f"{entry.get('text')} ({entry.get('url', '')})"
+            page.console.append(ConsoleEntry(entry.get("level", "info"), text))
 
     def call(self, method: str, params: dict[str, Any] | None = None, session_id: str | None = None,
              timeout_s: float = 30.0) -> dict[str, Any]:

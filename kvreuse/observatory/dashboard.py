@@ -41,7 +41,8 @@ class HitCounter:
 
     def minus(self, earlier: HitCounter) -> HitCounter:
         # Clamped: a counter never goes back, but a reading torn across a reset must not show a negative rate.
-        return HitCounter(max(0, self.query_tokens - earlier.query_tokens), max(0, self.hit_tokens - earlier.hit_tokens))
+        return HitCounter(max(0, self.query_tokens - earlier.query_tokens),
+                          max(0, self.hit_tokens - earlier.hit_tokens))
 
     def plus(self, other: HitCounter) -> HitCounter:
         return HitCounter(self.query_tokens + other.query_tokens, self.hit_tokens + other.hit_tokens)
@@ -130,7 +131,8 @@ class DashboardHistory:
 
         def figures(current: HitCounter, before: HitCounter) -> dict[str, Any]:
             recent = current.minus(before)
-            return current.as_dict() | {"hit_rate": _rounded(current.hit_rate), "recent_hit_rate": _rounded(recent.hit_rate)}
+            return current.as_dict() | {"hit_rate": _rounded(current.hit_rate),
+                                        "recent_hit_rate": _rounded(recent.hit_rate)}
 
         result: dict[str, Any] = {"window_s": self.window_s, "owners": {
             owner: figures(counter, earlier.get(owner, HitCounter()))

@@ -3,9 +3,10 @@
 Completions and chat completions are routed by the policy (kvreuse.router.policy); every other path
 goes to any healthy backend, except the live dashboard (``GET /dashboard``, ``GET /v1/cache/dashboard``),
 which the router answers itself from every backend's (kvreuse/observatory/dashboard_fleet.py).
-Replies pass through byte for byte (status, headers, body, SSE events). A kvreuse server sends nothing, not even headers, before the first token, so "before the first
-byte" is "before the response headers": until then a failed attempt (connection error, 429, 502,
-503, 504) is retried on another backend, at most ``max_retries`` times, with exponential backoff.
+Replies pass through byte for byte (status, headers, body, SSE events). A kvreuse server sends
+nothing, not even headers, before the first token, so "before the first byte" is "before the
+response headers": until then a failed attempt (connection error, 429, 502, 503, 504) is retried on
+another backend, at most ``max_retries`` times, with exponential backoff.
 """
 
 from __future__ import annotations

@@ -158,9 +158,10 @@ def _document(state: ServerState, scope: Scope, history: DashboardHistory, view:
 
 def _pin_entry(pin: dict[str, Any], now: float) -> dict[str, Any]:
     expires = pin.get("expires")
+    ttl_left = None if expires is None else round(max(0.0, expires - now), 1)
     return {"id": pin["id"], "kind": pin["kind"], "tokens": pin["tokens"], "blocks": pin["blocks"],
-            "hits": pin["hits"], "ttl": pin["ttl"], "ttl_left_s": None if expires is None else round(max(0.0, expires - now), 1),
-            "owner": pin["owner"], "adapter": pin["adapter"]}
+            "hits": pin["hits"], "ttl": pin["ttl"], "ttl_left_s": ttl_left, "owner": pin["owner"],
+            "adapter": pin["adapter"]}
 
 
 class _StartSampler:
