@@ -40,6 +40,7 @@ def _commands() -> list[Command]:
     from kvreuse.batch import add_run_arguments, run_command
     from kvreuse.demo import add_demo_arguments, run_demo
     from kvreuse.models.make import add_make_model_arguments, run_make_model
+    from kvreuse.observatory.diagnose import add_diagnose_arguments, run_diagnose
     from kvreuse.router.cli import add_route_arguments, run_route
     from kvreuse.spec.distill import add_distill_arguments, run_distill
 
@@ -52,6 +53,8 @@ def _commands() -> list[Command]:
         Command("route", "prefix-aware router in front of several servers", add_route_arguments, run_route),
         Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)",
                 add_distill_arguments, run_distill),
+        Command("diagnose", "why a log of prompts would miss the prefix cache: drift diagnostics, offline",
+                add_diagnose_arguments, run_diagnose),
     ]
 
 

@@ -31,7 +31,7 @@ from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
 from kvreuse.cache.tiers.fingerprint import files_digest, model_fingerprint
 from kvreuse.cache.tiers.record import BlockLayout
 from kvreuse.cache.tiers.store import BlockRef, TieredStore
-from kvreuse.cache.prefix import PrefixMatch
+from kvreuse.cache.prefix import Divergence, PrefixMatch
 from kvreuse.config import EngineConfig
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor, PromptInput
@@ -39,6 +39,9 @@ from kvreuse.lora.batch import LoRABatch, LoRASegment
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.lora.request import LoRARequest
 from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path
+from kvreuse.observatory.drift import DriftLog, cached_continuation
+from kvreuse.observatory.scope import ALL, NamespaceOwners, Owner, Scope
+from kvreuse.observatory.tree import PrefixHits, largest_subtrees
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.request import Request, RequestStatus
 from kvreuse.runner.forward_batch import ForwardBatch
@@ -51,6 +54,9 @@ from kvreuse.spec.verify import VerifyItem, VerifyResult, verify
 from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse")
+
+SHARED_OWNER = "shared"  # hit_counters' name for requests without an owner
+MAX_TRACKED_NAMESPACES = 65536  # namespace owners kept before those nothing is held of are forgotten
 
 
 @dataclass
@@ -176,6 +182,7 @@ class _Group:
     pin_specs: list[PinSpec] = field(default_factory=list)  # pinned once computed (by sequence 0)
     pins_saved: list[str] = field(default_factory=list)
     pins_hit: list[str] = field(default_factory=list)
+    owner: str | None = None  # the tenant that sent it (None: no keys, or the offline API)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -297,6 +304,14 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+        # The observatory (kvreuse.observatory): who used each namespace (the tenant rule), recent misses
+        # and their divergence, prefix reuse counts, per-owner hit counters. Cheap: dict updates at
+        # admission and one divergence lookup per partial miss; the analysis runs when a report is asked for.
+        self.namespace_owners = NamespaceOwners()
+        self.drift = DriftLog()
+        self.prefix_hits = PrefixHits()
+        self._hits_by_owner: dict[Owner, list[int]] = {}  # owner -> [prompt tokens looked up, tokens hit]
+        self._prune_owners_at = MAX_TRACKED_NAMESPACES
         # The latest steps' time split (forward vs the rest), for benchmarks and the overhead figure.
         self.step_timings: deque[StepTiming] = deque(maxlen=4096)
 
@@ -350,8 +365,13 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
         pins: list[PinSpec] | tuple[PinSpec, ...] = (),
+        owner: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError on bad input, before any state changes.
+
+        ``owner``: the tenant sending it (the server passes the caller's tenant id when keys are
+        configured); the observatory shows a namespace's entries to a tenant only when every request
+        in it was that tenant's (kvreuse.observatory.scope).
 
         ``pins``: prefixes of this request to pin once their KV is computed (explicit caching).
         ``lora_request``: the adapter to run with; its KV lives in a namespace keyed by the digest
@@ -372,7 +392,8 @@ class LLMEngine:
         adapter = self.adapter_digest(lora_request)
         namespace = namespace_key(cache_salt, adapter, self.model_name, self.draft_digest)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins))
+        group = _Group(request_id, prompt_text, token_ids, [], arrival, pin_specs=list(pins), owner=owner)
+        self._note_owner(namespace, owner)
         for index in range(params.n):
             request = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
@@ -475,7 +496,8 @@ class LLMEngine:
                 if request.index == 0:
                     group.metrics.first_scheduled_time = request.first_scheduled_time
                     group.metrics.num_computed_prompt_tokens = request.num_prompt_tokens - match.num_tokens
-            if logger.isEnabledFor(logging.DEBUG):
+                self._observe_admission(group, request, match, wall_now)
+            elif logger.isEnabledFor(logging.DEBUG):
                 self._log_admission(request, match)
 
         batch, items = self._build_batch(scheduled.scheduled)
@@ -768,7 +790,56 @@ class LLMEngine:
             if request.block_ids:
                 raise RuntimeError(f"waiting request {request.request_id} holds blocks")
 
-    def _log_admission(self, request: Request, match: PrefixMatch) -> None:
+    # --- the observatory --------------------------------------------------------------------------
+    def _note_owner(self, namespace: bytes, owner: Owner) -> None:
+        self.namespace_owners.add(namespace, owner)
+        if len(self.namespace_owners) > self._prune_owners_at:
+            # Forget namespaces nothing is held of any more (no cached block, no recorded miss, no request
+            # in flight): their text is gone, so forgetting their owners cannot show it to anyone.
+            held = set(self.kv.index.roots) | self.drift.namespaces() | {
+                sequence.request.namespace for group in self._groups.values() for sequence in group.sequences}
+            held.add(namespace)
+            self.namespace_owners.prune(held.__contains__)
+            self._prune_owners_at = max(MAX_TRACKED_NAMESPACES, 2 * len(self.namespace_owners))  # amortised
+
+    def _observe_admission(self, group: _Group, request: Request, match: PrefixMatch, now: float) -> None:
+        """A request's first admission: its owner's hit counters, the prefix it reused, and on a partial
+        miss the divergence from the cached text (the drift log; also the --debug explanation)."""
+        counters = self._hits_by_owner.setdefault(group.owner, [0, 0])
+        counters[0] += request.num_prompt_tokens
+        counters[1] += match.num_tokens
+        if not self.kv.enable_prefix_caching:
+            return
+        self.prefix_hits.record(match)
+        self.prefix_hits.prune(self.kv.index)
+        divergence = None
+        if request.index == 0 and match.num_tokens < request.num_tokens - 1:  # _log_admission's condition
+            divergence = self.kv.divergence(request, match)
+            continuation = cached_continuation(self.kv.index, request.namespace, match, divergence)
+            self.drift.record(request.namespace, request.prompt_token_ids, divergence.position, continuation,
+                              group.owner, now)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_admission(request, match, divergence)
+
+    def drift_report(self, scope: Scope = ALL, top: int = 10) -> dict[str, Any]:
+        """Recent misses that ``scope`` may see, grouped by (namespace, template start, divergence
+        position), most tokens lost first: sentences, volatile spans, advice (kvreuse.observatory.drift)."""
+        return self.drift.report(scope, top, self.tokenizer.decode, self.namespace_owners)
+
+    def cache_tree(self, scope: Scope = ALL, top: int = 8) -> list[dict[str, Any]]:
+        """The prefix index's ``top`` largest cached subtrees ``scope`` may see: {"text" (a preview of the
+        prefix, <= 200 chars), "tokens", "blocks", "branches", "pinned", "hits", "namespace",
+        "namespace_owner"} (kvreuse.observatory.tree)."""
+        return largest_subtrees(self.kv.index, scope, self.namespace_owners, self.prefix_hits,
+                                self.tokenizer.decode, top)
+
+    def hit_counters(self, scope: Scope = ALL) -> dict[str, dict[str, int]]:
+        """Per owner ("shared" for requests without one) that ``scope`` may see: prompt tokens looked up
+        in the cache at first admission ("query_tokens") and of those served from it ("hit_tokens")."""
+        return {SHARED_OWNER if owner is None else owner: {"query_tokens": query, "hit_tokens": hit}
+                for owner, (query, hit) in self._hits_by_owner.items() if scope.may_see_owner(owner)}
+
+    def _log_admission(self, request: Request, match: PrefixMatch, divergence: Divergence | None = None) -> None:
         total = request.num_tokens
         reused = match.num_tokens
         logger.debug(
@@ -778,7 +849,8 @@ class LLMEngine:
         )
         if not self.kv.enable_prefix_caching or reused >= total - 1:
             return
-        divergence = self.kv.divergence(request, match)
+        if divergence is None:
+            divergence = self.kv.divergence(request, match)
         tokens = request.all_token_ids
         position = divergence.position
         before = self.tokenizer.decode(tokens[max(0, position - 12) : position])

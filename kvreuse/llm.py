@@ -215,6 +215,12 @@ class LLM:
         the acceptance rate (``spec_decode_*``)."""
         return self.engine.stats().as_dict()
 
+    def drift_report(self, top: int = 10) -> dict[str, Any]:
+        """Why recent prompts missed the cache: misses grouped by (namespace, template start, divergence
+        position), most tokens lost first, each with a sentence, the volatile spans found where the text
+        changes (dates, times, ids, whitespace, reordered blocks) and advice. See docs/observatory.md."""
+        return self.engine.drift_report(top=top)
+
     def reset_prefix_cache(self, tiers: Sequence[str] = ("device",)) -> int:
         """Drop every idle cached block of the device pool and of the other ``tiers`` named (host, disk,
         remote); returns how many blocks were dropped."""

@@ -225,7 +225,7 @@ def anthropic_router(state: ServerState) -> APIRouter:
         admission = state.admit()
         state.engine.metrics.request_started(body.model if lora_request is not None else None)
         outputs = state.engine.generate(message_id, prompt, params, cache_salt=salt, arrival_time=arrival_time,
-                                        pins=pins, lora_request=lora_request)
+                                        pins=pins, lora_request=lora_request, owner=state.request_owner(tenant))
         if not body.stream:
             try:
                 final = None

@@ -29,6 +29,7 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.lora.request import LoRARequest
 from kvreuse.server.async_engine import AsyncEngine
+from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import APIError, bad_request, internal_error, model_not_found, unavailable
 from kvreuse.server.protocol import TokenTexts, model_card, remote_url_digest
@@ -120,6 +121,19 @@ class ServerState:
         return self.owner_of(tenant)
 
     def owner_of(self, tenant: Tenant | None) -> str | None:
+    def request_owner(self, tenant: Tenant | None) -> str | None:
+        """Who a generation request belongs to, for the observatory's tenant rule: the caller's tenant
+        id whenever keys are configured (isolated or not), None without keys."""
+        return tenant.tenant_id if tenant is not None else None
+
+    def scope_of(self, tenant: Tenant | None) -> Scope:
+        """What this caller may see of the cache (drift report, cache tree, hit counters): everything
+        without keys or with an admin key; a tenant key, only namespaces every request of which was its
+        own (kvreuse.observatory.scope)."""
+        if tenant is None:
+            return ALL
+        return Scope(tenant.tenant_id, sees_all=tenant.is_admin)
+
         """Who owns pins made by this caller (only when tenants are isolated)."""
         return tenant.tenant_id if tenant is not None and self.auth.isolate_tenants else None
 

@@ -67,6 +67,7 @@ class _Add:
     stream: _Stream
     pins: tuple[PinSpec, ...] = ()
     lora_request: LoRARequest | None = None
+    owner: str | None = None  # the caller's tenant id (keys configured), for the observatory's tenant rule
 
 
 @dataclass
@@ -167,6 +168,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         pins: Sequence[PinSpec] = (),
         lora_request: LoRARequest | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its processed outputs (text, stream deltas) until the finished
         one. Leaving early (the client went away, the task was cancelled) aborts the request, so its
@@ -178,7 +180,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
-                             tuple(pins), lora_request))
+                             tuple(pins), lora_request, owner))
         finished = False
         try:
             while True:
@@ -253,7 +255,7 @@ class AsyncEngine:
             try:
                 engine.add_request(command.request_id, command.prompt, command.params,
                                    cache_salt=command.cache_salt, arrival_time=command.arrival_time,
-                                   pins=command.pins, lora_request=command.lora_request)
+                                   pins=command.pins, lora_request=command.lora_request, owner=command.owner)
             except ValueError as error:  # handlers validate first; this is a last line of defence
                 _deliver_now(command.stream, error)
                 return

@@ -1,5 +1,6 @@
-"""Cache administration routes: pins (tenant-scoped), the KV event log (admin), the cache reset (admin;
-which tiers it clears: ``?tiers=device,host,disk,remote``, the device pool alone by default).
+"""Cache administration routes: pins (tenant-scoped), the drift report (tenant-scoped: why prompts miss),
+the KV event log (admin), the cache reset (admin; which tiers it clears: ``?tiers=device,host,disk,remote``,
+the device pool alone by default).
 
 Where keys are configured a tenant sees and deletes only its own pins (an admin key sees all), and
 reading the KV event log (every tenant's block keys; kvreuse route follows it) or flushing the
@@ -47,6 +48,14 @@ def cache_router(state: ServerState) -> APIRouter:
             raise APIError(404, f"no pin with id {pin_id!r}", error_type="not_found_error", param="pin_id")
         return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True, "pin": removed})
 
+    @router.get("/v1/cache/drift")
+    async def cache_drift(request: Request) -> JSONResponse:
+        """Why recent prompts missed the cache (kvreuse.observatory.drift), as far as the caller may
+        see: a tenant key sees the namespaces only it ever used, an admin key (or no keys) all."""
+        scope = state.scope_of(state.authenticate(request))
+        top = _query_int(request, "top", DRIFT_DEFAULT_TOP, 1, DRIFT_MAX_TOP)
+        return JSONResponse(await state.engine.call(lambda engine: engine.drift_report(scope, top)))
+
     @router.get("/v1/cache/events")
     async def cache_events(request: Request) -> JSONResponse:
         """Block keys stored in / removed from the prefix cache since ``after`` (for kvreuse route).
@@ -75,6 +84,8 @@ def cache_router(state: ServerState) -> APIRouter:
 
 
 KV_EVENTS_PAGE = 4096  # most events one /v1/cache/events reply carries
+DRIFT_DEFAULT_TOP = 10  # groups a /v1/cache/drift reply carries without ?top=
+DRIFT_MAX_TOP = 100
 KV_TIERS = ("device", "host", "disk", "remote")  # what POST /reset_prefix_cache may clear
 
 

@@ -77,7 +77,7 @@ def openai_router(state: ServerState) -> APIRouter:
             prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
-            num_logprobs=body.num_logprobs, user=body.user, pins=pins,
+            num_logprobs=body.num_logprobs, user=body.user, pins=pins, owner=state.request_owner(tenant),
         )
         return await _serve(state, request, generation)
 
@@ -105,7 +105,7 @@ def openai_router(state: ServerState) -> APIRouter:
             prompts=prompts, prompt_lengths=lengths, params=params,
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
-            num_logprobs=body.logprobs, user=body.user,
+            num_logprobs=body.logprobs, user=body.user, owner=state.request_owner(tenant),
         )
         return await _serve(state, request, generation)
 
@@ -159,6 +159,7 @@ class _Generation:
     user: str | None
     adapter: ServedAdapter | None = None  # the LoRA adapter "model" named (None: the base model)
     pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
+    owner: str | None = None  # the caller's tenant id when keys are configured (the observatory's tenant rule)
 
     @property
     def n(self) -> int:
@@ -185,7 +186,8 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
     outputs = _merge([
         engine.generate(generation.engine_request_id(index), prompt, params,
                         cache_salt=generation.cache_salt, arrival_time=generation.arrival_time,
-                        pins=generation.pins if index == 0 else (), lora_request=lora_request)
+                        pins=generation.pins if index == 0 else (), lora_request=lora_request,
+                        owner=generation.owner)
         for index, (prompt, params) in enumerate(zip(generation.prompts, generation.params))
     ])
     handed_to_stream = False

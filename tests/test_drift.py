@@ -1,0 +1,252 @@
+"""Drift diagnostics: volatile spans, the drift report on crafted workloads (offline API and server), the
+tenant rule (a tenant never sees another tenant's prompt text), the cache tree and per-owner hit counters.
+
+The crafted workloads are the ways caching silently breaks: a timestamp in the system prompt that changes
+per request, a reordered few-shot block, a trailing space. Each report must name the token position where
+the prompt left the cache (checked against the tokenizer's own ids), the span that changed and its kind.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import MODEL_NAME, RunningServer, start_server, stop_server
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.cache.hashing import namespace_key
+from kvreuse.inputs import common_prefix_length
+from kvreuse.observatory.diagnose import simulate
+from kvreuse.observatory.drift import namespace_label
+from kvreuse.observatory.scope import ALL, NamespaceOwners, Scope
+from kvreuse.observatory.volatile import find_volatile_spans, reordered_items, whitespace_only
+
+RULES = ("Answer in one short paragraph. Be polite and precise. Refer to the order number when one is given. "
+         "Never invent tracking data; say when you do not know. ")
+FEW_SHOT = ["Q: Where is my parcel?\nA: Let me check the tracking page.", "Q: Can I pay by card?\nA: Yes, every card."]
+
+
+# --- volatile spans (pure text) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, kinds", [
+    ("Today is Friday 2026-11-20.", [("date", "Friday 2026-11-20")]),
+    ("Sent Nov 20, 2026 at 12:34:56 pm", [("date", "Nov 20, 2026"), ("time", "12:34:56 pm")]),
+    ("at 2026-11-20T12:34:56Z for Monday", [("datetime", "2026-11-20T12:34:56Z"), ("weekday", "Monday")]),
+    ("trace 3f2a9c1e-1234-4abc-9def-0123456789ab", [("uuid", "3f2a9c1e-1234-4abc-9def-0123456789ab")]),
+    ("session sess-12ab34 request req_8f3k2l9", [("id", "sess-12ab34"), ("id", "req_8f3k2l9")]),
+    ("blob deadbeef12 at 1732101234, 42 items", [("hex-id", "deadbeef12"), ("epoch", "1732101234"), ("number", "42")]),
+    ("model gpt4 is fine", []),  # a short letter+digit name is not an id
+])
+def test_volatile_span_kinds(text: str, kinds: list[tuple[str, str]]) -> None:
+    spans = find_volatile_spans(text)
+    assert [(span.kind, span.text) for span in spans] == kinds
+    assert all(text[span.start:span.end] == span.text for span in spans)
+
+
+def test_whitespace_and_reordered_blocks() -> None:
+    assert whitespace_only("polite. \nAnswer", "polite.\nAnswer briefly")
+    assert not whitespace_only("polite.\nAnswer", "polite!\nAnswer")
+    reordering = reordered_items("B1\nB2\nA1\nA2\nnew question", "A1\nA2\nB1\nB2\nold question")
+    assert reordering is not None and reordering.items == ("B1", "B2", "A1", "A2") and reordering.unit == "lines"
+    fields = reordered_items('{"plan": "pro", "user": 7} tail', '{"user": 7, "plan": "pro"} tail')
+    assert fields is not None and fields.unit == "items"
+    assert reordered_items("A\nB\nC\n", "A\nX\nC\n") is None
+
+
+# --- the tenant rule --------------------------------------------------------------------------------------
+
+
+def test_scope_rule() -> None:
+    alice, bob = Scope("alice", False), Scope("bob", False)
+    assert ALL.may_see(frozenset({"alice", "bob"})) and ALL.may_see(frozenset())
+    assert alice.may_see(frozenset({"alice"})) and not bob.may_see(frozenset({"alice"}))
+    assert not alice.may_see(frozenset({"alice", "bob"}))  # a namespace two tenants used: hidden from both
+    assert not alice.may_see(frozenset({"alice", None}))  # ... and one a keyless request used too
+    assert not alice.may_see(frozenset())  # never seen: only an all-seeing caller
+    assert alice.may_see_owner("alice") and not alice.may_see_owner(None) and ALL.may_see_owner("bob")
+    owners = NamespaceOwners()
+    owners.add(b"n", "alice")
+    owners.add(b"n", "alice")
+    assert owners.of(b"n") == frozenset({"alice"}) and owners.single_owner(b"n") == "alice"
+    owners.add(b"n", "bob")
+    assert owners.single_owner(b"n") is None
+    assert owners.prune(lambda namespace: False) == 1 and owners.of(b"n") == frozenset()
+
+
+# --- the report on a character-level cache (positions are character offsets) ----------------------------------
+
+
+def char_report(texts: list[str], block_size: int = 4) -> dict:
+    simulation = simulate([[ord(char) for char in text] for text in texts], block_size)
+    owners = NamespaceOwners()
+    for record in simulation.drift.records:
+        owners.add(record.namespace, None)
+    return simulation.drift.report(ALL, 5, lambda ids: "".join(map(chr, ids)), owners)
+
+
+def test_char_level_report_names_position_span_and_tokens_lost() -> None:
+    prompts = [f"You are the billing assistant. Now: 2026-11-{day} 09:00. {RULES}Question {day}?" for day in (16, 17, 18)]
+    report = char_report(prompts)
+    group = report["groups"][0]
+    assert group["requests"] == 2 and group["position"] == prompts[0].index("-16") + 2
+    assert group["request_text"] == "2026-11-18 09:00" and group["cached_text"] in ("2026-11-16 09:00", "2026-11-17 09:00")
+    assert group["kinds"] == ["datetime"] and "move the date" in group["advice"][0]
+    # Recomputed only because of the date: the rest of the system prompt, up to where the questions differ.
+    assert group["tokens_lost_per_request"] == prompts[0].index("16?") - group["position"]
+    # The template is named by the prompt's first 32 tokens (here characters).
+    assert group["sentence"] == (
+        f"2 requests of the prefix starting 'You are the billing assistant. N' diverge at token {group['position']}, "
+        f"where the text changes ({group['cached_text']!r} / '2026-11-18 09:00'): {group['tokens_lost_per_request']} "
+        "tokens per request recomputed (datetime)")
+
+
+# --- the engine (offline API): crafted chat workloads ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="8MiB", max_num_seqs=4)
+
+
+def system_chat(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def run_workload(llm: LLM, salt: str, conversations: list[list[dict[str, str]]]) -> tuple[dict, int]:
+    """Send the conversations one by one in their own namespace; the report's group of that namespace and
+    the expected divergence of the last one (its common prefix with the one before, in the tokenizer's ids)."""
+    for conversation in conversations:
+        llm.chat(conversation, SamplingParams(temperature=0, max_tokens=1), cache_salt=salt, use_tqdm=False)
+    ids = [llm.inputs.from_messages(conversation).token_ids for conversation in conversations]
+    label = namespace_label(namespace_key(salt, None, llm.engine.model_name))
+    groups = [group for group in llm.drift_report(top=20)["groups"] if group["namespace"] == label]
+    assert groups, llm.drift_report(top=20)
+    return groups[0], common_prefix_length(ids[-1], ids[-2])
+
+
+def test_engine_report_on_a_timestamped_system_prompt(llm: LLM) -> None:
+    times = ["08:15:02", "08:15:09", "08:15:41"]
+    group, expected = run_workload(llm, "timestamp", [
+        system_chat(f"You are the support assistant. Current time: 2026-11-20 {time}. {RULES}", question)
+        for time, question in zip(times, ["Where is my order?", "Do gift cards expire?", "Can I return a book?"])])
+    assert group["position"] == expected and group["requests"] >= 1
+    assert group["request_text"] == f"2026-11-20 {times[-1]}", group
+    assert "datetime" in group["kinds"] and group["tokens_lost_per_request"] > 20
+    assert any(span["side"] == "request" and span["text"] == f"2026-11-20 {times[-1]}" for span in group["volatile"])
+
+
+def test_engine_report_on_a_reordered_few_shot_block(llm: LLM) -> None:
+    group, expected = run_workload(llm, "few-shot", [
+        system_chat(f"{RULES}Examples:\n" + "\n".join(order), "Where is my order?")
+        for order in (FEW_SHOT, FEW_SHOT[::-1])])
+    assert group["position"] == expected
+    assert "reordered" in group["kinds"] and group["reordered_items"] == 4, group
+    assert group["request_text"] == FEW_SHOT[1].split("\n")[0] and group["cached_text"] == FEW_SHOT[0].split("\n")[0]
+    assert any("fixed order" in advice for advice in group["advice"])
+
+
+def test_engine_report_on_a_trailing_space(llm: LLM) -> None:
+    group, expected = run_workload(llm, "whitespace", [
+        system_chat(f"You are the support assistant.{space}\n{RULES}", "Where is my order?") for space in ("", " ")])
+    assert group["position"] == expected
+    assert group["kinds"] == ["whitespace"] and group["whitespace_only"], group
+    assert any("trailing whitespace" in advice for advice in group["advice"])
+
+
+def test_cache_tree_and_hit_counters(llm: LLM) -> None:
+    system = f"You are the tree assistant. {RULES}"
+    for question in ["Where is my order?", "Do gift cards expire?", "Can I return a book?"]:
+        llm.chat(system_chat(system, question), SamplingParams(temperature=0, max_tokens=1), cache_salt="tree",
+                 use_tqdm=False)
+    label = namespace_label(namespace_key("tree", None, llm.engine.model_name))
+    tree = [entry for entry in llm.engine.cache_tree(top=50) if entry["namespace"] == label]
+    shared = max(tree, key=lambda entry: entry["blocks"])
+    assert shared["branches"] == 3 and shared["hits"] == 2 and not shared["pinned"], tree
+    assert shared["text"].startswith("system\nYou are the tree assistant") and len(shared["text"]) <= 200
+    assert shared["tokens"] % 16 == 0 and shared["namespace_owner"] is None
+    counters = llm.engine.hit_counters()
+    assert set(counters) == {"shared"} and 0 < counters["shared"]["hit_tokens"] < counters["shared"]["query_tokens"]
+    assert llm.engine.hit_counters(Scope("someone", False)) == {}
+    assert llm.engine.cache_tree(Scope("someone", False)) == [] and llm.engine.drift_report(Scope("x", False))["groups"] == []
+
+
+# --- the server: GET /v1/cache/drift, tenant-scoped --------------------------------------------------------------
+
+KEY_A, KEY_B, ADMIN_KEY = "drift-key-alpha", "drift-key-bravo", "drift-admin"
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two servers with the same keys, started side by side: tenants isolated, and not."""
+    folder = tmp_path_factory.mktemp("drift-servers")
+    keys = ("--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN_KEY, "--stats-log-interval", "0")
+    with ThreadPoolExecutor(2) as pool:
+        isolated = pool.submit(start_server, tiny_model, folder / "isolated.log", *keys, "--isolate-tenants")
+        shared = pool.submit(start_server, tiny_model, folder / "shared.log", *keys)
+        running = {"isolated": isolated.result(), "shared": shared.result()}
+    yield running
+    for server in running.values():
+        stop_server(server)
+
+
+def send(server: RunningServer, key: str, prompts: list[str], salt: str | None = None) -> None:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=60) as client:
+        for prompt in prompts:
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"cache_salt": salt} if salt else None)
+
+
+def drift(server: RunningServer, key: str | None, query: str = "") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{server.base_url}/v1/cache/drift{query}", headers=headers, timeout=30)
+
+
+def alpha_prompts() -> list[str]:
+    return [f"Alpha desk. Now 2026-11-20 10:0{second}. {RULES}Question {second}" for second in range(3)]
+
+
+def bravo_prompts() -> list[str]:
+    return [f"Bravo desk. Session sess-{index}b{index}c9x. {RULES}Ask {index}" for index in range(3)]
+
+
+def test_tenants_see_only_their_own_drift_when_isolated(servers: dict[str, RunningServer]) -> None:
+    server = servers["isolated"]
+    send(server, KEY_A, alpha_prompts())
+    send(server, KEY_B, bravo_prompts())
+    mine = drift(server, KEY_A).json()
+    theirs = drift(server, KEY_B).json()
+    everything = drift(server, ADMIN_KEY, "?top=50").json()
+    assert mine["object"] == "cache.drift" and mine["groups"] and theirs["groups"]
+    assert "Alpha" in json.dumps(mine) and "Bravo" not in json.dumps(mine)
+    assert "Bravo" in json.dumps(theirs) and "Alpha" not in json.dumps(theirs)
+    assert mine["total_misses"] is None  # totals over every namespace are for the admin
+    assert any(group["kinds"] == ["datetime"] for group in mine["groups"]), mine
+    assert any("id" in group["kinds"] for group in theirs["groups"]), theirs
+    admin_text = json.dumps(everything)
+    assert "Alpha" in admin_text and "Bravo" in admin_text and everything["total_misses"] >= 4
+
+
+def test_a_namespace_two_tenants_used_is_hidden_from_both(servers: dict[str, RunningServer]) -> None:
+    server = servers["shared"]
+    send(server, KEY_A, alpha_prompts())  # no isolation, no salt: the shared namespace
+    send(server, KEY_B, bravo_prompts())
+    send(server, KEY_A, [f"Own salt. Now 2026-11-20 11:0{second}. {RULES}Q {second}" for second in range(2)],
+         salt="alpha-only")
+    mine, theirs = drift(server, KEY_A).json(), drift(server, KEY_B).json()
+    assert [group["template"][:8] for group in mine["groups"]] == ["Own salt"]  # its own salt's namespace only
+    assert theirs["groups"] == [] and "Alpha" not in json.dumps(theirs) and "Own salt" not in json.dumps(theirs)
+    admin_text = json.dumps(drift(server, ADMIN_KEY, "?top=50").json())
+    assert all(word in admin_text for word in ("Alpha", "Bravo", "Own salt"))
+
+
+def test_drift_route_errors(servers: dict[str, RunningServer]) -> None:
+    server = servers["isolated"]
+    assert drift(server, None).status_code == 401
+    for query in ("?top=0", "?top=abc", "?top=1000"):
+        reply = drift(server, KEY_A, query)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "top", reply.text
