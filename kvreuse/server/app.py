@@ -8,7 +8,8 @@ error handlers (every bad input is a 4xx in OpenAI's error shape; `InvalidReques
 
 - `server/openai_routes.py`: /v1/chat/completions, /v1/completions, /tokenize, /detokenize
 - `server/anthropic.py`: /v1/messages
-- `server/cache_routes.py`: /v1/cache/pins, /v1/cache/events, /reset_prefix_cache
+- `server/cache_routes.py`: /v1/cache/pins, /v1/cache/events, /v1/cache/drift, /reset_prefix_cache
+- `server/dashboard_routes.py`: /dashboard, /v1/cache/dashboard (and the sampler behind its time series)
 
 A new capability adds its own router module and one ``include_router`` line here.
 """
@@ -28,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.lora.request import LoRARequest
-from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.observatory.scope import ALL, Scope
+from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import APIError, bad_request, internal_error, model_not_found, unavailable
 from kvreuse.server.protocol import TokenTexts, model_card, remote_url_digest
@@ -120,7 +121,6 @@ class ServerState:
             return None
         return self.owner_of(tenant)
 
-    def owner_of(self, tenant: Tenant | None) -> str | None:
     def request_owner(self, tenant: Tenant | None) -> str | None:
         """Who a generation request belongs to, for the observatory's tenant rule: the caller's tenant
         id whenever keys are configured (isolated or not), None without keys."""
@@ -134,6 +134,7 @@ class ServerState:
             return ALL
         return Scope(tenant.tenant_id, sees_all=tenant.is_admin)
 
+    def owner_of(self, tenant: Tenant | None) -> str | None:
         """Who owns pins made by this caller (only when tenants are isolated)."""
         return tenant.tenant_id if tenant is not None and self.auth.isolate_tenants else None
 
@@ -249,6 +250,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     from kvreuse.server.anthropic import anthropic_router
     from kvreuse.server.cache_routes import cache_router
+    from kvreuse.server.dashboard_routes import install_dashboard
     from kvreuse.server.lora_routes import lora_router
     from kvreuse.server.openai_routes import openai_router
 
@@ -256,6 +258,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(anthropic_router(state))
     app.include_router(cache_router(state))
     app.include_router(lora_router(state))
+    install_dashboard(app, state)
     return app
 
 

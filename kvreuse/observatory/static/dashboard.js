@@ -260,7 +260,10 @@
       traces.push({x, y: scaled(series.total[field]), name: "all tenants", mode: "lines",
                    line: {color: "#111827", width: 3}});
     }
-    Object.entries(series.owners || {}).forEach(([owner, values], index) => {
+    const owners = Object.entries(series.owners || {});
+    // A server without keys has one owner, "shared": its line would repeat the total's.
+    if (series.total && owners.length === 1 && owners[0][0] === "shared") return traces;
+    owners.forEach(([owner, values], index) => {
       traces.push({x, y: scaled(values[field]), name: ownerLabel(owner, scope), mode: "lines",
                    line: {color: COLORS[index % COLORS.length], width: 2}, connectgaps: false});
     });
