@@ -63,7 +63,8 @@ BIN_DIR = str(Path(sys.executable).parent)  # the interpreter's bin: its python 
 COMMAND_TIMEOUT_S = 480
 HEALTH_TIMEOUT_S = 120
 MAX_PARALLEL_RUNS = 3
-HELP_COMMANDS = ("demo", "make-model", "distill-eagle", "serve", "run", "route", "bench serve", "bench compare")
+HELP_COMMANDS = ("demo", "make-model", "distill-eagle", "serve", "run", "route", "bench serve", "bench compare",
+                 "diagnose")
 
 # --- How each documented command is run --------------------------------------------------------------------
 
@@ -78,6 +79,8 @@ SERVE = "serve"  # in the background as typed: /health, one openai SDK request, 
 BENCH_SERVE = "bench-serve"  # against the server started before it in its block, else a helper; files checked
 ROUTE = "route"  # helper backends on the typed ports, the router as typed, a request through it, SIGTERM
 DISTILL = "distill"  # kvreuse distill-eagle as typed on the fixture model; the draft it writes loads and drafts
+DIAGNOSE = "diagnose"  # kvreuse diagnose as typed (the log it names copied from the repository); its output must
+#                        equal the output block the docs show after it
 
 SMOLLM_COMPARE = ("kvreuse bench compare --model models/smollm2-135m-v2384 --temperature 1 --seed 0 "
                   "--max-concurrency {concurrency} --workload {workload} {options} --out {name}.json "
@@ -156,6 +159,8 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_tiers.py --preset qwen2.5-0.5b --dtype float32": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
+    # docs/observatory.md
+    "kvreuse diagnose docs/examples/drift-chats.jsonl --tokenizer ./tiny --chat": DIAGNOSE,
 }
 
 # What each benchmark script prints when its table is there (a smoke run prints the same table).
@@ -264,6 +269,23 @@ def extract_commands(path: Path, relative: str | None = None) -> list[DocCommand
             if text:
                 commands.append(DocCommand(text, relative, pending_line, block))
     return commands
+
+
+def documented_output(command: DocCommand) -> str | None:
+    """The text of the first non-shell fenced block after ``command`` in its file (what the docs say it prints)."""
+    lines = (REPO / command.file).read_text(encoding="utf-8").splitlines()
+    inside, language, body = True, "bash", []  # the scan starts inside the command's own block
+    for line in lines[command.line:]:
+        if line.lstrip().startswith("```"):
+            if not inside:
+                inside, language, body = True, line.lstrip()[3:].strip().lower(), []
+            elif language in ("bash", "sh", "shell"):
+                inside = False
+            else:
+                return "\n".join(body)
+        elif inside:
+            body.append(line)
+    return None
 
 
 def documented_commands() -> list[DocCommand]:
@@ -699,11 +721,11 @@ class DocRuns:
                 keys = [c.text for unit in units for c in unit]
                 jobs.append((keys, lambda units=units: self._run_lane(units, kinds)))
         # Heaviest first: compares, scripts, the demo, then the rest; each its own job.
-        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, DISTILL: 3, MAKE_MODEL: 4, BATCH: 5}
+        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, DISTILL: 3, MAKE_MODEL: 4, BATCH: 5, DIAGNOSE: 6}
         singles = [c for c in UNIQUE if c.text in selected and kinds[c.text] in order]
         singles.sort(key=lambda c: order[kinds[c.text]])
         runners = {COMPARE: self._compare, SCRIPT: self._script, DEMO: self._demo, MAKE_MODEL: self._make_model,
-                   BATCH: self._batch, DISTILL: self._distill}
+                   BATCH: self._batch, DISTILL: self._distill, DIAGNOSE: self._diagnose}
         for command in singles:
             run = runners[kinds[command.text]]
             jobs.append(([command.text], lambda command=command, run=run: {command.text: self._timed(run, command)}))
@@ -846,6 +868,19 @@ class DocRuns:
         reused = [r["metrics"]["reused_tokens"] for r in results["results"]]
         assert all(tokens > 0 for tokens in reused[1:]), f"later requests reused nothing: {reused}"
         return f"3 requests, reused tokens {reused}, summary {results['summary']} ({seconds:.1f} s)"
+
+    def _diagnose(self, command: DocCommand) -> str:
+        cwd = self.ws.folder(command.text, commands=[command.text])
+        for word in kvreuse_words(argv_of(command.text))[2:]:  # the log it names: the repository's own file
+            if not word.startswith("-") and (REPO / word).is_file():
+                (cwd / word).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(REPO / word, cwd / word)
+        output, seconds = self._run_checked(command, cwd)
+        shown = documented_output(command)
+        assert shown is not None, f"{command.where}: no output block after the command"
+        assert output.strip() == shown.strip(), (f"{command.where}: the output differs from the one the docs show:\n"
+                                                 f"{output}")
+        return f"output as documented ({len(output.splitlines())} lines, {seconds:.1f} s)"
 
     def _compare(self, command: DocCommand) -> str:
         cwd = self.ws.folder(command.text, commands=[command.text])

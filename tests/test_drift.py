@@ -98,9 +98,9 @@ def test_char_level_report_names_position_span_and_tokens_lost() -> None:
     assert group["kinds"] == ["datetime"] and "move the date" in group["advice"][0]
     # Recomputed only because of the date: the rest of the system prompt, up to where the questions differ.
     assert group["tokens_lost_per_request"] == prompts[0].index("16?") - group["position"]
-    # The template is named by the prompt's first 32 tokens (here characters).
+    # The template is named by the prompt's first 32 tokens (here characters), less the word they cut.
     assert group["sentence"] == (
-        f"2 requests of the prefix starting 'You are the billing assistant. N' diverge at token {group['position']}, "
+        f"2 requests of the prefix starting 'You are the billing assistant.' diverge at token {group['position']}, "
         f"where the text changes ({group['cached_text']!r} / '2026-11-18 09:00'): {group['tokens_lost_per_request']} "
         "tokens per request recomputed (datetime)")
 

@@ -314,16 +314,17 @@ def format_diagnosis(result: dict[str, Any]) -> str:
         for advice in group["advice"]:
             lines.append(f"   advice: {advice}")
     if result["fixes"]:
-        lines += ["", "what fixing them would save (the whole log simulated again; each fix on top of the ones above)"]
+        lines += ["", "what fixing them would save (the whole log simulated again, each fix on top of the ones above;",
+                  "round 2 fixes what round 1's fixes uncovered)"]
         width = max(len(outcome["fix"]) for outcome in result["fixes"])
-        lines.append(f"  {'fix':<{width}}  hit rate   change   tokens reused")
-        lines.append(f"  {'as logged':<{width}}  {result['hit_rate']:>8.1%}   {'':>6}   {result['hit_tokens']:>13,}")
+        lines.append(f"  round  {'fix':<{width}}  hit rate   change   tokens reused")
+        lines.append(f"         {'as logged':<{width}}  {result['hit_rate']:>8.1%}   {'':>6}   {result['hit_tokens']:>13,}")
         for outcome in result["fixes"]:
-            lines.append(f"  {outcome['fix']:<{width}}  {outcome['hit_rate']:>8.1%}   "
+            lines.append(f"  {outcome['round']:>5}  {outcome['fix']:<{width}}  {outcome['hit_rate']:>8.1%}   "
                          f"{outcome['hit_rate_gain'] * 100:>+6.1f}   {outcome['hit_tokens']:>13,}")
     for number, later in enumerate(result["drift_after_fixes"], 1):
-        if later["groups"] and number < len(result["drift_after_fixes"]):
-            lines += ["", f"after fix round {number}, the next divergence point: {later['groups'][0]['sentence']}"]
+        if later["groups"]:
+            lines += ["", f"after fix round {number}, the top divergence point: {later['groups'][0]['sentence']}"]
     return "\n".join(lines)
 
 

@@ -219,6 +219,7 @@ class _Side:
     end: int
     spans: list[VolatileSpan] = field(default_factory=list)  # volatile spans the difference runs into
     realigned: bool = True  # False: the sides never agree again, so the difference is cut off by its window
+    whitespace: bool = False  # the sides differ in whitespace only
 
     @property
     def shown(self) -> str:
@@ -233,6 +234,8 @@ class _Side:
             start = re.search(r"\S*$", text[:start]).start()
         if start < end and not text[end - 1].isspace():
             end += re.match(r"\S*", text[end:]).end()
+        if self.whitespace:  # the difference is the whitespace itself: keep it (quoted, it shows)
+            return text[start:end]
         shown = text[start:end].strip()
         if not self.realigned and re.search(r"\s", shown):  # a window cut mid-word: end at the last whole word
             shown = re.sub(r"\s+\S*$", "", shown) + " …"
@@ -273,8 +276,11 @@ def _quote(text: str, limit: int = 60) -> str:
     return f"'{text}'"
 
 
-def _template_text(tokens: Sequence[int], decode: Decode, limit: int = 60) -> str:
+def _template_text(tokens: Sequence[int], decode: Decode, cut: bool, limit: int = 60) -> str:
+    """The template's start as one line; ``cut``: the tokens stop inside the prompt (drop the cut word)."""
     text = " ".join(decode(tokens).split())
+    if cut and " " in text:
+        text = text.rsplit(" ", 1)[0]
     if len(text) > limit:
         cut = text[:limit].rsplit(" ", 1)[0]
         text = cut if len(cut) > limit // 2 else text[:limit]
@@ -292,6 +298,7 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
                                     decode(latest.cached_after[:2 * DIFF_TOKENS]))
     if is_whitespace:
         kinds.append(WHITESPACE)
+        request.whitespace = cached.whitespace = True
     line_start = before.rsplit("\n", 1)[-1]
     reordered = reordered_items(line_start + decode(latest.request_after[:REORDER_WINDOW_TOKENS]),
                                 line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS]))
@@ -302,7 +309,7 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
         request_text = reordered.items[0].strip()
         cached_text = next(item for item in _first_items(line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS]),
                                                          reordered.unit) if item.strip()).strip()
-    template = _template_text(latest.template_start, decode)
+    template = _template_text(latest.template_start, decode, cut=latest.position > len(latest.template_start))
     count = len(records)
     sentence = (
         f"{count:,} request{'s' if count != 1 else ''} of the prefix starting {_quote(template)} "
