@@ -104,28 +104,36 @@
 
   async function poll(generation) {
     let next = page.config ? page.config.poll_ms : 1500;
+    let response = null;
+    let data = null;
     try {
       const headers = {Accept: "application/json"};
       if (page.key) headers.Authorization = "Bearer " + page.key;
-      const response = await fetch("v1/cache/dashboard", {headers, cache: "no-store"});
-      if (generation !== page.generation) return;
-      if (response.status === 401 || response.status === 403) {
-        needKey(page.key ? "The server refused this key (HTTP " + response.status + "): paste another one above."
-                         : NEEDS_KEY);
-        return;
-      }
-      if (!response.ok) {
-        setStatus("server answered " + response.status + ", retrying", "warn");
-      } else {
-        if (!render(await response.json())) return; // it asked for a key: no polling without one
-        setStatus("live · " + new Date().toLocaleTimeString(), "ok");
-      }
+      response = await fetch("v1/cache/dashboard", {headers, cache: "no-store"});
+      if (response.ok) data = await response.json();
     } catch (error) {
-      if (generation !== page.generation) return;
+      response = null; // the server is down or restarting: keep trying, a little slower
+    }
+    if (generation !== page.generation) return;
+    if (response === null) {
       setStatus("server unreachable, retrying", "warn");
       next = Math.max(next, 3000);
+    } else if (response.status === 401 || response.status === 403) {
+      needKey(page.key ? "The server refused this key (HTTP " + response.status + "): paste another one above."
+                       : NEEDS_KEY);
+      return;
+    } else if (!response.ok || data === null) {
+      setStatus("server answered " + response.status + ", retrying", "warn");
+    } else {
+      try {
+        if (!render(data)) return; // it asked for a key: no polling without one
+        setStatus("live · " + new Date().toLocaleTimeString(), "ok");
+      } catch (error) {
+        console.error("kvreuse dashboard: drawing the reply failed", error); // a bug here, not the server's
+        setStatus("drawing failed, retrying", "warn");
+      }
     }
-    if (generation === page.generation) page.timer = setTimeout(() => poll(generation), next);
+    page.timer = setTimeout(() => poll(generation), next);
   }
 
   // --- rendering ------------------------------------------------------------------------------------
