@@ -808,13 +808,12 @@ class LLMEngine:
         counters = self._hits_by_owner.setdefault(group.owner, [0, 0])
         counters[0] += request.num_prompt_tokens
         counters[1] += match.num_tokens
-        if not self.kv.enable_prefix_caching:
-            return
-        self.prefix_hits.record(match)
-        self.prefix_hits.prune(self.kv.index)
         divergence = None
-        if request.index == 0 and match.num_tokens < request.num_tokens - 1:  # _log_admission's condition
-            divergence = self.kv.divergence(request, match)
+        if self.kv.enable_prefix_caching:
+            self.prefix_hits.record(match)
+            self.prefix_hits.prune(self.kv.index)
+        if self.kv.enable_prefix_caching and request.index == 0 and match.num_tokens < request.num_tokens - 1:
+            divergence = self.kv.divergence(request, match)  # the partial miss _log_admission explains
             continuation = cached_continuation(self.kv.index, request.namespace, match, divergence)
             self.drift.record(request.namespace, request.prompt_token_ids, divergence.position, continuation,
                               group.owner, now)

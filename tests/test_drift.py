@@ -134,7 +134,9 @@ def test_engine_report_on_a_timestamped_system_prompt(llm: LLM) -> None:
     group, expected = run_workload(llm, "timestamp", [
         system_chat(f"You are the support assistant. Current time: 2026-11-20 {time}. {RULES}", question)
         for time, question in zip(times, ["Where is my order?", "Do gift cards expire?", "Can I return a book?"])])
-    assert group["position"] == expected and group["requests"] >= 1
+    # The seconds' units changed first, then their tens: nearby positions of one field are one group.
+    assert group["position"] == expected and group["positions"] == [expected, expected + 1], group
+    assert group["requests"] == 2 and group["sentence"].startswith("2 requests") and "at tokens " in group["sentence"]
     assert group["request_text"] == f"2026-11-20 {times[-1]}", group
     assert "datetime" in group["kinds"] and group["tokens_lost_per_request"] > 20
     assert any(span["side"] == "request" and span["text"] == f"2026-11-20 {times[-1]}" for span in group["volatile"])

@@ -43,6 +43,7 @@ REALIGN_CANDIDATES = 16  # cached positions tried per request position
 DIFF_TOKENS = 8  # tokens shown on each side when the two never re-align
 REORDER_WINDOW_TOKENS = 512  # tokens decoded on each side to look for a reordered block
 LOST_SAMPLE = 16  # records per group whose tokens lost are measured (the rest are estimated from them)
+MERGE_TOKENS = 8  # divergence positions this close (of one namespace and template) are one group
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -67,8 +68,11 @@ def cached_continuation(index: PrefixIndex, namespace: bytes, match: PrefixMatch
         node = max(siblings, key=lambda child: child.last_access)
         tokens = list(node.tokens)
     while len(tokens) < limit and node.children:
-        node = max(node.children.values(), key=lambda child: child.last_access)
-        tokens.extend(node.tokens)
+        children = node.children
+        # Most chains do not branch: skip the max() there (this runs on the engine thread per miss).
+        node = next(iter(children.values())) if len(children) == 1 else max(
+            children.values(), key=lambda child: child.last_access)
+        tokens += node.tokens
     return tokens[:limit]
 
 
@@ -179,6 +183,7 @@ class DriftLog:
         for record in self.records:
             if scope.may_see(owners.of(record.namespace)):
                 groups.setdefault((record.namespace, record.template_start, record.position), []).append(record)
+        groups = _merge_nearby(groups)
         summaries = [_GroupFigures.of(records) for records in groups.values()]
         summaries.sort(key=lambda figures: (-figures.total_lost, -len(figures.records), -figures.records[-1].time))
         visible = sum(len(records) for records in groups.values())
@@ -193,6 +198,33 @@ class DriftLog:
             "cold_misses": self.num_cold if scope.sees_all else None,
             "groups": [_describe(figures, decode, owners) for figures in summaries[:max(top, 0)]],
         }
+
+
+def _agree_before(first: DriftRecord, second: DriftRecord) -> bool:
+    """Do two misses' prompts agree on the tokens both keep before the earlier divergence?"""
+    early, late = sorted((first, second), key=lambda record: record.position)
+    start = max(early.position - len(early.before), late.position - len(late.before))
+    ours = early.before[start - (early.position - len(early.before)):]
+    theirs = late.before[start - (late.position - len(late.before)):][:len(ours)]
+    return ours == theirs
+
+
+def _merge_nearby(groups: dict[tuple[bytes, tuple[int, ...], int], list[DriftRecord]]
+                  ) -> dict[tuple[bytes, tuple[int, ...], int], list[DriftRecord]]:
+    """One volatile field makes misses diverge at a few nearby positions (a clock's seconds, then its
+    minutes): groups of one namespace and template whose positions lie within MERGE_TOKENS and whose
+    prompts agree before them become one group, keyed by its earliest position."""
+    merged: dict[tuple[bytes, tuple[int, ...], int], list[DriftRecord]] = {}
+    previous: tuple[bytes, tuple[int, ...], int] | None = None
+    for key in sorted(groups, key=lambda key: (key[0], key[1], key[2])):
+        records = groups[key]
+        if (previous is not None and previous[:2] == key[:2] and key[2] - previous[2] <= MERGE_TOKENS
+                and _agree_before(merged[previous][-1], records[-1])):
+            merged[previous] = sorted(merged[previous] + records, key=lambda record: record.time)
+            continue
+        merged[key] = list(records)
+        previous = key
+    return merged
 
 
 @dataclass
@@ -311,9 +343,11 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
                                                          reordered.unit) if item.strip()).strip()
     template = _template_text(latest.template_start, decode, cut=latest.position > len(latest.template_start))
     count = len(records)
+    positions = sorted({record.position for record in records})
+    where = f"token {positions[0]:,}" if len(positions) == 1 else f"tokens {positions[0]:,}-{positions[-1]:,}"
     sentence = (
         f"{count:,} request{'s' if count != 1 else ''} of the prefix starting {_quote(template)} "
-        f"diverge{'' if count != 1 else 's'} at token {latest.position:,}, where the text changes "
+        f"diverge{'' if count != 1 else 's'} at {where}, where the text changes "
         f"({_quote(cached_text)} / {_quote(request_text)}): {figures.lost_per_request:,} tokens per request "
         f"recomputed")
     if kinds:
@@ -324,7 +358,9 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
         "namespace": namespace_label(latest.namespace),
         "namespace_owner": owners.single_owner(latest.namespace),
         "template": template,
-        "position": latest.position,
+        "position": positions[0],  # the group's earliest divergence (tokens)
+        "positions": positions,  # every divergence position in it (nearby ones are one group)
+        "latest_position": latest.position,  # the latest request's, where "before" ends
         "tokens_lost_per_request": figures.lost_per_request,
         "tokens_lost": figures.total_lost,
         "tokens_recomputed_per_request": round(sum(r.tokens_recomputed for r in records) / count),
