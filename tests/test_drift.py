@@ -90,11 +90,13 @@ def char_report(texts: list[str], block_size: int = 4) -> dict:
 
 
 def test_char_level_report_names_position_span_and_tokens_lost() -> None:
-    prompts = [f"You are the billing assistant. Now: 2026-11-{day} 09:00. {RULES}Question {day}?" for day in (16, 17, 18)]
+    prompts = [f"You are the billing assistant. Now: 2026-11-{day} 09:00. {RULES}Question {day}?"
+               for day in (16, 17, 18)]
     report = char_report(prompts)
     group = report["groups"][0]
     assert group["requests"] == 2 and group["position"] == prompts[0].index("-16") + 2
-    assert group["request_text"] == "2026-11-18 09:00" and group["cached_text"] in ("2026-11-16 09:00", "2026-11-17 09:00")
+    assert group["request_text"] == "2026-11-18 09:00"
+    assert group["cached_text"] in ("2026-11-16 09:00", "2026-11-17 09:00")
     assert group["kinds"] == ["datetime"] and "move the date" in group["advice"][0]
     # Recomputed only because of the date: the rest of the system prompt, up to where the questions differ.
     assert group["tokens_lost_per_request"] == prompts[0].index("16?") - group["position"]
@@ -174,7 +176,8 @@ def test_cache_tree_and_hit_counters(llm: LLM) -> None:
     counters = llm.engine.hit_counters()
     assert set(counters) == {"shared"} and 0 < counters["shared"]["hit_tokens"] < counters["shared"]["query_tokens"]
     assert llm.engine.hit_counters(Scope("someone", False)) == {}
-    assert llm.engine.cache_tree(Scope("someone", False)) == [] and llm.engine.drift_report(Scope("x", False))["groups"] == []
+    assert llm.engine.cache_tree(Scope("someone", False)) == []
+    assert llm.engine.drift_report(Scope("someone", False))["groups"] == []
 
 
 # --- the server: GET /v1/cache/drift, tenant-scoped --------------------------------------------------------------

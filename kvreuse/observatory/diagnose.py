@@ -318,7 +318,8 @@ def format_diagnosis(result: dict[str, Any]) -> str:
                   "round 2 fixes what round 1's fixes uncovered)"]
         width = max(len(outcome["fix"]) for outcome in result["fixes"])
         lines.append(f"  round  {'fix':<{width}}  hit rate   change   tokens reused")
-        lines.append(f"         {'as logged':<{width}}  {result['hit_rate']:>8.1%}   {'':>6}   {result['hit_tokens']:>13,}")
+        lines.append(f"         {'as logged':<{width}}  {result['hit_rate']:>8.1%}   {'':>6}   "
+                     f"{result['hit_tokens']:>13,}")
         for outcome in result["fixes"]:
             lines.append(f"  {outcome['round']:>5}  {outcome['fix']:<{width}}  {outcome['hit_rate']:>8.1%}   "
                          f"{outcome['hit_rate_gain'] * 100:>+6.1f}   {outcome['hit_tokens']:>13,}")

@@ -339,8 +339,8 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
     request_text, cached_text = request.shown, cached.shown
     if reordered is not None:  # the sides start with the same items in another order: show each side's first
         request_text = reordered.items[0].strip()
-        cached_text = next(item for item in _first_items(line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS]),
-                                                         reordered.unit) if item.strip()).strip()
+        cached_start = line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS])
+        cached_text = next(item for item in _first_items(cached_start, reordered.unit) if item.strip()).strip()
     template = _template_text(latest.template_start, decode, cut=latest.position > len(latest.template_start))
     count = len(records)
     positions = sorted({record.position for record in records})
