@@ -107,6 +107,15 @@ def test_char_level_report_names_position_span_and_tokens_lost() -> None:
         "tokens per request recomputed (datetime)")
 
 
+def test_char_level_report_at_the_first_token_and_cold_misses() -> None:
+    report = char_report(["Alpha beta gamma delta epsilon", "Blpha beta gamma delta epsilon"])
+    (group,) = report["groups"]
+    assert group["position"] == 0 and group["request_text"] == "Blpha" and group["tokens_lost_per_request"] == 28  # 7 blocks cached
+    assert group["sentence"].startswith("1 request of this namespace diverges at token 0, where the text changes "
+                                        "('Alpha' / 'Blpha')")
+    assert report["cold_misses"] == 1 and report["total_misses"] == 1  # the first prompt found nothing cached
+
+
 # --- the engine (offline API): crafted chat workloads ----------------------------------------------------------
 
 

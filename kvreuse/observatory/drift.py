@@ -345,8 +345,9 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
     count = len(records)
     positions = sorted({record.position for record in records})
     where = f"token {positions[0]:,}" if len(positions) == 1 else f"tokens {positions[0]:,}-{positions[-1]:,}"
+    prefix = f" of the prefix starting {_quote(template)}" if template else " of this namespace"
     sentence = (
-        f"{count:,} request{'s' if count != 1 else ''} of the prefix starting {_quote(template)} "
+        f"{count:,} request{'s' if count != 1 else ''}{prefix} "
         f"diverge{'' if count != 1 else 's'} at {where}, where the text changes "
         f"({_quote(cached_text)} / {_quote(request_text)}): {figures.lost_per_request:,} tokens per request "
         f"recomputed")
