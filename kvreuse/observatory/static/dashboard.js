@@ -365,7 +365,10 @@
       else dd.textContent = value;
       facts.appendChild(dd);
     };
-    fact("requests", fmtInt(group.requests) + " · diverging at token " + fmtInt(group.position) + " · " +
+    const positions = Array.isArray(group.positions) && group.positions.length > 1
+      ? "tokens " + group.positions.slice(0, 6).map(fmtInt).join(", ") + (group.positions.length > 6 ? ", …" : "")
+      : "token " + fmtInt(group.position);
+    fact("requests", fmtInt(group.requests) + " · diverging at " + positions + " · " +
          fmtInt(group.tokens_lost_per_request) + " tokens lost each");
     fact("prefix starts", el("code", group.template, "prompt"));
     fact("text before", el("code", clip(group.before, TEXT_LIMIT), "prompt"));
