@@ -245,6 +245,27 @@ def bench_llama_server(args, rng, vocab) -> dict:
     }
 
 
+def kernel_summary(llm) -> str:
+    """Which kernel each linear shape of the model runs on (models/kernels.py's measured verdicts)."""
+    from kvreuse.models.kernels import ALWAYS
+    from kvreuse.models.layers import Linear
+
+    model = llm.engine.model
+    verdicts: dict[str, str] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            shape = "x".join(map(str, (sum(module.output_sizes), module.input_size)))
+            plan = module.kernel.plan if module.kernel is not None else None
+            if plan is None:
+                verdicts[shape] = "plain"
+            else:
+                verdicts[shape] = "packed" if plan.packed_max_rows == ALWAYS else f"packed<={plan.packed_max_rows}"
+    if model._tied_head_kernel is not None:
+        plan = model._tied_head_kernel.plan
+        verdicts["tied head"] = "packed" if plan.packed_max_rows == ALWAYS else f"packed<={plan.packed_max_rows}"
+    return ", ".join(f"{shape} {verdict}" for shape, verdict in verdicts.items())
+
+
 def cpu_flags() -> str:
     """The flags that decide CPU GEMM speed (bf16 runs emulated without avx512_bf16/amx_bf16)."""
     try:
@@ -345,6 +366,7 @@ def main() -> int:
         rng = random.Random(1)
         llm = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory)
         results["model"] = f"{args.preset} ({model_dir}), {args.dtype}"
+        results["linear_kernels"] = kernel_summary(llm)
         if "ttft" in only:
             results.update(bench_ttft(llm, hf_model, args, rng, vocab))
             results["kvreuse_warm_ttft_over_transformers"] = (
