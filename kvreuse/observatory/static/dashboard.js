@@ -350,7 +350,20 @@
                       " group(s), " + fmtInt(drift.tokens_lost) + " tokens recomputed that a stable prompt would have reused",
                       "muted")];
     if (!drift.groups.length) parts.push(el("p", "no misses recorded", "muted"));
-    for (const group of drift.groups) parts.push(driftGroup(group, scope));
+    // Groups that lose nothing diverge where prompts really differ (most often where the user's turn
+    // starts): expected, so they are folded away below the ones worth acting on.
+    const costly = drift.groups.filter((group) => group.tokens_lost_per_request > 0);
+    const expected = drift.groups.filter((group) => !(group.tokens_lost_per_request > 0));
+    for (const group of costly) parts.push(driftGroup(group, scope));
+    if (expected.length) {
+      const details = el("details", null, "drift-expected");
+      const before = container.querySelector("details.drift-expected");
+      details.open = Boolean(before && before.open); // a poll must not fold what the reader opened
+      details.appendChild(el("summary", expected.length + " group(s) diverging where the prompts really differ " +
+                                        "(no tokens lost: expected where the user's part starts)"));
+      for (const group of expected) details.appendChild(driftGroup(group, scope));
+      parts.push(details);
+    }
     container.replaceChildren(...parts);
   }
 
