@@ -204,8 +204,8 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         shared = pool.submit(start_server, tiny_model, folder / "shared.log", *keys)
         running = {"isolated": isolated.result(), "shared": shared.result()}
     yield running
-    for server in running.values():
-        stop_server(server)
+    with ThreadPoolExecutor(2) as pool:  # each drains for a moment: side by side
+        list(pool.map(stop_server, running.values()))
 
 
 def send(server: RunningServer, key: str, prompts: list[str], salt: str | None = None) -> None:
