@@ -165,22 +165,33 @@ def hf_decode_rate(hf_model, args, rng, vocab) -> float:
 
 
 def bench_decode(llm, llm_plain, hf_model, args, rng, vocab) -> dict:
-    concurrent, overhead = decode_rate(llm, args, rng, vocab, args.concurrency)
-    one, one_overhead = decode_rate(llm, args, rng, vocab, 1)
+    """Decode rates at --concurrency and at one stream; with ``llm_plain`` (the same engine on plain
+    F.linear) the two engines alternate repeat by repeat, so drift in the machine favours neither."""
+    once = argparse.Namespace(**{**vars(args), "repeats": 1})
+    engines = {"measured": llm} | ({"plain": llm_plain} if llm_plain is not None else {})
+    rates: dict[tuple[str, int], list[float]] = {}
+    overheads: dict[int, list[float]] = {}
+    for _ in range(args.repeats):
+        for concurrency in (args.concurrency, 1):
+            for name, engine in engines.items():
+                rate, overhead = decode_rate(engine, once, rng, vocab, concurrency)
+                rates.setdefault((name, concurrency), []).append(rate)
+                if name == "measured":
+                    overheads.setdefault(concurrency, []).append(overhead)
+    concurrent, one = median(rates["measured", args.concurrency]), median(rates["measured", 1])
     hf = hf_decode_rate(hf_model, args, rng, vocab)
     results = {
         "kvreuse_decode_tok_s_concurrent": concurrent,
         "transformers_decode_tok_s_one_by_one": hf,
         "decode_speed_ratio": concurrent / hf,
         "concurrency": args.concurrency,
-        "step_overhead_share_concurrent": overhead,
+        "step_overhead_share_concurrent": median(overheads[args.concurrency]),
         "kvreuse_decode_tok_s_one_stream": one,
-        "step_overhead_share_one_stream": one_overhead,
+        "step_overhead_share_one_stream": median(overheads[1]),
         "one_stream_vs_transformers": one / hf,
     }
-    if llm_plain is not None:  # the same engine with every linear layer on plain F.linear (before issue 14)
-        plain, _ = decode_rate(llm_plain, args, rng, vocab, args.concurrency)
-        plain_one, _ = decode_rate(llm_plain, args, rng, vocab, 1)
+    if llm_plain is not None:  # before issue 14: every linear layer on plain F.linear
+        plain, plain_one = median(rates["plain", args.concurrency]), median(rates["plain", 1])
         results |= {
             "plain_kernels_decode_tok_s_concurrent": plain,
             "decode_concurrent_measured_over_plain_kernels": concurrent / plain,
@@ -190,10 +201,11 @@ def bench_decode(llm, llm_plain, hf_model, args, rng, vocab) -> dict:
     return results
 
 
-def bench_llama_server(args, rng, vocab) -> dict:
+def bench_llama_server(llm, args, rng, vocab) -> dict:
     """llama.cpp's llama-server on a GGUF of the same folder (../shared/tools/llama_cpp_peer.sh): cold and
     warm TTFT of the same prefix + suffix shapes (one slot, its prompt cache reused across requests),
-    and one-stream decode tokens/s from the server's own timings."""
+    and one-stream decode tokens/s from the server's own timings, each repeat right after kvreuse's
+    one-stream decode of the same shape (the machine's memory bandwidth drifts over minutes)."""
     import subprocess
 
     import httpx
@@ -224,7 +236,7 @@ def bench_llama_server(args, rng, vocab) -> dict:
                 response.raise_for_status()
                 return time.perf_counter() - start, response.json()
 
-            cold, warm, decode = [], [], []
+            cold, warm, decode, ours = [], [], [], []
             for _ in range(args.repeats):
                 prefix = random_tokens(rng, args.prefix_len, vocab)
                 suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
@@ -232,6 +244,8 @@ def bench_llama_server(args, rng, vocab) -> dict:
                 seconds, body = complete(prefix + suffixes[1], 1)
                 assert body["timings"]["prompt_n"] <= args.suffix_len + 16, body["timings"]  # the prefix was reused
                 warm.append(seconds)
+                one_repeat = argparse.Namespace(**{**vars(args), "repeats": 1})
+                ours.append(decode_rate(llm, one_repeat, rng, vocab, 1)[0])
                 _, body = complete(random_tokens(rng, args.decode_prompt, vocab), args.decode_tokens)
                 decode.append(body["timings"]["predicted_per_second"])
     finally:
@@ -242,28 +256,24 @@ def bench_llama_server(args, rng, vocab) -> dict:
         "llama_cpp_ttft_warm_s": median(warm),
         "llama_cpp_warm_over_cold": median(warm) / median(cold),
         "llama_cpp_decode_tok_s_one_stream": median(decode),
+        "kvreuse_decode_tok_s_one_stream_beside_llama_cpp": median(ours),
+        "kvreuse_one_stream_over_llama_cpp": median(ours) / median(decode),
     }
 
 
 def kernel_summary(llm) -> str:
     """Which kernel each linear shape of the model runs on (models/kernels.py's measured verdicts)."""
-    from kvreuse.models.kernels import ALWAYS
     from kvreuse.models.layers import Linear
 
     model = llm.engine.model
     verdicts: dict[str, str] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            shape = "x".join(map(str, (sum(module.output_sizes), module.input_size)))
-            plan = module.kernel.plan if module.kernel is not None else None
-            if plan is None:
-                verdicts[shape] = "plain"
-            else:
-                verdicts[shape] = "packed" if plan.packed_max_rows == ALWAYS else f"packed<={plan.packed_max_rows}"
+            shape = f"{sum(module.output_sizes)}x{module.input_size}"
+            verdicts[shape] = module.kernel.plan.describe() if module.kernel is not None else "plain"
     if model._tied_head_kernel is not None:
-        plan = model._tied_head_kernel.plan
-        verdicts["tied head"] = "packed" if plan.packed_max_rows == ALWAYS else f"packed<={plan.packed_max_rows}"
-    return ", ".join(f"{shape} {verdict}" for shape, verdict in verdicts.items())
+        verdicts["tied head"] = model._tied_head_kernel.plan.describe()
+    return "; ".join(f"{shape} {verdict}" for shape, verdict in verdicts.items())
 
 
 def cpu_flags() -> str:
@@ -382,12 +392,9 @@ def main() -> int:
         if args.llama_server:
             if not args.gguf:
                 parser.error("--llama-server needs --gguf")
-            results.update(bench_llama_server(args, rng, vocab))
+            results.update(bench_llama_server(llm, args, rng, vocab))
             if "kvreuse_ttft_warm_s" in results:
                 results["kvreuse_warm_ttft_over_llama_cpp"] = results["kvreuse_ttft_warm_s"] / results["llama_cpp_ttft_warm_s"]
-            if "kvreuse_decode_tok_s_one_stream" in results:
-                results["kvreuse_one_stream_over_llama_cpp"] = (
-                    results["kvreuse_decode_tok_s_one_stream"] / results["llama_cpp_decode_tok_s_one_stream"])
         if "nosharing" in only:
             llm_off = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=False)

@@ -1,23 +1,27 @@
 """Which GEMM computes a linear layer on CPU, chosen per weight shape and row count by measurement.
 
-On CPU, ``F.linear`` (MKL sgemm with a transposed weight) is far from the machine's limit for the
+On CPU, ``F.linear`` (MKL sgemm over the [out, in] weight) is far from the machine's limit for the
 row counts that serving lives in: one decode row per sequence, a 16-64 token warm suffix, a handful
-of speculative rows. oneDNN's linear over a weight reordered once into its blocked layout (the
-private ops ``torch.compile`` uses on CPU) is 1.5-4x faster there, and about even or slower for
-prefill-sized row counts. Which kernel wins, and where the crossover lies, depends on the CPU, the
-thread count, the dtype and the weight's shape, so it is measured rather than assumed:
+of speculative rows. Two other layouts of the same weight do better there: oneDNN's linear over a
+weight reordered once into its blocked layout (the private ops ``torch.compile`` uses on CPU), and
+a plain matmul against a contiguous transposed copy [in, out]. Which wins, and where, depends on the
+CPU, the thread count, the dtype and the weight's shape (on a 2-core AVX2 EPYC one decode row runs
+the 9728x896 gate/up projection at 22 GB/s from the transposed copy and 14 GB/s packed, and the
+896x4864 down projection the other way round), so it is measured rather than assumed:
 
-- ``plan_for`` times both kernels on a random weight of the layer's shape at a ladder of row counts
-  and keeps the verdict in ``<cache dir>/linear-kernels.json`` under a key naming the CPU, its
-  flags, the torch version, the thread count, the dtype and the shape (measured once per machine;
-  a qwen2.5-0.5b model takes a few seconds the first time).
-- ``LinearKernel`` holds a layer's weights and runs the packed copy for row counts up to the plan's
-  ``packed_max_rows`` and plain ``F.linear`` above it. The plain weight is released when the packed
-  one wins at every measured row count, so memory only doubles where it buys speed.
+- ``PlanBook.plan_for`` times the three kernels on random weights of the layer's shape at a ladder of
+  row counts. Small row counts are memory-bound, so they are timed over enough copies of the weight
+  to fall out of the CPU caches, as the layers of a real model do. The verdict is kept in
+  ``<cache dir>/linear-kernels.json`` under a key naming the CPU, its flags, the torch version, the
+  thread count, the dtype and the shape (measured once per machine; a qwen2.5-0.5b model takes
+  about half a minute the first time).
+- A plan is one kernel for every row count, or two with a crossover when that is clearly faster
+  (``SPLIT_MARGIN``); ``LinearKernel`` keeps only the weight layouts its plan uses, so memory grows
+  only where a second layout buys speed.
 
-Both kernels compute the same product in float arithmetic with different summation orders; outputs
-agree within float tolerance (tests/test_linear_kernels.py). ``KVREUSE_LINEAR_KERNEL=plain`` or
-``packed`` overrides the measurement (for comparisons and for bisecting a numerical question).
+All kernels compute the same product with different summation orders; outputs agree within float
+tolerance (tests/test_linear_kernels.py). ``KVREUSE_LINEAR_KERNEL=plain``, ``packed`` or
+``transposed`` overrides the measurement (for comparisons and for bisecting a numerical question).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -37,17 +42,24 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), "plain" or "packed"
-PLAN_VERSION = 2  # bump when the measurement or the decision rule changes
+KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), or one kernel name for every layer
+KERNELS = ("plain", "packed", "transposed")  # in order of preference when times tie
+PLAN_VERSION = 3  # bump when the measurement or the decision rule changes
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
-ALWAYS = sys.maxsize  # packed_max_rows of a layer that runs packed at every row count
-# The packed kernel may be this much slower at the largest row counts (prefill chunks) and still
-# replace the plain weight everywhere: one copy of the weights is worth a few percent of prefill.
-DROP_PLAIN_TOLERANCE = 1.05
+ALWAYS = sys.maxsize  # the crossover of a plan that runs one kernel at every row count
+# A two-kernel plan keeps two layouts of the weight; it is taken only when it beats the best single
+# kernel by this much summed time ratio over the probed sizes (0.3: a third of one size's time).
+SPLIT_MARGIN = 0.3
+# Row counts up to this are memory-bound: probed over copies of the weight that overflow the caches.
+COLD_ROWS = 64
+COLD_BYTES = 96 * 2**20
+MAX_COPIES = 16
+# Weights smaller than this (1 MiB in float32) stay on F.linear unmeasured: they live in the CPU's
+# caches, their GEMMs take microseconds, and probing them would only add start-up time (test models).
+MIN_MEASURED_ELEMENTS = 2**18
 # Weights bigger than this are probed at fewer rows (an output projection over a 150k vocabulary
 # only ever sees one row per sampled token).
 LARGE_WEIGHT_ELEMENTS = 50_000_000
-LARGE_WEIGHT_MAX_ROWS = 64
 
 
 @functools.cache
@@ -81,45 +93,63 @@ def run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def transpose_weight(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().t().contiguous()
+
+
 @dataclass(frozen=True)
 class LinearPlan:
-    """Row counts up to ``packed_max_rows`` run on the packed weight (0: never, ALWAYS: always)."""
+    """``small`` runs row counts up to ``crossover``, ``large`` the rest (the same kernel: one layout)."""
 
-    packed_max_rows: int
-    keep_plain: bool  # False: the packed kernel serves every row count and the plain weight is released
-    # The measurement behind the verdict, microseconds per call by row count, for the record.
-    plain_us: dict[int, float] | None = None
-    packed_us: dict[int, float] | None = None
+    small: str
+    crossover: int
+    large: str
+    # The measurement behind the verdict, microseconds per call by kernel and row count, for the record.
+    times_us: dict[str, dict[int, float]] | None = None
+
+    @staticmethod
+    def single(kernel: str) -> LinearPlan:
+        return LinearPlan(kernel, ALWAYS, kernel)
 
     @property
-    def uses_packed(self) -> bool:
-        return self.packed_max_rows > 0
+    def kernels(self) -> frozenset[str]:
+        return frozenset((self.small, self.large))
+
+    def kernel_for(self, rows: int) -> str:
+        return self.small if rows <= self.crossover else self.large
+
+    def describe(self) -> str:
+        if self.small == self.large:
+            return self.small
+        return f"{self.small}<={self.crossover}, {self.large} above"
 
 
-PLAIN = LinearPlan(packed_max_rows=0, keep_plain=True)
-PACKED = LinearPlan(packed_max_rows=ALWAYS, keep_plain=False)
+PLAIN = LinearPlan.single("plain")
 
 
-def decide(plain_us: dict[int, float], packed_us: dict[int, float]) -> LinearPlan:
-    """The plan for measured times (microseconds per call by row count).
+def decide(times_us: dict[str, dict[int, float]]) -> LinearPlan:
+    """The plan for measured times (microseconds per call, by kernel and row count).
 
-    The crossover is the row count T that minimises the summed time ratios over the probed sizes
-    when sizes up to T run packed and the rest plain, so one noisy probe cannot flip the verdict for
-    its neighbours. The plain weight is released when the packed kernel is used for every size and
-    is within DROP_PLAIN_TOLERANCE at the largest ones, where prefill lives.
+    Each kernel's time at a size is divided by the fastest kernel's there; a plan's cost is the sum of
+    its ratios over the probed sizes, so one noisy probe shifts a verdict by one size at most. The best
+    single kernel is taken unless a two-kernel split (one kernel up to a crossover, another above)
+    costs SPLIT_MARGIN less. Ties go to the earlier kernel in KERNELS (plain first).
     """
-    rows = sorted(plain_us)
-    ratios = [packed_us[count] / plain_us[count] for count in rows]
-    best_cost, packed_max_rows = float(len(rows)), 0  # T = 0: everything plain, ratio 1 each
-    for index, count in enumerate(rows):
-        cost = sum(ratios[: index + 1]) + (len(rows) - index - 1)
-        if cost < best_cost - 1e-9:
-            best_cost, packed_max_rows = cost, count
-    # Packed everywhere costs at most the tolerance at the two largest sizes over the best split.
-    slack = 2 * (DROP_PLAIN_TOLERANCE - 1)
-    if all(ratio <= DROP_PLAIN_TOLERANCE for ratio in ratios[-2:]) and sum(ratios) <= best_cost + slack:
-        return LinearPlan(ALWAYS, False, plain_us, packed_us)
-    return LinearPlan(packed_max_rows, True, plain_us, packed_us)
+    names = [name for name in KERNELS if name in times_us]
+    rows = sorted(times_us[names[0]])
+    best = {count: min(times_us[name][count] for name in names) for count in rows}
+    ratio = {name: [times_us[name][count] / best[count] for count in rows] for name in names}
+    single_cost, single = min((sum(ratio[name]), index, name) for index, name in enumerate(names))[::2]
+    plan, plan_cost = LinearPlan(single, ALWAYS, single, times_us), single_cost - SPLIT_MARGIN
+    for small in names:
+        for large in names:
+            if small == large:
+                continue
+            for split in range(1, len(rows)):
+                cost = sum(ratio[small][:split]) + sum(ratio[large][split:])
+                if cost < plan_cost - 1e-9:
+                    plan, plan_cost = LinearPlan(small, rows[split - 1], large, times_us), cost
+    return plan
 
 
 def _best_us(fn, repeats: int) -> float:
@@ -134,23 +164,36 @@ def _best_us(fn, repeats: int) -> float:
     return min(times) * 1e6
 
 
-def measure(out_features: int, in_features: int, dtype: torch.dtype, repeats: int = 5) -> LinearPlan:
-    """Time F.linear against the packed kernel on a random weight of this shape and decide."""
+def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tuple[str, ...] = KERNELS,
+            rows: tuple[int, ...] = PROBE_ROWS) -> LinearPlan:
+    """Time each kernel on random weights of this shape at each row count and decide."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    packed = pack_weight(weight)
-    large = out_features * in_features > LARGE_WEIGHT_ELEMENTS
-    rows = [r for r in PROBE_ROWS if not large or r <= LARGE_WEIGHT_MAX_ROWS]
-    plain_us: dict[int, float] = {}
-    packed_us: dict[int, float] = {}
+    weight_bytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / weight_bytes)))
+    weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(copies)]
+    layouts = {
+        "plain": weights,
+        "packed": [pack_weight(weight) for weight in weights] if "packed" in kernels else [],
+        "transposed": [transpose_weight(weight) for weight in weights] if "transposed" in kernels else [],
+    }
+    run = {
+        "plain": lambda x, w: F.linear(x, w),
+        "packed": lambda x, w: run_packed(x, w, None),
+        "transposed": lambda x, w: torch.matmul(x, w),
+    }
+    if out_features * in_features > LARGE_WEIGHT_ELEMENTS:
+        rows = tuple(count for count in rows if count <= COLD_ROWS)
+    times_us: dict[str, dict[int, float]] = {name: {} for name in kernels}
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator).to(dtype)
-            reps = 3 if large else repeats
-            # Interleaved, so a burst of noise does not land on one kernel only.
-            plain_us[count] = _best_us(lambda: F.linear(x, weight), reps)
-            packed_us[count] = _best_us(lambda: run_packed(x, packed, None), reps)
-    return decide(plain_us, packed_us)
+            # Compute-bound sizes need no cache flushing: one copy, and fewer repeats of long calls.
+            used = copies if count <= COLD_ROWS else 1
+            repeats = 3 if count <= COLD_ROWS else 2
+            for name in kernels:  # interleaved, so a burst of noise does not land on one kernel only
+                layout, fn = layouts[name][:used], run[name]
+                times_us[name][count] = _best_us(lambda: [fn(x, w) for w in layout], repeats) / used
+    return decide(times_us)
 
 
 def _machine_key() -> str:
@@ -195,22 +238,22 @@ class PlanBook:
 
     def plan_for(self, dtype: torch.dtype, shape: tuple[int, int]) -> LinearPlan:
         forced = os.environ.get(KERNEL_ENV, "auto").strip().lower()
-        if forced not in ("auto", "plain", "packed"):
-            raise ValueError(f"{KERNEL_ENV} must be auto, plain or packed, got {forced!r}")
-        if forced == "plain" or not packing_available(dtype):
+        if forced not in ("auto", *KERNELS):
+            raise ValueError(f"{KERNEL_ENV} must be auto, {', '.join(KERNELS)}, got {forced!r}")
+        packing = packing_available(dtype)
+        if forced != "auto":
+            return LinearPlan.single(forced if packing or forced != "packed" else "plain")
+        if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
-        if forced == "packed":
-            return PACKED
         key = self._key(dtype, shape)
         stored = self._plans.get(key)
         if stored is not None:
-            return LinearPlan(int(stored["packed_max_rows"]), bool(stored["keep_plain"]))
-        plan = measure(shape[0], shape[1], dtype)
+            return LinearPlan(str(stored["small"]), int(stored["crossover"]), str(stored["large"]))
+        kernels = KERNELS if packing else tuple(name for name in KERNELS if name != "packed")
+        plan = measure(shape[0], shape[1], dtype, kernels, PROBE_ROWS)
         self.measured += 1
         self._plans[key] = asdict(plan)
-        logger.info("linear kernel for %s: packed up to %s rows, plain weight %s", key,
-                    "all" if plan.packed_max_rows == ALWAYS else plan.packed_max_rows,
-                    "kept" if plan.keep_plain else "released")
+        logger.info("linear kernel for %s: %s", key, plan.describe())
         return plan
 
     def save(self) -> None:
@@ -226,23 +269,27 @@ class PlanBook:
 
 
 class LinearKernel:
-    """y = x W^T (+ b) on the kernel the plan picks for x's row count."""
+    """y = x W^T (+ b) on the kernel the plan picks for x's row count; holds only the layouts it uses."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> None:
         self.plan = plan
         self.bias = bias
-        self.packed = pack_weight(weight) if plan.uses_packed else None
-        self.weight = weight if plan.keep_plain else None
+        kernels = plan.kernels
+        self.weight = weight if "plain" in kernels else None
+        self.packed = pack_weight(weight) if "packed" in kernels else None
+        self.transposed = transpose_weight(weight) if "transposed" in kernels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-        if self.packed is not None and rows <= self.plan.packed_max_rows:
+        rows = x.numel() // x.shape[-1]
+        kernel = self.plan.kernel_for(rows)
+        if kernel == "packed":
             return run_packed(x, self.packed, self.bias)
+        if kernel == "transposed":
+            out = torch.matmul(x, self.transposed)
+            return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property
-    def extra_bytes(self) -> int:
-        """Memory beyond one copy of the weight (the packed copy when the plain one is kept)."""
-        if self.packed is None or self.weight is None:
-            return 0
-        return self.packed.numel() * self.packed.element_size()
+    def layout_bytes(self) -> int:
+        """Memory of the weight layouts held (one of them replaces the plain weight)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.packed, self.transposed) if t is not None)

@@ -135,18 +135,18 @@ class Linear(nn.Module):
         return out
 
     def choose_cpu_kernel(self, book: PlanBook) -> bool:
-        """Run this layer on the kernel measured fastest for its shape, per row count (kernels.py).
+        """Run this layer on the kernel(s) measured fastest for its shape, per row count (kernels.py).
 
-        Where the packed kernel wins at every row count the plain weight is released, so memory does
-        not double. Returns False where nothing but plain F.linear applies (not on CPU, or no oneDNN).
+        The plain weight is released unless the plan still uses it, so memory grows only where a
+        second layout buys speed. Returns False where plain F.linear is the verdict (or not on CPU).
         """
         if self.weight is None or self.weight.device.type != "cpu":
             return False
         plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape))
-        if not plan.uses_packed:
+        if plan.kernels == {"plain"}:
             return False
         self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)
-        if not plan.keep_plain:
+        if "plain" not in plan.kernels:
             self.weight = None  # type: ignore[assignment]
         return True
 

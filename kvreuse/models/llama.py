@@ -194,24 +194,27 @@ class LlamaFamilyForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden_rows, self.lm_head_weight).float()
 
     def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
-        """Give every linear layer (and a tied output projection) the CPU kernel measured fastest for
-        its shape (models/kernels.py). Call after loading; returns how many matrices use a packed copy.
-        A tied output projection keeps the embedding (the lookup needs it) next to its packed copy."""
+        """Give every linear layer (and a tied output projection) the CPU kernel(s) measured fastest for
+        its shape (models/kernels.py). Call after loading; returns how many matrices left plain F.linear.
+        A tied output projection keeps the embedding (the lookup needs it) next to its other layout."""
         book = book or PlanBook()
-        packed = sum(module.choose_cpu_kernel(book) for module in self.modules() if isinstance(module, Linear))
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        changed = sum(module.choose_cpu_kernel(book) for module in linears)
         embedding = self.model.embed_tokens.weight
+        extra = 0
         if self.lm_head is None and embedding.device.type == "cpu":
             plan = book.plan_for(embedding.dtype, tuple(embedding.shape))
-            if plan.uses_packed:
-                self._tied_head_kernel = LinearKernel(embedding.detach(), None, replace(plan, keep_plain=True))
-                packed += 1
+            if plan.kernels != {"plain"}:
+                self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
+                changed += 1
+                extra += len(plan.kernels - {"plain"}) * embedding.numel() * embedding.element_size()
         book.save()
-        kernels = [m.kernel for m in self.modules() if isinstance(m, Linear) and m.kernel is not None]
-        kernels += [self._tied_head_kernel] if self._tied_head_kernel is not None else []
-        extra = sum(kernel.extra_bytes for kernel in kernels)
-        logger.info("CPU linear kernels: %d of the matrices packed for oneDNN, %.0f MiB kept beside the plain "
-                    "weights (where the packed kernel wins only for small row counts)", packed, extra / 2**20)
-        return packed
+        for module in linears:
+            if module.kernel is not None:  # layouts beyond one copy of the weight
+                extra += (len(module.kernel.plan.kernels) - 1) * module.kernel.layout_bytes // len(module.kernel.plan.kernels)
+        logger.info("CPU linear kernels: %d matrices off plain F.linear, %.0f MiB in second weight layouts",
+                    changed, extra / 2**20)
+        return changed
 
     # ---- weights -------------------------------------------------------------------------------
 
