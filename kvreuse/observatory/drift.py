@@ -37,8 +37,10 @@ DRIFT_LOG_CAPACITY = 1024  # misses kept (the most recent)
 CONTEXT_TOKENS = 32  # tokens kept before the divergence (the text shown before it)
 WINDOW_TOKENS = 2048  # tokens kept after it on each side: what re-alignment can see, so tokens lost cap here
 TEMPLATE_START_TOKENS = 32  # leading prompt tokens that name the template a miss belongs to
-REALIGN_GRAM = 4  # tokens that must agree to try re-aligning the two sides there
+TOKEN_BYTES = 4  # token ids are kept as uint32 arrays
 REALIGN_MIN_RUN = 8  # tokens that must agree in a row for the two sides to count as re-aligned
+REALIGN_PROBE = 4  # tokens searched for at once
+REALIGN_STRIDE = REALIGN_MIN_RUN - REALIGN_PROBE + 1  # probe spacing that still meets every run of MIN_RUN
 REALIGN_CANDIDATES = 16  # cached positions tried per request position
 DIFF_TOKENS = 8  # tokens shown on each side when the two never re-align
 REORDER_WINDOW_TOKENS = 512  # tokens decoded on each side to look for a reordered block
@@ -104,29 +106,57 @@ class Run(NamedTuple):
     length: int
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
+
+
+def _common_units(first: bytes, first_at: int, second: bytes, second_at: int) -> int:
+    """How many 4-byte tokens agree from these byte offsets on (a binary search of C-speed compares)."""
+    low, high = 0, min(len(first) - first_at, len(second) - second_at) // TOKEN_BYTES
+    while low < high:
+        middle = (low + high + 1) // 2
+        if first[first_at:first_at + middle * TOKEN_BYTES] == second[second_at:second_at + middle * TOKEN_BYTES]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def realign(request: Sequence[int], cached: Sequence[int]) -> list[Run]:
     """Where a prompt, after its divergence, agrees again with the cached continuation it left:
     greedy, left to right, runs of at least REALIGN_MIN_RUN tokens, anywhere in the cached side (so a
-    reordered block re-aligns too)."""
-    gram = REALIGN_GRAM
-    starts: dict[tuple[int, ...], list[int]] = {}
-    for j in range(len(cached) - gram + 1):
-        starts.setdefault(tuple(cached[j:j + gram]), []).append(j)
+    reordered block re-aligns too).
+
+    It runs on the engine thread when a report is asked for, so it is cheap: the token ids are searched
+    as bytes (``bytes.find``), and only every REALIGN_STRIDE-th position is probed with a
+    REALIGN_PROBE-token needle (any run of REALIGN_MIN_RUN tokens contains one such probe), each hit
+    then extended both ways."""
+    ours, theirs = _token_bytes(request), _token_bytes(cached)
+    width = REALIGN_PROBE * TOKEN_BYTES
     runs: list[Run] = []
-    i, n, m = 0, len(request), len(cached)
-    while i + gram <= n:
+    lower, i, n = 0, 0, len(ours) // TOKEN_BYTES  # lower: where the search may start a run (after the last one)
+    while i + REALIGN_PROBE <= n:
+        needle = ours[i * TOKEN_BYTES:i * TOKEN_BYTES + width]
         best: Run | None = None
-        for j in starts.get(tuple(request[i:i + gram]), ())[:REALIGN_CANDIDATES]:
-            length = gram
-            while i + length < n and j + length < m and request[i + length] == cached[j + length]:
-                length += 1
-            if best is None or length > best.length:
-                best = Run(i, j, length)
-        if best is not None and best.length >= REALIGN_MIN_RUN:
+        found, tried = theirs.find(needle), 0
+        while found >= 0 and tried < REALIGN_CANDIDATES:
+            if found % TOKEN_BYTES == 0:  # a match must start on a token, not inside one
+                tried += 1
+                j = found // TOKEN_BYTES
+                back = 0
+                while (back < i - lower and back < j
+                       and request[i - back - 1] == cached[j - back - 1]):
+                    back += 1
+                length = back + REALIGN_PROBE + _common_units(ours, (i + REALIGN_PROBE) * TOKEN_BYTES,
+                                                              theirs, found + width)
+                if length >= REALIGN_MIN_RUN and (best is None or length > best.length):
+                    best = Run(i - back, j - back, length)
+            found = theirs.find(needle, found + 1)
+        if best is not None:
             runs.append(best)
-            i += best.length
+            lower = i = best.i + best.length
         else:
-            i += 1
+            i += REALIGN_STRIDE
     return runs
 
 
