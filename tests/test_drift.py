@@ -9,6 +9,8 @@ the prompt left the cache (checked against the tokenizer's own ids), the span th
 from __future__ import annotations
 
 import json
+import random
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.cache.hashing import namespace_key
 from kvreuse.inputs import common_prefix_length
 from kvreuse.observatory.diagnose import simulate
-from kvreuse.observatory.drift import namespace_label
+from kvreuse.observatory.drift import namespace_label, realign
 from kvreuse.observatory.scope import ALL, NamespaceOwners, Scope
 from kvreuse.observatory.volatile import find_volatile_spans, reordered_items, whitespace_only
 
@@ -56,6 +58,38 @@ def test_whitespace_and_reordered_blocks() -> None:
     fields = reordered_items('{"plan": "pro", "user": 7} tail', '{"user": 7, "plan": "pro"} tail')
     assert fields is not None and fields.unit == "items"
     assert reordered_items("A\nB\nC\n", "A\nX\nC\n") is None
+
+
+def brute_force_runs(request: list[int], cached: list[int], min_run: int = 8) -> list[tuple[int, int, int]]:
+    runs, i = [], 0
+    while i < len(request):
+        best = None
+        for j in range(len(cached)):
+            length = common_prefix_length(request[i:], cached[j:])
+            if length >= min_run and (best is None or length > best[2]):
+                best = (i, j, length)
+        if best is None:
+            i += 1
+        else:
+            runs.append(best)
+            i += best[2]
+    return runs
+
+
+def test_realign_finds_what_a_brute_force_search_finds() -> None:
+    """Tokens lost (the end of the last re-aligned run) as an exhaustive search, on spliced random sequences."""
+    generator = random.Random(7)
+    for _ in range(150):
+        alphabet = generator.choice([3, 6, 50])
+        cached = [generator.randrange(alphabet) for _ in range(generator.randrange(5, 70))]
+        request = [generator.randrange(alphabet) for _ in range(generator.randrange(0, 12))]
+        for _ in range(generator.randrange(0, 4)):  # pieces of the cached side, in any order, with noise between
+            start = generator.randrange(len(cached))
+            request += cached[start:start + generator.randrange(5, 30)] + [generator.randrange(alphabet)] * 2
+        found, expected = realign(array("I", request), array("I", cached)), brute_force_runs(request, cached)
+        assert (found[-1].i + found[-1].length if found else 0) == (expected[-1][0] + expected[-1][2] if expected else 0)
+        for run in found:
+            assert run.length >= 8 and request[run.i:run.i + run.length] == cached[run.j:run.j + run.length]
 
 
 # --- the tenant rule --------------------------------------------------------------------------------------
