@@ -93,7 +93,7 @@ COMMANDS: dict[str, str] = {
     "kvreuse demo": DEMO,
     'pip install -e ".[test]"': CI_INSTALL,
     "apt-get update": CI_INSTALL,
-    "apt-get install -y redis-server": CI_INSTALL,
+    "apt-get install -y redis-server chromium": CI_INSTALL,
     "python -m pytest": CI_PYTEST,
     "kvreuse make-model ./tiny --preset tiny --arch qwen3 --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./qwen05 --preset qwen2.5-0.5b": MAKE_MODEL,
