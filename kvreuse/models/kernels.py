@@ -152,16 +152,10 @@ def decide(times_us: dict[str, dict[int, float]]) -> LinearPlan:
     return plan
 
 
-def _best_us(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` calls: other processes on the cores only ever add time, and on a busy
-    CPU a median still catches thread wake-up stalls of ~16 ms that have nothing to do with the kernel."""
-    fn()  # warm-up: first-call allocation and oneDNN primitive creation
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e6
+def _call_us(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
 
 
 def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tuple[str, ...] = KERNELS,
@@ -189,10 +183,20 @@ def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tu
             x = torch.randn(count, in_features, generator=generator).to(dtype)
             # Compute-bound sizes need no cache flushing: one copy, and fewer repeats of long calls.
             used = copies if count <= COLD_ROWS else 1
-            repeats = 3 if count <= COLD_ROWS else 2
-            for name in kernels:  # interleaved, so a burst of noise does not land on one kernel only
-                layout, fn = layouts[name][:used], run[name]
-                times_us[name][count] = _best_us(lambda: [fn(x, w) for w in layout], repeats) / used
+            repeats = 5 if count <= COLD_ROWS else 2
+            calls = {name: (lambda fn=run[name], layout=layouts[name][:used]: [fn(x, w) for w in layout])
+                     for name in kernels}
+            for call in calls.values():
+                call()  # warm-up: first-call allocation and oneDNN primitive creation
+            # Kernels take turns, repeat by repeat, so a drift in the machine's memory bandwidth (other
+            # tenants of the host) does not land on one kernel; the fastest repeat counts, because other
+            # processes only ever add time (on a busy CPU even a median catches ~16 ms thread stalls).
+            best = {name: math.inf for name in kernels}
+            for _ in range(repeats):
+                for name, call in calls.items():
+                    best[name] = min(best[name], _call_us(call) / used)
+            for name in kernels:
+                times_us[name][count] = best[name]
     return decide(times_us)
 
 
