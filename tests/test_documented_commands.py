@@ -109,7 +109,8 @@ COMMANDS: dict[str, str] = {
     "--out compare.json --plot compare.png": COMPARE,
     "kvreuse route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 --port 8080 --policy "
     "cache-aware --tokenizer ./qwen05": ROUTE,
-    "python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16 --repeats 3": SCRIPT,
+    "python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype float32 --repeats 3 --only ttft,decode,match "
+    "--json docs/bench_engine_cpu_float32.json": SCRIPT,
     "kvreuse make-model models/smollm2-135m-v2384 --preset smollm2-135m --vocab-size 2384": MAKE_MODEL,
     # docs/benchmarks.md (README shows the shared-prefix one too)
     "python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16 --repeats 5 --json "
@@ -166,7 +167,7 @@ COMMANDS: dict[str, str] = {
 # What each benchmark script prints when its table is there (a smoke run prints the same table).
 SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_engine.py": (r"kvreuse_warm_over_cold\s+\S", r"cold_prefill_speed_ratio\s+\S", r"decode_speed_ratio\s+\S",
-                        r"nosharing_on_over_off\s+\S", r"prefix_match_ms\s+\S"),
+                        r"step_overhead_share_concurrent\s+\S", r"linear_kernels\s+\S", r"prefix_match_ms\s+\S"),
     "bench_pins.py": (r"TTFT warm hit \(median\)\s+\S", r"TTFT pinned, after flood\s+\S",
                       r"pinned-after-flood / warm\s+\S"),
     "bench_router.py": (r"workload/run\s+hit rate", r"shared-prefix/single-server\s+\S",
