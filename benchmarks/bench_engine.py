@@ -384,9 +384,13 @@ def main() -> int:
         if "decode" in only:
             llm_plain = None
             if not args.no_plain_baseline:
+                before = os.environ.get("KVREUSE_LINEAR_KERNEL")
                 os.environ["KVREUSE_LINEAR_KERNEL"] = "plain"  # read once, when the engine chooses its kernels
                 llm_plain = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory)
-                os.environ.pop("KVREUSE_LINEAR_KERNEL")
+                if before is None:
+                    os.environ.pop("KVREUSE_LINEAR_KERNEL")
+                else:
+                    os.environ["KVREUSE_LINEAR_KERNEL"] = before
             results.update(bench_decode(llm, llm_plain, hf_model, args, rng, vocab))
             del llm_plain
         if args.llama_server:

@@ -69,6 +69,7 @@ def quick_probes(monkeypatch):
 
 
 def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_probes):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
     path = tmp_path / "linear-kernels.json"
     book = PlanBook(path)
     assert book.plan_for(torch.float32, (64, 32)) == kernels.PLAIN and book.measured == 0  # too small to matter
