@@ -237,6 +237,7 @@ def bench_llama_server(llm, args, rng, vocab) -> dict:
                 return time.perf_counter() - start, response.json()
 
             cold, warm, decode, ours = [], [], [], []
+            one_repeat = argparse.Namespace(**{**vars(args), "repeats": 1})
             for _ in range(args.repeats):
                 prefix = random_tokens(rng, args.prefix_len, vocab)
                 suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
@@ -244,7 +245,6 @@ def bench_llama_server(llm, args, rng, vocab) -> dict:
                 seconds, body = complete(prefix + suffixes[1], 1)
                 assert body["timings"]["prompt_n"] <= args.suffix_len + 16, body["timings"]  # the prefix was reused
                 warm.append(seconds)
-                one_repeat = argparse.Namespace(**{**vars(args), "repeats": 1})
                 ours.append(decode_rate(llm, one_repeat, rng, vocab, 1)[0])
                 _, body = complete(random_tokens(rng, args.decode_prompt, vocab), args.decode_tokens)
                 decode.append(body["timings"]["predicted_per_second"])
@@ -274,19 +274,6 @@ def kernel_summary(llm) -> str:
     if model._tied_head_kernel is not None:
         verdicts["tied head"] = model._tied_head_kernel.plan.describe()
     return "; ".join(f"{shape} {verdict}" for shape, verdict in verdicts.items())
-
-
-def cpu_flags() -> str:
-    """The flags that decide CPU GEMM speed (bf16 runs emulated without avx512_bf16/amx_bf16)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-                return " ".join(flag for flag in wanted if flag in present) or "none of avx2/avx512"
-    except OSError:
-        pass
-    return "unknown"
 
 
 def bench_prefix_match(args) -> dict:
@@ -357,7 +344,9 @@ def main() -> int:
         kv_cache_memory = "16MiB"
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
-    results: dict = {"machine": machine_description(), "cpu_flags": cpu_flags(),
+    from kvreuse.models.kernels import gemm_cpu_flags
+
+    results: dict = {"machine": machine_description(), "cpu_flags": gemm_cpu_flags() or "none of the GEMM flags",
                      "command": " ".join(["python"] + sys.argv)}
     if smoke:
         results["smoke"] = "KVREUSE_BENCH_SMOKE=1 (tiny preset, smallest sizes: not a measurement)"

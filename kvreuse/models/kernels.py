@@ -115,6 +115,10 @@ class LinearPlan:
     def kernels(self) -> frozenset[str]:
         return frozenset((self.small, self.large))
 
+    @property
+    def is_plain(self) -> bool:
+        return self.kernels == {"plain"}
+
     def kernel_for(self, rows: int) -> str:
         return self.small if rows <= self.crossover else self.large
 
@@ -200,20 +204,28 @@ def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tu
     return decide(times_us)
 
 
+# The CPU flags that decide GEMM speed (bf16 runs emulated without avx512_bf16 / amx_bf16 / bf16).
+GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve", "bf16")
+
+
+def gemm_cpu_flags() -> str:
+    """Which of GEMM_CPU_FLAGS this CPU has, comma-separated ("" where /proc/cpuinfo cannot be read)."""
+    from kvreuse.models.loader import cpu_flags  # lazy: the loader imports the model, which imports this
+
+    flags = cpu_flags() or frozenset()
+    return ",".join(flag for flag in GEMM_CPU_FLAGS if flag in flags)
+
+
 def _machine_key() -> str:
     cpu = platform.machine()
-    flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name") and cpu == platform.machine():
+            if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")) and not flags:
-                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve", "bf16")
-                present = set(line.split(":", 1)[1].split())
-                flags = ",".join(flag for flag in wanted if flag in present)
+                break
     except OSError:
         pass
-    return f"{cpu} [{flags}] torch {torch.__version__} threads {torch.get_num_threads()}"
+    return f"{cpu} [{gemm_cpu_flags()}] torch {torch.__version__} threads {torch.get_num_threads()}"
 
 
 def _plans_path() -> Path:
@@ -278,6 +290,7 @@ class LinearKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> None:
         self.plan = plan
         self.bias = bias
+        self.weight_bytes = weight.numel() * weight.element_size()  # one copy, in any layout
         kernels = plan.kernels
         self.weight = weight if "plain" in kernels else None
         self.packed = pack_weight(weight) if "packed" in kernels else None

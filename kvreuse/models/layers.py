@@ -143,7 +143,7 @@ class Linear(nn.Module):
         if self.weight is None or self.weight.device.type != "cpu":
             return False
         plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape))
-        if plan.kernels == {"plain"}:
+        if plan.is_plain:
             return False
         self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)
         if "plain" not in plan.kernels:

@@ -201,17 +201,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         changed = sum(module.choose_cpu_kernel(book) for module in linears)
         embedding = self.model.embed_tokens.weight
-        extra = 0
+        # Memory beyond one copy of each weight: a layer's second layout, or the tied head's own layouts
+        # (the embedding stays for the lookup).
+        extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
         if self.lm_head is None and embedding.device.type == "cpu":
             plan = book.plan_for(embedding.dtype, tuple(embedding.shape))
-            if plan.kernels != {"plain"}:
+            if not plan.is_plain:
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
                 changed += 1
-                extra += len(plan.kernels - {"plain"}) * embedding.numel() * embedding.element_size()
+                extra += self._tied_head_kernel.layout_bytes - (
+                    self._tied_head_kernel.weight_bytes if "plain" in plan.kernels else 0)
         book.save()
-        for module in linears:
-            if module.kernel is not None:  # layouts beyond one copy of the weight
-                extra += (len(module.kernel.plan.kernels) - 1) * module.kernel.layout_bytes // len(module.kernel.plan.kernels)
         logger.info("CPU linear kernels: %d matrices off plain F.linear, %.0f MiB in second weight layouts",
                     changed, extra / 2**20)
         return changed

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,13 +85,14 @@ def read_prompts(path: Path, chat: bool) -> list[LoggedPrompt]:
 # --- fixes: what the report suggests, applied to every prompt ----------------------------------------------
 
 
-class Fix:
+class Fix(ABC):
     """A change to every prompt's text (each message's content for conversations)."""
 
     label: str
 
+    @abstractmethod
     def apply(self, text: str) -> str:
-        raise NotImplementedError
+        """The text with this fix applied."""
 
 
 @dataclass(frozen=True)
