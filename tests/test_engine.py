@@ -285,3 +285,22 @@ def test_debug_log_explains_a_miss(tiny_model, caplog):
     reported = int(text.split("cache miss at token position ")[1].split(":")[0])
     assert abs(reported - position) <= 1  # the divergence is where the day changed
     assert "Friday" in text or "Fri" in text
+
+
+def test_step_timings_split_each_step_into_forward_and_the_rest(tiny_model):
+    """One StepTiming per step: the tokens the model ran, a forward inside the step's time, and the output
+    processing that step_and_process adds (what bench_engine's overhead share is computed from)."""
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(30, 42))}], params,
+                 use_tqdm=False)
+    timings = list(llm.engine.step_timings)
+    assert len(timings) == llm.engine.stats().steps
+    # A prefill step of both prompts (32 tokens), then one decode row per sequence per step.
+    assert timings[0].num_tokens == 32 and timings[0].num_seqs == 2
+    assert [t.num_tokens for t in timings[1:]] == [2] * 4
+    assert sum(t.num_tokens for t in timings) == 32 + 2 * 4
+    for timing in timings:
+        assert 0 < timing.forward_s <= timing.step_s
+        assert timing.output_s > 0  # every step produced outputs that were detokenized
+        assert timing.overhead_s == pytest.approx(timing.step_s - timing.forward_s + timing.output_s)
