@@ -11,7 +11,8 @@ Figures (medians of --repeats runs, ratios computed within this run; the machine
      step spent outside the model (scheduling, metadata, sampling, detokenizing).
   5. Prefix match of a 32k-token prompt in the cache core (hashing reported separately).
   6. With --llama-server BIN --gguf FILE (from ../shared/tools/llama_cpp_peer.sh): llama.cpp's cold
-     and warm TTFT on the same shapes and its one-stream decode tokens/s.
+     and warm TTFT on the same shapes (when ttft is in --only) and its one-stream decode tokens/s,
+     each repeat right after kvreuse's one-stream decode.
 
     python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16
 
@@ -201,6 +202,9 @@ def bench_decode(llm, llm_plain, hf_model, args, rng, vocab) -> dict:
     return results
 
 
+SETTLE_S = 2.0  # seconds between llama-server's requests and the next decode measurement
+
+
 def bench_llama_server(llm, args, rng, vocab) -> dict:
     """llama.cpp's llama-server on a GGUF of the same folder (../shared/tools/llama_cpp_peer.sh): cold and
     warm TTFT of the same prefix + suffix shapes (one slot, its prompt cache reused across requests),
@@ -239,26 +243,32 @@ def bench_llama_server(llm, args, rng, vocab) -> dict:
             cold, warm, decode, ours = [], [], [], []
             one_repeat = argparse.Namespace(**{**vars(args), "repeats": 1})
             for _ in range(args.repeats):
-                prefix = random_tokens(rng, args.prefix_len, vocab)
-                suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
-                cold.append(complete(prefix + suffixes[0], 1)[0])
-                seconds, body = complete(prefix + suffixes[1], 1)
-                assert body["timings"]["prompt_n"] <= args.suffix_len + 16, body["timings"]  # the prefix was reused
-                warm.append(seconds)
+                if "ttft" in args.only.split(","):
+                    prefix = random_tokens(rng, args.prefix_len, vocab)
+                    suffixes = [random_tokens(rng, args.suffix_len, vocab) for _ in range(2)]
+                    cold.append(complete(prefix + suffixes[0], 1)[0])
+                    seconds, body = complete(prefix + suffixes[1], 1)
+                    assert body["timings"]["prompt_n"] <= args.suffix_len + 16, body["timings"]  # prefix reused
+                    warm.append(seconds)
+                # llama-server's threads keep spinning for a moment after a request: let them settle so
+                # they do not slow the measurement that follows (ours, then llama.cpp's own).
+                time.sleep(SETTLE_S)
                 ours.append(decode_rate(llm, one_repeat, rng, vocab, 1)[0])
+                time.sleep(SETTLE_S)
                 _, body = complete(random_tokens(rng, args.decode_prompt, vocab), args.decode_tokens)
                 decode.append(body["timings"]["predicted_per_second"])
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return {
-        "llama_cpp_ttft_cold_s": median(cold),
-        "llama_cpp_ttft_warm_s": median(warm),
-        "llama_cpp_warm_over_cold": median(warm) / median(cold),
+    results = {
         "llama_cpp_decode_tok_s_one_stream": median(decode),
         "kvreuse_decode_tok_s_one_stream_beside_llama_cpp": median(ours),
         "kvreuse_one_stream_over_llama_cpp": median(ours) / median(decode),
     }
+    if cold:
+        results |= {"llama_cpp_ttft_cold_s": median(cold), "llama_cpp_ttft_warm_s": median(warm),
+                    "llama_cpp_warm_over_cold": median(warm) / median(cold)}
+    return results
 
 
 def kernel_summary(llm) -> str:

@@ -2,26 +2,35 @@
 
 On CPU, ``F.linear`` (MKL sgemm over the [out, in] weight) is far from the machine's limit for the
 row counts that serving lives in: one decode row per sequence, a 16-64 token warm suffix, a handful
-of speculative rows. Two other layouts of the same weight do better there: oneDNN's linear over a
-weight reordered once into its blocked layout (the private ops ``torch.compile`` uses on CPU), and
-a plain matmul against a contiguous transposed copy [in, out]. Which wins, and where, depends on the
-CPU, the thread count, the dtype and the weight's shape (on a 2-core AVX2 EPYC one decode row runs
-the 9728x896 gate/up projection at 22 GB/s from the transposed copy and 14 GB/s packed, and the
-896x4864 down projection the other way round), so it is measured rather than assumed:
+of speculative rows. Other layouts of the same weight do better there:
 
-- ``PlanBook.plan_for`` times the three kernels on random weights of the layer's shape at a ladder of
+- ``packed``: oneDNN's linear over a weight reordered once into its blocked layout (the private ops
+  ``torch.compile`` uses on CPU);
+- ``transposed``: a plain matmul against a contiguous transposed copy [in, out];
+- ``split_in`` and ``split_out``: one row is a matrix-vector product, which MKL runs on one thread and
+  so at one core's share of the memory bandwidth. These two cut the weight into one block per thread
+  and run the blocks as one batched matmul, which torch spreads over the threads: ``split_in`` cuts the
+  input dimension of the transposed copy (a free view; the partial products are summed), ``split_out``
+  cuts the output columns into blocks stored [parts, in, out/parts].
+
+Which wins, and where, depends on the CPU, the thread count, the dtype and the weight's shape (on a
+2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 12 GB/s on F.linear, 18 packed
+and 29 split_in; from 2 rows on packed is fastest), so it is measured rather than assumed:
+
+- ``PlanBook.plan_for`` times the kernels on random weights of the layer's shape at a ladder of
   row counts. Small row counts are memory-bound, so they are timed over enough copies of the weight
   to fall out of the CPU caches, as the layers of a real model do. The verdict is kept in
   ``<cache dir>/linear-kernels.json`` under a key naming the CPU, its flags, the torch version, the
   thread count, the dtype and the shape (measured once per machine; a qwen2.5-0.5b model takes
   about half a minute the first time).
-- A plan is one kernel for every row count, or two with a crossover when that is clearly faster
-  (``SPLIT_MARGIN``); ``LinearKernel`` keeps only the weight layouts its plan uses, so memory grows
-  only where a second layout buys speed.
+- A plan is one kernel for every row count, or two with a crossover. Two kernels over one layout
+  (``split_in`` for one row, ``transposed`` above) cost no memory and are taken whenever faster; two
+  layouts only when clearly faster (``SPLIT_MARGIN``). ``LinearKernel`` keeps only the layouts its plan
+  uses, so memory grows only where a second layout buys speed.
 
 All kernels compute the same product with different summation orders; outputs agree within float
-tolerance (tests/test_linear_kernels.py). ``KVREUSE_LINEAR_KERNEL=plain``, ``packed`` or
-``transposed`` overrides the measurement (for comparisons and for bisecting a numerical question).
+tolerance (tests/test_linear_kernels.py). ``KVREUSE_LINEAR_KERNEL=plain`` (or another kernel's name)
+overrides the measurement (for comparisons and for bisecting a numerical question).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,13 +52,20 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), or one kernel name for every layer
-KERNELS = ("plain", "packed", "transposed")  # in order of preference when times tie
-PLAN_VERSION = 3  # bump when the measurement or the decision rule changes
+KERNELS = ("plain", "packed", "transposed", "split_in", "split_out")  # preference order when times tie
+# The weight layout each kernel reads; kernels sharing one can share a plan without extra memory.
+LAYOUT = {"plain": "plain", "packed": "packed", "transposed": "transposed", "split_in": "transposed",
+          "split_out": "split_out"}
+PLAN_VERSION = 5  # bump when the measurement or the decision rule changes
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 ALWAYS = sys.maxsize  # the crossover of a plan that runs one kernel at every row count
-# A two-kernel plan keeps two layouts of the weight; it is taken only when it beats the best single
-# kernel by this much summed time ratio over the probed sizes (0.3: a third of one size's time).
-SPLIT_MARGIN = 0.3
+# A two-kernel plan over two layouts keeps two copies of the weight; it is taken only when it beats the
+# best one-layout plan by this much summed time ratio over the probed sizes (0.1: a tenth of one size's
+# time; one decode row 12% faster is worth it: one-stream decode runs at that row count only).
+SPLIT_MARGIN = 0.1
+# Second layouts are kept only while all of them together take at most this share of the memory the
+# system reports available when the kernels are chosen; otherwise every layer gets its one-layout plan.
+SECOND_LAYOUT_MEMORY_SHARE = 0.25
 # Row counts up to this are memory-bound: probed over copies of the weight that overflow the caches.
 COLD_ROWS = 64
 COLD_BYTES = 96 * 2**20
@@ -97,6 +113,64 @@ def transpose_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous()
 
 
+def split_parts() -> int:
+    """Blocks the split kernels cut a weight into: one per intra-op thread."""
+    return torch.get_num_threads()
+
+
+def split_kernels_fit(shape: tuple[int, int], parts: int) -> tuple[str, ...]:
+    """The split kernels that apply to an [out, in] weight: more than one thread, and dimensions that
+    divide into equal blocks."""
+    if parts < 2:
+        return ()
+    return tuple(name for name, size in (("split_in", shape[1]), ("split_out", shape[0])) if size % parts == 0)
+
+
+def run_split_in(x: torch.Tensor, transposed: torch.Tensor, parts: int) -> torch.Tensor:
+    """x [rows, in] @ transposed [in, out]: each thread multiplies its slice of the input dimension, the
+    partial products are summed."""
+    rows, size = x.shape
+    blocks = x.view(rows, parts, size // parts).transpose(0, 1)  # [parts, rows, in/parts]
+    return torch.bmm(blocks, transposed.view(parts, size // parts, -1)).sum(0)
+
+
+def split_out_weight(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """[out, in] -> [parts, in, out/parts], each block contiguous."""
+    out_features, in_features = weight.shape
+    return weight.detach().view(parts, out_features // parts, in_features).transpose(1, 2).contiguous()
+
+
+def run_split_out(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] times each block [in, out/parts], side by side -> [rows, out]."""
+    parts = blocks.shape[0]
+    out = torch.bmm(x.unsqueeze(0).expand(parts, -1, -1), blocks)  # [parts, rows, out/parts]
+    return out.transpose(0, 1).reshape(x.shape[0], parts * blocks.shape[2])
+
+
+def build_layout(name: str, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """The weight in layout ``name`` (a LAYOUT value)."""
+    if name == "packed":
+        return pack_weight(weight)
+    if name == "transposed":
+        return transpose_weight(weight)
+    if name == "split_out":
+        return split_out_weight(weight, parts)
+    return weight.detach()
+
+
+def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int) -> torch.Tensor:
+    """x [rows, in] through kernel ``name`` over its layout (no bias)."""
+    if name == "packed":
+        return run_packed(x, layout, None)
+    if name == "transposed":
+        return torch.matmul(x, layout)
+    if name == "split_in":
+        return run_split_in(x, layout, parts)
+    if name == "split_out":
+        return run_split_out(x, layout)
+    return F.linear(x, layout)
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """``small`` runs row counts up to ``crossover``, ``large`` the rest (the same kernel: one layout)."""
@@ -116,6 +190,10 @@ class LinearPlan:
         return frozenset((self.small, self.large))
 
     @property
+    def layouts(self) -> frozenset[str]:
+        return frozenset(LAYOUT[name] for name in self.kernels)
+
+    @property
     def is_plain(self) -> bool:
         return self.kernels == {"plain"}
 
@@ -131,26 +209,31 @@ class LinearPlan:
 PLAIN = LinearPlan.single("plain")
 
 
-def decide(times_us: dict[str, dict[int, float]]) -> LinearPlan:
+def decide(times_us: dict[str, dict[int, float]], max_layouts: int = 2) -> LinearPlan:
     """The plan for measured times (microseconds per call, by kernel and row count).
 
     Each kernel's time at a size is divided by the fastest kernel's there; a plan's cost is the sum of
     its ratios over the probed sizes, so one noisy probe shifts a verdict by one size at most. The best
-    single kernel is taken unless a two-kernel split (one kernel up to a crossover, another above)
-    costs SPLIT_MARGIN less. Ties go to the earlier kernel in KERNELS (plain first).
+    single kernel is taken unless a two-kernel split (one kernel up to a crossover, another above) costs
+    less: any amount less when both kernels read the same layout, SPLIT_MARGIN less when the split needs
+    a second copy of the weight (never with ``max_layouts=1``). Ties go to the earlier kernel in KERNELS
+    (plain first).
     """
     names = [name for name in KERNELS if name in times_us]
     rows = sorted(times_us[names[0]])
     best = {count: min(times_us[name][count] for name in names) for count in rows}
     ratio = {name: [times_us[name][count] / best[count] for count in rows] for name in names}
     single_cost, single = min((sum(ratio[name]), index, name) for index, name in enumerate(names))[::2]
-    plan, plan_cost = LinearPlan(single, ALWAYS, single, times_us), single_cost - SPLIT_MARGIN
+    plan, plan_cost = LinearPlan(single, ALWAYS, single, times_us), single_cost
     for small in names:
         for large in names:
             if small == large:
                 continue
+            if LAYOUT[small] != LAYOUT[large] and max_layouts < 2:
+                continue
+            margin = 0.0 if LAYOUT[small] == LAYOUT[large] else SPLIT_MARGIN
             for split in range(1, len(rows)):
-                cost = sum(ratio[small][:split]) + sum(ratio[large][split:])
+                cost = sum(ratio[small][:split]) + sum(ratio[large][split:]) + margin
                 if cost < plan_cost - 1e-9:
                     plan, plan_cost = LinearPlan(small, rows[split - 1], large, times_us), cost
     return plan
@@ -163,22 +246,16 @@ def _call_us(fn) -> float:
 
 
 def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tuple[str, ...] = KERNELS,
-            rows: tuple[int, ...] = PROBE_ROWS) -> LinearPlan:
-    """Time each kernel on random weights of this shape at each row count and decide."""
+            rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, dict[int, float]]:
+    """Time each kernel on random weights of this shape at each row count: microseconds per call, by
+    kernel and row count (``decide`` turns them into a plan)."""
     generator = torch.Generator().manual_seed(0)
     weight_bytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / weight_bytes)))
     weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(copies)]
-    layouts = {
-        "plain": weights,
-        "packed": [pack_weight(weight) for weight in weights] if "packed" in kernels else [],
-        "transposed": [transpose_weight(weight) for weight in weights] if "transposed" in kernels else [],
-    }
-    run = {
-        "plain": lambda x, w: F.linear(x, w),
-        "packed": lambda x, w: run_packed(x, w, None),
-        "transposed": lambda x, w: torch.matmul(x, w),
-    }
+    parts = split_parts()
+    layouts = {layout: [build_layout(layout, weight, parts) for weight in weights]
+               for layout in {LAYOUT[name] for name in kernels}}
     if out_features * in_features > LARGE_WEIGHT_ELEMENTS:
         rows = tuple(count for count in rows if count <= COLD_ROWS)
     times_us: dict[str, dict[int, float]] = {name: {} for name in kernels}
@@ -187,8 +264,9 @@ def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tu
             x = torch.randn(count, in_features, generator=generator).to(dtype)
             # Compute-bound sizes need no cache flushing: one copy, and fewer repeats of long calls.
             used = copies if count <= COLD_ROWS else 1
-            repeats = 5 if count <= COLD_ROWS else 2
-            calls = {name: (lambda fn=run[name], layout=layouts[name][:used]: [fn(x, w) for w in layout])
+            repeats = 7 if count <= COLD_ROWS else 2
+            calls = {name: (lambda name=name, layout=layouts[LAYOUT[name]][:used]:
+                            [run_kernel(name, x, w, parts) for w in layout])
                      for name in kernels}
             for call in calls.values():
                 call()  # warm-up: first-call allocation and oneDNN primitive creation
@@ -201,7 +279,7 @@ def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tu
                     best[name] = min(best[name], _call_us(call) / used)
             for name in kernels:
                 times_us[name][count] = best[name]
-    return decide(times_us)
+    return times_us
 
 
 # The CPU flags that decide GEMM speed (bf16 runs emulated without avx512_bf16 / amx_bf16 / bf16).
@@ -235,7 +313,8 @@ def _plans_path() -> Path:
 
 
 class PlanBook:
-    """Measured plans by (machine, dtype, shape), read from and written back to one JSON file."""
+    """Kernel timings by (machine, dtype, shape), read from and written back to one JSON file, and the
+    plans decided from them."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or _plans_path()
@@ -252,24 +331,35 @@ class PlanBook:
     def _key(self, dtype: torch.dtype, shape: tuple[int, int]) -> str:
         return f"{self.machine} | {str(dtype).removeprefix('torch.')} | {shape[0]}x{shape[1]}"
 
-    def plan_for(self, dtype: torch.dtype, shape: tuple[int, int]) -> LinearPlan:
+    def plan_for(self, dtype: torch.dtype, shape: tuple[int, int], max_layouts: int = 2) -> LinearPlan:
+        """The plan for a weight of this dtype and [out, in] shape: from the file's measurement where there
+        is one, else measured now. ``max_layouts=1``: the best plan that keeps one copy of the weight."""
         forced = os.environ.get(KERNEL_ENV, "auto").strip().lower()
         if forced not in ("auto", *KERNELS):
             raise ValueError(f"{KERNEL_ENV} must be auto, {', '.join(KERNELS)}, got {forced!r}")
         packing = packing_available(dtype)
         if forced != "auto":
-            return LinearPlan.single(forced if packing or forced != "packed" else "plain")
+            # A kernel this CPU or shape cannot run falls back to plain F.linear.
+            usable = (packing or forced != "packed") and (
+                not forced.startswith("split") or forced in split_kernels_fit(shape, split_parts()))
+            return LinearPlan.single(forced if usable else "plain")
         if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
         key = self._key(dtype, shape)
         stored = self._plans.get(key)
         if stored is not None:
-            return LinearPlan(str(stored["small"]), int(stored["crossover"]), str(stored["large"]))
-        kernels = KERNELS if packing else tuple(name for name in KERNELS if name != "packed")
-        plan = measure(shape[0], shape[1], dtype, kernels, PROBE_ROWS)
+            # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
+            times = {name: {int(rows): float(us) for rows, us in by_rows.items()}
+                     for name, by_rows in stored["times_us"].items()}
+            return decide(times, max_layouts)
+        splits = split_kernels_fit(shape, split_parts())
+        kernels = tuple(name for name in KERNELS
+                        if (packing or name != "packed") and (not name.startswith("split") or name in splits))
+        times = measure(shape[0], shape[1], dtype, kernels, PROBE_ROWS)
         self.measured += 1
-        self._plans[key] = asdict(plan)
-        logger.info("linear kernel for %s: %s", key, plan.describe())
+        self._plans[key] = {"times_us": times}
+        plan = decide(times, max_layouts)
+        logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(), decide(times, 1).describe())
         return plan
 
     def save(self) -> None:
@@ -278,10 +368,43 @@ class PlanBook:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": PLAN_VERSION, "plans": self._plans}, indent=1, default=str))
+            tmp.write_text(json.dumps({"version": PLAN_VERSION, "plans": self._plans}, indent=1))
             tmp.replace(self.path)
         except OSError as exc:  # a read-only cache dir costs a re-measurement next time, nothing else
             logger.warning("could not save linear kernel plans to %s: %s", self.path, exc)
+
+
+def second_layout_budget() -> int:
+    """Bytes that second weight layouts may take: SECOND_LAYOUT_MEMORY_SHARE of the memory the system
+    reports available now (0 where /proc/meminfo cannot be read: one layout per weight)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(SECOND_LAYOUT_MEMORY_SHARE * int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def layouts_allowed(book: PlanBook, weights: list[torch.Tensor | None], kept: list[torch.Tensor] = ()) -> int:
+    """How many layouts per weight a model may use: 2 when the fastest plans of all its CPU ``weights``
+    together fit their extra copies in ``second_layout_budget()``, else 1 (every weight on its best
+    one-layout plan). ``kept`` are weights whose plain copy stays regardless (a tied embedding, which the
+    lookup needs): every layout their plans add counts."""
+    extra = 0
+    for weight, keeps_plain in [(w, False) for w in weights] + [(w, True) for w in kept]:
+        if weight is None or weight.device.type != "cpu":
+            continue
+        layouts = book.plan_for(weight.dtype, tuple(weight.shape)).layouts
+        copies = len(layouts - {"plain"}) if keeps_plain else len(layouts) - 1
+        extra += copies * weight.numel() * weight.element_size()
+    budget = second_layout_budget()
+    if extra <= budget:
+        return 2
+    logger.info("CPU linear kernels: second weight layouts would take %.0f MiB, over the budget of %.0f MiB "
+                "(%.0f%% of available memory): one layout per weight", extra / 2**20, budget / 2**20,
+                100 * SECOND_LAYOUT_MEMORY_SHARE)
+    return 1
 
 
 class LinearKernel:
@@ -290,23 +413,30 @@ class LinearKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> None:
         self.plan = plan
         self.bias = bias
+        self.out_features = weight.shape[0]
         self.weight_bytes = weight.numel() * weight.element_size()  # one copy, in any layout
-        kernels = plan.kernels
-        self.weight = weight if "plain" in kernels else None
-        self.packed = pack_weight(weight) if "packed" in kernels else None
-        self.transposed = transpose_weight(weight) if "transposed" in kernels else None
+        # The split count is fixed here: a later change of torch's thread count keeps the blocks valid.
+        self.parts = split_parts() if any(name.startswith("split") for name in plan.kernels) else 1
+        self.layouts = {layout: build_layout(layout, weight, self.parts) for layout in plan.layouts}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         kernel = self.plan.kernel_for(rows)
+        layout = self.layouts[LAYOUT[kernel]]
         if kernel == "packed":
-            return run_packed(x, self.packed, self.bias)
-        if kernel == "transposed":
-            out = torch.matmul(x, self.transposed)
-            return out if self.bias is None else out.add_(self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return run_packed(x, layout, self.bias)
+        if kernel == "plain":
+            return F.linear(x, layout, self.bias)
+        out = run_kernel(kernel, x.reshape(rows, x.shape[-1]), layout, self.parts)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The plain [out, in] weight, where the plan still reads it."""
+        return self.layouts.get("plain")
 
     @property
     def layout_bytes(self) -> int:
         """Memory of the weight layouts held (one of them replaces the plain weight)."""
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.packed, self.transposed) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.layouts.values())

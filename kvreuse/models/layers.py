@@ -134,7 +134,7 @@ class Linear(nn.Module):
             lora.apply(self, x, out)
         return out
 
-    def choose_cpu_kernel(self, book: PlanBook) -> bool:
+    def choose_cpu_kernel(self, book: PlanBook, max_layouts: int = 2) -> bool:
         """Run this layer on the kernel(s) measured fastest for its shape, per row count (kernels.py).
 
         The plain weight is released unless the plan still uses it, so memory grows only where a
@@ -142,7 +142,7 @@ class Linear(nn.Module):
         """
         if self.weight is None or self.weight.device.type != "cpu":
             return False
-        plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape))
+        plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts)
         if plan.is_plain:
             return False
         self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)

@@ -22,7 +22,7 @@ from torch import nn
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.kernels import LinearKernel, PlanBook
+from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
 
@@ -199,13 +199,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         A tied output projection keeps the embedding (the lookup needs it) next to its other layout."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        changed = sum(module.choose_cpu_kernel(book) for module in linears)
         embedding = self.model.embed_tokens.weight
+        tied = [embedding] if self.lm_head is None else []
+        max_layouts = layouts_allowed(book, [m.weight for m in linears], kept=tied)
+        changed = sum(module.choose_cpu_kernel(book, max_layouts) for module in linears)
         # Memory beyond one copy of each weight: a layer's second layout, or the tied head's own layouts
         # (the embedding stays for the lookup).
         extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
         if self.lm_head is None and embedding.device.type == "cpu":
-            plan = book.plan_for(embedding.dtype, tuple(embedding.shape))
+            plan = book.plan_for(embedding.dtype, tuple(embedding.shape), max_layouts)
             if not plan.is_plain:
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
                 changed += 1

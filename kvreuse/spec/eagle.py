@@ -31,7 +31,7 @@ from torch import nn
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.kernels import PlanBook
+from kvreuse.models.kernels import PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.models.loader import iterate_safetensors, safetensors_files, tensors_digest
@@ -125,7 +125,9 @@ class EagleDraft(nn.Module):
         """The draft's own linear layers on their measured CPU kernels (the target's are chosen by its
         runner); returns how many use a packed copy."""
         book = book or PlanBook()
-        packed = sum(module.choose_cpu_kernel(book) for module in self.modules() if isinstance(module, Linear))
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        max_layouts = layouts_allowed(book, [m.weight for m in linears])
+        packed = sum(module.choose_cpu_kernel(book, max_layouts) for module in linears)
         book.save()
         return packed
 
