@@ -24,14 +24,24 @@ def test_decide_takes_the_best_single_kernel_unless_a_split_clearly_pays():
     flat = {n: 100.0 for n in sizes}
     # Packed wins everywhere but at one probe, by less than SPLIT_MARGIN: still one kernel, one layout.
     noisy = decide(_times(plain=flat, packed={1: 108.0, 8: 50.0, 64: 50.0, 512: 60.0, 2048: 90.0}))
-    assert (noisy.small, noisy.crossover, noisy.large) == ("packed", ALWAYS, "packed")
+    assert noisy.segments == ((ALWAYS, "packed"),)
     assert noisy.kernels == {"packed"}
     # Slower everywhere: plain stays.
     assert decide(_times(plain=flat, packed={n: 150.0 for n in sizes})).kernels == {"plain"}
     # Transposed wins the memory-bound sizes by far, plain the compute-bound ones: a split at 64.
     split = decide(_times(plain=flat, transposed={1: 40.0, 8: 40.0, 64: 60.0, 512: 150.0, 2048: 160.0}))
-    assert (split.small, split.crossover, split.large) == ("transposed", 64, "plain")
+    assert split.segments == ((64, "transposed"), (ALWAYS, "plain"))
     assert split.kernel_for(64) == "transposed" and split.kernel_for(65) == "plain"
+    # Three ranges over two layouts: split_in (transposed copy) for one row, packed for a few, transposed
+    # for many; a row count between two probes takes the kernel of the probe above it.
+    mixed = decide(_times(plain={n: 200.0 for n in sizes}, packed={1: 100.0, 8: 50.0, 64: 50.0, 512: 150.0, 2048: 150.0},
+                          transposed={1: 100.0, 8: 100.0, 64: 100.0, 512: 100.0, 2048: 100.0},
+                          split_in={1: 60.0, 8: 100.0, 64: 100.0, 512: 100.0, 2048: 100.0}))
+    assert mixed.segments == ((1, "split_in"), (64, "packed"), (ALWAYS, "transposed"))
+    assert [mixed.kernel_for(n) for n in (1, 2, 64, 65, 10**6)] == [
+        "split_in", "packed", "packed", "transposed", "transposed"]
+    assert mixed.layouts == {"transposed", "packed"} and mixed.describe() == (
+        "split_in<=1, packed<=64, transposed above")
     # Limited to one layout per weight, the same measurements give the best single kernel.
     assert decide(split.times_us, max_layouts=1).kernels == {"transposed"}
     # A split that gains less than SPLIT_MARGIN is not worth a second copy of the weight.
@@ -40,7 +50,7 @@ def test_decide_takes_the_best_single_kernel_unless_a_split_clearly_pays():
     # Two kernels over one layout cost no memory: any gain takes them (split_in reads the transposed copy).
     shared = decide(_times(plain={n: 200.0 for n in sizes}, transposed=flat,
                            split_in={1: 95.0, 8: 101.0, 64: 101.0, 512: 101.0, 2048: 101.0}))
-    assert (shared.small, shared.crossover, shared.large) == ("split_in", 1, "transposed")
+    assert shared.segments == ((1, "split_in"), (ALWAYS, "transposed"))
     assert shared.layouts == {"transposed"}
     # Ties go to plain.
     assert decide(_times(plain=flat, transposed=flat)).kernels == {"plain"}
@@ -49,8 +59,10 @@ def test_decide_takes_the_best_single_kernel_unless_a_split_clearly_pays():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan", [LinearPlan.single("packed"), LinearPlan.single("transposed"),
                                   LinearPlan.single("split_in"), LinearPlan.single("split_out"),
-                                  LinearPlan("packed", 8, "plain"), LinearPlan("transposed", 3, "packed"),
-                                  LinearPlan("split_in", 1, "transposed"), LinearPlan("split_out", 2, "packed")],
+                                  LinearPlan(((8, "packed"), (ALWAYS, "plain"))),
+                                  LinearPlan(((3, "transposed"), (ALWAYS, "packed"))),
+                                  LinearPlan(((1, "split_in"), (8, "packed"), (ALWAYS, "transposed"))),
+                                  LinearPlan(((2, "split_out"), (ALWAYS, "packed")))],
                          ids=lambda plan: plan.describe())
 def test_kernel_matches_f_linear_at_every_row_count(dtype, plan):
     if "packed" in plan.kernels and not kernels.packing_available(dtype):
@@ -100,7 +112,7 @@ def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_prob
     # A second book (another process would do the same) reads the verdict instead of measuring.
     monkeypatch.setattr(kernels, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = PlanBook(path).plan_for(torch.float32, (512, 512))
-    assert (again.small, again.crossover, again.large) == (plan.small, plan.crossover, plan.large)
+    assert again.segments == plan.segments
 
 
 def test_environment_override_and_bad_value(tmp_path, monkeypatch):
@@ -180,7 +192,7 @@ def test_engine_measures_each_shape_once_and_reads_the_verdicts_back(tiny_models
         times = {name: {int(rows): us for rows, us in by_rows.items()} for name, by_rows in plans[key]["times_us"].items()}
         verdict = decide(times)
         plan = module.kernel.plan if module.kernel is not None else kernels.PLAIN
-        assert (plan.small, plan.crossover, plan.large) == (verdict.small, verdict.crossover, verdict.large)
+        assert plan.segments == verdict.segments
     monkeypatch.setattr(kernels, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

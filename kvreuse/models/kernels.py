@@ -23,9 +23,10 @@ and 29 split_in; from 2 rows on packed is fastest), so it is measured rather tha
   ``<cache dir>/linear-kernels.json`` under a key naming the CPU, its flags, the torch version, the
   thread count, the dtype and the shape (measured once per machine; a qwen2.5-0.5b model takes
   about half a minute the first time).
-- A plan is one kernel for every row count, or two with a crossover. Two kernels over one layout
-  (``split_in`` for one row, ``transposed`` above) cost no memory and are taken whenever faster; two
-  layouts only when clearly faster (``SPLIT_MARGIN``). ``LinearKernel`` keeps only the layouts its plan
+- A plan names the kernel for each range of row counts. Kernels over one layout (``split_in`` for one
+  row, ``transposed`` above) mix for free; a plan over two layouts keeps two copies of the weight and is
+  taken only when clearly faster (``SPLIT_MARGIN``), and only while all second copies together fit a
+  share of the available memory (``layouts_allowed``). ``LinearKernel`` keeps only the layouts its plan
   uses, so memory grows only where a second layout buys speed.
 
 All kernels compute the same product with different summation orders; outputs agree within float
@@ -36,6 +37,7 @@ overrides the measurement (for comparisons and for bisecting a numerical questio
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import math
@@ -173,21 +175,33 @@ def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int) -> 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """``small`` runs row counts up to ``crossover``, ``large`` the rest (the same kernel: one layout)."""
+    """Which kernel runs which row counts: ``segments`` are (up to this many rows, kernel), ascending, the
+    last one up to ALWAYS."""
 
-    small: str
-    crossover: int
-    large: str
+    segments: tuple[tuple[int, str], ...]
     # The measurement behind the verdict, microseconds per call by kernel and row count, for the record.
     times_us: dict[str, dict[int, float]] | None = None
 
     @staticmethod
     def single(kernel: str) -> LinearPlan:
-        return LinearPlan(kernel, ALWAYS, kernel)
+        return LinearPlan(((ALWAYS, kernel),))
+
+    @staticmethod
+    def from_picks(rows: list[int], picks: list[str], times_us: dict[str, dict[int, float]] | None = None
+                   ) -> LinearPlan:
+        """The plan running ``picks[i]`` up to ``rows[i]`` rows (the last pick above too)."""
+        segments: list[tuple[int, str]] = []
+        for count, kernel in zip(rows, picks):
+            if segments and segments[-1][1] == kernel:
+                segments[-1] = (count, kernel)
+            else:
+                segments.append((count, kernel))
+        segments[-1] = (ALWAYS, segments[-1][1])
+        return LinearPlan(tuple(segments), times_us)
 
     @property
     def kernels(self) -> frozenset[str]:
-        return frozenset((self.small, self.large))
+        return frozenset(kernel for _, kernel in self.segments)
 
     @property
     def layouts(self) -> frozenset[str]:
@@ -198,12 +212,15 @@ class LinearPlan:
         return self.kernels == {"plain"}
 
     def kernel_for(self, rows: int) -> str:
-        return self.small if rows <= self.crossover else self.large
+        for limit, kernel in self.segments:
+            if rows <= limit:
+                return kernel
+        raise AssertionError("the last segment reaches ALWAYS")
 
     def describe(self) -> str:
-        if self.small == self.large:
-            return self.small
-        return f"{self.small}<={self.crossover}, {self.large} above"
+        parts = [f"{kernel}<={limit}" for limit, kernel in self.segments[:-1]]
+        last = self.segments[-1][1]
+        return ", ".join([*parts, f"{last} above"]) if parts else last
 
 
 PLAIN = LinearPlan.single("plain")
@@ -212,30 +229,28 @@ PLAIN = LinearPlan.single("plain")
 def decide(times_us: dict[str, dict[int, float]], max_layouts: int = 2) -> LinearPlan:
     """The plan for measured times (microseconds per call, by kernel and row count).
 
-    Each kernel's time at a size is divided by the fastest kernel's there; a plan's cost is the sum of
-    its ratios over the probed sizes, so one noisy probe shifts a verdict by one size at most. The best
-    single kernel is taken unless a two-kernel split (one kernel up to a crossover, another above) costs
-    less: any amount less when both kernels read the same layout, SPLIT_MARGIN less when the split needs
-    a second copy of the weight (never with ``max_layouts=1``). Ties go to the earlier kernel in KERNELS
-    (plain first).
+    Each kernel's time at a size is divided by the fastest kernel's there. For every set of one weight
+    layout (and, with ``max_layouts=2``, of two), each probed size takes the fastest kernel that reads a
+    layout of the set; the set's cost is the sum of those ratios, so one noisy probe shifts a verdict by
+    one size at most. A set of two layouts keeps two copies of the weight and pays SPLIT_MARGIN on top;
+    kernels sharing a layout (split_in and transposed) mix for free. The cheapest set wins; ties go to
+    the earlier kernel in KERNELS (plain first), also within a size.
     """
     names = [name for name in KERNELS if name in times_us]
     rows = sorted(times_us[names[0]])
     best = {count: min(times_us[name][count] for name in names) for count in rows}
     ratio = {name: [times_us[name][count] / best[count] for count in rows] for name in names}
-    single_cost, single = min((sum(ratio[name]), index, name) for index, name in enumerate(names))[::2]
-    plan, plan_cost = LinearPlan(single, ALWAYS, single, times_us), single_cost
-    for small in names:
-        for large in names:
-            if small == large:
-                continue
-            if LAYOUT[small] != LAYOUT[large] and max_layouts < 2:
-                continue
-            margin = 0.0 if LAYOUT[small] == LAYOUT[large] else SPLIT_MARGIN
-            for split in range(1, len(rows)):
-                cost = sum(ratio[small][:split]) + sum(ratio[large][split:]) + margin
-                if cost < plan_cost - 1e-9:
-                    plan, plan_cost = LinearPlan(small, rows[split - 1], large, times_us), cost
+    layouts = list(dict.fromkeys(LAYOUT[name] for name in names))  # in KERNELS' preference order
+    plan, plan_cost = PLAIN, math.inf
+    for size in range(1, min(max_layouts, 2) + 1):
+        for chosen in itertools.combinations(layouts, size):
+            allowed = [name for name in names if LAYOUT[name] in chosen]
+            picks = [min(allowed, key=lambda name, index=index: ratio[name][index]) for index in range(len(rows))]
+            if len({LAYOUT[name] for name in picks}) < size:
+                continue  # one layout unused: that plan is among the one-layout sets already
+            cost = sum(ratio[name][index] for index, name in enumerate(picks)) + (SPLIT_MARGIN if size > 1 else 0)
+            if cost < plan_cost - 1e-9:
+                plan, plan_cost = LinearPlan.from_picks(rows, picks, times_us), cost
     return plan
 
 
