@@ -286,6 +286,15 @@ def kernel_summary(llm) -> str:
     return "; ".join(f"{shape} {verdict}" for shape, verdict in verdicts.items())
 
 
+def weight_memory(llm) -> dict:
+    """The model's weights and what the kernels' second layouts add to them, in MiB."""
+    model = llm.engine.model
+    weights = sum(t.numel() * t.element_size() for t in model.parameters() if t is not None)
+    weights += sum(m.kernel.weight_bytes for m in model.modules()
+                   if getattr(m, "kernel", None) is not None and getattr(m, "weight", None) is None)
+    return {"weights_mib": weights / 2**20, "weight_layouts_extra_mib": model.cpu_kernel_extra_bytes / 2**20}
+
+
 def bench_prefix_match(args) -> dict:
     from kvreuse.cache.hashing import namespace_key
     from kvreuse.cache.manager import KVCacheManager
@@ -376,6 +385,7 @@ def main() -> int:
         llm = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory)
         results["model"] = f"{args.preset} ({model_dir}), {args.dtype}"
         results["linear_kernels"] = kernel_summary(llm)
+        results.update(weight_memory(llm))
         if "ttft" in only:
             results.update(bench_ttft(llm, hf_model, args, rng, vocab))
             results["kvreuse_warm_ttft_over_transformers"] = (

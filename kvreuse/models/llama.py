@@ -151,6 +151,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
         self._tied_head_kernel: LinearKernel | None = None  # see choose_cpu_kernels
+        self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
         """Route every layer's attention through ``attention_backend`` from the next forward on."""
@@ -214,6 +215,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 extra += self._tied_head_kernel.layout_bytes - (
                     self._tied_head_kernel.weight_bytes if "plain" in plan.kernels else 0)
         book.save()
+        self.cpu_kernel_extra_bytes = extra
         logger.info("CPU linear kernels: %d matrices off plain F.linear, %.0f MiB in second weight layouts",
                     changed, extra / 2**20)
         return changed
