@@ -14,7 +14,7 @@ of speculative rows. Other layouts of the same weight do better there:
   cuts the output columns into blocks stored [parts, in, out/parts].
 
 Which wins, and where, depends on the CPU, the thread count, the dtype and the weight's shape (on a
-2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 12 GB/s on F.linear, 18 packed
+2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 15 GB/s on F.linear, 23 packed
 and 29 split_in; from 2 rows on packed is fastest), so it is measured rather than assumed:
 
 - ``PlanBook.plan_for`` times the kernels on random weights of the layer's shape at a ladder of
