@@ -76,6 +76,7 @@ class TorchAttentionMetadata:
     context_chunks: list[ContextChunk]
     decodes: DecodeGroup | None
     covers_whole_batch: bool  # a single fresh prefill spans every token: no output assembly needed
+    decodes_cover_whole_batch: bool = False  # every token is one sequence's decode, in row order
 
 
 def _context_slots(
@@ -187,12 +188,14 @@ class TorchPagedAttention(AttentionBackend):
         covers_whole_batch = (
             len(fresh_prefills) == 1 and not context_chunks and decodes is None
         )
+        decodes_cover_whole_batch = bool(decode_rows) and len(decode_rows) == token_start
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             fresh_prefills=fresh_prefills,
             context_chunks=context_chunks,
             decodes=decodes,
             covers_whole_batch=covers_whole_batch,
+            decodes_cover_whole_batch=decodes_cover_whole_batch,
         )
 
     def forward(
@@ -207,6 +210,9 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
         if metadata.covers_whole_batch:
             return _causal_self_attention(q, k, v)
+        if metadata.decodes_cover_whole_batch:  # a pure decode step: no output buffer to fill
+            return _decode_attention(q, kv_cache.key_caches[layer_idx], kv_cache.value_caches[layer_idx],
+                                     metadata.decodes)
         key_cache = kv_cache.key_caches[layer_idx]
         value_cache = kv_cache.value_caches[layer_idx]
         out = torch.empty_like(q)
