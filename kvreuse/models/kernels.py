@@ -60,7 +60,7 @@ LAYOUT = {"plain": "plain", "packed": "packed", "transposed": "transposed", "spl
           "split_out": "split_out"}
 PLAN_VERSION = 5  # bump when the measurement or the decision rule changes
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
-ALWAYS = sys.maxsize  # the crossover of a plan that runs one kernel at every row count
+ALWAYS = sys.maxsize  # the upper end of a plan's last range of row counts
 # A two-kernel plan over two layouts keeps two copies of the weight; it is taken only when it beats the
 # best one-layout plan by this much summed time ratio over the probed sizes (0.1: a tenth of one size's
 # time; one decode row 12% faster is worth it: one-stream decode runs at that row count only).
