@@ -289,7 +289,7 @@ def kernel_summary(llm) -> str:
 def weight_memory(llm) -> dict:
     """The model's weights and what the kernels' second layouts add to them, in MiB."""
     model = llm.engine.model
-    weights = sum(t.numel() * t.element_size() for t in model.parameters() if t is not None)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
     weights += sum(m.kernel.weight_bytes for m in model.modules()
                    if getattr(m, "kernel", None) is not None and getattr(m, "weight", None) is None)
     return {"weights_mib": weights / 2**20, "weight_layouts_extra_mib": model.cpu_kernel_extra_bytes / 2**20}

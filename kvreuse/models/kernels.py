@@ -160,17 +160,27 @@ def build_layout(name: str, weight: torch.Tensor, parts: int) -> torch.Tensor:
     return weight.detach()
 
 
-def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int) -> torch.Tensor:
-    """x [rows, in] through kernel ``name`` over its layout (no bias)."""
+def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] through kernel ``name`` over its layout, plus ``bias``."""
     if name == "packed":
-        return run_packed(x, layout, None)
+        return run_packed(x, layout, bias)
+    if name == "plain":
+        return F.linear(x, layout, bias)
     if name == "transposed":
-        return torch.matmul(x, layout)
-    if name == "split_in":
-        return run_split_in(x, layout, parts)
-    if name == "split_out":
-        return run_split_out(x, layout)
-    return F.linear(x, layout)
+        out = torch.matmul(x, layout)
+    elif name == "split_in":
+        out = run_split_in(x, layout, parts)
+    else:
+        out = run_split_out(x, layout)
+    return out if bias is None else out.add_(bias)
+
+
+def runnable_kernels(dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The kernels that can run a ``dtype`` weight of this [out, in] shape here, in KERNELS' order."""
+    splits = split_kernels_fit(shape, split_parts())
+    return tuple(name for name in KERNELS if (name != "packed" or packing_available(dtype))
+                 and (not name.startswith("split") or name in splits))
 
 
 @dataclass(frozen=True)
@@ -352,12 +362,9 @@ class PlanBook:
         forced = os.environ.get(KERNEL_ENV, "auto").strip().lower()
         if forced not in ("auto", *KERNELS):
             raise ValueError(f"{KERNEL_ENV} must be auto, {', '.join(KERNELS)}, got {forced!r}")
-        packing = packing_available(dtype)
         if forced != "auto":
             # A kernel this CPU or shape cannot run falls back to plain F.linear.
-            usable = (packing or forced != "packed") and (
-                not forced.startswith("split") or forced in split_kernels_fit(shape, split_parts()))
-            return LinearPlan.single(forced if usable else "plain")
+            return LinearPlan.single(forced if forced in runnable_kernels(dtype, shape) else "plain")
         if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
         key = self._key(dtype, shape)
@@ -367,10 +374,7 @@ class PlanBook:
             times = {name: {int(rows): float(us) for rows, us in by_rows.items()}
                      for name, by_rows in stored["times_us"].items()}
             return decide(times, max_layouts)
-        splits = split_kernels_fit(shape, split_parts())
-        kernels = tuple(name for name in KERNELS
-                        if (packing or name != "packed") and (not name.startswith("split") or name in splits))
-        times = measure(shape[0], shape[1], dtype, kernels, PROBE_ROWS)
+        times = measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS)
         self.measured += 1
         self._plans[key] = {"times_us": times}
         plan = decide(times, max_layouts)
@@ -437,14 +441,8 @@ class LinearKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         kernel = self.plan.kernel_for(rows)
-        layout = self.layouts[LAYOUT[kernel]]
-        if kernel == "packed":
-            return run_packed(x, layout, self.bias)
-        if kernel == "plain":
-            return F.linear(x, layout, self.bias)
-        out = run_kernel(kernel, x.reshape(rows, x.shape[-1]), layout, self.parts)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out.add_(self.bias)
+        out = run_kernel(kernel, x.reshape(rows, x.shape[-1]), self.layouts[LAYOUT[kernel]], self.parts, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor | None:

@@ -123,7 +123,7 @@ class EagleDraft(nn.Module):
 
     def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
         """The draft's own linear layers on their measured CPU kernels (the target's are chosen by its
-        runner); returns how many use a packed copy."""
+        runner); returns how many left plain F.linear."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         max_layouts = layouts_allowed(book, [m.weight for m in linears])
