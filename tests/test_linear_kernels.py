@@ -115,6 +115,23 @@ def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_prob
     assert again.segments == plan.segments
 
 
+@pytest.mark.parametrize("entry", [{}, {"times_us": "fast"}, {"times_us": {"plain": {"1": "x"}}},
+                                   {"times_us": {"warp": {"1": 1.0}}},
+                                   {"times_us": {"plain": {"1": 1.0}, "transposed": {"2": 1.0}}}],
+                         ids=["no-times", "not-a-dict", "not-a-number", "unknown-kernel", "other-rows"])
+def test_a_malformed_entry_is_measured_again(tmp_path, monkeypatch, quick_probes, entry):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    path = tmp_path / "linear-kernels.json"
+    book = PlanBook(path)
+    key = book._key(torch.float32, (512, 512))
+    path.write_text(json.dumps({"version": kernels.PLAN_VERSION, "plans": {key: entry}}))
+    book = PlanBook(path)
+    plan = book.plan_for(torch.float32, (512, 512))
+    assert book.measured == 1 and set(plan.times_us["plain"]) == set(kernels.PROBE_ROWS)
+    book.save()
+    assert PlanBook(path)._stored_times(key) is not None  # the new measurement replaced the bad entry
+
+
 def test_environment_override_and_bad_value(tmp_path, monkeypatch):
     book = PlanBook(tmp_path / "plans.json")
     monkeypatch.setenv(kernels.KERNEL_ENV, "transposed")

@@ -368,11 +368,9 @@ class PlanBook:
         if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
         key = self._key(dtype, shape)
-        stored = self._plans.get(key)
-        if stored is not None:
+        times = self._stored_times(key)
+        if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
-            times = {name: {int(rows): float(us) for rows, us in by_rows.items()}
-                     for name, by_rows in stored["times_us"].items()}
             return decide(times, max_layouts)
         times = measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS)
         self.measured += 1
@@ -380,6 +378,23 @@ class PlanBook:
         plan = decide(times, max_layouts)
         logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(), decide(times, 1).describe())
         return plan
+
+    def _stored_times(self, key: str) -> dict[str, dict[int, float]] | None:
+        """The file's timings for ``key``; None where it has none, or an entry that is not timings of known
+        kernels at the same row counts (a hand-edited or damaged file costs a re-measurement, not a start)."""
+        stored = self._plans.get(key)
+        if stored is None:
+            return None
+        try:
+            times = {str(name): {int(rows): float(us) for rows, us in by_rows.items()}
+                     for name, by_rows in stored["times_us"].items()}
+        except (AttributeError, KeyError, TypeError, ValueError):
+            times = {}
+        counts = {tuple(sorted(by_rows)) for by_rows in times.values()}
+        if not times or not set(times) <= set(KERNELS) or len(counts) != 1 or not next(iter(counts)):
+            logger.warning("linear kernel timings for %s in %s are malformed: measuring again", key, self.path)
+            return None
+        return times
 
     def save(self) -> None:
         if not self.measured:
