@@ -2,7 +2,8 @@
 
 Figures (medians of --repeats runs, ratios computed within this run; the machine and its CPU flags first):
   1. TTFT warm / TTFT cold for a shared prefix (default 2,048 tokens) + a new suffix (64 tokens);
-     transformers' usual practice for the warm case (a deep copy of a saved prompt cache) alongside.
+     transformers' usual practice for the warm case (a deep copy of a saved prompt cache) alongside;
+     the FLOP floor of that ratio (ModelConfig.forward_flops of the warm step over the cold one).
   2. Cold prefill tokens/s, kvreuse / transformers, on the same prompt.
   3. A workload with no sharing: throughput with prefix caching on / off.
   4. Decode tokens/s with 16 concurrent requests and with one stream, against transformers generating
@@ -93,10 +94,16 @@ def bench_ttft(llm, hf_model, args, rng, vocab) -> dict:
 
             hf_warm.append(time_call(warm_hf))
     prompt_len = args.prefix_len + args.suffix_len
+    # The lowest warm/cold any engine can reach if both run at the same FLOP rate: the warm step still
+    # computes the suffix through every layer, attending over the whole cached prefix.
+    config = llm.engine.model_config
+    floor = config.forward_flops(args.prefix_len, args.suffix_len) / config.forward_flops(0, prompt_len)
     return {
         "kvreuse_ttft_cold_s": median(cold),
         "kvreuse_ttft_warm_s": median(warm),
         "kvreuse_warm_over_cold": median(warm) / median(cold),
+        "warm_over_cold_flop_floor": floor,
+        "kvreuse_warm_over_cold_over_floor": median(warm) / median(cold) / floor,
         "transformers_ttft_cold_s": median(hf_cold),
         "transformers_ttft_warm_copied_cache_s": median(hf_warm),
         "transformers_warm_over_cold": median(hf_warm) / median(hf_cold),

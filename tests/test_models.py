@@ -10,6 +10,7 @@ config.json spellings, dummy weights, dtype resolution and the errors for bad ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -347,3 +348,23 @@ def test_auto_dtype_reason_names_the_deciding_fact():
     assert dtype == (torch.bfloat16 if cpu_supports_bfloat16() else torch.float32)
     assert reason.startswith("auto: the CPU has")
     assert resolve_dtype_with_reason("float32", "cpu") == (torch.float32, "as asked")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_forward_flops_counts_the_checkpoints_matmuls(checkpoints, kind, window):
+    """forward_flops from the config equals a count over the real modules' weight shapes plus a query by
+    query count of visible keys (the benchmark's warm/cold floor is built on it)."""
+    folder, hf_model = checkpoints[kind]
+    config = ModelConfig.from_pretrained(folder)
+    config = dataclasses.replace(config, sliding_window=window)
+    layers = hf_model.model.layers
+    linear_per_token = sum(module.in_features * module.out_features
+                           for module in layers.modules() if isinstance(module, torch.nn.Linear))
+    head = hf_model.lm_head.weight.shape
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    for cached, new, sampled in ((0, 12, 1), (9, 3, 1), (7, 1, 2)):
+        visible = sum(min(position + 1, window or position + 1) for position in range(cached, cached + new))
+        expected = 2 * (linear_per_token * new + len(layers) * 2 * heads * head_dim * visible
+                        + sampled * head[0] * head[1])
+        assert config.forward_flops(cached, new, sampled) == expected, (cached, new, sampled)

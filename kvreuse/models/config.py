@@ -106,6 +106,24 @@ class ModelConfig:
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_key_value_heads * self.head_dim * self.num_hidden_layers * element_size
 
+    def forward_flops(self, num_cached: int, num_new: int, sampled_rows: int = 1) -> int:
+        """Matrix-multiply FLOPs (2 per multiply-add) of running ``num_new`` tokens after ``num_cached``
+        cached ones: the linear layers, attention over each query's visible keys (causal, within the
+        sliding window if any) and the output projection of ``sampled_rows`` rows. Norms, rotary and
+        softmax are left out: they are a rounding error here. The benchmark's floor for warm/cold TTFT is
+        ``forward_flops(prefix, suffix) / forward_flops(0, prefix + suffix)``."""
+        hidden, layers = self.hidden_size, self.num_hidden_layers
+        per_token_linear = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden \
+            + 3 * hidden * self.intermediate_size
+        # Query at position p sees keys max(0, p + 1 - window) .. p.
+        first, end = num_cached + 1, num_cached + num_new + 1  # visible-key counts without a window
+        visible = (first + end - 1) * num_new // 2  # sum of first .. end - 1
+        if self.sliding_window is not None:
+            visible = sum(min(keys, self.sliding_window) for keys in range(first, end))
+        # QK^T and PV: head_dim multiply-adds each per (query head, visible key).
+        attention = 2 * self.num_attention_heads * self.head_dim * visible
+        return 2 * (layers * (per_token_linear * num_new + attention) + sampled_rows * hidden * self.vocab_size)
+
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
         """Parse ``config.json`` in a model folder."""
