@@ -2,14 +2,15 @@
 
 Each sub-command lives in its own module and exposes two functions, one adding its options to a
 parser and one running it; this module imports them, never the other way round (the options they
-share live in kvreuse.engine_args). Every sub-command takes ``--debug``.
+share live in kvreuse.engine_args), and only the one named on the command line, so the router,
+``diagnose`` and ``--help`` start without importing torch. Every sub-command takes ``--debug``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvreuse.engine_args import add_engine_arguments, configure_logging
@@ -17,10 +18,20 @@ from kvreuse.engine_args import add_engine_arguments, configure_logging
 
 @dataclass(frozen=True)
 class Command:
+    """A sub-command whose options and code live in ``module``, imported only when this command is the one
+    parsed or run: most sub-commands need torch (two seconds to import), the router and diagnose do not."""
+
     name: str
     help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+    module: str
+    add_arguments_name: str  # (parser) -> None
+    run_name: str  # (args) -> exit status
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        getattr(importlib.import_module(self.module), self.add_arguments_name)(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(self.module), self.run_name)(args)
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,29 +47,27 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def _commands() -> list[Command]:
-    from kvreuse.batch import add_run_arguments, run_command
-    from kvreuse.demo import add_demo_arguments, run_demo
-    from kvreuse.models.make import add_make_model_arguments, run_make_model
-    from kvreuse.observatory.diagnose import add_diagnose_arguments, run_diagnose
-    from kvreuse.router.cli import add_route_arguments, run_route
-    from kvreuse.spec.distill import add_distill_arguments, run_distill
-
-    return [
-        Command("demo", "requests sharing a long system prompt: cold vs warm TTFT", add_demo_arguments, run_demo),
-        Command("make-model", "write a random-weight model folder with a real tokenizer",
-                add_make_model_arguments, run_make_model),
-        Command("serve", "OpenAI-compatible HTTP server (FastAPI on uvicorn)", _add_serve_arguments, _run_serve),
-        Command("run", "run a batch file of requests (system prompt cache format)", add_run_arguments, run_command),
-        Command("route", "prefix-aware router in front of several servers", add_route_arguments, run_route),
-        Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)",
-                add_distill_arguments, run_distill),
-        Command("diagnose", "why a log of prompts would miss the prefix cache: drift diagnostics, offline",
-                add_diagnose_arguments, run_diagnose),
-    ]
+COMMANDS = (
+    Command("demo", "requests sharing a long system prompt: cold vs warm TTFT", "kvreuse.demo",
+            "add_demo_arguments", "run_demo"),
+    Command("make-model", "write a random-weight model folder with a real tokenizer", "kvreuse.models.make",
+            "add_make_model_arguments", "run_make_model"),
+    Command("serve", "OpenAI-compatible HTTP server (FastAPI on uvicorn)", __name__, "_add_serve_arguments",
+            "_run_serve"),
+    Command("run", "run a batch file of requests (system prompt cache format)", "kvreuse.batch",
+            "add_run_arguments", "run_command"),
+    Command("route", "prefix-aware router in front of several servers", "kvreuse.router.cli",
+            "add_route_arguments", "run_route"),
+    Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)", "kvreuse.spec.distill",
+            "add_distill_arguments", "run_distill"),
+    Command("diagnose", "why a log of prompts would miss the prefix cache: drift diagnostics, offline",
+            "kvreuse.observatory.diagnose", "add_diagnose_arguments", "run_diagnose"),
+)
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+    """The ``kvreuse`` parser. With ``only``, just that sub-command gets its options (the others are listed
+    by name): what main does, so ``kvreuse route`` or ``kvreuse --help`` never import torch."""
     from kvreuse.bench.cli import add_bench_arguments, run_bench
 
     common = argparse.ArgumentParser(add_help=False)
@@ -67,18 +76,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     parser = argparse.ArgumentParser(prog="kvreuse", description="kvreuse: an LLM inference engine that reuses "
                                      "the attention KV cache across requests")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    commands = {command.name: command for command in _commands()}
+    commands = {command.name: command for command in COMMANDS}
     for command in commands.values():
-        command.add_arguments(subparsers.add_parser(command.name, help=command.help, parents=[common]))
+        subparser = subparsers.add_parser(command.name, help=command.help, parents=[common])
+        if only is None or only == command.name:
+            command.add_arguments(subparser)
     bench = subparsers.add_parser("bench", help="benchmark suite: prefix-sharing workloads, reports and plots")
     add_bench_arguments(bench, parents=[common])
-    commands["bench"] = Command("bench", "", lambda parser: None, run_bench)
+    commands["bench"] = Command("bench", "", "kvreuse.bench.cli", "add_bench_arguments", "run_bench")
     return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, commands = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    parser, commands = build_parser(only=words[0] if words else "")
+    args = parser.parse_args(words)
     configure_logging(args.debug)
     try:
         return commands[args.command].run(args)

@@ -52,3 +52,28 @@ def test_bad_option_is_a_clear_error(tmp_path: Path):
     result = run_cli("demo", "--model", str(out), "--kv-cache-memory", "lots", "--device", "cpu")
     assert result.returncode != 0
     assert "kv_cache_memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_only_the_named_subcommand_is_imported():
+    """`kvreuse route`, `kvreuse diagnose` and `kvreuse --help` parse without importing torch (the router
+    and the offline diagnosis never need it); every sub-command still parses its own options."""
+    probe = (
+        "import sys\n"
+        "from kvreuse.cli import build_parser\n"
+        "for only, words in (('', ['--help']), ('route', ['route', '--backend', 'http://a:1']),\n"
+        "                    ('diagnose', ['diagnose', 'log.jsonl', '--tokenizer', 't'])):\n"
+        "    parser, _ = build_parser(only=only)\n"
+        "    if only:\n"
+        "        args = parser.parse_args(words)\n"
+        "        print(only, args.command, getattr(args, 'backend', None) or args.tokenizer)\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("no torch"), result.stdout
+    assert "route route ['http://a:1']" in result.stdout and "diagnose diagnose t" in result.stdout
+    help_text = run_cli("--help", timeout=60)
+    assert help_text.returncode == 0 and "distill-eagle" in help_text.stdout
+    # Each sub-command's own --help: test_documented_commands.py::test_subcommand_help.
+    wrong = run_cli("serve", "--model", "m", "--no-such-option", timeout=120)
+    assert wrong.returncode == 2 and "--no-such-option" in wrong.stderr

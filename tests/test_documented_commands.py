@@ -18,9 +18,9 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
   a tiny stand-in for the default preset's folder; the table must show cached tokens after request 0.
 - ``kvreuse serve`` (fixed ports): started as typed in the background, /health, one real request with the
   official ``openai`` SDK (with the typed API key, and through the typed LoRA adapter), SIGTERM, exit 0.
-- ``kvreuse bench serve``: against the server started just before it in the same block (``... &``), or
-  else against a helper server serving the name the command's ``--model`` gives; its --out / --plot
-  files are checked.
+- ``kvreuse bench serve``: as typed with KVREUSE_BENCH_SMOKE=1 (at most 4 requests), against the server
+  started just before it in the same block (``... &``), or else against a helper server serving the name
+  the command's ``--model`` gives; its --out / --plot files are checked.
 - ``kvreuse bench compare``: as typed with KVREUSE_BENCH_SMOKE=1 (at most 4 requests); ``kvreuse run``:
   as typed; exit 0 and the files they write are checked.
 - ``kvreuse route``: helper servers on the backend ports, the router as typed, one request through it
@@ -723,8 +723,9 @@ class DocRuns:
             if units:
                 keys = [c.text for unit in units for c in unit]
                 jobs.append((keys, lambda units=units: self._run_lane(units, kinds)))
-        # Heaviest first: compares, scripts, the demo, then the rest; each its own job.
-        order = {COMPARE: 0, SCRIPT: 1, DEMO: 2, DISTILL: 3, MAKE_MODEL: 4, BATCH: 5, DIAGNOSE: 6}
+        # Longest first, so no long run starts last and leaves the other threads idle: the distillation
+        # (a real training run, the longest single job), compares, scripts, the demo, then the rest.
+        order = {DISTILL: 0, COMPARE: 1, SCRIPT: 2, DEMO: 3, MAKE_MODEL: 4, BATCH: 5, DIAGNOSE: 6}
         singles = [c for c in UNIQUE if c.text in selected and kinds[c.text] in order]
         singles.sort(key=lambda c: order[kinds[c.text]])
         runners = {COMPARE: self._compare, SCRIPT: self._script, DEMO: self._demo, MAKE_MODEL: self._make_model,
@@ -1001,7 +1002,8 @@ class DocRuns:
         return results
 
     def _bench_serve(self, command: DocCommand, cwd: Path) -> str:
-        output, seconds = self._run_checked(command, cwd)
+        output, seconds = self._run_checked(command, cwd, dict(self.ws.env, KVREUSE_BENCH_SMOKE="1"))
+        assert SMOKE_BANNER in output, f"kvreuse bench serve ignored KVREUSE_BENCH_SMOKE=1:\n{output[-3000:]}"
         return f"{check_bench_files(cwd, kvreuse_words(argv_of(command.text)), 'kvreuse-bench-serve')} ({seconds:.1f} s)"
 
     def _bench_serve_with_helper(self, command: DocCommand) -> dict[str, Outcome]:
