@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 
 from kvreuse.observatory.dashboard import DashboardHistory, EngineReading, HitCounter, HitSampler, Sample
-from server_process import MODEL_NAME, RunningServer, free_port, start_server, stop_server
+from server_process import MODEL_NAME, POLL, RunningServer, free_port, start_server, stop_server
 from test_router import start_router
 
 KEY_A, KEY_B, ADMIN_KEY = "dash-key-tenant-a", "dash-key-tenant-b", "dash-admin-key"
@@ -67,7 +67,7 @@ def chat(server: RunningServer, key: str, system: str, question: str) -> None:
 
 def dashboard_json(url: str, key: str | None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(f"{url}/v1/cache/dashboard", headers=headers, timeout=30)
+    return POLL.get(f"{url}/v1/cache/dashboard", headers=headers, timeout=30)
 
 
 def wait_for_samples(url: str, key: str, count: int = 3) -> dict[str, Any]:

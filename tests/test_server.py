@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvreuse import LLM, SamplingParams
-from server_process import MODEL_NAME, RunningServer, start_server, stop_server
+from server_process import MODEL_NAME, POLL, RunningServer, start_server, stop_server
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 MAX_MODEL_LEN = 2048  # the tiny preset's context; the 32 MiB pool holds far more
@@ -89,7 +89,7 @@ def sse_events(raw: bytes) -> list[str]:
 
 def scrape(server: RunningServer) -> dict[str, float]:
     values: dict[str, float] = {}
-    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+    for line in POLL.get(f"{server.base_url}/metrics").text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
