@@ -21,6 +21,11 @@ def _offline_and_private_cache(tmp_path_factory: pytest.TempPathFactory):
     # busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py
     # tests the measured choice and the other kernels against plain.
     os.environ.setdefault("KVREUSE_LINEAR_KERNEL", "plain")
+    # Processes the tests start (servers, CLI runs) use one OpenMP thread: they run beside this process
+    # and the documented-command runs on 2 cores, where torch's second thread mostly spins waiting for a
+    # core (the suite's CPU time fell by a third). This process keeps its threads: torch read the
+    # variable when it was imported, and tests/test_linear_kernels.py needs two for the split kernels.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     yield
 
 

@@ -442,6 +442,9 @@ class Workspace:
         self.env.pop("KVREUSE_BENCH_SMOKE", None)
         self.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                         KVREUSE_CACHE_DIR=str(self.cache), PATH=BIN_DIR + os.pathsep + os.environ.get("PATH", ""))
+        # Several runs share the cores: one OpenMP thread per process, or torch's threads spin waiting for
+        # a partner thread that another process holds off the core (the distillation alone ran 8x slower).
+        self.env.setdefault("OMP_NUM_THREADS", "1")
 
     def folder(self, label: str, *, empty: bool = False, commands: list[str] = ()) -> Path:
         """A fresh working folder; unless ``empty``, with the model folders and adapters ``commands`` name,
