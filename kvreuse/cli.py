@@ -68,7 +68,7 @@ COMMANDS = (
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     """The ``kvreuse`` parser. With ``only``, just that sub-command gets its options (the others are listed
     by name): what main does, so ``kvreuse route`` or ``kvreuse --help`` never import torch."""
-    from kvreuse.bench.cli import add_bench_arguments, run_bench
+    from kvreuse.bench.cli import add_bench_arguments  # torch-free, and its nested sub-commands need `common`
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",
@@ -83,6 +83,7 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
             command.add_arguments(subparser)
     bench = subparsers.add_parser("bench", help="benchmark suite: prefix-sharing workloads, reports and plots")
     add_bench_arguments(bench, parents=[common])
+    # Its options are added just above (bench serve / bench compare under it); only run is looked up.
     commands["bench"] = Command("bench", "", "kvreuse.bench.cli", "add_bench_arguments", "run_bench")
     return parser, commands
 
