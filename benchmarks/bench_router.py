@@ -24,12 +24,13 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvreuse.bench.compare import wait_healthy as poll_health
 
 MODEL_NAME = "bench-model"
 
@@ -49,17 +50,10 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become healthy:\n{log.read_text()[-3000:]}")
+    try:
+        poll_health(url, process, timeout_s, lambda: log.read_text()[-3000:])
+    except RuntimeError as error:
+        raise RuntimeError(f"{url}: {error}") from None
 
 
 def start(command: list[str], port: int, log: Path, env: dict[str, str]) -> Process:

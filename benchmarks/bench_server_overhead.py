@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from kvreuse.bench.compare import wait_healthy
+
 TTFT_SUM = "kvreuse:time_to_first_token_seconds_sum"
 TTFT_COUNT = "kvreuse:time_to_first_token_seconds_count"
 WORDS = ("book order shipping return gift card customer delivery address parcel refund invoice payment "
@@ -82,19 +84,12 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url, command
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit(f"the server did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
+    try:
+        wait_healthy(base_url, process, 600, lambda: log_path.read_text()[-3000:])
+    except RuntimeError as error:
+        process.kill()
+        raise SystemExit(str(error)) from None
+    return process, base_url, command
 
 
 def scrape_ttft(client: httpx.Client) -> tuple[float, float]:

@@ -7,11 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from kvreuse.bench.compare import wait_healthy
 
 # For helpers that poll a server in a loop: every new httpx client (httpx.get makes one per call) builds an
 # SSL context, ~40 ms of CPU, which a loop polling every 50 ms turns into a busy core.
@@ -45,20 +46,12 @@ def start_server(model_dir: Path, log_path: Path, *extra_args: str, port: int | 
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 120
-    with httpx.Client(timeout=2) as client:  # one client: a new one per poll costs ~40 ms of CPU (SSL context)
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                if client.get(f"{server.base_url}/health").status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"the server did not become healthy:\n{server.log_tail()}")
-            time.sleep(0.1)
+    try:
+        wait_healthy(server.base_url, process, 120, server.log_tail, interval_s=0.1)
+    except RuntimeError:
+        process.kill()
+        raise
+    return server
 
 
 def stop_server(server: RunningServer) -> None:

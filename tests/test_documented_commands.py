@@ -56,6 +56,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from kvreuse.bench.compare import wait_healthy as poll_health
+
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CI_SCRIPT = REPO / ".ci" / "run"
@@ -607,21 +609,10 @@ class Processes:
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log: Path, what: str) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    with httpx.Client(timeout=2) as client:  # one client: a new one per poll costs ~40 ms of CPU (SSL context)
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"{what} exited with status {process.returncode} before answering "
-                                     f"/health:\n{log_tail(log)}")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: {url}/health did not answer 200 within {HEALTH_TIMEOUT_S} s:\n"
-                                     f"{log_tail(log)}")
-            time.sleep(0.2)
+    try:
+        poll_health(url, process, HEALTH_TIMEOUT_S, lambda: log_tail(log))
+    except RuntimeError as error:
+        raise AssertionError(f"{what} ({url}): {error}") from None
 
 
 def openai_chat(base_url: str, api_key: str | None, model: str | None = None) -> tuple[str, object]:

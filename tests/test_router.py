@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvreuse.bench.compare import wait_healthy
 from server_process import MODEL_NAME, POLL, RunningServer, free_port, start_server, stop_server
 
 SERVER_ARGS = ("--kv-cache-memory", "16MiB")
@@ -43,18 +44,12 @@ def start_router(backends: list[str], tokenizer: Path, log_path: Path, *extra: s
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    with httpx.Client(timeout=2) as client:  # one client: a new one per poll costs ~40 ms of CPU (SSL context)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return url, process
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"the router did not start:\n{log_path.read_text()}")
+    try:
+        wait_healthy(url, process, 60, log_path.read_text, interval_s=0.1)
+    except RuntimeError:
+        process.kill()
+        raise
+    return url, process
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,26 @@ def system_command(label: str, model_dir: str, port: int, dtype: str, device: st
     raise ValueError(f"systems must be among {list(SYSTEMS)}, got {label!r}")
 
 
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float,
+                 log_tail: Callable[[], str] = lambda: "", interval_s: float = 0.2) -> None:
+    """Poll ``base_url``/health until it answers 200; RuntimeError (with ``log_tail()``) if ``process`` exits
+    first or ``timeout_s`` passes. One client for every poll: each new httpx client builds an SSL context,
+    ~40 ms of CPU that would compete with the server's own start-up."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}:\n{log_tail()}")
+            try:
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{log_tail()}")
+            time.sleep(interval_s)
+
+
 class ServerProcess:
     """A server subprocess with its log file; stopped with SIGTERM (then SIGKILL) on exit."""
 
@@ -70,21 +90,7 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self.process is not None
-        deadline = time.monotonic() + timeout_s
-        # One client for all the polls: each new httpx client builds an SSL context (~40 ms of CPU), which
-        # would otherwise compete with the server's own start-up.
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {self.process.returncode}:\n{self.log_tail()}")
-                try:
-                    if client.get(f"{self.base_url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-                time.sleep(0.25)
+        wait_healthy(self.base_url, self.process, timeout_s, self.log_tail, interval_s=0.25)
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
