@@ -70,7 +70,7 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float,
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{log_tail()}")
+                raise RuntimeError(f"the server was not ready after {timeout_s:g} s:\n{log_tail()}")
             time.sleep(interval_s)
 
 
