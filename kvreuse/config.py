@@ -129,6 +129,7 @@ class EngineConfig:
     lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
     speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
+    enable_torch_compile: bool = False  # decode steps through torch.compile (runner/compiled_decode.py)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -268,7 +268,9 @@ class LLMEngine:
             device=self.device,
             feature_size=self.model_config.hidden_size if self.draft is not None else 0,
         )
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device,
+                                  compile_decode=config.enable_torch_compile,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
         # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
         self.kv_events = KVEventLog()
         self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching, self.kv_events)

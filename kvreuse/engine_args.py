@@ -55,6 +55,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--max-loras", type=int, default=4,
                         help="adapters resident (and in one batch) at once; the least recently used idle one is unloaded")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="run decode steps through torch.compile (as SGLang's flag): compiled at start-up, "
+                             "minutes the first time on a machine, seconds once inductor's disk cache has them")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                         help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
                              'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
@@ -147,4 +150,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         speculative_config=getattr(args, "speculative_config", None),
         kv_host_memory=getattr(args, "kv_host_memory", 0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
         kv_disk_size=getattr(args, "kv_disk_size", "20GiB"), kv_remote_url=getattr(args, "kv_remote_url", None),
+        enable_torch_compile=getattr(args, "enable_torch_compile", False),
     )

@@ -53,11 +53,14 @@ class LLM:
         kv_disk_dir: str | None = None,
         kv_disk_size: int | str = "20GiB",
         kv_remote_url: str | None = None,
+        enable_torch_compile: bool = False,
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
         KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
-        with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0")."""
+        with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0").
+        ``enable_torch_compile``: run decode steps through torch.compile (compiled when the engine
+        starts: minutes the first time on a machine, seconds once inductor's disk cache has them)."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -84,6 +87,7 @@ class LLM:
             lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
             max_model_len=max_model_len,
             speculative=SpeculativeConfig.from_value(speculative_config),
+            enable_torch_compile=enable_torch_compile,
         )
         self.engine = LLMEngine(config)
         # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer and inputs.

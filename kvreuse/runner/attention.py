@@ -227,7 +227,8 @@ class TorchPagedAttention(AttentionBackend):
             )
         if metadata.decodes is not None:
             group = metadata.decodes
-            decode_out = _decode_attention(q, key_cache, value_cache, group)
+            batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
+            decode_out = _decode_attention(batch_q, key_cache, value_cache, group)
             if group.rows_slice is not None:
                 out[group.rows_slice] = decode_out
             else:
@@ -271,14 +272,12 @@ def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 def _decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    """One query per sequence over padded contexts -> [B, H, D]."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    """The decode rows' queries q [B, H, D], one per sequence, over padded contexts -> [B, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
-    batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
-    num_seqs = batch_q.shape[0]
     # Heads sharing a KV head are consecutive, so with a single query they can be folded into the
     # query-length axis: [B, KV, heads_per_kv, D] against [B, KV, ctx, D], no K/V repetition.
-    grouped_q = batch_q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # index_select over flat slots is several times faster on CPU than advanced indexing [B, ctx].
     flat_slots = group.context_slots.view(-1)
     gathered_shape = (num_seqs, group.context_slots.shape[1], num_kv_heads, head_dim)

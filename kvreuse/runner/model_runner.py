@@ -19,6 +19,7 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.runner.attention import AttentionBackend
+from kvreuse.runner.compiled_decode import CompiledDecode
 from kvreuse.runner.forward_batch import ForwardBatch
 
 
@@ -36,6 +37,8 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device | str,
         attention_backend: AttentionBackend | None = None,
+        compile_decode: bool = False,
+        max_num_seqs: int = 64,
     ) -> None:
         # More KV layers than the model's: a draft model keeps its K/V in the extra ones.
         if kv_cache.num_layers < model_config.num_hidden_layers:
@@ -59,6 +62,11 @@ class ModelRunner:
         # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
         # Exact on CPU (synchronous); on CUDA it is launch time unless something synchronizes.
         self.last_forward_seconds = 0.0
+        # enable_torch_compile: pure decode steps run through torch.compile'd graphs, built here.
+        self.compiled_decode: CompiledDecode | None = None
+        if compile_decode:
+            self.compiled_decode = CompiledDecode(model, kv_cache, self.device)
+            self.compiled_decode.warm_up(kv_cache.block_size, max_num_seqs)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
@@ -87,8 +95,12 @@ class ModelRunner:
         aux: list[torch.Tensor] = []
         start = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora, aux_layers, aux)
-            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+            if self.compiled_decode is not None and self.compiled_decode.applies(batch, metadata, aux_layers):
+                hidden, logits = self.compiled_decode(batch, metadata)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora,
+                                    aux_layers, aux)
+                logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         self.last_forward_seconds = time.perf_counter() - start
         return StepOutput(logits, hidden, aux)
 
