@@ -12,11 +12,14 @@ these tiny models; inductor's disk cache makes later runs faster.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.models import kernels
 from kvreuse.models.kernels import ALWAYS, LinearKernel, LinearPlan
 from kvreuse.models.layers import Linear
@@ -102,3 +105,21 @@ def test_warm_up_covers_each_range_of_a_plan(tiny_models):
     assert compiled.batch_sizes(64) == [1, 2, 9, 41]
     assert compiled.batch_sizes(16) == [1, 2, 9]
     assert compiled.batch_sizes(1) == [1]
+
+
+def test_the_command_line_flag_compiles_only_what_max_num_seqs_allows(tiny_models):
+    """``--enable-torch-compile`` as every model-loading command parses it; with --max-num-seqs 1 the
+    one-sequence graph is the only one built, and it serves every decode step."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    folder = tiny_models["mistral"]
+    args = parser.parse_args(["--model", str(folder), "--enable-torch-compile", "--max-num-seqs", "1",
+                              "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8MiB"])
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm = llm_from_args(args)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    prompt = prompt_ids(7, 9)
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference_greedy(folder, prompt)
+    assert llm.engine.runner.compiled_decode.steps == GREEDY.max_tokens - 1
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1

@@ -53,6 +53,9 @@ class CompiledDecode:
         # On CPU the Python wrapper around the generated kernels costs what the compile saves; the C++
         # wrapper is the point. (On CUDA inductor's defaults apply: not measured here, see the note.)
         options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        if device.type != "cpu":
+            logger.warning("enable_torch_compile has only been tested and measured on CPU; on %s inductor's "
+                           "defaults apply (no CUDA graphs)", device)
         self._compiled = torch.compile(self._forward_and_logits, fullgraph=True, dynamic=None, options=options)
         self.steps = 0  # decode steps run compiled (tests and the benchmark read it)
 
