@@ -51,7 +51,7 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         # On CPU the Python wrapper around the generated kernels costs what the compile saves; the C++
-        # wrapper is the point. (On CUDA inductor's defaults apply: not measured here, see the note.)
+        # wrapper is the point. (On CUDA inductor's defaults apply, unmeasured: docs/architecture.md.)
         options = {"cpp_wrapper": True} if device.type == "cpu" else {}
         if device.type != "cpu":
             logger.warning("enable_torch_compile has only been tested and measured on CPU; on %s inductor's "
