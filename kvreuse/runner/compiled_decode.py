@@ -11,9 +11,9 @@ What is compiled, and why only that:
   features): their shapes are regular, so a handful of graphs serve every step. Prefill steps are
   GEMM-bound, their shapes vary with every prompt, and they stay eager.
 - Shapes: the number of sequences and the context length are dynamic (``maybe_mark_dynamic``), so
-  few graphs cover decoding: one sequence; then, for each range of batch sizes over which every
-  layer keeps its kernel (the plans of models/kernels.py switch kernel at some row counts), one
-  graph for contexts of equal length and one for unequal lengths (a padding mask). ``warm_up``
+  few graphs cover decoding: one for one sequence, and one for each range of batch sizes over which
+  every layer keeps its kernel (the plans of models/kernels.py switch kernel at some row counts);
+  several sequences always attend with a padding mask, all true when their contexts are equal. ``warm_up``
   compiles them all when the engine starts, on slots of a free block, so no request waits for the
   compiler. Inductor caches the generated code on disk; a later start on the same machine and torch
   takes seconds instead of minutes.
@@ -27,6 +27,7 @@ writes belongs to the same model and weights as eager KV, so cache keys do not c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -68,6 +69,14 @@ class CompiledDecode:
         """(final hidden states [B, hidden], float32 logits [B, vocab]) of a pure decode step."""
         group = metadata.decodes
         assert group is not None
+        num_seqs, max_context = group.context_slots.shape
+        if group.mask is None and num_seqs > 1:
+            # Equal context lengths need no mask, but an all-true one lets them share the unequal
+            # lengths' graph: one graph fewer to compile (a minute on 2 cores), for a mask of B x context
+            # booleans per step.
+            group = dataclasses.replace(group, mask=torch.ones(
+                (num_seqs, 1, 1, max_context), dtype=torch.bool, device=group.context_slots.device))
+            metadata = dataclasses.replace(metadata, decodes=group)
         # Declared dynamic up front, so the first step of each kind compiles the general graph rather
         # than one for its exact sizes followed by a recompile (a size of 1 stays specialised).
         for tensor in (batch.input_ids, batch.positions, batch.logits_indices, metadata.slot_mapping):
@@ -98,8 +107,8 @@ class CompiledDecode:
         return sorted(size for size in starts if size <= max_batch)
 
     def warm_up(self, block_size: int, max_batch: int) -> float:
-        """Compile the decode graphs for up to ``max_batch`` sequences now: for each of
-        ``batch_sizes``, contexts of equal length and of unequal length (a padding mask). The steps
+        """Compile the decode graphs for up to ``max_batch`` sequences now, one for each of
+        ``batch_sizes`` (several sequences always run with a padding mask). The steps
         write the first few slots of the pool only, zeroed again after: at engine start every block is free.
         Returns the seconds it took."""
         start = time.perf_counter()
@@ -112,8 +121,7 @@ class CompiledDecode:
         table = list(range(-(-long // block_size)))  # blocks 0.. in order, so slot == position
         if len(table) > self.kv_cache.num_blocks:
             raise ValueError(f"the compile warm-up needs {len(table)} KV blocks, the pool has {self.kv_cache.num_blocks}")
-        shapes = [[short]] + [lens for size in sizes if size > 1
-                              for lens in ([long] * size, [short, long] * (size // 2) + [long] * (size % 2))]
+        shapes = [[short]] + [[short, long] * (size // 2) + [long] * (size % 2) for size in sizes if size > 1]
         # Every shape is its own graph, and dynamo keeps the graphs of every engine in the process under
         # the one code object of _forward_and_logits: past its recompile limit (8 graphs) it would run
         # later steps eager. So each engine raises the limit by what it adds.
