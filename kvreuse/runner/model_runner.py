@@ -21,6 +21,7 @@ from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.runner.attention import AttentionBackend
 from kvreuse.runner.compiled_decode import CompiledDecode
 from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.runner.host_allocator import keep_activations_in_heap
 
 
 class StepOutput(NamedTuple):
@@ -56,8 +57,11 @@ class ModelRunner:
         self.device = torch.device(device)
         if attention_backend is not None:
             model.set_attention_backend(attention_backend)
+        # Whether this process's malloc now keeps large CPU activations in the heap (host_allocator.py).
+        self.activations_in_heap = False
         if self.device.type == "cpu":
             model.choose_cpu_kernels()
+            self.activations_in_heap = keep_activations_in_heap()
         self.attention_backend = model.attention_backend
         # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
         # Exact on CPU (synchronous); on CUDA it is launch time unless something synchronizes.
