@@ -6,6 +6,7 @@ CPU engines already. glibc's own statistics (``mallinfo2``) tell whether an allo
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from kvreuse.runner import host_allocator
 from test_engine import make_llm
 
 pytestmark = pytest.mark.skipif(
@@ -40,8 +42,6 @@ print(json.dumps({"applied": applied, "mmapped_mib": moved}))
 
 
 def probe(**env: str) -> dict:
-    import json
-
     result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
                             env={**os.environ, **env})
     assert result.returncode == 0, result.stderr
@@ -61,3 +61,9 @@ def test_large_activations_come_from_the_heap_once_applied():
 def test_a_cpu_engine_applies_it(tiny_models):
     llm = make_llm(tiny_models["llama"])
     assert llm.engine.runner.activations_in_heap is True
+
+
+def test_a_malformed_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(host_allocator.ENV, "off")
+    with pytest.raises(ValueError, match="KVREUSE_CPU_MALLOC must be 0 .* got 'off'"):
+        host_allocator.keep_activations_in_heap()

@@ -41,9 +41,12 @@ def keep_activations_in_heap() -> bool:
     """Raise glibc malloc's mmap and trim thresholds for this process (see the module docstring).
 
     Returns whether the settings were applied: False with ``KVREUSE_CPU_MALLOC=0``, off Linux/glibc, or
-    if glibc refused a value.
+    if glibc refused a value. Raises ValueError for any other value of the variable than 0 or 1.
     """
-    if os.environ.get(ENV, "1") == "0":
+    setting = os.environ.get(ENV, "1").strip()
+    if setting not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 (leave malloc alone) or 1 (the default), got {setting!r}")
+    if setting == "0":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
