@@ -51,14 +51,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvreuse.models import rowdot
+
 logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), or one kernel name for every layer
-KERNELS = ("plain", "packed", "transposed", "split_in", "split_out")  # preference order when times tie
+# Preference order when times tie.
+KERNELS = ("plain", "packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8")
 # The weight layout each kernel reads; kernels sharing one can share a plan without extra memory.
 LAYOUT = {"plain": "plain", "packed": "packed", "transposed": "transposed", "split_in": "transposed",
-          "split_out": "split_out"}
-PLAN_VERSION = 5  # bump when the measurement or the decision rule changes
+          "split_out": "split_out", "rowdot": "plain", "rowdot8": "plain"}
+ROWDOT_GROUP = {"rowdot": 1, "rowdot8": 8}  # weight rows per pass of models/rowdot.py's kernel
+# The row-dot kernels re-read each pass of weight rows from cache for every input row: a GEMV, not a
+# GEMM. They are probed up to this many rows and never chosen above.
+ROWDOT_MAX_ROWS = 64
+PLAN_VERSION = 6  # bump when the measurement or the decision rule changes
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 ALWAYS = sys.maxsize  # the upper end of a plan's last range of row counts
 # A two-kernel plan over two layouts keeps two copies of the weight; it is taken only when it beats the
@@ -189,7 +196,9 @@ def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int,
         return run_packed(x, layout, bias)
     if name == "plain":
         return F.linear(x, layout, bias)
-    if name == "transposed":
+    if name in ROWDOT_GROUP:
+        out = rowdot.rowdot(x, layout, ROWDOT_GROUP[name])
+    elif name == "transposed":
         out = torch.matmul(x, layout)
     elif name == "split_in":
         out = run_split_in(x, layout, parts)
@@ -202,7 +211,13 @@ def runnable_kernels(dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, .
     """The kernels that can run a ``dtype`` weight of this [out, in] shape here, in KERNELS' order."""
     splits = split_kernels_fit(shape, split_parts())
     return tuple(name for name in KERNELS if (name != "packed" or packing_available(dtype))
-                 and (not name.startswith("split") or name in splits))
+                 and (not name.startswith("split") or name in splits)
+                 and (name not in ROWDOT_GROUP or rowdot_runs(dtype)))
+
+
+def rowdot_runs(dtype: torch.dtype) -> bool:
+    """Whether the row-dot kernels run here: float32, and models/rowdot.py built (on first call)."""
+    return dtype == torch.float32 and rowdot.available()
 
 
 @dataclass(frozen=True)
@@ -314,13 +329,13 @@ def measure(out_features: int, in_features: int, dtype: torch.dtype, kernels: tu
             repeats = 7 if count <= COLD_ROWS else 2
             calls = {name: (lambda name=name, layout=layouts[LAYOUT[name]][:used]:
                             [run_kernel(name, x, w, parts) for w in layout])
-                     for name in kernels}
+                     for name in kernels if name not in ROWDOT_GROUP or count <= ROWDOT_MAX_ROWS}
             for call in calls.values():
                 call()  # warm-up: first-call allocation and oneDNN primitive creation
             # Kernels take turns, repeat by repeat, so a drift in the machine's memory bandwidth (other
             # tenants of the host) does not land on one kernel; the fastest repeat counts, because other
             # processes only ever add time (on a busy CPU even a median catches ~16 ms thread stalls).
-            best = {name: math.inf for name in kernels}
+            best = {name: math.inf for name in kernels}  # a kernel not probed at this size stays inf
             for _ in range(repeats):
                 for name, call in calls.items():
                     best[name] = min(best[name], _call_us(call) / used)
@@ -393,7 +408,9 @@ class PlanBook:
         times = self._stored_times(key)
         if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
-            return decide(times, max_layouts)
+            # A kernel measured once but not runnable now (the row-dot build failed here) drops out.
+            runnable = runnable_kernels(dtype, shape)
+            return decide({name: by_rows for name, by_rows in times.items() if name in runnable}, max_layouts)
         times = measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS)
         self.measured += 1
         self._plans[key] = {"times_us": times}

@@ -1,0 +1,92 @@
+"""The row-dot GEMV (csrc/rowdot.cpp): built for this CPU on first use, loaded as ``torch.ops.kvreuse_cpu``.
+
+One decode row through a linear layer reads the whole weight once; on CPU that is a race for memory
+bandwidth, which the BLAS paths behind ``F.linear`` lose by 20-60% for the row counts decoding uses
+(models/kernels.py). ``rowdot`` computes each output as the dot product of one weight row with the input
+row, over the weight's own [out, in] layout (no second copy), split over torch's threads.
+
+It is C++ built at run time with ``torch.utils.cpp_extension`` and ``-march=native``, so it needs a C++
+compiler (the one inductor uses for ``torch.compile`` on CPU). Where the build fails, ``available``
+says so once in the log and the kernel planner simply never picks it: nothing else depends on it.
+The build (about half a minute) lands in ``<cache dir>/kernels/<name>``, named by a digest of the
+source, the compiler flags, the torch version and the CPU's flags, so a cache dir shared between
+different CPUs never runs code compiled for another instruction set. Later starts load it in a second.
+
+It is registered as a real operator (``kvreuse_cpu::rowdot``) with a fake implementation, so
+``torch.compile`` traces it and inductor's C++ wrapper calls it directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "rowdot.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for is inline OpenMP code
+LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
+GROUPS = (1, 8)  # weight rows per pass the C++ kernel is instantiated for
+
+
+def build_name() -> str:
+    """The extension's name: a digest of what decides the binary (source, flags, torch, the CPU's flags)."""
+    from kvreuse.models.loader import cpu_flags  # lazy: the loader imports the model code
+
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+                 platform.machine().encode(), " ".join(sorted(cpu_flags() or ())).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"kvreuse_rowdot_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.kvreuse_cpu.rowdot`` is loaded, building it first if needed (once per process).
+
+    False on platforms other than Linux on x86-64 or aarch64, or where the build fails (no compiler,
+    no ninja): logged once, and the float32 kernels fall back to the library ones.
+    """
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        return False
+    if hasattr(torch.ops.kvreuse_cpu, "rowdot"):  # loaded by an earlier build in this process
+        return True
+    from torch.utils import cpp_extension
+
+    from kvreuse.models.make import cache_dir  # lazy: make.py pulls in the tokenizer trainer
+
+    name = build_name()
+    directory = cache_dir() / "kernels" / name
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            logger.info("building the row-dot GEMV for this CPU in %s (once per machine, ~30 s)", directory)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        logger.warning("the row-dot GEMV could not be built (%s); CPU linear layers use the library "
+                       "kernels only", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("kvreuse_cpu::rowdot")
+    def _(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def rowdot(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T -> [rows, out], float32 on CPU, ``group`` (1 or 8) weight rows
+    per pass. ``available()`` must have returned True."""
+    return torch.ops.kvreuse_cpu.rowdot(x, weight, group)
