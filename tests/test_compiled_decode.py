@@ -39,10 +39,12 @@ def compiled_and_eager(folder, monkeypatch, kernel: str) -> tuple[LLM, LLM]:
     return _engines[kernel]
 
 
-@pytest.mark.parametrize("kernel", ["split_in", "packed"])
+@pytest.mark.parametrize("kernel", ["split_in", "packed", "rowdot8"])
 def test_compiled_decode_matches_transformers_and_eager(tiny_models, monkeypatch, kernel):
     if kernel == "packed" and not kernels.packing_available(torch.float32):
         pytest.skip("no oneDNN on this build")
+    if kernel == "rowdot8" and not kernels.rowdot_runs(torch.float32):
+        pytest.skip("the row-dot kernel did not build here (no compiler)")
     folder = tiny_models["qwen2"]  # q/k/v bias: the compiled split_in adds it after the baddbmm
     compiled, eager = compiled_and_eager(folder, monkeypatch, kernel)
     runner = compiled.engine.runner

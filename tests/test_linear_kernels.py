@@ -62,11 +62,15 @@ def test_decide_takes_the_best_single_kernel_unless_a_split_clearly_pays():
                                   LinearPlan(((8, "packed"), (ALWAYS, "plain"))),
                                   LinearPlan(((3, "transposed"), (ALWAYS, "packed"))),
                                   LinearPlan(((1, "split_in"), (8, "packed"), (ALWAYS, "transposed"))),
-                                  LinearPlan(((2, "split_out"), (ALWAYS, "packed")))],
+                                  LinearPlan(((2, "split_out"), (ALWAYS, "packed"))),
+                                  LinearPlan.single("rowdot"), LinearPlan.single("rowdot8"),
+                                  LinearPlan(((1, "rowdot"), (4, "rowdot8"), (ALWAYS, "packed")))],
                          ids=lambda plan: plan.describe())
 def test_kernel_matches_f_linear_at_every_row_count(dtype, plan):
     if "packed" in plan.kernels and not kernels.packing_available(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    if plan.kernels & {"rowdot", "rowdot8"} and not kernels.rowdot_runs(dtype):
+        pytest.skip(f"the row-dot kernel runs float32 only, and needs a compiler ({dtype})")
     torch.manual_seed(0)
     weight = torch.randn(96, 80).to(dtype)
     bias = torch.randn(96).to(dtype)
@@ -100,8 +104,13 @@ def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_prob
     plan = book.plan_for(torch.float32, (512, 512))
     expected = {"plain", "transposed", *kernels.split_kernels_fit((512, 512), torch.get_num_threads())}
     expected |= {"packed"} if kernels.packing_available(torch.float32) else set()
+    expected |= {"rowdot", "rowdot8"} if kernels.rowdot_runs(torch.float32) else set()
     assert book.measured == 1 and set(plan.times_us) == expected
     assert all(set(times) == set(kernels.PROBE_ROWS) for times in plan.times_us.values())
+    # The row-dot kernels are GEMVs: probed up to ROWDOT_MAX_ROWS rows, never chosen above.
+    for name in expected & {"rowdot", "rowdot8"}:
+        assert plan.times_us[name][128] == float("inf") and plan.times_us[name][16] < float("inf")
+    assert all(kernel not in ("rowdot", "rowdot8") for limit, kernel in plan.segments if limit > 64)
     book.save()
     stored = json.loads(path.read_text())
     assert stored["version"] == kernels.PLAN_VERSION and len(stored["plans"]) == 1
@@ -161,17 +170,20 @@ def _generate(folder, monkeypatch, kernel: str):
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("kernel", ["packed", "transposed", "split_in", "split_out"])
+@pytest.mark.parametrize("kernel", ["packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_engine_on_other_kernels_matches_plain(tiny_models, tied_model, monkeypatch, tied, kernel):
     if kernel == "packed" and not kernels.packing_available(torch.float32):
         pytest.skip("no oneDNN on this build")
+    if kernel.startswith("rowdot") and not kernels.rowdot_runs(torch.float32):
+        pytest.skip("the row-dot kernel did not build here (no compiler)")
     folder = tied_model if tied else tiny_models["llama"]
     other_llm, other = _generate(folder, monkeypatch, kernel)
     model = other_llm.engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.kernel is not None and m.kernel.plan.kernels == {kernel} and m.weight is None
-                           for m in linears)
+    # The plain weight is released unless the kernel reads it (the row-dot kernels do, in place).
+    assert linears and all(m.kernel is not None and m.kernel.plan.kernels == {kernel}
+                           and (m.weight is None) == (kernels.LAYOUT[kernel] != "plain") for m in linears)
     assert (model.lm_head is None) == tied and (model._tied_head_kernel is not None) == tied
     plain_llm, plain = _generate(folder, monkeypatch, "plain")
     assert all(m.kernel is None for m in plain_llm.engine.model.modules() if isinstance(m, Linear))

@@ -146,7 +146,7 @@ class Linear(nn.Module):
         if plan.is_plain:
             return False
         self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)
-        if "plain" not in plan.kernels:
+        if "plain" not in plan.layouts:  # the row-dot kernels read the plain layout too
             self.weight = None  # type: ignore[assignment]
         return True
 

@@ -213,7 +213,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
                 changed += 1
                 extra += self._tied_head_kernel.layout_bytes - (
-                    self._tied_head_kernel.weight_bytes if "plain" in plan.kernels else 0)
+                    self._tied_head_kernel.weight_bytes if "plain" in plan.layouts else 0)
         book.save()
         self.cpu_kernel_extra_bytes = extra
         logger.info("CPU linear kernels: %d matrices off plain F.linear, %.0f MiB in second weight layouts",
