@@ -4,7 +4,8 @@ A decode step of one stream on CPU spends ~10% of its time between the GEMVs: ~3
 step (norms, rotary, KV writes, the gather, residual adds), each paying PyTorch eager's per-op cost.
 Compiling the step fuses the pointwise work and, with inductor's ``cpp_wrapper``, calls what is left
 (the GEMMs, the gather, SDPA) from generated C++ instead of Python. That is where the compiled step
-gains (docs/benchmarks.md has the figures); the GEMMs themselves are the same library calls.
+gains (docs/benchmarks.md has the figures); the GEMMs themselves are the same calls as eager's
+(library kernels, or the row-dot GEMV, which is a C++ operator inductor calls directly).
 
 What is compiled, and why only that:
 - Only pure decode steps (every token is one sequence's next token, no LoRA, no speculative
