@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from kvreuse.models import loader, rowdot
+from kvreuse.models import kernels, loader, rowdot
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                     reason="no C++ compiler to build the row-dot kernel")
@@ -98,3 +98,31 @@ def test_without_a_compiler_the_library_kernels_remain(tmp_path):
     assert "fallback ok" in result.stdout
     assert "the row-dot GEMV could not be built" in result.stderr
     assert not list((tmp_path / "kernels").glob("*/*.so"))
+
+
+def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@needs_compiler
+def test_a_built_kernel_loads_without_the_compiler(built):
+    """Once built in a cache dir, a later process loads the library directly: even with a failing
+    compiler it runs (the build's name already digests source, flags, torch and CPU)."""
+    script = ("import torch\nfrom kvreuse.models import rowdot\nassert rowdot.available()\n"
+              "x, w = torch.randn(2, 40), torch.randn(24, 40)\n"
+              "torch.testing.assert_close(rowdot.rowdot(x, w, 8), x @ w.t(), rtol=1e-5, atol=1e-5)\n")
+    _run(script, {"CXX": "/bin/false"})  # the suite's KVREUSE_CACHE_DIR holds the build of `built`
+
+
+def test_an_engine_forced_onto_a_library_kernel_never_builds(tmp_path):
+    """KVREUSE_LINEAR_KERNEL=<a library kernel> (as the suite's engines run) asks only about that kernel:
+    no build is tried, so no compiler time at start-up."""
+    script = ("import torch\nfrom kvreuse.models import kernels\n"
+              "plan = kernels.PlanBook().plan_for(torch.float32, (512, 512))\n"
+              "assert plan == kernels.LinearPlan.single('transposed'), plan\n")
+    result = _run(script, {"CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(tmp_path),
+                           kernels.KERNEL_ENV: "transposed"})
+    assert "row-dot" not in result.stderr and not (tmp_path / "kernels").exists()

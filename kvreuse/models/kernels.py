@@ -211,12 +211,21 @@ def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int,
     return out if bias is None else out.add_(bias)
 
 
+def kernel_runs(name: str, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Whether kernel ``name`` can run a ``dtype`` weight of this [out, in] shape here. Asked per kernel,
+    so an engine forced onto one kernel never builds the row-dot extension."""
+    if name == "packed":
+        return packing_available(dtype)
+    if name.startswith("split"):
+        return name in split_kernels_fit(shape, split_parts())
+    if name in ROWDOT_GROUP:
+        return rowdot_runs(dtype)
+    return True
+
+
 def runnable_kernels(dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, ...]:
     """The kernels that can run a ``dtype`` weight of this [out, in] shape here, in KERNELS' order."""
-    splits = split_kernels_fit(shape, split_parts())
-    return tuple(name for name in KERNELS if (name != "packed" or packing_available(dtype))
-                 and (not name.startswith("split") or name in splits)
-                 and (name not in ROWDOT_GROUP or rowdot_runs(dtype)))
+    return tuple(name for name in KERNELS if kernel_runs(name, dtype, shape))
 
 
 def rowdot_runs(dtype: torch.dtype) -> bool:
@@ -405,7 +414,7 @@ class PlanBook:
             raise ValueError(f"{KERNEL_ENV} must be auto, {', '.join(KERNELS)}, got {forced!r}")
         if forced != "auto":
             # A kernel this CPU or shape cannot run falls back to plain F.linear.
-            return LinearPlan.single(forced if forced in runnable_kernels(dtype, shape) else "plain")
+            return LinearPlan.single(forced if kernel_runs(forced, dtype, shape) else "plain")
         if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
         key = self._key(dtype, shape)
@@ -413,8 +422,8 @@ class PlanBook:
         if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
             # A kernel measured once but not runnable now (the row-dot build failed here) drops out.
-            runnable = runnable_kernels(dtype, shape)
-            return decide({name: by_rows for name, by_rows in times.items() if name in runnable}, max_layouts)
+            return decide({name: by_rows for name, by_rows in times.items() if kernel_runs(name, dtype, shape)},
+                          max_layouts)
         times = measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS)
         self.measured += 1
         self._plans[key] = {"times_us": times}
