@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +19,11 @@ needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) i
 
 
 @pytest.fixture(scope="module")
-def built():
-    assert rowdot.available(), "the row-dot kernel did not build (see the log)"
+def built() -> Path:
+    """The library this process loaded (built in whichever cache dir the first caller had set)."""
+    library = rowdot.library()
+    assert library is not None and library.is_file(), "the row-dot kernel did not build (see the log)"
+    return library
 
 
 @needs_compiler
@@ -114,7 +118,7 @@ def test_a_built_kernel_loads_without_the_compiler(built):
     script = ("import torch\nfrom kvreuse.models import rowdot\nassert rowdot.available()\n"
               "x, w = torch.randn(2, 40), torch.randn(24, 40)\n"
               "torch.testing.assert_close(rowdot.rowdot(x, w, 8), x @ w.t(), rtol=1e-5, atol=1e-5)\n")
-    _run(script, {"CXX": "/bin/false"})  # the suite's KVREUSE_CACHE_DIR holds the build of `built`
+    _run(script, {"CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(built.parents[2])})  # <cache>/kernels/<name>/
 
 
 def test_an_engine_forced_onto_a_library_kernel_never_builds(tmp_path):

@@ -49,17 +49,20 @@ def build_name() -> str:
     return f"kvreuse_rowdot_{digest.hexdigest()[:16]}"
 
 
-@functools.cache
 def available() -> bool:
-    """Whether ``torch.ops.kvreuse_cpu.rowdot`` is loaded, building it first if needed (once per process).
+    """Whether ``torch.ops.kvreuse_cpu.rowdot`` runs here, building it first if needed (once per process).
 
     False on platforms other than Linux on x86-64 or aarch64, or where the build fails (no compiler,
     no ninja): logged once, and the float32 kernels fall back to the library ones.
     """
+    return library() is not None
+
+
+@functools.cache
+def library() -> Path | None:
+    """The built library this process loaded (built now if the cache dir has none), or None."""
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
-        return False
-    if hasattr(torch.ops.kvreuse_cpu, "rowdot"):  # loaded by an earlier build in this process
-        return True
+        return None
     from torch.utils import cpp_extension
 
     from kvreuse.models.make import cache_dir  # lazy: make.py pulls in the tokenizer trainer
@@ -81,9 +84,9 @@ def available() -> bool:
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         logger.warning("the row-dot GEMV could not be built (%s); CPU linear layers use the library "
                        "kernels only", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
-        return False
+        return None
     _register_fake()
-    return True
+    return built
 
 
 def _register_fake() -> None:
