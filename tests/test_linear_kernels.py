@@ -70,7 +70,7 @@ def test_kernel_matches_f_linear_at_every_row_count(dtype, plan):
     if "packed" in plan.kernels and not kernels.packing_available(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     if plan.kernels & {"rowdot", "rowdot8"} and not kernels.rowdot_runs(dtype):
-        pytest.skip(f"the row-dot kernel runs float32 only, and needs a compiler ({dtype})")
+        pytest.skip(f"the row-dot kernel did not build here, or does not run {dtype}")
     torch.manual_seed(0)
     weight = torch.randn(96, 80).to(dtype)
     bias = torch.randn(96).to(dtype)

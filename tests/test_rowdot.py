@@ -27,31 +27,39 @@ def built() -> Path:
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", rowdot.DTYPES, ids=str)
 @pytest.mark.parametrize("group", rowdot.GROUPS)
 @pytest.mark.parametrize("shape", [(37, 83), (96, 80), (8, 16), (5, 7), (1030, 300)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_rowdot_matches_f_linear(built, group, shape):
-    """Shapes with and without a vector tail (83, 7 features), output rows that do not fill a pass of 8,
-    a single pass, and enough rows for both threads; 0 to 17 input rows."""
+def test_rowdot_matches_f_linear(built, dtype, group, shape):
+    """Shapes with and without a vector tail (83, 7 features; bf16 steps 32 at a time on AVX512-BF16),
+    output rows that do not fill a pass of 8, a single pass, and enough rows for both threads; 0 to 17
+    input rows."""
     torch.manual_seed(0)
-    weight = torch.randn(*shape)
+    weight = torch.randn(*shape).to(dtype)
+    # Against the exact product of the same (rounded) inputs: a float32 sum of up to 300 products of
+    # N(0, 1) values (outputs ~17) is off by ~1e-5 in another order; a bf16 output is that sum rounded
+    # once (half a step: 2**-9 relative). A dropped tail or a wrong row would be off by ~1.
+    rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2**-8, 1e-3)
 
     def check(x: torch.Tensor) -> None:
-        # Against float64: another summation order of float32 sums of up to 300 products of N(0, 1)
-        # values (outputs ~17) is off by ~1e-5; a dropped tail or a wrong row would be off by ~1.
-        expected = F.linear(x.double(), weight.double()).float()
-        torch.testing.assert_close(rowdot.rowdot(x, weight, group), expected, rtol=1e-5, atol=1e-4)
+        got = rowdot.rowdot(x, weight, group)
+        assert got.dtype == dtype and got.shape == (x.shape[0], shape[0])
+        expected = F.linear(x.double(), weight.double())
+        torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
 
     for rows in (0, 1, 2, 5, 17):
-        check(torch.randn(rows, shape[1]))
-    check(torch.randn(shape[1], 3).t())  # a non-contiguous input (a transposed view)
+        check(torch.randn(rows, shape[1]).to(dtype))
+    check(torch.randn(shape[1], 3).to(dtype).t())  # a non-contiguous input (a transposed view)
 
 
 @needs_compiler
 def test_rowdot_refuses_bad_input(built):
     weight = torch.randn(16, 32)
-    with pytest.raises(RuntimeError, match="must be float32, got BFloat16"):
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16, got BFloat16 and Float"):
         rowdot.rowdot(torch.randn(1, 32, dtype=torch.bfloat16), weight, 1)
+    with pytest.raises(RuntimeError, match="got Half and Half"):
+        rowdot.rowdot(torch.randn(1, 32, dtype=torch.float16), weight.half(), 1)
     with pytest.raises(RuntimeError, match="x has 31 features, weight expects 32"):
         rowdot.rowdot(torch.randn(1, 31), weight, 1)
     with pytest.raises(RuntimeError, match="group must be 1 or 8, got 3"):

@@ -13,7 +13,7 @@ of speculative rows. Other layouts of the same weight do better there:
   input dimension of the transposed copy (a free view; the partial products are summed), ``split_out``
   cuts the output columns into blocks stored [parts, in, out/parts];
 - ``rowdot`` and ``rowdot8``: models/rowdot.py's C++ GEMV over the plain layout (no copy), one or
-  eight weight rows per pass, for one to a few rows. On a 2-core AVX-512 EPYC one decode row streams
+  eight weight rows per pass, for one to a few rows (float32 and bfloat16). On a 2-core AVX-512 EPYC one decode row streams
   the 896x4864 down projection at ~35 GB/s there, against 22-25 for the best library kernel. Built
   for the CPU on first use; where no compiler builds it, the planner never offers it.
 
@@ -229,8 +229,9 @@ def runnable_kernels(dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, .
 
 
 def rowdot_runs(dtype: torch.dtype) -> bool:
-    """Whether the row-dot kernels run here: float32, and models/rowdot.py built (on first call)."""
-    return dtype == torch.float32 and rowdot.available()
+    """Whether the row-dot kernels run here: float32 or bfloat16, and models/rowdot.py built (on first
+    call)."""
+    return dtype in rowdot.DTYPES and rowdot.available()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 One decode row through a linear layer reads the whole weight once; on CPU that is a race for memory
 bandwidth, which the BLAS paths behind ``F.linear`` lose by 20-60% for the row counts decoding uses
 (models/kernels.py). ``rowdot`` computes each output as the dot product of one weight row with the input
-row, over the weight's own [out, in] layout (no second copy), split over torch's threads.
+row, over the weight's own [out, in] layout (no second copy), split over torch's threads; float32, or
+bfloat16 accumulated in float32 (AVX512-BF16's dot instruction where the CPU has it).
 
 It is C++ built at run time with ``torch.utils.cpp_extension`` and ``-march=native``, so it needs a C++
 compiler (the one inductor uses for ``torch.compile`` on CPU). Where the build fails, ``available``
@@ -35,6 +36,7 @@ SOURCE = Path(__file__).with_name("csrc") / "rowdot.cpp"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for is inline OpenMP code
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 GROUPS = (1, 8)  # weight rows per pass the C++ kernel is instantiated for
+DTYPES = (torch.float32, torch.bfloat16)  # bf16: float32 accumulation, the output rounded once
 
 
 def build_name() -> str:
@@ -53,7 +55,7 @@ def available() -> bool:
     """Whether ``torch.ops.kvreuse_cpu.rowdot`` runs here, building it first if needed (once per process).
 
     False on platforms other than Linux on x86-64 or aarch64, or where the build fails (no compiler,
-    no ninja): logged once, and the float32 kernels fall back to the library ones.
+    no ninja): logged once, and the linear layers fall back to the library kernels.
     """
     return library() is not None
 
@@ -96,6 +98,6 @@ def _register_fake() -> None:
 
 
 def rowdot(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
-    """x [rows, in] @ weight[out, in]^T -> [rows, out], float32 on CPU, ``group`` (1 or 8) weight rows
+    """x [rows, in] @ weight[out, in]^T -> [rows, out], float32 or bfloat16 on CPU, ``group`` (1 or 8) weight rows
     per pass. ``available()`` must have returned True."""
     return torch.ops.kvreuse_cpu.rowdot(x, weight, group)
