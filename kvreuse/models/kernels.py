@@ -13,9 +13,9 @@ of speculative rows. Other layouts of the same weight do better there:
   input dimension of the transposed copy (a free view; the partial products are summed), ``split_out``
   cuts the output columns into blocks stored [parts, in, out/parts];
 - ``rowdot`` and ``rowdot8``: models/rowdot.py's C++ GEMV over the plain layout (no copy), one or
-  eight weight rows per pass, for one to a few rows (float32 and bfloat16). On a 2-core AVX-512 EPYC one decode row streams
-  the 896x4864 down projection at ~35 GB/s there, against 22-25 for the best library kernel. Built
-  for the CPU on first use; where no compiler builds it, the planner never offers it.
+  eight weight rows per pass, for one to a few rows (float32 and bfloat16). On a 2-core AVX-512 EPYC
+  one decode row streams the 896x4864 down projection at ~35 GB/s, against 22-25 for the best library
+  kernel. Built for the CPU on first use; where no compiler builds it, the planner never offers it.
 
 Which wins, and where, depends on the CPU, the thread count, the dtype and the weight's shape (on a
 2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 15 GB/s on F.linear, 23 packed

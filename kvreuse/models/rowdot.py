@@ -84,8 +84,9 @@ def library() -> Path | None:
                                extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                                is_python_module=False, verbose=False)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        logger.warning("the row-dot GEMV could not be built (%s); CPU linear layers use the library "
-                       "kernels only", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]  # the compiler's last line
+        logger.warning("the row-dot GEMV could not be built or loaded (%s); CPU linear layers use the "
+                       "library kernels only", reason)
         return None
     _register_fake()
     return built
@@ -98,6 +99,6 @@ def _register_fake() -> None:
 
 
 def rowdot(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
-    """x [rows, in] @ weight[out, in]^T -> [rows, out], float32 or bfloat16 on CPU, ``group`` (1 or 8) weight rows
-    per pass. ``available()`` must have returned True."""
+    """x [rows, in] @ weight[out, in]^T -> [rows, out], float32 or bfloat16 on CPU, ``group`` (1 or 8)
+    weight rows per pass. ``available()`` must have returned True."""
     return torch.ops.kvreuse_cpu.rowdot(x, weight, group)
