@@ -12,19 +12,22 @@ own processor and tokenizer object.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from kvreuse.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from kvreuse.messages import CHAT_ROLES, validate_messages
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer
 
-# The roles OpenAI's chat API accepts ("developer" is its newer name for "system").
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+__all__ = [
+    "CHAT_ROLES", "InputProcessor", "PromptInput", "TokenizedPrompt", "common_prefix_length",
+    "validate_messages", "validate_prompt_tokens",
+]
 
 # A prompt as the engine and LLM.generate take it: text, token ids, or {"prompt_token_ids": [...]}
 # (optionally with "prompt", its text) / {"prompt": "..."}.
@@ -54,54 +57,6 @@ def common_prefix_length(first: Sequence[Any], second: Sequence[Any]) -> int:
             break
         length += 1
     return length
-
-
-def validate_messages(messages: Any, *, param: str = "messages") -> list[dict[str, Any]]:
-    """Check a conversation and flatten OpenAI-style text parts into plain strings.
-
-    Text parts are joined with "\\n"; any other part type (image, audio, ...) is refused, naming the
-    message and part, since the engine only handles text. Roles must be one of `CHAT_ROLES`.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise InvalidRequestError(f"{param} must be a list of message objects, got {type(messages).__name__}", param)
-    if not messages:
-        raise InvalidRequestError(f"{param} must contain at least 1 message, got 0", param)
-    flattened: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        where = f"{param}[{index}]"
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"{where} must be an object with 'role' and 'content', "
-                                      f"got {type(message).__name__}", where)
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                                      f"{where}.role")
-        flattened.append({**message, "content": _content_text(message.get("content"), f"{where}.content")})
-    return flattened
-
-
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, Sequence):
-        raise InvalidRequestError(f"{where} must be a string, a list of text parts or null, "
-                                  f"got {type(content).__name__}", where)
-    texts: list[str] = []
-    for part_index, part in enumerate(content):
-        part_where = f"{where}[{part_index}]"
-        if not isinstance(part, Mapping):
-            raise InvalidRequestError(f"{part_where} must be an object, got {type(part).__name__}", part_where)
-        if part.get("type") != "text":
-            raise InvalidRequestError(f"{part_where} has type {part.get('type')!r}; only 'text' content parts "
-                                      "are supported", part_where)
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"{part_where}.text must be a string, got {type(text).__name__}",
-                                      f"{part_where}.text")
-        texts.append(text)
-    return "\n".join(texts)
 
 
 def validate_prompt_tokens(token_ids: Sequence[int], max_model_len: int | None, vocab_size: int | None,

@@ -2,8 +2,8 @@
 
 ``Tokenizer`` wraps ``transformers.AutoTokenizer`` for a local model folder and adds what the engine
 needs on top: the full set of end-of-sequence ids, the chat template over checked messages (OpenAI
-style text parts are flattened by kvreuse.inputs), and decoding that tolerates ids the tokenizer does not know
-(random models may have a config vocab larger than the tokenizer's).
+style text parts are flattened by kvreuse.messages), and decoding that tolerates ids the tokenizer
+does not know (random models may have a config vocab larger than the tokenizer's).
 
 ``IncrementalDetokenizer`` turns a stream of token ids into text deltas. With byte-level BPE one
 character can span several tokens, so text is held back while it ends in an incomplete character.
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import InvalidRequestError
+from kvreuse.messages import validate_messages
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -102,10 +103,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
-        """Render ``messages`` (checked and flattened by kvreuse.inputs.validate_messages) with the model's
+        """Render ``messages`` (checked and flattened by kvreuse.messages.validate_messages) with the model's
         chat template; extra kwargs go to the template."""
-        from kvreuse.inputs import validate_messages
-
         return self.render_chat(validate_messages(messages), add_generation_prompt, **template_kwargs)
 
     def render_chat(self, flattened: list[dict[str, Any]], add_generation_prompt: bool = True,
