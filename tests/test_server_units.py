@@ -196,7 +196,7 @@ def test_isolation_needs_keys_and_key_files_load(tmp_path):
 def fake_state(num_waiting: int, max_waiting: int):
     from types import SimpleNamespace
 
-    from kvreuse.server.app import ServerConfig, ServerState
+    from kvreuse.server.state import ServerConfig, ServerState
 
     llm_engine = SimpleNamespace(tokenizer=None, max_model_len=64, model_config=SimpleNamespace(vocab_size=100))
     engine = SimpleNamespace(engine=llm_engine, tokenizer=None, model_name="m", is_running=True, num_pending_commands=0,

@@ -27,7 +27,7 @@ from kvreuse.sampling import MAX_STOP_STRINGS, SamplingParams
 from kvreuse.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvreuse.server.app import ServerState
+    from kvreuse.server.state import ServerState
 
 MAX_BREAKPOINTS = 4
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}

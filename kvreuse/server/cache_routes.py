@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvreuse.engine import LLMEngine
-from kvreuse.server.app import ServerState
 from kvreuse.server.errors import APIError, bad_request
+from kvreuse.server.state import ServerState
 
 logger = logging.getLogger("kvreuse.server")
 

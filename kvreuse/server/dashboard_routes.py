@@ -28,7 +28,7 @@ from kvreuse.observatory.dashboard import (
 )
 from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.observatory.scope import ALL, Scope
-from kvreuse.server.app import ServerState
+from kvreuse.server.state import ServerState
 
 TREE_TOP = 8  # largest subtrees shown
 DRIFT_TOP = 10  # drift groups shown

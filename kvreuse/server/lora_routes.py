@@ -17,9 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvreuse.lora.request import LoRARequest
-from kvreuse.server.app import ServedAdapter, ServerState
 from kvreuse.server.errors import APIError, bad_request
 from kvreuse.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
+from kvreuse.server.state import ServedAdapter, ServerState
 
 logger = logging.getLogger("kvreuse.server")
 

@@ -27,13 +27,13 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.server.app import ServedAdapter, ServerState
 from kvreuse.server.async_engine import EngineError
 from kvreuse.server.errors import bad_request, internal_error
 from kvreuse.server.protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
     completion_logprobs, dumps, parse_request, sse_event, sum_cached_by_tier, usage,
 )
+from kvreuse.server.state import ServedAdapter, ServerState
 from kvreuse.system_prompt import system_prompt_pin
 
 logger = logging.getLogger("kvreuse.server")

@@ -28,7 +28,7 @@ from kvreuse.lora.request import LoRARequest
 if TYPE_CHECKING:
     from kvreuse.config import CacheConfig
     from kvreuse.engine import LLMEngine
-    from kvreuse.server.app import ServerState
+    from kvreuse.server.state import ServerState
 
 logger = logging.getLogger("kvreuse.server")
 
@@ -74,9 +74,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit status."""
     from kvreuse.engine_args import llm_from_args
-    from kvreuse.server.app import ServedAdapter, ServerConfig, ServerState, build_app
+    from kvreuse.server.app import build_app
     from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
+    from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     admin_keys = load_api_keys(args.admin_key, args.admin_keys_file, what="admin_key")
