@@ -119,7 +119,7 @@ def main() -> int:
         return statistics.median(times)
 
     ttft = {"base": warm_ttft(None), "adapter": warm_ttft(loras[1])}
-    from kvreuse.models.loader import cpu_bfloat16_support
+    from kvreuse.models.cpu import cpu_bfloat16_support
 
     print(f"{machine_description()}; {cpu_bfloat16_support()[1]}")
     print(f"model {model} ({args.dtype}), rank {args.rank} on {len(MODULES)} modules x {config.num_hidden_layers} "

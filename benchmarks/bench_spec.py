@@ -59,9 +59,9 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, SamplingParams
-    from kvreuse.models.loader import cpu_bfloat16_support
+    from kvreuse.models.cpu import cpu_bfloat16_support
     from kvreuse.models.make import cache_dir, ensure_model
-    from kvreuse.spec.distill import distill_eagle_draft
+    from kvreuse.distill import distill_eagle_draft
 
     model = Path(args.model or ensure_model(args.preset, dtype="float32" if args.preset == "tiny" else "bfloat16"))
     draft = Path(args.draft) if args.draft else cache_dir() / "drafts" / f"{model.name}-eagle-distilled" \

@@ -26,7 +26,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.engine import LLMEngine, SpecDecodeStats
+from kvreuse.engine import LLMEngine
+from kvreuse.spec.stats import SpecDecodeStats
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.errors import InvalidRequestError
 from kvreuse.lora.request import LoRARequest

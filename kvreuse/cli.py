@@ -58,7 +58,7 @@ COMMANDS = (
             "add_run_arguments", "run_command"),
     Command("route", "prefix-aware router in front of several servers", "kvreuse.router.cli",
             "add_route_arguments", "run_route"),
-    Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)", "kvreuse.spec.distill",
+    Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)", "kvreuse.distill",
             "add_distill_arguments", "run_distill"),
     Command("diagnose", "why a log of prompts would miss the prefix cache: drift diagnostics, offline",
             "kvreuse.observatory.diagnose", "add_diagnose_arguments", "run_diagnose"),

@@ -3,10 +3,24 @@ with a message naming the field and the limit."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from kvreuse.spec.config import SpeculativeConfig
+# Where kvreuse keeps what it makes once per machine: model folders, kernel timings, built kernels.
+CACHE_DIR_ENV = "KVREUSE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Root of kvreuse's on-disk cache: ``$KVREUSE_CACHE_DIR`` or ``~/.cache/kvreuse``."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "kvreuse"
+
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -110,6 +124,59 @@ class LoRAConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+# --- speculative decoding: vLLM's ``speculative_config`` dict, validated once at start-up ------------------
+# ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}`` with vLLM's names;
+# a bad value fails with the field named, before any weight is read.
+
+SPECULATIVE_METHODS = ("eagle", "eagle3")
+# Verification computes 1 + k target tokens per step; beyond this a draft that is ever wrong costs
+# more in rejected rows than it can save.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    model: str  # the draft's folder
+    num_speculative_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model must name the draft's folder")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, or the JSON text of ``--speculative-config``; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--speculative-config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
+        known = {"method", "model", "num_speculative_tokens"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        missing = sorted(name for name in known if name not in value)
+        if missing:
+            raise ValueError(f"speculative_config lacks {', '.join(missing)}")
+        return cls(method=value["method"], model=str(value["model"]),
+                   num_speculative_tokens=value["num_speculative_tokens"])
 
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvreuse.config import SCHEDULING_POLICIES, parse_memory_size
-from kvreuse.spec.config import SpeculativeConfig
+from kvreuse.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvreuse.llm import LLM

@@ -15,7 +15,7 @@ from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.spec.config import SpeculativeConfig
+from kvreuse.config import SpeculativeConfig
 from kvreuse.system_prompt import pin_prompt_now
 
 ChatMessage = dict[str, Any]

@@ -18,8 +18,9 @@ import torch
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.runner.attention import TorchPagedAttention
-from kvreuse.runner.forward_batch import BlockCopy, ForwardBatch
+from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.cache.blocks import BlockCopy
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4

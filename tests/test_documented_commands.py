@@ -474,7 +474,7 @@ class Workspace:
             for name in draft_folders(text):  # the EAGLE draft a --speculative-config names: a random one
                 target = path / name
                 if not target.exists():
-                    from kvreuse.spec.make_draft import make_random_draft
+                    from kvreuse.models.make_draft import make_random_draft
 
                     make_random_draft(self.model, target)
         return path

@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models import ModelConfig, load_model, resolve_dtype, resolve_model_path
-from kvreuse.models.loader import cpu_supports_bfloat16
-from kvreuse.runner.attention import TorchPagedAttention
-from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.models.cpu import cpu_supports_bfloat16
+from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -327,7 +327,7 @@ AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_does_it_natively():
-    from kvreuse.models.loader import cpu_bfloat16_support, cpu_flags
+    from kvreuse.models.cpu import cpu_bfloat16_support, cpu_flags
 
     # Plain AVX-512: oneDNN would emulate bf16 (its own probe says "supported"), so not native.
     flags = cpu_flags(AVX512_ONLY)
@@ -342,7 +342,8 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_does_it_natively():
 
 
 def test_auto_dtype_reason_names_the_deciding_fact():
-    from kvreuse.models.loader import cpu_supports_bfloat16, resolve_dtype_with_reason
+    from kvreuse.models.cpu import cpu_supports_bfloat16
+    from kvreuse.models.loader import resolve_dtype_with_reason
 
     dtype, reason = resolve_dtype_with_reason("auto", "cpu")
     assert dtype == (torch.bfloat16 if cpu_supports_bfloat16() else torch.float32)

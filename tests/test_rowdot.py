@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kvreuse.models import kernels, loader, rowdot
+from kvreuse.models import kernels, rowdot
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                     reason="no C++ compiler to build the row-dot kernel")
@@ -85,9 +85,9 @@ def test_rowdot_under_torch_compile(built):
 
 def test_build_name_follows_the_cpu(monkeypatch):
     """Code built with -march=native for one CPU must not load on another sharing the cache dir."""
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
+    monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
     avx2 = rowdot.build_name()
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "avx512f"}))
     assert rowdot.build_name() != avx2 and rowdot.build_name().startswith("kvreuse_rowdot_")
 
 

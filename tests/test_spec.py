@@ -20,8 +20,8 @@ from kvreuse.engine import LLMEngine
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.make import make_model
 from kvreuse.sampling import Sampler, SamplingState
-from kvreuse.spec.config import SpeculativeConfig
-from kvreuse.spec.make_draft import draft_config, make_random_draft, random_draft_tensors, write_draft
+from kvreuse.config import SpeculativeConfig
+from kvreuse.models.make_draft import draft_config, make_random_draft, random_draft_tensors, write_draft
 from kvreuse.spec.proposer import Proposal
 from kvreuse.spec.verify import VerifyItem, verify
 

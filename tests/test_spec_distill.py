@@ -1,4 +1,4 @@
-"""kvreuse.spec.distill: a distilled EAGLE draft is accepted far more often than a random one, never
+"""kvreuse.distill: a distilled EAGLE draft is accepted far more often than a random one, never
 changes greedy outputs, trains the function the engine runs, and ``kvreuse distill-eagle`` writes a
 folder the engine loads."""
 
@@ -18,9 +18,9 @@ from safetensors import safe_open
 from kvreuse.llm import LLM
 from kvreuse.models.loader import load_model
 from kvreuse.sampling import SamplingParams
-from kvreuse.spec.distill import _chained_forward, _TrainingAttention, corpus_prompts, target_features
+from kvreuse.distill import _chained_forward, _TrainingAttention, corpus_prompts, target_features
 from kvreuse.spec.eagle import load_eagle_draft
-from kvreuse.spec.make_draft import make_random_draft
+from kvreuse.models.make_draft import make_random_draft
 from kvreuse.tokenizer import Tokenizer
 
 # Small enough for ~15 s on two cores, big enough that the tiny target's draft clearly learns.
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_cache):
     from kvreuse.models.make import make_model
-    from kvreuse.spec.distill import distill_eagle_draft
+    from kvreuse.distill import distill_eagle_draft
 
     root = tmp_path_factory.mktemp("distill")
     target = make_model(root / "m", preset="tiny", dtype="float32")

@@ -32,7 +32,7 @@ from kvreuse.inputs import InputProcessor
 from kvreuse.router.app import RouterConfig, RouterState
 from kvreuse.router.policy import PolicyConfig, Router, prompt_block_keys
 from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
-from kvreuse.spec.make_draft import make_random_draft
+from kvreuse.models.make_draft import make_random_draft
 from kvreuse.tokenizer import Tokenizer
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 from test_spec import make_agreeing_pair

@@ -12,6 +12,20 @@ Plain Python, no torch: cheap to test exhaustively.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
+class BlockCopy(NamedTuple):
+    """Copy the KV of the first ``num_tokens`` slots of ``src_block`` into ``dst_block``.
+
+    This is how a prefix hit that ends inside a cached block is reused token by token: the shared
+    block cannot be written by the new request, so the matching tokens are copied into its own block.
+    """
+
+    src_block: int
+    dst_block: int
+    num_tokens: int
+
 
 class BlockPoolError(RuntimeError):
     """An internal bookkeeping error: a double free, a release of an unused block, etc."""

@@ -10,14 +10,22 @@ single indexing operation over all layers at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from kvreuse.runner.forward_batch import BlockCopy
+from kvreuse.cache.blocks import BlockCopy
 
-if TYPE_CHECKING:  # annotation only: the cache need not import the model package
-    from kvreuse.models.config import ModelConfig
+
+class KVShape(Protocol):
+    """What the cache needs to know of a model (``kvreuse.models.config.ModelConfig`` is one): the cache
+    sits below the model package and never imports it."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int: ...
 
 
 class KVCache:
@@ -63,7 +71,7 @@ class KVCache:
 
     @classmethod
     def for_model(
-        cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+        cls, model_config: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device | str,
     ) -> KVCache:
         """A cache shaped for ``model_config``."""
@@ -158,7 +166,7 @@ class KVCache:
 
     @staticmethod
     def num_blocks_for_memory(
-        memory_bytes: int, block_size: int, model_config: ModelConfig, dtype: torch.dtype,
+        memory_bytes: int, block_size: int, model_config: KVShape, dtype: torch.dtype,
         extra_bytes_per_token: int = 0,
     ) -> int:
         """How many blocks of ``block_size`` tokens fit in ``memory_bytes``; at least one or ValueError.

@@ -14,13 +14,30 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvreuse.cache.blocks import BlockPool
+from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import extend_block_keys
 from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.cache.tiers.store import BlockRef
-from kvreuse.request import Request
-from kvreuse.runner.forward_batch import BlockCopy
+
+
+class CacheSequence(Protocol):
+    """A sequence as the cache sees it (``kvreuse.request.Request`` is the one kind): its tokens, how far
+    its KV is computed, and the blocks it holds. A protocol, so the cache core stays below the request
+    and sampling code and imports no torch."""
+
+    request_id: str
+    namespace: bytes  # the cache namespace of its first block (tenant, adapter, model, draft)
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]  # block_ids[i] holds tokens [i * block_size, (i + 1) * block_size)
+    cached_nodes: list[CacheNode]  # the first len(cached_nodes) blocks, as entries of the prefix index
+    block_keys: list[bytes]  # chained keys of the full blocks
+    tier_checked_blocks: int  # blocks below this index were already looked up in the KV tiers
+    tier_tokens: dict[str, int]  # tokens loaded from each tier
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass
@@ -75,11 +92,11 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def update_block_keys(self, request: Request) -> None:
+    def update_block_keys(self, request: CacheSequence) -> None:
         if self.enable_prefix_caching:
             extend_block_keys(request.block_keys, request.namespace, request.all_token_ids, self.block_size)
 
-    def match(self, request: Request) -> PrefixMatch:
+    def match(self, request: CacheSequence) -> PrefixMatch:
         """Longest reusable prefix; never covers the last token (its logits are needed)."""
         if not self.enable_prefix_caching:
             return EMPTY_MATCH
@@ -89,7 +106,7 @@ class KVCacheManager:
             match = self._extend_from_tiers(request, match)
         return match
 
-    def _extend_from_tiers(self, request: Request, match: PrefixMatch) -> PrefixMatch:
+    def _extend_from_tiers(self, request: CacheSequence, match: PrefixMatch) -> PrefixMatch:
         """Load the blocks that follow the device match from the tiers (the longest contiguous run they
         hold, each record verified) into fresh device blocks, cached as idle; then match again."""
         assert self.tiers is not None
@@ -138,10 +155,10 @@ class KVCacheManager:
         blocks, self._new_blocks = self._new_blocks, []
         return blocks
 
-    def divergence(self, request: Request, match: PrefixMatch) -> Divergence:
+    def divergence(self, request: CacheSequence, match: PrefixMatch) -> Divergence:
         return self.index.divergence(request.namespace, request.all_token_ids, match)
 
-    def is_next_block_pending(self, request: Request, match: PrefixMatch) -> bool:
+    def is_next_block_pending(self, request: CacheSequence, match: PrefixMatch) -> bool:
         """Is the first block this request would compute already being computed by another one?"""
         next_block = match.num_blocks
         return next_block < len(request.block_keys) and request.block_keys[next_block] in self._pending
@@ -153,7 +170,7 @@ class KVCacheManager:
             self.index.evict(shortfall)
         return self.pool.num_free >= num_blocks
 
-    def admit(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> bool:
+    def admit(self, request: CacheSequence, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Give a waiting request its matched blocks plus room for ``num_new_tokens``.
 
         On failure nothing changes (apart from idle leaves evicted on the way) and False is returned.
@@ -189,7 +206,7 @@ class KVCacheManager:
             self._pending.update(keys)
         return True
 
-    def grow(self, request: Request, num_new_tokens: int) -> bool:
+    def grow(self, request: CacheSequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of a running request."""
         num_needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
         if num_needed <= 0:
@@ -213,7 +230,7 @@ class KVCacheManager:
         self._copy_sources.clear()
 
     # --- caching ----------------------------------------------------------------------------------
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: CacheSequence) -> None:
         """Insert every full block whose KV is now computed (prompt and generated tokens alike)."""
         if not self.enable_prefix_caching:
             return
@@ -246,7 +263,7 @@ class KVCacheManager:
             del self._pending[key]
 
     # --- release ----------------------------------------------------------------------------------
-    def free(self, request: Request) -> None:
+    def free(self, request: CacheSequence) -> None:
         """Drop the request's hold on its blocks; cached ones stay in the index as idle."""
         for key in self._pending_of.pop(id(request), ()):
             self._drop_pending(key)
@@ -279,7 +296,7 @@ class KVCacheManager:
             cached_blocks=self.index.num_cached_blocks,
         )
 
-    def check_integrity(self, requests: Iterable[Request]) -> None:
+    def check_integrity(self, requests: Iterable[CacheSequence]) -> None:
         """Every block accounted for: ref counts equal the holders, nodes match block tables."""
         self.pool.check_integrity()
         self.index.check_integrity()

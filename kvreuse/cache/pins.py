@@ -174,3 +174,18 @@ class PinSpec:
     ttl: float | None = None
     adapter: str | None = None
     owner: str | None = None  # tenant id when tenants are isolated (pins are listed per tenant)
+
+    def check(self, num_prompt_tokens: int, block_size: int, enable_prefix_caching: bool) -> None:
+        """Refuse, naming the limit, a pin that could never be made for a prompt of ``num_prompt_tokens``
+        (checked before the request changes any state)."""
+        if not enable_prefix_caching:
+            raise ValueError("pinning a prefix needs prefix caching; it is disabled (enable_prefix_caching=False)")
+        if not 0 < self.num_tokens <= num_prompt_tokens:
+            raise ValueError(f"a pinned prefix must cover 1..{num_prompt_tokens} prompt tokens, got {self.num_tokens}")
+        if self.num_tokens < block_size:
+            raise ValueError(
+                f"the prefix to pin has {self.num_tokens} tokens, shorter than one KV block "
+                f"({block_size} tokens): too short to be worth caching"
+            )
+        if self.ttl is not None and self.ttl <= 0:
+            raise ValueError(f"a pin's ttl must be positive seconds, got {self.ttl}")

@@ -55,7 +55,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvreuse.config import cache_dir
 from kvreuse.models import rowdot
+from kvreuse.models.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -364,8 +366,6 @@ GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert"
 
 def gemm_cpu_flags() -> str:
     """Which of GEMM_CPU_FLAGS this CPU has, comma-separated ("" where /proc/cpuinfo cannot be read)."""
-    from kvreuse.models.loader import cpu_flags  # lazy: the loader imports the model, which imports this
-
     flags = cpu_flags() or frozenset()
     return ",".join(flag for flag in GEMM_CPU_FLAGS if flag in flags)
 
@@ -383,8 +383,6 @@ def _machine_key() -> str:
 
 
 def _plans_path() -> Path:
-    from kvreuse.models.make import cache_dir  # lazy: make.py pulls in the tokenizer trainer
-
     return cache_dir() / "linear-kernels.json"
 
 

@@ -11,18 +11,14 @@ twice and peak memory stays near the model size.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.models.config import Llama3RopeScaling
 from kvreuse.models.kernels import LinearKernel, PlanBook
-
-if TYPE_CHECKING:
-    from kvreuse.lora.batch import LoRABatch
-
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -128,7 +124,7 @@ class Linear(nn.Module):
         self.lora_layer: int | None = None
         self.lora_modules: tuple[str, ...] = ()
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
         if lora is not None:
             lora.apply(self, x, out)
@@ -165,7 +161,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], False, dtype, device)
         self.down_proj = Linear(intermediate_size, [hidden_size], False, dtype, device)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place: the [T, intermediate] activations are the largest tensors of a prefill, and

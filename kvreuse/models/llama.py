@@ -15,22 +15,20 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ProjectionDeltas
+from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from kvreuse.lora.batch import LoRABatch
-
 
 class LlamaFamilyAttention(nn.Module):
     def __init__(
@@ -60,7 +58,7 @@ class LlamaFamilyAttention(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
-        lora: LoRABatch | None = None,
+        lora: ProjectionDeltas | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -91,7 +89,7 @@ class LlamaFamilyDecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
-        lora: LoRABatch | None = None,
+        lora: ProjectionDeltas | None = None,
     ) -> torch.Tensor:
         # The residual stream is owned by the model forward, so it is updated in place.
         hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata, lora))
@@ -167,7 +165,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
-        lora: LoRABatch | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
+        lora: ProjectionDeltas | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
         ``lora`` adds each adapter's deltas to its own token rows. For each layer index in ``aux_layers``

@@ -10,7 +10,6 @@ benchmarks and tests need no weight files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvreuse.models.config import ModelConfig
+from kvreuse.models.cpu import cpu_bfloat16_support
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -27,42 +27,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-# CPU features that make bfloat16 matmuls native. Without them oneDNN still runs bf16 (its probe
-# ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` says True on plain AVX-512), but emulated: 2-4x
-# slower than float32. x86 names from /proc/cpuinfo "flags"; aarch64 names from its "Features".
-NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (or the given text); None where it cannot be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return None
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return None
-
-
-def cpu_bfloat16_support(flags: frozenset[str] | None = None) -> tuple[bool, str]:
-    """(whether this CPU does bfloat16 natively, the reason in words), from its feature flags."""
-    flags = cpu_flags() if flags is None else flags
-    if flags is None:
-        return False, "the CPU's features cannot be read (no /proc/cpuinfo), so bfloat16 may be emulated"
-    native = sorted(flags & NATIVE_BF16_CPU_FLAGS)
-    if native:
-        return True, f"the CPU has native bfloat16 ({', '.join(native)})"
-    return False, "the CPU has no native bfloat16 (no AVX512_BF16 or AMX): bf16 would be emulated, 2-4x slower"
-
-
-def cpu_supports_bfloat16() -> bool:
-    """True when this CPU does bfloat16 matmuls natively (AVX512-BF16, AMX, Arm BF16)."""
-    return cpu_bfloat16_support()[0]
 
 
 def resolve_dtype_with_reason(dtype: str | torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:
@@ -187,16 +151,3 @@ def load_model(
         model.load_weights(iterate_safetensors(files))
     model.eval()
     return model, config
-
-
-def tensors_digest(meta: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """Hex BLAKE2b over ``meta`` (JSON) and every tensor's name, dtype, shape and bytes, in name order:
-    the cache identity of a set of weights (a LoRA adapter, an EAGLE draft). Same bytes, same digest,
-    in any process; one changed element, another digest."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"\x00{name}\x00{tensor.dtype}\x00{tuple(tensor.shape)}\x00".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()

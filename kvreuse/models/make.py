@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvreuse.config import parse_memory_size
+from kvreuse.config import CACHE_DIR_ENV, cache_dir, parse_memory_size
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as BpeTokenizer
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 # recipe), so cached folders and tokenizers made by an older version are not reused.
 RECIPE_VERSION = 1
 
-CACHE_DIR_ENV = "KVREUSE_CACHE_DIR"
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 
 ENDOFTEXT = "<|endoftext|>"
@@ -152,14 +151,6 @@ class TensorSpec:
 
 # ----------------------------------------------------------------------------------------------
 # Cache locations
-
-
-def cache_dir() -> Path:
-    """Root of kvreuse's on-disk cache: ``$KVREUSE_CACHE_DIR`` or ``~/.cache/kvreuse``."""
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "kvreuse"
 
 
 def default_model_dir(preset: str, arch: str | None = None, dtype: str = "bfloat16") -> Path:
@@ -644,7 +635,7 @@ def run_make_model(args: argparse.Namespace) -> int:
           f"vocab={config['vocab_size']} dtype={args.dtype} "
           f"weights={', '.join(weight_files) if weight_files else 'none (use load_format=dummy)'}")
     if args.eagle_draft:
-        from kvreuse.spec.make_draft import make_random_draft
+        from kvreuse.models.make_draft import make_random_draft
 
         try:
             draft_path = make_random_draft(out_path, args.eagle_draft, method=args.eagle_method, seed=args.seed)

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from kvreuse.config import cache_dir
+from kvreuse.models.cpu import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "rowdot.cpp"
@@ -41,8 +44,6 @@ DTYPES = (torch.float32, torch.bfloat16)  # bf16: float32 accumulation, the outp
 
 def build_name() -> str:
     """The extension's name: a digest of what decides the binary (source, flags, torch, the CPU's flags)."""
-    from kvreuse.models.loader import cpu_flags  # lazy: the loader imports the model code
-
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  platform.machine().encode(), " ".join(sorted(cpu_flags() or ())).encode()):
@@ -66,8 +67,6 @@ def library() -> Path | None:
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
         return None
     from torch.utils import cpp_extension
-
-    from kvreuse.models.make import cache_dir  # lazy: make.py pulls in the tokenizer trainer
 
     name = build_name()
     directory = cache_dir() / "kernels" / name

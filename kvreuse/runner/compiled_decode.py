@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvreuse.runner.attention import TorchAttentionMetadata
-from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.attention.torch_paged import TorchAttentionMetadata
+from kvreuse.attention.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from kvreuse.cache.kv import KVCache

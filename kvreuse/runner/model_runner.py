@@ -18,9 +18,9 @@ import torch
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.runner.attention import AttentionBackend
+from kvreuse.attention.backend import AttentionBackend
 from kvreuse.runner.compiled_decode import CompiledDecode
-from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.host_allocator import keep_activations_in_heap
 
 

@@ -21,7 +21,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvreuse.engine import EngineStats, SpecDecodeStats
+from kvreuse.engine.stats import EngineStats
+from kvreuse.spec.stats import SpecDecodeStats
 
 PREFIX = "kvreuse:"
 FINISH_REASONS = ("stop", "length", "abort")

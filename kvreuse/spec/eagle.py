@@ -34,8 +34,10 @@ from kvreuse.models.config import ModelConfig
 from kvreuse.models.kernels import PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.loader import iterate_safetensors, safetensors_files, tensors_digest
-from kvreuse.runner.attention import AttentionBackend, TorchPagedAttention
+from kvreuse.models.digest import tensors_digest
+from kvreuse.models.loader import iterate_safetensors, safetensors_files
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.torch_paged import TorchPagedAttention
 
 EAGLE_ARCHITECTURES = {"eagle": "LlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}
 # Tensors some draft checkpoints carry that the draft does not use: the target's embedding (shared),

@@ -28,7 +28,7 @@ import torch
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.request import Request
-from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import StepOutput
 from kvreuse.sampling import Sampler
 from kvreuse.spec.eagle import EagleDraft

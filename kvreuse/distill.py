@@ -62,10 +62,10 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.models.loader import load_model
-from kvreuse.runner.attention import AttentionBackend
-from kvreuse.runner.forward_batch import ForwardBatch
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.spec.eagle import DraftSpec, EagleDraft
-from kvreuse.spec.make_draft import draft_config, random_draft_tensors, write_draft
+from kvreuse.models.make_draft import draft_config, random_draft_tensors, write_draft
 
 TRAIN_FRACTION = 0.9  # of the corpus's tokens; the rest gives held-out prompts
 DEFAULT_STEPS = 300

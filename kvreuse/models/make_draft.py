@@ -3,7 +3,7 @@
 A draft folder is what the EAGLE authors publish: ``config.json`` (the target's shapes with one layer;
 EAGLE-3 adds ``draft_vocab_size`` and the target layers it reads) and ``model.safetensors`` with the
 names ``kvreuse.spec.eagle`` loads. ``kvreuse make-model OUT --eagle-draft DRAFT_OUT`` calls this after
-making the target; ``kvreuse.spec.distill`` trains one that agrees with its target.
+making the target; ``kvreuse.distill`` trains one that agrees with its target.
 """
 
 from __future__ import annotations

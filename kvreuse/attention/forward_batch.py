@@ -1,31 +1,27 @@
 """ForwardBatch: everything the model runner needs for one engine step, passed explicitly.
 
-The scheduler decides *which* tokens of *which* requests run; the engine turns that decision into
-this flat description. Sequences are concatenated: sequence i owns tokens
+The scheduler decides *which* tokens of *which* requests run; the runner's input builder
+(``kvreuse.runner.input_batch``) turns that decision into this flat description, which the model and
+the attention backend read. Sequences are concatenated: sequence i owns tokens
 ``[query_start[i], query_start[i] + query_lens[i])`` of ``input_ids``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvreuse.lora.batch import LoRABatch
+from kvreuse.cache.blocks import BlockCopy
 
 
-class BlockCopy(NamedTuple):
-    """Copy the KV of the first ``num_tokens`` slots of ``src_block`` into ``dst_block``.
+class ProjectionDeltas(Protocol):
+    """What a step adds to its projections' outputs, row by row: ``kvreuse.lora.batch.LoRABatch`` (each
+    adapter's delta on its token rows). The model calls ``apply`` after every adaptable projection; it
+    knows nothing else of adapters, so the model code sits below the LoRA package."""
 
-    This is how a prefix hit that ends inside a cached block is reused token by token: the shared
-    block cannot be written by the new request, so the matching tokens are copied into its own block.
-    """
-
-    src_block: int
-    dst_block: int
-    num_tokens: int
+    def apply(self, linear: Any, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -38,7 +34,7 @@ class ForwardBatch:
     block_tables: list[list[int]]  # block ids per sequence, covering context_lens[i] tokens
     logits_indices: torch.Tensor  # [num_seqs] int64: row of the token whose logits are sampled
     block_copies: list[BlockCopy] = field(default_factory=list)  # done before the forward
-    lora: LoRABatch | None = None  # adapters of this step and their token rows (None: base model only)
+    lora: ProjectionDeltas | None = None  # adapters of this step and their token rows (None: base model only)
 
     @property
     def num_seqs(self) -> int:

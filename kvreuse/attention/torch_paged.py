@@ -1,52 +1,24 @@
-"""Attention backends: the protocol the model calls, and the pure-PyTorch paged reference.
+"""TorchPagedAttention: the pure-PyTorch paged attention every engine runs by default.
 
-A backend turns a ``ForwardBatch`` into per-step metadata once (``prepare``) and then serves every
-layer (``forward``): store the step's new K/V in their slots, then attend each sequence's queries
-over its context as found through its block table. Keeping the protocol this small lets a GPU kernel
-(FlashAttention / FlashInfer style) replace ``TorchPagedAttention`` without touching the model.
-
-``TorchPagedAttention`` runs the same code on CPU and CUDA and splits a step three ways, because the
-cheapest correct computation differs: a sequence with no cached context attends over its own new
-K/V with ``is_causal`` (no gather at all); decodes (one query each) are batched into one gather of
-padded slots and one masked SDPA call; a prefill chunk that continues cached context gathers its
-context and uses a causal mask shifted by ``context_len - query_len``. Index tensors and masks are
-built in ``prepare`` so the per-layer work is gathers and SDPA calls only.
+It runs the same code on CPU and CUDA and splits a step three ways, because the cheapest correct
+computation differs: a sequence with no cached context attends over its own new K/V with
+``is_causal`` (no gather at all); decodes (one query each) are batched into one gather of padded slots
+and one masked SDPA call; a prefill chunk that continues cached context gathers its context and uses
+a causal mask shifted by ``context_len - query_len``. Index tensors and masks are built in ``prepare``
+so the per-layer work is gathers and SDPA calls only.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
-from kvreuse.runner.forward_batch import ForwardBatch
-
-
-class AttentionBackend(ABC):
-    """What the model's attention layers call. ``prepare`` once per step, ``forward`` per layer."""
-
-    @abstractmethod
-    def prepare(self, batch: ForwardBatch, block_size: int) -> Any:
-        """Build the step's metadata (index tensors, masks) from the batch."""
-
-    @abstractmethod
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: Any,
-    ) -> torch.Tensor:
-        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> attention output [T, heads, head_dim].
-
-        Also writes k and v into ``kv_cache`` at the step's slots.
-        """
 
 
 @dataclass

@@ -1,0 +1,226 @@
+"""Building an engine's parts from its ``EngineConfig``, apart from the step that uses them.
+
+In order: the device and dtype (and why), the model and its tokenizer, the EAGLE draft (its K/V and
+input feature live in the target's blocks, so it sizes the pool too), the KV pool (blocks that fit
+``kv_cache_memory``; ``max_model_len`` checked against the model's context and the pool), the model
+runner, the cache manager with its KV event log, the tiers keyed to the model fingerprint, LoRA,
+the speculative step, the scheduler and the pin registry. Every refusal is a ``ValueError`` naming the
+setting and the limit, raised before the engine exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvreuse.cache.events import KVEventLog
+from kvreuse.cache.kv import KVCache
+from kvreuse.cache.manager import KVCacheManager
+from kvreuse.cache.pins import PinRegistry
+from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
+from kvreuse.cache.tiers.fingerprint import files_digest, model_fingerprint
+from kvreuse.cache.tiers.glue import TierGlue
+from kvreuse.cache.tiers.record import BlockLayout
+from kvreuse.cache.tiers.store import TieredStore
+from kvreuse.config import EngineConfig, cache_dir
+from kvreuse.lora.manager import LoRAManager
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyForCausalLM
+from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path, safetensors_files
+from kvreuse.runner.model_runner import ModelRunner
+from kvreuse.sampling import Sampler
+from kvreuse.scheduler import Scheduler
+from kvreuse.spec.decoding import SpeculativeDecoding
+from kvreuse.spec.eagle import EagleDraft, load_eagle_draft
+from kvreuse.spec.proposer import EagleProposer
+from kvreuse.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvreuse")
+
+
+@dataclass
+class EngineParts:
+    """Everything an ``LLMEngine`` steps with, built and checked."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str  # why this dtype ("as asked", or the hardware fact behind "auto")
+    model_name: str  # the served name: part of every cache namespace
+    model: LlamaFamilyForCausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    kv_cache: KVCache
+    runner: ModelRunner
+    kv_events: KVEventLog
+    kv: KVCacheManager
+    tier_store: TieredStore | None
+    tier_glue: TierGlue | None
+    lora: LoRAManager | None
+    draft: EagleDraft | None
+    spec: SpeculativeDecoding | None
+    sampler: Sampler
+    scheduler: Scheduler
+    pins: PinRegistry
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    dtype, dtype_reason = resolve_dtype_with_reason(config.dtype, device)
+    logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason)
+    model_path = resolve_model_path(config.model)
+    model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
+                                     seed=config.seed)
+    tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+
+    # Speculative decoding: the draft's K/V (one more layer) and its per-slot input feature live in the
+    # target's KV blocks, so every block costs a little more and holds both.
+    draft: EagleDraft | None = None
+    extra_bytes_per_token = 0
+    if config.speculative is not None:
+        draft = load_eagle_draft(config.speculative.model, config.speculative.method, model,
+                                 model_config.num_hidden_layers, dtype, device)
+        if device.type == "cpu":
+            draft.choose_cpu_kernels()
+        element = torch.empty((), dtype=dtype).element_size()
+        extra_bytes_per_token = (2 * model_config.kv_size + model_config.hidden_size) * element
+        logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step", config.speculative.method,
+                    config.speculative.model, draft.digest[:12], config.speculative.num_speculative_tokens)
+
+    num_blocks, max_model_len = size_kv_pool(config, model_config, dtype, extra_bytes_per_token)
+    kv_cache = KVCache(
+        num_layers=model_config.num_hidden_layers + (1 if draft is not None else 0),
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+        device=device,
+        feature_size=model_config.hidden_size if draft is not None else 0,
+    )
+    runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
+                         max_num_seqs=config.scheduler.max_num_seqs)
+    # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
+    kv_events = KVEventLog()
+    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events)
+    tier_store = tier_glue = None
+    if config.cache.has_tiers:
+        fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft)
+        tier_store = make_tiers(config, kv_cache, fingerprint)
+        tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
+
+    scheduler_config = config.scheduler
+    lora = None
+    if config.lora.enable_lora:
+        lora = LoRAManager(model_config, dtype, device, config.lora.max_loras, config.lora.max_lora_rank)
+        scheduler_config = dataclasses.replace(scheduler_config, max_loras=config.lora.max_loras)
+    sampler = Sampler()
+    spec = None
+    if draft is not None and config.speculative is not None:
+        k = config.speculative.num_speculative_tokens
+        spec = SpeculativeDecoding(EagleProposer(draft, kv_cache, device, sampler), k, config.cache.block_size)
+        scheduler_config = dataclasses.replace(scheduler_config, num_lookahead_tokens=k)
+    pins = PinRegistry(kv.index, int(config.cache.max_pinned_fraction * num_blocks))
+    disk = tier_store.tier("disk") if tier_store is not None else None
+    if isinstance(disk, DiskTier):
+        pins.listener = disk  # a pinned prefix stays on disk while pinned (and so survives restarts)
+    return EngineParts(
+        config=config, device=device, dtype=dtype, dtype_reason=dtype_reason,
+        model_name=config.served_model_name or config.model, model=model, model_config=model_config,
+        tokenizer=tokenizer, max_model_len=max_model_len, kv_cache=kv_cache, runner=runner, kv_events=kv_events,
+        kv=kv, tier_store=tier_store, tier_glue=tier_glue, lora=lora, draft=draft, spec=spec, sampler=sampler,
+        scheduler=Scheduler(scheduler_config, kv), pins=pins,
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    return resolved
+
+
+def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 extra_bytes_per_token: int = 0) -> tuple[int, int]:
+    """(blocks in ``kv_cache_memory``, max_model_len): the configured length checked against the model's
+    context and the pool, or the longest both allow."""
+    cache_config = config.cache
+    block_size = cache_config.block_size
+    bytes_per_token = model_config.kv_bytes_per_token(dtype) + extra_bytes_per_token
+    num_blocks = KVCache.num_blocks_for_memory(cache_config.kv_cache_memory, block_size, model_config, dtype,
+                                               extra_bytes_per_token)
+    capacity = num_blocks * block_size
+    context_limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        # Attention over a window equals full attention only while the context fits in it.
+        context_limit = min(context_limit, model_config.sliding_window)
+    if config.max_model_len is not None:
+        if config.max_model_len > context_limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {context_limit}")
+        if config.max_model_len > capacity:
+            need = math.ceil(config.max_model_len / block_size) * block_size * bytes_per_token
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}, "
+                f"kv_cache_memory={cache_config.kv_cache_memory} bytes) but one request of "
+                f"max_model_len={config.max_model_len} tokens needs more: raise kv_cache_memory to at "
+                f"least {need} bytes ({need / 2**20:.1f} MiB) or lower max_model_len"
+            )
+        max_model_len = config.max_model_len
+    else:
+        max_model_len = min(context_limit, capacity)
+        if max_model_len < 2:
+            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds {capacity} tokens: "
+                             f"raise it (each token needs {bytes_per_token} bytes)")
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token (%.1f MiB); max_model_len %d; "
+        "prefix caching %s",
+        num_blocks, block_size, capacity, bytes_per_token, num_blocks * block_size * bytes_per_token / 2**20,
+        max_model_len, "on" if cache_config.enable_prefix_caching else "off",
+    )
+    return num_blocks, max_model_len
+
+
+def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: ModelConfig, kv_cache: KVCache,
+                       dtype: torch.dtype, draft: EagleDraft | None) -> str:
+    """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint)."""
+    if config.load_format == "dummy":
+        weights = f"dummy-seed-{config.seed}"
+    else:
+        weights = files_digest(safetensors_files(model_path), memo=cache_dir() / "weights-digests.json")
+    tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
+                       if (tokenizer_dir / name).is_file()]
+    config_file = model_path / "config.json"
+    model_json = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else repr(model_config)
+    return model_fingerprint({
+        "config": model_json,
+        "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
+        "dtype": str(dtype), "kv_dtype": str(kv_cache.dtype), "block_size": kv_cache.block_size,
+        "kv_layers": kv_cache.num_layers, "kv_heads": kv_cache.num_kv_heads, "head_dim": kv_cache.head_dim,
+        "feature_size": kv_cache.feature_size, "draft": draft.digest if draft is not None else None,
+    })
+
+
+def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> TieredStore:
+    """The host / disk / remote tiers, all keyed to the engine's model fingerprint."""
+    cache_config = config.cache
+    layout = BlockLayout(shape=(*kv_cache.block_shape, kv_cache.feature_size),
+                         dtype=str(kv_cache.dtype).removeprefix("torch."), num_bytes=kv_cache.block_bytes)
+    tiers: list = []
+    if cache_config.kv_host_memory:
+        tiers.append(HostTier(cache_config.kv_host_memory))
+    if cache_config.kv_disk_dir:
+        tiers.append(DiskTier(cache_config.kv_disk_dir, cache_config.kv_disk_size, fingerprint))
+    if cache_config.kv_remote_url:
+        tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
+    logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
+    return TieredStore(fingerprint, layout, tiers)

@@ -1,0 +1,129 @@
+"""AdmissionRecorder: what the observatory records when the engine admits a request, and the reports
+it gives from that record.
+
+At a request's first admission it counts the prompt tokens looked up and hit per owner (the tenant
+that sent it), the reuse of the deepest block it matched (``PrefixHits``), and on a partial miss the
+position where the prompt left the cache with the text the cache holds there (``DriftLog``: token ids
+only; decoding and analysis wait for a report). It remembers who used each namespace (the tenant rule
+of ``scope.py``), forgetting namespaces nothing is held of any more. Cheap at admission: dict updates
+and one divergence lookup per partial miss.
+
+With ``--debug`` (the ``kvreuse`` logger at DEBUG) it also explains every admission in the log: the
+tokens reused and computed and, on a miss, the position and the text where the prompt left the cache.
+
+The engine owns one and calls ``note_owner`` / ``admitted`` from its step; readers call the reports on
+the engine thread. Torch-free: it reads the cache core, never changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvreuse.cache.manager import CacheSequence, KVCacheManager
+from kvreuse.cache.prefix import Divergence, PrefixMatch
+from kvreuse.observatory.drift import DriftLog, cached_continuation
+from kvreuse.observatory.scope import ALL, NamespaceOwners, Owner, Scope
+from kvreuse.observatory.tree import PrefixHits, largest_subtrees
+
+logger = logging.getLogger("kvreuse")
+
+SHARED_OWNER = "shared"  # hit_counters' name for requests without an owner
+MAX_TRACKED_NAMESPACES = 65536  # namespace owners kept before those nothing is held of are forgotten
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class AdmittedSequence(CacheSequence, Protocol):
+    """A sequence as the observatory sees it at admission (``kvreuse.request.Request``)."""
+
+    prompt_token_ids: list[int]
+    index: int  # which of the request's n samples (the drift log records sample 0 only)
+    num_preemptions: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class AdmissionRecorder:
+    def __init__(self, kv: KVCacheManager, decode: Decode) -> None:
+        self.kv = kv
+        self.decode = decode  # the engine thread's tokenizer: reports and debug lines run on that thread
+        self.namespace_owners = NamespaceOwners()
+        self.drift = DriftLog()
+        self.prefix_hits = PrefixHits()
+        self._hits_by_owner: dict[Owner, list[int]] = {}  # owner -> [prompt tokens looked up, tokens hit]
+        self._prune_owners_at = MAX_TRACKED_NAMESPACES
+
+    def note_owner(self, namespace: bytes, owner: Owner, in_flight: Callable[[], set[bytes]]) -> None:
+        """A request of ``owner`` entered ``namespace``. ``in_flight``: the namespaces of requests in flight
+        (asked only when the owner table is pruned)."""
+        self.namespace_owners.add(namespace, owner)
+        if len(self.namespace_owners) > self._prune_owners_at:
+            # Forget namespaces nothing is held of any more (no cached block, no recorded miss, no request
+            # in flight): their text is gone, so forgetting their owners cannot show it to anyone.
+            held = set(self.kv.index.roots) | self.drift.namespaces() | in_flight()
+            held.add(namespace)
+            self.namespace_owners.prune(held.__contains__)
+            self._prune_owners_at = max(MAX_TRACKED_NAMESPACES, 2 * len(self.namespace_owners))  # amortised
+
+    def admitted(self, request: AdmittedSequence, match: PrefixMatch, owner: Owner, now: float) -> None:
+        """An admission of ``request`` that reused ``match``: recorded at its first admission, explained in
+        the debug log at every one (a preempted request is admitted again)."""
+        if request.num_preemptions:
+            if logger.isEnabledFor(logging.DEBUG):
+                self.log_admission(request, match)
+            return
+        counters = self._hits_by_owner.setdefault(owner, [0, 0])
+        counters[0] += request.num_prompt_tokens
+        counters[1] += match.num_tokens
+        divergence = None
+        if self.kv.enable_prefix_caching:
+            self.prefix_hits.record(match)
+            self.prefix_hits.prune(self.kv.index)
+        if self.kv.enable_prefix_caching and request.index == 0 and match.num_tokens < request.num_tokens - 1:
+            divergence = self.kv.divergence(request, match)  # the partial miss log_admission explains
+            continuation = cached_continuation(self.kv.index, request.namespace, match, divergence)
+            self.drift.record(request.namespace, request.prompt_token_ids, divergence.position, continuation,
+                              owner, now)
+        if logger.isEnabledFor(logging.DEBUG):
+            self.log_admission(request, match, divergence)
+
+    # --- reports (kvreuse.observatory.drift / tree; the server's /v1/cache/* routes and the dashboard) ----
+    def drift_report(self, scope: Scope = ALL, top: int = 10) -> dict[str, Any]:
+        return self.drift.report(scope, top, self.decode, self.namespace_owners)
+
+    def cache_tree(self, scope: Scope = ALL, top: int = 8) -> list[dict[str, Any]]:
+        return largest_subtrees(self.kv.index, scope, self.namespace_owners, self.prefix_hits, self.decode, top)
+
+    def hit_counters(self, scope: Scope = ALL) -> dict[str, dict[str, int]]:
+        return {SHARED_OWNER if owner is None else owner: {"query_tokens": query, "hit_tokens": hit}
+                for owner, (query, hit) in self._hits_by_owner.items() if scope.may_see_owner(owner)}
+
+    # --- the --debug explanation ------------------------------------------------------------------------
+    def log_admission(self, request: AdmittedSequence, match: PrefixMatch, divergence: Divergence | None = None) -> None:
+        total = request.num_tokens
+        reused = match.num_tokens
+        logger.debug(
+            "request %s: %d prompt tokens, reused %d from the prefix cache, computing %d%s",
+            request.request_id, total, reused, total - reused,
+            f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
+        )
+        if not self.kv.enable_prefix_caching or reused >= total - 1:
+            return
+        if divergence is None:
+            divergence = self.kv.divergence(request, match)
+        tokens = request.all_token_ids
+        position = divergence.position
+        before = self.decode(tokens[max(0, position - 12) : position])
+        after = self.decode(tokens[position : position + 12])
+        if divergence.cached_token is None:
+            reason = "nothing was cached beyond this point"
+        else:
+            cached_text = self.decode([divergence.cached_token])
+            reason = f"the cache holds {cached_text!r} (token {divergence.cached_token}) there"
+        logger.debug(
+            "request %s: cache miss at token position %d: ...%r >>> %r...; prompt token %d, %s",
+            request.request_id, position, before, after, tokens[position], reason,
+        )
