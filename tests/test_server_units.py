@@ -226,3 +226,58 @@ def test_output_budget_and_stop_token_ids_are_checked():
     assert error.param == "max_completion_tokens" and error.code == "context_length_exceeded"
     error = api_error(state.check_stop_token_ids, [5, 100])
     assert error.param == "stop_token_ids" and "stop_token_ids[1]" in error.message
+
+
+# --- the engine loop and /metrics -------------------------------------------------------------------------
+
+
+def test_running_gauge_is_published_before_each_output_reaches_the_event_loop(tiny_model):
+    """A scrape made after a client read a request's first byte finds it running, and one made after the
+    last byte finds it gone. The check runs on the engine thread at the very moment each output is
+    handed to the event loop (its ``call_soon_threadsafe``): the earliest a handler, and so a client,
+    can see it. The stats snapshot /metrics reads must already hold the step behind that output; posted
+    first and snapshotted after, the first output met the snapshot from before the request was added
+    (``kvreuse:num_requests_running`` 0, the flaky test_server.py::test_disconnect_aborts_and_frees_blocks)."""
+    import asyncio
+    import threading
+
+    from kvreuse.llm import LLM
+    from kvreuse.outputs import RequestOutput
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=0)
+
+    def scraped_running() -> float:
+        text = engine.metrics.render()[0].decode()
+        return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                          if line.startswith("kvreuse:num_requests_running{")))
+
+    posted: list[tuple[bool, float]] = []  # (the output is the last, what a scrape reads) per output posted
+
+    async def run() -> list[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def spy(callback, *args, **kwargs):
+            if threading.current_thread().name == "kvreuse-engine":
+                for _, item in args[0]:
+                    if isinstance(item, RequestOutput):
+                        posted.append((item.finished, scraped_running()))
+            return call_soon_threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = spy  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        return [output async for output in engine.generate("r", "A very long story:", params)]
+
+    engine.start()
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert outputs[-1].finished and len(posted) >= 2
+    assert posted[0] == (False, 1.0)  # the first token: running
+    assert all(running == 1.0 for finished, running in posted[:-1])
+    assert posted[-1] == (True, 0.0)  # the last: the engine has let it go
+    assert scraped_running() == 0.0

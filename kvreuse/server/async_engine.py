@@ -6,6 +6,12 @@ post commands to an inbox that the engine thread drains at the start of each ite
 step's outputs go back to the per-request asyncio queues in one ``call_soon_threadsafe`` per step.
 An idle engine thread blocks on the inbox (no busy loop).
 
+`AsyncEngine.stats` is the snapshot ``/metrics`` and admission read. The engine thread replaces it
+before it hands anything to an event loop (`_publish`): after applying a batch of commands, and after
+each step, the new snapshot goes out first and only then the outputs, errors and call results that
+iteration produced. So a client that has read a request's first byte finds it running in a scrape
+made afterwards, and one that has read the last finds it gone.
+
 Outputs are cumulative (all token ids and logprobs so far), so a consumer that falls behind only
 needs the newest one: `AsyncEngine.generate` skips to the latest queued output.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -113,6 +120,9 @@ class AsyncEngine:
         self._stats_logger = PeriodicStatsLogger(stats_log_interval_s, logger, self.stats)
         self._inbox: queue.SimpleQueue[_Add | _Abort | _FinishSequence | _Call | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        # What the engine thread has produced for the event loops and not yet sent: `_publish` sends it
+        # after replacing the stats snapshot (engine thread only).
+        self._outbox: list[Callable[[], Any]] = []
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # set if the loop itself died
 
@@ -232,14 +242,38 @@ class AsyncEngine:
                         self._fail_all(EngineError("the server is shutting down"), include_queued=True)
                         return
                     self._apply(command)
+                if commands:
+                    # Adds, aborts, finishes and calls changed the engine now: a step may take a while.
+                    self._publish()
                 if engine.has_unfinished_requests():
                     self._step()
-                self.stats = engine.stats()
+                self._publish()
                 self._stats_logger.maybe_log(self.stats, time.monotonic())
         except BaseException as error:  # the loop must never die silently: fail every waiter
             logger.exception("the engine loop stopped")
             self.failure = error
             self._fail_all(EngineError(f"the engine loop stopped: {error}"), include_queued=True)
+
+    def _publish(self, *, best_effort: bool = False) -> None:
+        """Replace the stats snapshot, then send the event loops what this thread produced since the
+        last call. In this order: each output is posted after the engine state behind it is readable
+        by a scrape, never before (posted first, a client could read the output and scrape the previous
+        snapshot, e.g. a request whose first token it holds as not running). ``best_effort``: the engine
+        may be broken (the loop is dying); send anyway."""
+        try:
+            self.stats = self.engine.stats()
+        except Exception:
+            if not best_effort:
+                raise
+            logger.exception("reading the engine stats failed")
+        finally:
+            outbox, self._outbox = self._outbox, []
+            for send in outbox:
+                send()
+
+    def _send(self, stream: _Stream, item: Any) -> None:
+        """Queue ``item`` (an output or an error) for the stream's event loop; `_publish` sends it."""
+        self._outbox.append(functools.partial(_call_soon, stream.loop, _put_all, [(stream, item)]))
 
     def _drain_inbox(self) -> list[_Add | _Abort | _Call | _Stop]:
         commands = []
@@ -257,7 +291,7 @@ class AsyncEngine:
                                    cache_salt=command.cache_salt, arrival_time=command.arrival_time,
                                    pins=command.pins, lora_request=command.lora_request, owner=command.owner)
             except ValueError as error:  # handlers validate first; this is a last line of defence
-                _deliver_now(command.stream, error)
+                self._send(command.stream, error)
                 return
             self._streams[command.request_id] = command.stream
         elif isinstance(command, _FinishSequence):
@@ -270,12 +304,13 @@ class AsyncEngine:
                 engine.abort_request(command.request_id)
                 self.metrics.request_finished("abort")
         else:
+            future = command.future
             try:
                 result = command.function(engine)
             except Exception as error:
-                command.future.set_exception(error)
+                self._outbox.append(functools.partial(future.set_exception, error))
             else:
-                command.future.set_result(result)
+                self._outbox.append(functools.partial(future.set_result, result))
 
     def _step(self) -> None:
         try:
@@ -305,7 +340,7 @@ class AsyncEngine:
                 self._record_finished(output)
             deliveries.setdefault(stream.loop, []).append((stream, output))
         for loop, items in deliveries.items():
-            _call_soon(loop, _put_all, items)
+            self._outbox.append(functools.partial(_call_soon, loop, _put_all, items))
 
     def _record_finished(self, output: RequestOutput) -> None:
         """Forget a finished request's stream and count it (latency, finish reason)."""
@@ -323,24 +358,20 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
             except Exception:  # the engine may be broken; the waiters must still hear about it
                 logger.exception("abort of %s failed", request_id)
-            _deliver_now(stream, error)
+            self._send(stream, error)
         self._streams.clear()
-        if not include_queued:
-            return
-        for command in self._drain_inbox():
-            if isinstance(command, _Add):
-                _deliver_now(command.stream, error)
-            elif isinstance(command, _Call):
-                command.future.set_exception(error)
+        if include_queued:
+            for command in self._drain_inbox():
+                if isinstance(command, _Add):
+                    self._send(command.stream, error)
+                elif isinstance(command, _Call):
+                    self._outbox.append(functools.partial(command.future.set_exception, error))
+        self._publish(best_effort=True)
 
 
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
-
-
-def _deliver_now(stream: _Stream, item: Any) -> None:
-    _call_soon(stream.loop, _put_all, [(stream, item)])
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
