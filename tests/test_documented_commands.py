@@ -13,6 +13,8 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
 
 - ``pip install ...``: not run here; .ci/run must run exactly that command (CI is what runs it).
 - ``python -m pytest ...``: this suite; .ci/run must run ``python -m pytest`` (and the files named exist).
+- ``lint-imports``: as typed in the repository root (the layer contracts of pyproject.toml must all be kept);
+  .ci/run must run it too.
 - ``kvreuse make-model``: in an empty folder; the folder it writes is checked.
 - ``kvreuse demo``: with its model cache (KVREUSE_CACHE_DIR) in a temporary folder that already holds
   a tiny stand-in for the default preset's folder; the table must show cached tokens after request 0.
@@ -72,6 +74,7 @@ HELP_COMMANDS = ("demo", "make-model", "distill-eagle", "serve", "run", "route",
 
 CI_INSTALL = "ci-install"  # pip install: not run here; .ci/run runs exactly this command
 CI_PYTEST = "ci-pytest"  # python -m pytest: this suite; .ci/run runs python -m pytest
+LINT = "lint"  # lint-imports: as typed in the repository root (the contracts in pyproject.toml); .ci/run runs it
 MAKE_MODEL = "make-model"  # as typed in an empty folder; the model folder it writes is checked
 DEMO = "demo"  # as typed, model cache in a temporary folder; cached tokens after the first request
 BATCH = "batch"  # kvreuse run: a small valid requests file first, then as typed; the results file is checked
@@ -96,6 +99,7 @@ COMMANDS: dict[str, str] = {
     'pip install -e ".[test]"': CI_INSTALL,
     "apt-get update": CI_INSTALL,
     "apt-get install -y redis-server chromium": CI_INSTALL,
+    "lint-imports": LINT,
     "python -m pytest": CI_PYTEST,
     "kvreuse make-model ./tiny --preset tiny --arch qwen3 --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./qwen05 --preset qwen2.5-0.5b": MAKE_MODEL,
@@ -697,7 +701,7 @@ class DocRuns:
         kinds = {command.text: COMMANDS.get(command.text) for command in UNIQUE}
         # The .ci/run checks first (instant), then the fixed-port lanes (the longest), then the rest.
         for command in UNIQUE:
-            check = {CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest}.get(kinds[command.text])
+            check = {CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest, LINT: self._lint}.get(kinds[command.text])
             if check is not None and command.text in selected:
                 jobs.append(([command.text], lambda command=command, check=check: {
                     command.text: self._timed(check, command)}))
@@ -919,6 +923,14 @@ class DocRuns:
             assert path.is_file() and path.parent == REPO / "tests" and path.name.startswith("test_"), (
                 f"{command.where}: {name} is not a test file of the suite that .ci/run runs")
         return "this suite, which .ci/run runs" + (f" (includes {', '.join(files)})" if files else "")
+
+    def _lint(self, command: DocCommand) -> str:
+        assert command.text in ci_commands(), f".ci/run does not run `{command.text}`: {ci_commands()}"
+        done = subprocess.run(["bash", "-c", command.text], cwd=REPO, env=self.ws.env, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and " 0 broken" in output, f"exit status {done.returncode}:\n{output[-6000:]}"
+        return output.strip().splitlines()[-1]
 
     def _help(self, names: list[str]) -> dict[str, Outcome]:
         results = {}
