@@ -31,6 +31,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from kvreuse.errors import InvalidRequestError
+from kvreuse.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them only amplifies noise.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -77,6 +78,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What the output must match (a JSON schema, regex, choice, grammar): enforced by masking the logits
+    # before temperature, top-k, top-p and min-p (kvreuse.grammar).
+    structured_outputs: StructuredOutputsParams | None = None
 
     max_logprobs: ClassVar[int] = 20
 
@@ -120,6 +124,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", name)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}", "repetition_penalty"
