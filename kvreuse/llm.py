@@ -171,6 +171,9 @@ class LLM:
         engine = self.engine
         for lora in dict.fromkeys(lora for lora in loras if lora is not None):
             engine.adapter_digest(lora)  # a refused adapter fails the call before anything is queued
+        for constraint in {params.structured_outputs.key: params.structured_outputs for params in params_list
+                           if params.structured_outputs is not None}.values():
+            engine.structured.compiler.compile(constraint)  # so is a refused constraint (compiled once, cached)
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, params, lora in zip(request_ids, prompts, params_list, loras):
             engine.add_request(request_id, prompt.as_engine_prompt(), params, cache_salt=cache_salt,

@@ -53,6 +53,8 @@ class Request:
     tier_checked_blocks: int = 0
     tier_tokens: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    # Structured outputs: its grammar is still compiling (kvreuse.grammar); the scheduler leaves it waiting.
+    waiting_for_grammar: bool = False
     num_times_passed_over: int = 0  # for lpm aging
     arrival_order: int = 0
 

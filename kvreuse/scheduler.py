@@ -144,6 +144,8 @@ class Scheduler:
         for request in order:
             if budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
+            if request.waiting_for_grammar:
+                continue  # its constraint is compiling off the engine thread; the others go on
             if (config.max_loras is not None and request.adapter is not None
                     and request.adapter not in adapters and len(adapters) >= config.max_loras):
                 continue  # max_loras other adapters are running; this one waits for a slot

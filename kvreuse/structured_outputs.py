@@ -39,42 +39,49 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    # Where a refusal points (a server sets it to the request's own field, e.g.
-    # "response_format.json_schema.schema"), so the 400 names what the client sent.
-    field: str = "structured_outputs"
+    # Where the constraint came from, for errors: a server sets it to the request's own field (e.g.
+    # "response_format.json_schema.schema"), so a 400 names what the client sent. Default:
+    # "structured_outputs.<kind>".
+    field: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(
-                f"{self.field} needs exactly one of {', '.join(CONSTRAINTS)}; got "
-                f"{', '.join(given) if given else 'none'}", self.field)
+                f"structured_outputs needs exactly one of {', '.join(CONSTRAINTS)}; got "
+                f"{', '.join(given) if given else 'none'}", self.field or "structured_outputs")
         if isinstance(self.json, str):
             try:
                 self.json = _json.loads(self.json)
             except ValueError as error:
-                raise InvalidRequestError(f"{self.field}.json is not valid JSON: {error}", f"{self.field}.json") from None
+                raise InvalidRequestError(f"{self.where} is not valid JSON: {error}", self.where) from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise InvalidRequestError(f"{self.field}.json must be a JSON schema (an object), got "
-                                      f"{type(self.json).__name__}", f"{self.field}.json")
+            raise InvalidRequestError(f"{self.where} must be a JSON schema (an object), got "
+                                      f"{type(self.json).__name__}", self.where)
         if self.json_object not in (None, True, False):
-            raise InvalidRequestError(f"{self.field}.json_object must be a bool", f"{self.field}.json_object")
+            raise InvalidRequestError("structured_outputs.json_object must be a bool", "structured_outputs.json_object")
         for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"{self.field}.{name} must be a non-empty string", f"{self.field}.{name}")
+                where = self.where if name == self.kind else f"structured_outputs.{name}"
+                raise InvalidRequestError(f"{where} must be a non-empty string", where)
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice or len(self.choice) > MAX_CHOICES
                     or not all(isinstance(item, str) and item for item in self.choice)):
-                raise InvalidRequestError(f"{self.field}.choice must be a list of 1..{MAX_CHOICES} non-empty strings",
-                                          f"{self.field}.choice")
+                raise InvalidRequestError(f"{self.where} must be a list of 1..{MAX_CHOICES} non-empty strings",
+                                          self.where)
             self.choice = list(self.choice)
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(f"{self.field}.{name} must be a bool", f"{self.field}.{name}")
+                raise InvalidRequestError(f"structured_outputs.{name} must be a bool", f"structured_outputs.{name}")
         if len(self.key) > MAX_CONSTRAINT_CHARS:
-            raise InvalidRequestError(f"{self.field} is {len(self.key)} characters, over the limit of "
-                                      f"{MAX_CONSTRAINT_CHARS}", self.field)
+            raise InvalidRequestError(f"{self.where} is {len(self.key)} characters, over the limit of "
+                                      f"{MAX_CONSTRAINT_CHARS}", self.where)
+
+    @property
+    def where(self) -> str:
+        """The field errors about the constraint name."""
+        return self.field or f"structured_outputs.{self.kind}"
 
     @property
     def kind(self) -> str:

@@ -29,6 +29,8 @@ from kvreuse.cache.tiers.glue import TierGlue
 from kvreuse.cache.tiers.record import BlockLayout
 from kvreuse.cache.tiers.store import TieredStore
 from kvreuse.config import EngineConfig, cache_dir
+from kvreuse.grammar.compiler import GrammarCompiler
+from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
@@ -69,6 +71,7 @@ class EngineParts:
     sampler: Sampler
     scheduler: Scheduler
     pins: PinRegistry
+    structured: StructuredOutputManager
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -78,7 +81,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed)
-    tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    tokenizer = Tokenizer(tokenizer_path)
 
     # Speculative decoding: the draft's K/V (one more layer) and its per-slot input feature live in the
     # target's KV blocks, so every block costs a little more and holds both.
@@ -131,12 +135,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     disk = tier_store.tier("disk") if tier_store is not None else None
     if isinstance(disk, DiskTier):
         pins.listener = disk  # a pinned prefix stays on disk while pinned (and so survives restarts)
+    structured = StructuredOutputManager(
+        GrammarCompiler(tokenizer_path, model_config.vocab_size, sorted(tokenizer.eos_token_ids)),
+        model_config.vocab_size, sorted(tokenizer.eos_token_ids))
+    if spec is not None:
+        spec.proposer.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
+            [id(request) for request in requests], drafted, logits)
     return EngineParts(
         config=config, device=device, dtype=dtype, dtype_reason=dtype_reason,
         model_name=config.served_model_name or config.model, model=model, model_config=model_config,
         tokenizer=tokenizer, max_model_len=max_model_len, kv_cache=kv_cache, runner=runner, kv_events=kv_events,
         kv=kv, tier_store=tier_store, tier_glue=tier_glue, lora=lora, draft=draft, spec=spec, sampler=sampler,
         scheduler=Scheduler(scheduler_config, kv), pins=pins,
+        structured=structured,
     )
 
 

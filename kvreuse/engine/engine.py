@@ -26,6 +26,7 @@ from kvreuse.engine.builder import EngineParts, build_engine_parts
 from kvreuse.engine.groups import RequestGroup, Sample
 from kvreuse.engine.stats import EngineStats, StepTiming
 from kvreuse.errors import InvalidRequestError
+from kvreuse.grammar.manager import MaskRows
 from kvreuse.inputs import InputProcessor, PromptInput
 from kvreuse.lora.request import LoRARequest
 from kvreuse.observatory.admissions import AdmissionRecorder
@@ -53,6 +54,7 @@ class LLMEngine:
         self.lora, self.draft, self.spec = parts.lora, parts.draft, parts.spec
         self.proposer = parts.spec.proposer if parts.spec is not None else None
         self.sampler, self.scheduler, self.pins = parts.sampler, parts.scheduler, parts.pins
+        self.structured = parts.structured  # grammars of structured outputs (kvreuse.grammar)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         # The engine thread's own way in (string prompts, validation); callers on other threads own theirs.
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
@@ -101,6 +103,11 @@ class LLMEngine:
                     f"stop_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         for spec in pins:
             self.check_pin(spec, len(token_ids))
+        constraint = params.structured_outputs
+        if constraint is not None:
+            compiling = self.structured.compiler.submit(constraint)
+            if compiling.done():
+                compiling.result()  # a constraint already known to be refused raises here, before any change
         adapter = self.adapter_digest(lora_request)
         namespace = namespace_key(cache_salt, adapter, self.model_name, self.draft_digest)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -123,6 +130,8 @@ class LLMEngine:
         self._groups[request_id] = group
         for sample in group.sequences:
             self._sequences[id(sample.request)] = (group, sample)
+            if constraint is not None:
+                sample.request.waiting_for_grammar = not self.structured.add(id(sample.request), constraint)
             self.scheduler.add(sample.request)
 
     @property
@@ -169,6 +178,7 @@ class LLMEngine:
     def _end(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if self.spec is not None:
             self.spec.forget(request)
+        self.structured.remove(id(request))
         self.scheduler.finish(request, reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -177,9 +187,10 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
+        failed = self._resolve_grammars() if self.structured.has_pending() else []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            return failed
         self._steps += 1
         wall_now = time.time()
         self.pins.expire(wall_now)
@@ -213,6 +224,7 @@ class LLMEngine:
         for item, result in zip(sampling, results):
             group, sample = self._sequences[id(item.request)]
             if result.finish is not None:
+                self.structured.remove(id(item.request))
                 self.scheduler.finish(item.request, *result.finish)
                 sample.output.finish_reason, sample.output.stop_reason = result.finish
             touched[group.request_id] = group
@@ -220,7 +232,7 @@ class LLMEngine:
             self.spec.draft(items, self.max_model_len)
         if self.tier_glue is not None:  # after the draft's K/V: a stored block is complete
             self.tier_glue.store_computed(self.kv.take_new_blocks())
-        outputs = [self._make_output(group) for group in touched.values()]
+        outputs = failed + [self._make_output(group) for group in touched.values()]
         self.step_timings.append(StepTiming(batch.num_tokens, batch.num_seqs, time.perf_counter() - step_start,
                                             self.runner.last_forward_seconds))
         return outputs
@@ -233,6 +245,8 @@ class LLMEngine:
             assert request.sampling_state is not None
             probs = self.spec.take_draft_probs(request, len(item.draft_token_ids)) if self.spec is not None else None
             verify_items.append(VerifyItem(request.sampling_state, item.first_row or 0, item.draft_token_ids, probs))
+        self.structured.apply(logits, [MaskRows(id(item.request), item.first_row or 0, item.draft_token_ids)
+                                       for item in sampling if self.structured.is_constrained(id(item.request))])
 
         def finish_check(index: int, token_id: int, count: int) -> tuple[str, int | None] | None:
             request = sampling[index].request
@@ -248,7 +262,28 @@ class LLMEngine:
         if self.spec is not None:
             for item, result in zip(sampling, results):
                 self.spec.record(len(item.draft_token_ids), result.num_accepted)
+        for item, result in zip(sampling, results):
+            # A grammar that can go no further ends its sequence (EOS is all it would allow next).
+            if self.structured.accept(id(item.request), result.token_ids) and result.finish is None:
+                result.finish = ("stop", None)
         return results
+
+    def _resolve_grammars(self) -> list[RequestOutput]:
+        """Sequences whose grammar finished compiling go on; one whose constraint was refused ends (the
+        servers and LLM check constraints before queueing, so this is the rare late refusal). When nothing
+        else can run, wait briefly for the compiler rather than spin."""
+        idle = not self.scheduler.running and all(request.waiting_for_grammar for request in self.scheduler.waiting)
+        outputs = []
+        for key, error in self.structured.resolve(block_s=0.05 if idle else 0.0).items():
+            group, sample = self._sequences[key]
+            sample.request.waiting_for_grammar = False
+            if error is not None:
+                logger.warning("request %s: %s", group.request_id, error)
+                sample.output.finish_reason, sample.output.stop_reason = "abort", str(error)
+                self._end(sample.request, "abort", str(error))
+                if group.finished:
+                    outputs.append(self._make_output(group))
+        return outputs
 
     def _create_due_pins(self, scheduled: list[ScheduledRequest], now: float) -> None:
         """Pin the prefixes requested with add_request(pins=...) once their blocks are cached."""

@@ -22,6 +22,7 @@ cached.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,9 @@ class EagleProposer:
         self.device = device
         self.sampler = sampler
         self.block_size = kv_cache.block_size
+        # Masks the draft's logits rows (requests, tokens each drafted so far, logits) in place: structured
+        # outputs' grammars, so a constrained sequence drafts only what its grammar allows.
+        self.draft_mask: Callable[[list[Request], list[list[int]], torch.Tensor], None] | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -158,6 +162,9 @@ class EagleProposer:
         """Draft one token per job from the draft's logits: greedy requests take the argmax, random ones
         draw from q = softmax(logits / temperature) and keep q for verification."""
         logits = self.draft.compute_logits(out_rows)
+        if self.draft_mask is not None:
+            self.draft_mask([jobs[index].request for index in indices],
+                            [proposals[index].token_ids for index in indices], logits)
         greedy = logits.argmax(dim=-1).tolist()
         for row, index in enumerate(indices):
             state = jobs[index].request.sampling_state
