@@ -1,5 +1,6 @@
 """Benchmark suite: workload generators (exact lengths, sharing structure) and the load client's
-statistics against a stub server with scripted delays, usage numbers and failures."""
+statistics against a stub server with scripted delays, usage numbers and failures; the agent
+workload's loop (tool calls fed back exactly as streamed) against a stub that streams tool calls."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvreuse.bench.agent import AgentReply, ToolCallDeltas, followup_messages
 from kvreuse.bench.client import (
-    BenchmarkRun, ClientConfig, LoadClient, RequestResult, arrival_offsets, compose_text,
+    BenchmarkRun, ClientConfig, LoadClient, RequestResult, arrival_offsets, compose_agent_messages, compose_text,
 )
-from kvreuse.bench.report import Distribution, percentile, summarize
+from kvreuse.bench.report import (
+    Distribution, format_table, format_turns_comparison, percentile, summarize, turn_summaries,
+)
 from kvreuse.bench.workloads import (
-    BenchRequest, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
+    AgentOptions, BenchRequest, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
     generate_workload, sample_zipf_without_replacement,
 )
 from kvreuse.inputs import common_prefix_length
@@ -498,3 +502,256 @@ def test_reference_server_reuses_a_copied_prompt_cache(tiny_model: Path) -> None
     fresh = runner.generate(tokenizer.encode(compose_text(workload.requests[2], ())), 3, ignore_eos=True)
     assert fresh.cached_tokens == 0
     assert tokenizer.decode(fresh.output_ids) == results[2].generated_text
+
+
+# --------------------------------------------------------------------------------------------------
+# The agent workload
+
+
+def _tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_agent_workload_tools_results_and_turn_order(tokenizer) -> None:
+    options = AgentOptions(num_agents=3, num_turns=3, tools_len=1000, result_len=20, output_len=64,
+                           system_prompt_len=12, task_len=6)
+    workload = generate_workload("agent", tokenizer, options, seed=0)
+    assert workload == generate_workload("agent", tokenizer, options, seed=0)
+    assert len(workload.requests) == 9
+    assert [request.turn for request in workload.requests] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for request in workload.requests:
+        assert request.agent and request.conversation == request.request_id.split("-")[0]
+        assert request.depends_on == (None if request.turn == 0 else (request.conversation, request.turn - 1))
+        assert request.max_tokens == 64
+        assert _tokens(tokenizer, request.tool_result_text) == (20 if request.turn else 0)
+    # One tool list shared by every agent: realistic functions, every parameter bounded and required.
+    tool_lists = {request.tools_json for request in workload.requests}
+    assert len(tool_lists) == 1
+    tools_json = tool_lists.pop()
+    assert abs(_tokens(tokenizer, tools_json) - 1000) <= 30
+    tools = json.loads(tools_json)
+    assert len(tools) >= 2
+    for tool in tools:
+        assert tool["type"] == "function" and tool["function"]["description"]
+        parameters = tool["function"]["parameters"]
+        assert parameters["additionalProperties"] is False
+        assert parameters["required"] == list(parameters["properties"])
+        for schema in parameters["properties"].values():
+            assert ("enum" in schema or schema["type"] == "boolean" or "maxLength" in schema
+                    or {"minimum", "maximum"} <= set(schema))
+    # Same system prompt for all agents, a task of its own each.
+    assert len({request.prefix_text for request in workload.requests}) == 1
+    assert len({request.user_text for request in workload.requests}) == 3
+    assert all(_tokens(tokenizer, request.user_text) == 6 for request in workload.requests)
+
+    # Tool sets per agent group: different lists; without tools the list is in the system prompt.
+    grouped = generate_workload("agent", tokenizer, replace_options(options, num_tool_sets=3), seed=0)
+    assert len({request.tools_json for request in grouped.requests}) == 3
+    plain = generate_workload("agent", tokenizer, replace_options(options, no_tools=True), seed=0)
+    names = [tool["function"]["name"] for tool in tools]
+    assert all(request.tools_json is None and request.prefix_text.startswith(workload.requests[0].prefix_text)
+               and all(f'"name": "{name}"' in request.prefix_text for name in names) for request in plain.requests)
+    with pytest.raises(ValueError, match="agent_tools_len"):
+        generate_workload("agent", tokenizer, replace_options(options, tools_len=0), seed=0)
+    with pytest.raises(ValueError, match="agent_num_tool_sets"):
+        generate_workload("agent", tokenizer, replace_options(options, num_tool_sets=4), seed=0)
+
+
+def replace_options(options: AgentOptions, **changes: Any) -> AgentOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)
+
+
+def test_agent_turns_grow_by_exactly_the_appended_messages(tokenizer) -> None:
+    options = AgentOptions(num_agents=1, num_turns=4, tools_len=300, result_len=8, system_prompt_len=8, task_len=4)
+    turns = generate_workload("agent", tokenizer, options, seed=1).requests
+    calls = [{"id": f"call_{index}", "type": "function",
+              "function": {"name": "read_file", "arguments": '{"path":"a.py" ,  "start_line": 7}'}}
+             for index in range(3)]
+    replies = [AgentReply("", [calls[0]]), AgentReply("no call, just text"), AgentReply("thinking", calls[1:])]
+    messages = compose_agent_messages(turns[0], None, None)
+    assert messages == [{"role": "system", "content": turns[0].prefix_text},
+                        {"role": "user", "content": turns[0].user_text}]
+    for request, reply in zip(turns[1:], replies):
+        grown = compose_agent_messages(request, messages, reply)
+        appended = grown[len(messages):]
+        assert grown[:len(messages)] == messages
+        assert appended == followup_messages(reply, request.tool_result_text)
+        if reply.tool_calls:
+            assert appended[0] == {"role": "assistant", "content": reply.content or None,
+                                   "tool_calls": reply.tool_calls}
+            assert [message["tool_call_id"] for message in appended[1:]] == [call["id"] for call in reply.tool_calls]
+            assert all(message == {"role": "tool", "tool_call_id": message["tool_call_id"],
+                                   "content": request.tool_result_text} for message in appended[1:])
+        else:  # a server that ignored the tools: its text, then the result as a user message
+            assert appended == [{"role": "assistant", "content": reply.content},
+                                {"role": "user", "content": request.tool_result_text}]
+        messages = grown
+    # The fed-back calls are copies: changing what was sent does not change the reply kept.
+    messages[2]["tool_calls"][0]["function"]["arguments"] = "changed"
+    assert calls[0]["function"]["arguments"] == '{"path":"a.py" ,  "start_line": 7}'
+
+
+def test_streamed_tool_call_deltas_join_into_the_calls() -> None:
+    deltas = ToolCallDeltas()
+    deltas.add([{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_", "arguments": ""}}])
+    deltas.add([{"index": 0, "function": {"name": "weather", "arguments": '{"city": '}}])
+    deltas.add([{"index": 1, "id": "call_b", "function": {"name": "set_reminder", "arguments": "{}"}}])
+    deltas.add([{"index": 0, "function": {"arguments": '"Lisbon" }'}}])
+    deltas.add(None)
+    assert deltas.calls() == [
+        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lisbon" }'}},
+        {"id": "call_b", "type": "function", "function": {"name": "set_reminder", "arguments": "{}"}},
+    ]
+
+
+# Arguments as a server might stream them: odd spacing and key order, which must come back untouched.
+STUB_ARGUMENTS = ('{"query" :"a  b",', ' "top_k":3,"source": "wiki"}')
+STUB_LLAMA_CACHED = 40
+
+
+def _agent_stub_app(state: StubState) -> FastAPI:
+    """Chat completions that stream one tool call per request when ``tools`` are sent (unless the
+    system prompt says IGNORE), else text; LLAMA in the system prompt: usage without
+    prompt_tokens_details, and llama-server's timings."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        state.bodies.append(body)
+        system = body["messages"][0]["content"]
+        number = len(state.bodies)
+
+        def event(payload: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        def delta(content: dict[str, Any], finish_reason: str | None = None) -> bytes:
+            return event({"choices": [{"index": 0, "delta": content, "finish_reason": finish_reason}]})
+
+        async def stream():
+            await asyncio.sleep(0.02)
+            yield delta({"role": "assistant", "content": None})
+            if body.get("tools") and "IGNORE" not in system:
+                yield delta({"tool_calls": [{"index": 0, "id": f"call_{number}", "type": "function",
+                                             "function": {"name": "search_documents", "arguments": ""}}]})
+                for piece in STUB_ARGUMENTS:
+                    yield delta({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+                yield delta({}, "tool_calls")
+            else:
+                for word in REPLY_WORDS:
+                    yield delta({"content": word})
+                yield delta({}, "length")
+            prompt = 100 * len(body["messages"])
+            usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": NUM_TOKENS,
+                                     "total_tokens": prompt + NUM_TOKENS}
+            final: dict[str, Any] = {"choices": [], "usage": usage}
+            if "LLAMA" in system:
+                final["timings"] = {"cache_n": STUB_LLAMA_CACHED, "prompt_n": prompt - STUB_LLAMA_CACHED}
+            else:
+                usage["prompt_tokens_details"] = {"cached_tokens": prompt - 100}
+            yield event(final)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture()
+def agent_stub() -> Iterator[tuple[str, StubState]]:
+    state = StubState()
+    for base_url in _serve_in_thread(_agent_stub_app(state)):
+        yield base_url, state
+
+
+def _agent_workload(tokenizer, marker: str = "", **changes: Any) -> tuple[BenchRequest, ...]:
+    from dataclasses import replace
+
+    options = AgentOptions(num_agents=2, num_turns=3, tools_len=200, result_len=6, output_len=32,
+                           system_prompt_len=6, task_len=3, **changes)
+    return tuple(replace(request, prefix_text=marker + request.prefix_text)
+                 for request in generate_workload("agent", tokenizer, options, seed=0).requests)
+
+
+def test_agent_client_feeds_back_the_streamed_tool_calls_unchanged(agent_stub, tokenizer) -> None:
+    base_url, state = agent_stub
+    requests = _agent_workload(tokenizer)
+    run = LoadClient(_config(base_url, max_concurrency=2, ignore_eos=True), tokenizer).run(requests)
+    assert all(result.success for result in run.results), [result.error for result in run.results]
+    for result in run.results:
+        assert result.tool_call_returned and result.finish_reason == "tool_calls"
+        assert result.tool_calls[0]["function"] == {"name": "search_documents", "arguments": "".join(STUB_ARGUMENTS)}
+    # Every body: the tools, tool_choice required, one call at most, no ignore_eos (a call must end).
+    for body in state.bodies:
+        assert body["tools"] == json.loads(requests[0].tools_json)
+        assert (body["tool_choice"], body["parallel_tool_calls"]) == ("required", False)
+        assert "ignore_eos" not in body and body["stream"] is True
+    # Each agent's turn t+1 is turn t's messages plus the call as streamed and the tool result.
+    for agent in ("a0", "a1"):
+        turns = sorted((request for request in requests if request.conversation == agent), key=lambda r: r.turn)
+        bodies = [next(body for body in state.bodies if body["messages"][1]["content"] == turns[0].user_text
+                       and len(body["messages"]) == 2 + 2 * turn) for turn in range(3)]
+        results = {result.request_id: result for result in run.results}
+        for turn in (1, 2):
+            previous, current = bodies[turn - 1]["messages"], bodies[turn]["messages"]
+            call = results[turns[turn - 1].request_id].tool_calls[0]
+            assert current[:len(previous)] == previous
+            assert current[len(previous):] == [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": turns[turn].tool_result_text}]
+    summary = summarize(run)
+    assert (summary.tool_calls_returned, summary.no_tool_call) == (6, 0)
+    assert [turn.hit_rate for turn in summary.turns] == [pytest.approx(1 / 2), pytest.approx(3 / 4),
+                                                          pytest.approx(5 / 6)]
+    assert [turn.tool_calls_returned for turn in summary.turns] == [2, 2, 2]
+    assert "Agent turns: tool call back / none" in format_table(summary, "agent")
+    assert run.results[0].as_dict()["tool_calls"] == run.results[0].tool_calls
+
+
+def test_agent_client_without_tool_calls_and_with_llama_server_timings(agent_stub, tokenizer) -> None:
+    base_url, state = agent_stub
+    # A server that ignores the tools: text replies go back as assistant content, the result as a user turn.
+    requests = _agent_workload(tokenizer, "IGNORE LLAMA")
+    run = LoadClient(_config(base_url, max_concurrency=2), tokenizer).run(requests)
+    assert all(result.success and result.tool_calls == [] for result in run.results)
+    last = [body for body in state.bodies if len(body["messages"]) == 6]
+    assert len(last) == 2
+    assert [message["role"] for message in last[0]["messages"]] == ["system", "user", "assistant", "user",
+                                                                    "assistant", "user"]
+    assert last[0]["messages"][2] == {"role": "assistant", "content": "".join(REPLY_WORDS)}
+    # Cached tokens from timings.cache_n where usage has no prompt_tokens_details.
+    assert all(result.cached_tokens == STUB_LLAMA_CACHED and result.cached_tokens_source == "timings"
+               for result in run.results)
+    summary = summarize(run)
+    assert (summary.tool_calls_returned, summary.no_tool_call) == (0, 6)
+    # No tools at all (the baseline): the list is in the system prompt, no tools field, ignore_eos as configured.
+    state.bodies.clear()
+    plain = _agent_workload(tokenizer, no_tools=True)
+    LoadClient(_config(base_url, max_concurrency=2)).run(plain)
+    assert all("tools" not in body and body["ignore_eos"] is True and "# Tools" in body["messages"][0]["content"]
+               for body in state.bodies)
+
+
+def test_turn_summaries_and_the_side_by_side_table() -> None:
+    def result(conversation: str, turn: int, prompt: int, cached: int, ttft: float, calls: int) -> RequestResult:
+        return RequestResult(f"{conversation}-t{turn}", "g", conversation, turn, success=True, ttft_s=ttft, e2e_s=ttft,
+                             prompt_tokens=prompt, cached_tokens=cached, cached_tokens_reported=True,
+                             tool_calls=[{"id": "c"}] * calls)
+
+    results = [result("a0", 0, 1000, 0, 2.0, 1), result("a1", 0, 1000, 900, 0.4, 0),
+               result("a0", 1, 1400, 1300, 0.3, 1), result("a1", 1, 1500, 1400, 0.5, 1),
+               RequestResult("a2-t1", "g", "a2", 1, error="HTTP 500: boom")]
+    turns = turn_summaries(results)
+    assert [(turn.turn, turn.requests, turn.completed) for turn in turns] == [(0, 2, 2), (1, 3, 2)]
+    assert turns[0].hit_rate == pytest.approx(900 / 2000) and turns[1].hit_rate == pytest.approx(2700 / 2900)
+    assert turns[0].ttft_median_s == pytest.approx(1.2) and turns[1].ttft_median_s == pytest.approx(0.4)
+    assert [turn.tool_calls_returned for turn in turns] == [1, 2]
+    assert turn_summaries([RequestResult("r", "g", None, 0, success=True)]) == ()
+    summaries = {"kvreuse": summarize(BenchmarkRun(results, 1.0)),
+                 "llama-server": summarize(BenchmarkRun(results[:2], 1.0))}
+    table = format_turns_comparison(summaries, "per turn")
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
+    assert rows["0"] == ["0", "45.0%", "1200.0", "1/2", "45.0%", "1200.0", "1/2"]
+    assert rows["1"] == ["1", "93.1%", "400.0", "2/2", "-", "-", "-"]

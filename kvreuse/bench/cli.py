@@ -1,8 +1,8 @@
 """``kvreuse bench serve`` and ``kvreuse bench compare``: argument parsing and the two runs.
 
 ``serve`` drives one running OpenAI-compatible server; ``compare`` starts kvreuse (prefix caching
-on, then off) and the transformers reference in turn on a free loopback port and runs the same
-workload against each. ``kvreuse.cli`` mounts these with ``add_bench_arguments`` / ``run_bench``;
+on, then off), the transformers reference and, given its binary and a GGUF, llama.cpp's llama-server
+in turn on a free loopback port and runs the same workload against each. ``kvreuse.cli`` mounts these with ``add_bench_arguments`` / ``run_bench``;
 ``python -m kvreuse.bench`` is the same as ``kvreuse bench``.
 """
 
@@ -33,7 +33,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser, parents: list[argparse.A
     add_workload_arguments(serve)
     add_client_arguments(serve)
 
-    compare = commands.add_parser("compare", help="kvreuse with caching on / off and transformers, same workload",
+    compare = commands.add_parser("compare", help="kvreuse with caching on / off, transformers (and llama-server), "
+                                  "same workload",
                                   parents=parents)
     compare.add_argument("--model", default=None, help="model folder (default: the --preset folder, made once)")
     compare.add_argument("--preset", default="smollm2-135m", help="model preset when --model is not given")
@@ -41,7 +42,15 @@ def add_bench_arguments(bench: argparse.ArgumentParser, parents: list[argparse.A
     compare.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (all systems use it)")
     compare.add_argument("--kv-cache-memory", default="1GiB", help="kvreuse's KV pool")
     compare.add_argument("--systems", default="kvreuse,kvreuse-no-cache,transformers",
-                         help="comma-separated, run in this order: kvreuse, kvreuse-no-cache, transformers")
+                         help="comma-separated, run in this order: kvreuse, kvreuse-no-cache, transformers, "
+                              "llama-server (needs --llama-server and --gguf)")
+    compare.add_argument("--llama-server", default=None,
+                         help="llama.cpp's llama-server binary (../shared/tools/llama_cpp_peer.sh prints it)")
+    compare.add_argument("--gguf", default=None, help="a GGUF of the same model, for --llama-server")
+    compare.add_argument("--llama-ctx-size", type=int, default=32768,
+                         help="llama-server's KV buffer in tokens (-c), shared by its slots "
+                              "(one per --max-concurrency)")
+    compare.add_argument("--llama-cache-ram", type=int, default=4096, help="llama-server's host prompt cache (MiB)")
     compare.add_argument("--warmup-requests", type=int, default=2,
                          help="short unrelated requests sent to each server before timing")
     compare.add_argument("--startup-timeout", type=positive_float, default=900.0)

@@ -10,6 +10,15 @@ final usage chunk (cached from ``usage.prompt_tokens_details.cached_tokens``, th
 Arrivals are a seeded Poisson process (``request_rate``) or all at once, optionally behind a
 concurrency limit. A multi-turn request waits for the previous turn of its conversation and carries
 that turn's real reply in its history.
+
+Agent requests (workload ``agent``) always go to /v1/chat/completions with the workload's ``tools``,
+``tool_choice: "required"`` and ``parallel_tool_calls: false``, and without ``ignore_eos`` (a forced
+call must be able to end); without tools (the workload's no-tools baseline) they are plain chat
+turns. Each agent's turns run one after another, agents concurrently. A turn's prompt is the
+previous turn's messages plus the reply's tool calls exactly as streamed (agent.py) and the tool
+results. Cached tokens: ``usage.prompt_tokens_details.cached_tokens`` where the server sends it
+(kvreuse, vLLM, recent llama-server), else llama-server's ``timings.cache_n`` (its ``timings.prompt_n``
+are the tokens it computed, so the prompt is their sum when usage is missing).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from kvreuse.bench.agent import AgentReply, ToolCallDeltas, assistant_message, first_messages, followup_messages
 from kvreuse.bench.workloads import BenchRequest, TextTokenizer
 from kvreuse.inputs import common_prefix_length
 
@@ -96,6 +106,16 @@ class RequestResult:
     expected_output_tokens: int = 0
     ideal_cached_tokens: int | None = None
     generated_text: str = ""
+    finish_reason: str | None = None
+    # Where cached_tokens came from: "usage" (prompt_tokens_details) or "timings" (llama-server's cache_n).
+    cached_tokens_source: str | None = None
+    # Agent requests: the tool calls the reply carried, as streamed (empty: none came back); None otherwise.
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @property
+    def tool_call_returned(self) -> bool | None:
+        """Whether an agent turn's reply carried a tool call (None for other requests)."""
+        return None if self.tool_calls is None else bool(self.tool_calls)
 
     @property
     def tpot_s(self) -> float | None:
@@ -116,6 +136,8 @@ class RequestResult:
             "expected_prompt_tokens": self.expected_prompt_tokens,
             "expected_output_tokens": self.expected_output_tokens,
             "ideal_cached_tokens": self.ideal_cached_tokens,
+            "finish_reason": self.finish_reason, "cached_tokens_source": self.cached_tokens_source,
+            "tool_calls": self.tool_calls,
         }
 
 
@@ -139,9 +161,12 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
 
 @dataclass
 class _History:
-    """The turns of one conversation so far: (user text, reply text)."""
+    """The turns of one conversation so far: (user text, reply text); for an agent, the messages its
+    last turn sent and that turn's reply."""
 
     turns: list[tuple[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    reply: AgentReply | None = None
 
 
 def compose_text(request: BenchRequest, history: Sequence[tuple[str, str]]) -> str:
@@ -157,12 +182,26 @@ def compose_messages(request: BenchRequest, history: Sequence[tuple[str, str]]) 
     return messages
 
 
+def compose_agent_messages(request: BenchRequest, previous: Sequence[dict[str, Any]] | None,
+                           reply: AgentReply | None) -> list[dict[str, Any]]:
+    """An agent turn's messages: turn 0 the system prompt and the task; a later turn the previous
+    turn's messages plus its reply (tool calls untouched) and the tool results (agent.py)."""
+    if request.turn == 0 or previous is None or reply is None:
+        return first_messages(request.prefix_text, request.user_text)
+    return [*previous, *followup_messages(reply, request.tool_result_text)]
+
+
+def agent_tools(request: BenchRequest) -> list[dict[str, Any]] | None:
+    return None if request.tools_json is None else json.loads(request.tools_json)
+
+
 class LoadClient:
     """Sends a workload's requests and measures each one."""
 
     def __init__(self, config: ClientConfig, tokenizer: TextTokenizer | None = None) -> None:
         if config.prompt_format == "ids" and tokenizer is None:
             raise ValueError("prompt_format 'ids' needs a tokenizer")
+        self._tools_of: dict[str | None, list[dict[str, Any]] | None] = {}
         self.config = config
         self.tokenizer = tokenizer
 
@@ -172,6 +211,8 @@ class LoadClient:
     async def run_async(self, requests: Sequence[BenchRequest]) -> BenchmarkRun:
         config = self.config
         _check_dependencies(requests)
+        if config.prompt_format == "ids" and any(request.agent for request in requests):
+            raise ValueError("the agent workload sends chat messages: use --prompt-format text")
         offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
         finished = {(r.conversation, r.turn): asyncio.Event() for r in requests if r.conversation is not None}
         histories: dict[str, _History] = {}
@@ -184,7 +225,7 @@ class LoadClient:
         timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s))
         limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
         # Prompt text (and chat messages) of each successful request, for the ideal hit rate.
-        sent_prompts: dict[str, tuple[str, list[dict[str, str]] | None]] = {}
+        sent_prompts: dict[str, tuple[str, list[dict[str, Any]] | None]] = {}
         async with httpx.AsyncClient(base_url=config.base_url.rstrip("/"), headers=headers, timeout=timeout,
                                      limits=limits) as http:
             run_start = time.perf_counter()
@@ -203,16 +244,24 @@ class LoadClient:
                     if dependency is not None and dependency in failed_turns:
                         result.error = "skipped: the previous turn of its conversation failed"
                         return result
-                    history = histories.setdefault(request.conversation, _History()).turns \
-                        if request.conversation is not None else []
+                    state = histories.setdefault(request.conversation, _History()) \
+                        if request.conversation is not None else _History()
+                    endpoint = "chat" if request.agent else config.endpoint
                     async with semaphore:
-                        body, text = self._body(request, history)
+                        if request.agent:
+                            body, text = self._agent_body(request, state)
+                        else:
+                            body, text = self._body(request, state.turns)
                         result.start_s = time.perf_counter() - run_start
-                        await _stream_request(http, ENDPOINTS[config.endpoint], body, config.endpoint, result)
+                        await _stream_request(http, ENDPOINTS[endpoint], body, endpoint, result,
+                                              agent=request.agent)
                     if result.success:
                         sent_prompts[request.request_id] = (text, body.get("messages"))
-                        if request.conversation is not None:
-                            history.append((request.user_text, result.generated_text))
+                        if request.agent:
+                            state.messages = body["messages"]
+                            state.reply = AgentReply(result.generated_text, result.tool_calls or [])
+                        elif request.conversation is not None:
+                            state.turns.append((request.user_text, result.generated_text))
                     return result
                 finally:
                     if not result.success:
@@ -228,8 +277,26 @@ class LoadClient:
             duration = time.perf_counter() - run_start
         if self.tokenizer is not None:
             # After the run, so tokenizing never delays the timestamps of requests in flight.
-            self._fill_ideal(results, sent_prompts, self.tokenizer)
+            tools = {request.request_id: agent_tools(request) for request in requests if request.agent}
+            self._fill_ideal(results, sent_prompts, self.tokenizer, tools)
         return BenchmarkRun(list(results), duration)
+
+    def _agent_body(self, request: BenchRequest, state: _History) -> tuple[dict[str, Any], str]:
+        """An agent turn's chat request: the history with the previous reply fed back, the tools with
+        ``tool_choice: "required"``; no ``ignore_eos`` with tools."""
+        config = self.config
+        body: dict[str, Any] = {"model": config.model, "max_tokens": request.max_tokens,
+                                "temperature": config.temperature, "stream": True,
+                                "stream_options": {"include_usage": True},
+                                "messages": compose_agent_messages(request, state.messages, state.reply)}
+        if request.tools_json is not None:
+            if request.tools_json not in self._tools_of:  # parsed once per tool list
+                self._tools_of[request.tools_json] = json.loads(request.tools_json)
+            body |= {"tools": self._tools_of[request.tools_json], "tool_choice": "required",
+                     "parallel_tool_calls": False}
+        elif config.ignore_eos:
+            body["ignore_eos"] = True
+        return body, ""
 
     def _body(self, request: BenchRequest, history: Sequence[tuple[str, str]]) -> tuple[dict[str, Any], str]:
         """(request body, prompt text) with standard OpenAI fields only (plus ignore_eos when asked)."""
@@ -251,11 +318,14 @@ class LoadClient:
 
     @staticmethod
     def _fill_ideal(results: Sequence[RequestResult], sent_prompts: dict[str, tuple[str, Any]],
-                    tokenizer: TextTokenizer) -> None:
+                    tokenizer: TextTokenizer, agent_tools_of: dict[str, Any] | None = None) -> None:
         """Tokens an unbounded, token-granular prefix cache could have served: the longest prefix a
         request shares with the prompt + reply of any request sent before it (never the last prompt
-        token, whose logits are needed). Chat prompts are rendered with the tokenizer's template."""
+        token, whose logits are needed). Chat prompts are rendered with the tokenizer's template;
+        agent turns with their tools and their reply's tool calls (no figure where the template
+        cannot render them)."""
         render_chat = getattr(tokenizer, "apply_chat_template_ids", None)
+        agent_tools_of = agent_tools_of or {}
         earlier: list[tuple[int, ...]] = []
         for result in sorted(results, key=lambda result: result.start_s):
             sent = sent_prompts.get(result.request_id)
@@ -263,7 +333,18 @@ class LoadClient:
                 continue
             text, messages = sent
             reply = result.generated_text
-            if messages is None:
+            if result.request_id in agent_tools_of:
+                if render_chat is None:
+                    return
+                tools = agent_tools_of[result.request_id]
+                extra = {} if tools is None else {"tools": tools}
+                answer = assistant_message(AgentReply(reply, result.tool_calls or []))
+                try:
+                    prompt = render_chat(messages, **extra)
+                    after = render_chat([*messages, answer], add_generation_prompt=False, **extra)
+                except Exception:  # noqa: BLE001 - a template without tool support fails in its own ways
+                    return
+            elif messages is None:
                 prompt, after = tokenizer.encode(text), tokenizer.encode(text + reply)
             elif render_chat is not None:
                 try:
@@ -297,13 +378,14 @@ def _longest_shared_prefix(sequence: tuple[int, ...], ordered: list[tuple[int, .
 
 
 async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, Any], endpoint: str,
-                          result: RequestResult) -> None:
+                          result: RequestResult, agent: bool = False) -> None:
     """Send one streaming request and fill ``result``; never raises for a failed request.
 
     TTFT is the first event that carries a choice: servers send it when the first token exists,
     even where its text is still empty (vLLM streams a chunk per token; a chat stream opens with
     the role). ITL are the gaps between token chunks. A stream whose chunks all came in one burst
-    at the end (a server that sends nothing for tokens without text) is flagged.
+    at the end (a server that sends nothing for tokens without text) is flagged. ``agent``: the
+    streamed tool calls are joined into ``result.tool_calls``.
     """
     started = time.perf_counter()
     first_event_at: float | None = None
@@ -311,6 +393,8 @@ async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, An
     token_times: list[float] = []
     texts: list[str] = []
     usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    tool_calls = ToolCallDeltas()
     saw_done = False
     try:
         async with http.stream("POST", path, json=body) as response:
@@ -339,8 +423,14 @@ async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, An
                     return
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if isinstance(chunk.get("timings"), dict):  # llama-server
+                    timings = chunk["timings"]
                 for choice in chunk.get("choices") or []:
                     text, is_token = _choice_event(choice, endpoint)
+                    if endpoint == "chat" and isinstance(choice.get("delta"), dict):
+                        tool_calls.add(choice["delta"].get("tool_calls"))
+                    if choice.get("finish_reason"):
+                        result.finish_reason = str(choice["finish_reason"])
                     if first_event_at is None:
                         first_event_at = now
                     last_event_at = now
@@ -365,6 +455,8 @@ async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, An
     result.e2e_s = finished - started
     result.itl_s = [later - earlier for earlier, later in zip(token_times, token_times[1:])]
     result.generated_text = "".join(texts)
+    if agent:
+        result.tool_calls = tool_calls.calls()
     if usage is not None:
         result.usage_reported = True
         result.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
@@ -373,9 +465,17 @@ async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, An
         if isinstance(details, dict) and _int_or_none(details.get("cached_tokens")) is not None:
             result.cached_tokens = int(details["cached_tokens"])
             result.cached_tokens_reported = True
+            result.cached_tokens_source = "usage"
     else:
         # Without usage, token chunks stand in for tokens (a server may merge or skip some).
         result.output_tokens = len(token_times)
+    if not result.cached_tokens_reported and timings is not None and _int_or_none(timings.get("cache_n")) is not None:
+        # llama-server: cache_n prompt tokens came from its cache, prompt_n were computed.
+        result.cached_tokens = int(timings["cache_n"])
+        result.cached_tokens_reported = True
+        result.cached_tokens_source = "timings"
+        if result.prompt_tokens is None and _int_or_none(timings.get("prompt_n")) is not None:
+            result.prompt_tokens = result.cached_tokens + int(timings["prompt_n"])
     # Real decoding takes milliseconds per token; chunks closer together than this came in one burst.
     result.output_arrived_at_end = (result.output_tokens >= 2 and
                                     last_event_at - first_event_at < BURST_S_PER_TOKEN * (result.output_tokens - 1))
@@ -387,7 +487,7 @@ def _choice_event(choice: dict[str, Any], endpoint: str) -> tuple[str, bool]:
     if endpoint == "chat":
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
-        opening = "role" in delta
+        opening = "role" in delta and not delta.get("tool_calls")
     else:
         text = choice.get("text") or ""
         opening = False

@@ -1,5 +1,6 @@
-"""``kvreuse bench compare``: the same workload against kvreuse (prefix caching on, off) and plain
-transformers, in one run on one machine.
+"""``kvreuse bench compare``: the same workload against kvreuse (prefix caching on, off), plain
+transformers and, given its binary and a GGUF of the same model (``--llama-server BIN --gguf FILE``,
+from ../shared/tools/llama_cpp_peer.sh), llama.cpp's llama-server, in one run on one machine.
 
 Each system runs as a server subprocess on a free loopback port, one at a time so they never share
 the cores: start, wait for /health, send a few short unrelated warm-up requests, run the workload
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,35 @@ from kvreuse.bench.client import BenchmarkRun, LoadClient
 from kvreuse.bench.options import build_workload, client_config, config_dict, load_tokenizer, workload_dict
 from kvreuse.bench.workloads import RandomOptions, TextTokenizer, Workload, generate_workload
 
-SYSTEMS = ("kvreuse", "kvreuse-no-cache", "transformers")
+SYSTEMS = ("kvreuse", "kvreuse-no-cache", "transformers", "llama-server")
 SERVED_MODEL_NAME = "bench-model"
+
+
+@dataclass(frozen=True)
+class LlamaServer:
+    """How llama-server runs beside kvreuse: as a server for several clients, with ``--jinja`` (the
+    model's chat template, tool calling), one slot per concurrent request, the unified KV buffer of
+    ``ctx_size`` tokens and ``cache_ram_mib`` of host prompt cache (its serving defaults), as many
+    threads as this process may use."""
+
+    binary: str
+    gguf: str
+    slots: int = 4
+    ctx_size: int = 32768
+    cache_ram_mib: int = 4096
+
+    def check(self) -> None:
+        if not (Path(self.binary).is_file() and os.access(self.binary, os.X_OK)):
+            raise ValueError(f"--llama-server must be llama-server's binary, got {self.binary!r} "
+                             "(bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR prints it)")
+        if not Path(self.gguf).is_file():
+            raise ValueError(f"--gguf must be a GGUF file of the model, got {self.gguf!r}")
+
+    def command(self, port: int) -> list[str]:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return [self.binary, "-m", self.gguf, "--host", "127.0.0.1", "--port", str(port), "--jinja",
+                "-np", str(self.slots), "-c", str(self.ctx_size), "--kv-unified", "--cache-ram",
+                str(self.cache_ram_mib), "-t", str(threads), "--alias", SERVED_MODEL_NAME, "--no-webui"]
 
 
 def free_port() -> int:
@@ -40,7 +68,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def system_command(label: str, model_dir: str, port: int, dtype: str, device: str, kv_cache_memory: str) -> list[str]:
+def system_command(label: str, model_dir: str, port: int, dtype: str, device: str, kv_cache_memory: str,
+                   llama: LlamaServer | None = None) -> list[str]:
+    if label == "llama-server":
+        if llama is None:
+            raise ValueError("the llama-server system needs --llama-server BIN and --gguf FILE")
+        return llama.command(port)
     if label in ("kvreuse", "kvreuse-no-cache"):
         command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", model_dir, "--port", str(port),
                    "--dtype", dtype, "--device", device, "--kv-cache-memory", kv_cache_memory,
@@ -196,6 +229,7 @@ def run_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"systems must name each system once, got {args.systems!r}")
     if args.warmup_requests < 0:
         raise ValueError(f"warmup_requests must be >= 0, got {args.warmup_requests}")
+    llama = llama_server_of(args) if "llama-server" in labels else None
     if args.model:
         model_dir = args.model
     else:
@@ -217,12 +251,16 @@ def run_compare(args: argparse.Namespace) -> int:
     commands: dict[str, list[str]] = {}
     with _sigterm_as_interrupt():
         _run_systems(args, labels, model_dir, device, dtype, tokenizer, workload, warmup, log_dir, runs, summaries,
-                     commands)
+                     commands, llama)
 
     ratios = comparison_ratios(summaries)
     title = f"{workload.name}: kvreuse vs " + ", ".join(label for label in labels if label != "kvreuse")
     print()
     print(format_comparison(summaries, ratios, title))
+    if any(summary.turns for summary in summaries.values()):
+        from kvreuse.bench.report import format_turns_comparison
+
+        print(format_turns_comparison(summaries, f"{workload.name}: per turn"))
     if args.out:
         document = {
             "kind": "kvreuse-bench-compare",
@@ -270,16 +308,27 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def llama_server_of(args: argparse.Namespace) -> LlamaServer:
+    """The llama-server options of ``kvreuse bench compare``, checked."""
+    if not args.llama_server or not args.gguf:
+        raise ValueError("the llama-server system needs --llama-server BIN and --gguf FILE")
+    llama = LlamaServer(args.llama_server, args.gguf, slots=args.max_concurrency or 4, ctx_size=args.llama_ctx_size,
+                        cache_ram_mib=args.llama_cache_ram)
+    llama.check()
+    return llama
+
+
 def _run_systems(args: argparse.Namespace, labels: list[str], model_dir: str, device: str, dtype: str,
                  tokenizer: TextTokenizer, workload: Workload, warmup: Workload | None, log_dir: Path,
-                 runs: dict[str, BenchmarkRun], summaries: dict[str, Any], commands: dict[str, list[str]]) -> None:
+                 runs: dict[str, BenchmarkRun], summaries: dict[str, Any], commands: dict[str, list[str]],
+                 llama: LlamaServer | None = None) -> None:
     """Each system in turn: start its server, warm it up, run the workload, stop it."""
     from kvreuse.bench.report import format_table, summarize
 
     for label in labels:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
-        command = system_command(label, model_dir, port, dtype, device, args.kv_cache_memory)
+        command = system_command(label, model_dir, port, dtype, device, args.kv_cache_memory, llama)
         commands[label] = command
         print(f"\n[{label}] starting: {' '.join(command)}", flush=True)
         started = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvreuse.bench.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
 from kvreuse.bench.workloads import (
-    WORKLOAD_NAMES, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
+    WORKLOAD_NAMES, AgentOptions, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
     TextTokenizer, Workload, WorkloadOptions, generate_workload,
 )
 
@@ -33,7 +33,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """--workload and every workload's options (names as SGLang's for shared-prefix)."""
     parser.add_argument("--workload", required=True, choices=WORKLOAD_NAMES)
     parser.add_argument("--num-requests", type=int, default=None,
-                        help="rag / random / hot-prefix: how many requests; shared-prefix / multi-turn: "
+                        help="rag / random / hot-prefix: how many requests; shared-prefix / multi-turn / agent: "
                              "send only the first N of the (shuffled) workload")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the Poisson arrivals")
     gsp, mt, rag, rnd, hot = (SharedPrefixOptions(), MultiTurnOptions(), RagOptions(), RandomOptions(),
@@ -69,6 +69,33 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hot-prefix-len", type=int, default=hot.prefix_len)
     group.add_argument("--hot-question-len", type=int, default=hot.question_len)
     group.add_argument("--hot-output-len", type=int, default=hot.output_len)
+    add_agent_arguments(parser.add_argument_group(
+        "agent (N agents x T turns of tool calls over a shared tool list; chat endpoint)"))
+
+
+def add_agent_arguments(group: Any) -> None:
+    """The agent workload's options (``kvreuse bench`` and benchmarks/bench_agent.py)."""
+    agent = AgentOptions()
+    group.add_argument("--agent-num-agents", type=int, default=agent.num_agents)
+    group.add_argument("--agent-num-turns", type=int, default=agent.num_turns)
+    group.add_argument("--agent-tools-len", type=int, default=agent.tools_len,
+                       help="tokens of tool definitions (as compact JSON)")
+    group.add_argument("--agent-result-len", type=int, default=agent.result_len, help="tokens of each tool result")
+    group.add_argument("--agent-output-len", type=int, default=agent.output_len,
+                       help="max_tokens of each turn (a forced tool call ends well within it)")
+    group.add_argument("--agent-system-prompt-len", type=int, default=agent.system_prompt_len)
+    group.add_argument("--agent-task-len", type=int, default=agent.task_len, help="tokens of each agent's first task")
+    group.add_argument("--agent-num-tool-sets", type=int, default=agent.num_tool_sets,
+                       help="distinct tool lists, agents spread over them (1: one list shared by all)")
+    group.add_argument("--agent-no-tools", action="store_true",
+                       help="send no tools: the tool list goes into the system prompt and replies are text "
+                            "(a baseline for servers without tool calling)")
+
+
+def agent_options(args: argparse.Namespace) -> AgentOptions:
+    return AgentOptions(args.agent_num_agents, args.agent_num_turns, args.agent_tools_len, args.agent_result_len,
+                        args.agent_output_len, args.agent_system_prompt_len, args.agent_task_len,
+                        args.agent_num_tool_sets, args.agent_no_tools)
 
 
 def workload_options(args: argparse.Namespace) -> WorkloadOptions:
@@ -90,6 +117,8 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         return HotPrefixOptions(args.hot_num_cold_prefixes, args.hot_fraction, args.hot_prefix_len,
                                 args.hot_question_len, args.hot_output_len,
                                 args.num_requests or HotPrefixOptions.num_requests)
+    if name == "agent":
+        return agent_options(args)
     raise ValueError(f"workload must be one of {list(WORKLOAD_NAMES)}, got {name!r}")
 
 

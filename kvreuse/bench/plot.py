@@ -143,3 +143,37 @@ def plot_comparison(systems: Sequence[tuple[str, Sequence[RequestResult], Summar
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)
+
+
+def plot_turns(systems: Sequence[tuple[str, Summary]], title: str, path: str | os.PathLike[str]) -> None:
+    """Per-turn hit rate and median TTFT of each system (workloads with turns: multi-turn, agent)."""
+    plt = _pyplot()
+    figure, (rates, ttfts) = plt.subplots(1, 2, figsize=(11, 3.8))
+    figure.suptitle(title, fontsize=9)
+    for index, (label, summary) in enumerate(systems):
+        color = COLORS[index % len(COLORS)]
+        turns = [turn for turn in summary.turns if turn.completed]
+        rated = [turn for turn in turns if turn.hit_rate is not None]
+        if rated:
+            rates.plot([turn.turn for turn in rated], [turn.hit_rate for turn in rated], marker="o", color=color,
+                       label=label)
+        timed = [turn for turn in turns if turn.ttft_median_s is not None]
+        if timed:
+            ttfts.plot([turn.turn for turn in timed],
+                       [turn.ttft_median_s * 1000 for turn in timed],  # type: ignore[operator]
+                       marker="o", color=color, label=label)
+    rates.set_ylim(0, 1.05)
+    rates.set_xlabel("turn")
+    rates.set_title("hit rate per turn (cached / prompt tokens)", fontsize=9)
+    rates.legend(fontsize=8)
+    ttfts.set_yscale("log")
+    _plain_log_ticks(ttfts.yaxis)
+    ttfts.set_xlabel("turn")
+    ttfts.set_ylabel("ms, log")
+    ttfts.set_title("median TTFT per turn", fontsize=9)
+    ttfts.legend(fontsize=8)
+    for axis in (rates, ttfts):
+        axis.xaxis.get_major_locator().set_params(integer=True)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)

@@ -1,5 +1,7 @@
 """Summaries of a benchmark run: latency distributions, throughput, cache hit rate, errors; the
-printed table and the JSON document (every request included)."""
+printed table and the JSON document (every request included). Workloads with turns (multi-turn,
+agent) also get one row per turn: hit rate (cached / prompt tokens of that turn's requests) and
+median TTFT, and for agents how many replies carried a tool call."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.bench.client import BenchmarkRun
+from kvreuse.bench.client import BenchmarkRun, RequestResult
 
 REPORT_VERSION = 1
+# The CPU features that decide which kernels run (named in the machine description of a report).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -52,6 +56,22 @@ class Distribution:
 
 
 @dataclass(frozen=True)
+class TurnSummary:
+    """The requests of one turn index across conversations / agents (successful ones for the figures)."""
+
+    turn: int
+    requests: int
+    completed: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float | None  # cached / prompt tokens of this turn; None when the server reports no cached tokens
+    ideal_hit_rate: float | None
+    prompt_tokens_median: float | None
+    ttft_median_s: float | None
+    tool_calls_returned: int | None  # agent turns whose reply carried a tool call; None for other workloads
+
+
+@dataclass(frozen=True)
 class Summary:
     num_requests: int
     completed: int
@@ -72,6 +92,11 @@ class Summary:
     tpot: Distribution | None
     itl: Distribution | None
     e2e: Distribution | None
+    # Workloads with turns: one entry per turn index (empty otherwise).
+    turns: tuple[TurnSummary, ...] = ()
+    # Agent workloads: completed turns whose reply carried a tool call, and those that did not.
+    tool_calls_returned: int | None = None
+    no_tool_call: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +110,35 @@ def error_kind(message: str) -> str:
     return head[0]
 
 
+def turn_summaries(results: Sequence[RequestResult]) -> tuple[TurnSummary, ...]:
+    """Per-turn figures of the conversation requests among ``results`` (none: an empty tuple)."""
+    by_turn: dict[int, list[RequestResult]] = {}
+    for result in results:
+        if result.conversation is not None:
+            by_turn.setdefault(result.turn, []).append(result)
+    turns = []
+    for turn, members in sorted(by_turn.items()):
+        ok = [result for result in members if result.success]
+        prompt = sum(result.prompt_tokens or 0 for result in ok)
+        cached = sum(result.cached_tokens for result in ok)
+        reported = any(result.cached_tokens_reported for result in ok)
+        with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and result.prompt_tokens]
+        ideal_prompt = sum(result.prompt_tokens or 0 for result in with_ideal)
+        ttfts = [result.ttft_s for result in ok if result.ttft_s is not None]
+        prompts = [float(result.prompt_tokens) for result in ok if result.prompt_tokens is not None]
+        agent = [result for result in ok if result.tool_calls is not None]
+        turns.append(TurnSummary(
+            turn=turn, requests=len(members), completed=len(ok), prompt_tokens=prompt, cached_tokens=cached,
+            hit_rate=cached / prompt if reported and prompt else None,
+            ideal_hit_rate=(sum(result.ideal_cached_tokens or 0 for result in with_ideal) / ideal_prompt
+                            if ideal_prompt else None),
+            prompt_tokens_median=percentile(prompts, 50) if prompts else None,
+            ttft_median_s=percentile(ttfts, 50) if ttfts else None,
+            tool_calls_returned=sum(1 for result in agent if result.tool_calls) if agent else None,
+        ))
+    return tuple(turns)
+
+
 def summarize(run: BenchmarkRun) -> Summary:
     results = run.results
     ok = [result for result in results if result.success]
@@ -95,6 +149,8 @@ def summarize(run: BenchmarkRun) -> Summary:
     with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and result.prompt_tokens]
     ideal_prompt = sum(result.prompt_tokens or 0 for result in with_ideal)
     duration = max(run.duration_s, 1e-9)
+    agent = [result for result in ok if result.tool_calls is not None]
+    returned = sum(1 for result in agent if result.tool_calls)
     return Summary(
         num_requests=len(results),
         completed=len(ok),
@@ -116,6 +172,9 @@ def summarize(run: BenchmarkRun) -> Summary:
         tpot=Distribution.of([tpot for result in ok if (tpot := result.tpot_s) is not None]),
         itl=Distribution.of([gap for result in ok for gap in result.itl_s]),
         e2e=Distribution.of([result.e2e_s for result in ok if result.e2e_s is not None]),
+        turns=turn_summaries(results),
+        tool_calls_returned=returned if agent else None,
+        no_tool_call=len(agent) - returned if agent else None,
     )
 
 
@@ -153,6 +212,8 @@ def format_table(summary: Summary, title: str) -> str:
     row("Ideal hit rate (unbounded prefix cache)", _rate(summary.ideal_hit_rate))
     if summary.output_at_end:
         row("Output in one burst at the end (TTFT = E2E)", f"{summary.output_at_end} requests")
+    if summary.tool_calls_returned is not None:
+        row("Agent turns: tool call back / none", f"{summary.tool_calls_returned} / {summary.no_tool_call}")
     lines.append(f"{'latency (ms)':<16}{'mean':>11}{'median':>11}{'p90':>11}{'p99':>11}{'max':>12}".ljust(width))
     for label, distribution in (("TTFT", summary.ttft), ("TPOT", summary.tpot), ("ITL", summary.itl),
                                 ("E2E", summary.e2e)):
@@ -161,6 +222,51 @@ def format_table(summary: Summary, title: str) -> str:
             continue
         lines.append(f"{label:<16}{_ms(distribution.mean):>11}{_ms(distribution.median):>11}"
                      f"{_ms(distribution.p90):>11}{_ms(distribution.p99):>11}{_ms(distribution.max):>12}")
+    if summary.turns:
+        lines.append(format_turns(summary.turns))
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def format_turns(turns: Sequence[TurnSummary]) -> str:
+    """One row per turn: requests, tool calls back (agents), median prompt tokens, hit rate, TTFT median."""
+    agent = any(turn.tool_calls_returned is not None for turn in turns)
+    header = f"{'turn':<6}{'done':>6}" + (f"{'calls':>7}" if agent else "") + \
+        f"{'prompt med':>12}{'hit rate':>10}{'ideal':>8}{'TTFT med ms':>13}"
+    lines = [header]
+    for turn in turns:
+        calls = f"{'-' if turn.tool_calls_returned is None else turn.tool_calls_returned:>7}" if agent else ""
+        prompt = "-" if turn.prompt_tokens_median is None else f"{turn.prompt_tokens_median:.0f}"
+        lines.append(f"{turn.turn:<6}{f'{turn.completed}/{turn.requests}':>6}{calls}{prompt:>12}"
+                     f"{_rate(turn.hit_rate):>10}{_rate(turn.ideal_hit_rate):>8}{_ms(turn.ttft_median_s):>13}")
+    return "\n".join(lines)
+
+
+def format_turns_comparison(summaries: dict[str, Summary], title: str) -> str:
+    """Per-turn hit rate and median TTFT of several systems side by side (and tool calls back, for agents)."""
+    labels = [label for label, summary in summaries.items() if summary.turns]
+    if not labels:
+        return ""
+    agent = any(summary.tool_calls_returned is not None for summary in summaries.values())
+    per_system = ("hit rate", "TTFT ms") + (("calls",) if agent else ())
+    column = 10
+    span = max(column * len(per_system), *(len(label) + 2 for label in labels))
+    column = span // len(per_system)
+    span = column * len(per_system)
+    width = 6 + span * len(labels)
+    lines = [f" {title} ".center(width, "="),
+             f"{'':<6}" + "".join(f"{label:>{span}}" for label in labels),
+             f"{'turn':<6}" + "".join(f"{name:>{column}}" for _ in labels for name in per_system)]
+    by_turn = {label: {turn.turn: turn for turn in summaries[label].turns} for label in labels}
+    for index in sorted({turn for turns in by_turn.values() for turn in turns}):
+        cells = []
+        for label in labels:
+            turn = by_turn[label].get(index)
+            cells += [_rate(turn.hit_rate) if turn else "-", _ms(turn.ttft_median_s) if turn else "-"]
+            if agent:
+                cells.append("-" if turn is None or turn.tool_calls_returned is None
+                             else f"{turn.tool_calls_returned}/{turn.completed}")
+        lines.append(f"{index:<6}" + "".join(f"{cell:>{column}}" for cell in cells))
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -170,11 +276,14 @@ def machine_description() -> dict[str, Any]:
     its servers here too)."""
     cpu = platform.processor() or platform.machine()
     memory_gib = None
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                present = set(line.split(":", 1)[1].split())
+                flags = [flag for flag in CPU_FLAGS if flag in present]
         memory_gib = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
@@ -188,8 +297,8 @@ def machine_description() -> dict[str, Any]:
     except ImportError:
         torch_version = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": cores, "cpu": cpu, "memory_gib": memory_gib, "gpu": accelerator, "torch": torch_version,
-            "python": platform.python_version()}
+    return {"cores": cores, "cpu": cpu, "cpu_flags": flags, "memory_gib": memory_gib, "gpu": accelerator,
+            "torch": torch_version, "python": platform.python_version()}
 
 
 def run_document(run: BenchmarkRun, summary: Summary, config: dict[str, Any],

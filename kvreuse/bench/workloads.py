@@ -10,6 +10,11 @@ the re-encoded prompt has the requested length, so the shared part stays byte-id
 A workload is a list of ``BenchRequest`` in send order. Multi-turn requests name their conversation
 and turn: turn t+1 is sent only after turn t finished, and its prompt holds the real reply text, so
 it can only be composed at run time (``compose_prompt`` in the client).
+
+Agent requests (workload ``agent``, parts in agent.py) are chat turns of one agent: the system prompt,
+the task and the tool list are fixed by the workload, each later turn also carries the synthetic
+result the client returns for the previous turn's tool call; the calls themselves come from the
+replies at run time.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
+from kvreuse.bench.agent import CATALOGUE, build_tool_list, tools_as_system_text, tools_json_text
 from kvreuse.inputs import common_prefix_length
 
-WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "random", "hot-prefix")
+WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "random", "hot-prefix", "agent")
 
 # A word token: a leading space and letters only, so the pre-tokenizer splits text at each one.
 _SPACED_WORD = re.compile(r" [A-Za-z]{2,}")
@@ -67,6 +73,12 @@ class BenchRequest:
     designed_shared_tokens: int | None
     conversation: str | None = None
     turn: int = 0
+    # Agent turns: ``prefix_text`` is the system prompt, ``user_text`` the task; the tool list as JSON
+    # (None: it is written into the system prompt and no ``tools`` are sent) and the result this turn
+    # returns for the previous turn's tool call ("" on turn 0).
+    agent: bool = False
+    tools_json: str | None = None
+    tool_result_text: str = ""
 
     @property
     def depends_on(self) -> tuple[str, int] | None:
@@ -151,7 +163,27 @@ class HotPrefixOptions:
     num_requests: int = 40
 
 
-WorkloadOptions = SharedPrefixOptions | MultiTurnOptions | RagOptions | RandomOptions | HotPrefixOptions
+@dataclass(frozen=True)
+class AgentOptions:
+    """N agents x T turns: a system prompt and a tool list of about ``tools_len`` tokens (shared by all
+    agents, or one list per agent group with ``num_tool_sets`` > 1), a task, then T requests that each
+    resend the whole history with the previous turn's tool call and a result of ``result_len`` tokens.
+    ``no_tools``: the tool list goes into the system prompt and no ``tools`` are sent (a baseline for
+    servers without tool calling)."""
+
+    num_agents: int = 4
+    num_turns: int = 6
+    tools_len: int = 2000
+    result_len: int = 300
+    output_len: int = 128
+    system_prompt_len: int = 128
+    task_len: int = 48
+    num_tool_sets: int = 1
+    no_tools: bool = False
+
+
+WorkloadOptions = (SharedPrefixOptions | MultiTurnOptions | RagOptions | RandomOptions | HotPrefixOptions
+                   | AgentOptions)
 
 OPTIONS_CLASSES: dict[str, type] = {
     "shared-prefix": SharedPrefixOptions,
@@ -159,6 +191,7 @@ OPTIONS_CLASSES: dict[str, type] = {
     "rag": RagOptions,
     "random": RandomOptions,
     "hot-prefix": HotPrefixOptions,
+    "agent": AgentOptions,
 }
 
 
@@ -294,6 +327,7 @@ def generate_workload(name: str, tokenizer: TextTokenizer, options: WorkloadOpti
         "rag": rag_requests,
         "random": random_requests,
         "hot-prefix": hot_prefix_requests,
+        "agent": agent_requests,
     }[name]
     # The name is part of the seed: two workloads with the same --seed must not share text, or a
     # server that ran one would find the other in its cache.
@@ -476,3 +510,52 @@ def hot_prefix_requests(builder: PromptBuilder, options: HotPrefixOptions, rng: 
         ))
         seen.add(label)
     return requests
+
+
+def agent_tool_lists(builder: PromptBuilder, options: AgentOptions, rng: random.Random) -> list[list[dict[str, Any]]]:
+    """``num_tool_sets`` tool lists of about ``tools_len`` tokens of JSON each: the catalogue in a
+    different order per set, so two sets share no prefix."""
+    order = list(range(len(CATALOGUE)))
+    lists = []
+    for _ in range(options.num_tool_sets):
+        rng.shuffle(order)
+        lists.append(build_tool_list(order, options.tools_len,
+                                     lambda text: len(builder.tokenizer.encode(text, add_special_tokens=False)),
+                                     lambda num_tokens: builder.segment(rng, num_tokens).text))
+    return lists
+
+
+def agent_requests(builder: PromptBuilder, options: AgentOptions, rng: random.Random) -> list[BenchRequest]:
+    _check_int("agent_num_agents", options.num_agents, 1)
+    _check_int("agent_num_turns", options.num_turns, 1)
+    _check_int("agent_tools_len", options.tools_len, 1)
+    _check_int("agent_result_len", options.result_len, 1)
+    _check_int("agent_output_len", options.output_len, 1)
+    _check_int("agent_system_prompt_len", options.system_prompt_len, 1)
+    _check_int("agent_task_len", options.task_len, 1)
+    _check_int("agent_num_tool_sets", options.num_tool_sets, 1)
+    if options.num_tool_sets > options.num_agents:
+        raise ValueError(f"agent_num_tool_sets must be at most agent_num_agents ({options.num_agents}), "
+                         f"got {options.num_tool_sets}")
+    system = builder.segment(rng, options.system_prompt_len).text
+    tool_lists = agent_tool_lists(builder, options, rng)
+    turns: list[list[BenchRequest]] = [[] for _ in range(options.num_turns)]
+    for agent in range(options.num_agents):
+        tools = tool_lists[agent % options.num_tool_sets]
+        system_text = system + tools_as_system_text(tools) if options.no_tools else system
+        task = builder.segment(rng, options.task_len).text
+        for turn in range(options.num_turns):
+            turns[turn].append(BenchRequest(
+                request_id=f"a{agent}-t{turn}", group=f"tools{agent % options.num_tool_sets}",
+                prefix_text=system_text, user_text=task, max_tokens=options.output_len,
+                # Both depend on the chat template (and the tool list's rendering) and on the replies.
+                prompt_tokens=None, designed_shared_tokens=None, conversation=f"a{agent}", turn=turn, agent=True,
+                tools_json=None if options.no_tools else tools_json_text(tools),
+                tool_result_text=builder.segment(rng, options.result_len).text if turn else "",
+            ))
+    # Turn-major order, agents shuffled within each turn (as multi-turn).
+    ordered: list[BenchRequest] = []
+    for turn_requests in turns:
+        rng.shuffle(turn_requests)
+        ordered.extend(turn_requests)
+    return ordered
