@@ -62,6 +62,7 @@ def openai_router(state: ServerState) -> APIRouter:
         max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
         renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
         params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
+        await state.check_constraint(params.structured_outputs)
         pins: list[PinSpec] = []
         if body.save_system_prompt_kv_cache:
             spec = system_prompt_pin(state.tokenizer, body.messages, token_ids,
@@ -99,6 +100,7 @@ def openai_router(state: ServerState) -> APIRouter:
             prompts.append(prompt)
             lengths.append(num_prompt_tokens)
             params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs, renames={}))
+        await state.check_constraint(params[0].structured_outputs if params else None)
         generation = _Generation(
             chat=False, request_id=f"cmpl-{uuid.uuid4().hex}", model=body.model or state.model_name,
             created=int(time.time()), adapter=adapter,

@@ -2,9 +2,11 @@
 
 Requests are validated strictly and with ``extra="forbid"``: a parameter this server cannot honour
 is a 400 that names it, never silently ignored. Fields OpenAI defines but the engine cannot honour
-(tools, response_format other than text, a non-empty logit_bias, ...) are declared so that their
-*neutral* values (null, [], {}, "text") pass and anything else gets a 400 naming the field; vLLM's
-extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are honoured.
+(a non-empty logit_bias, store, ...) are declared so that their *neutral* values (null, [], {}) pass
+and anything else gets a 400 naming the field; vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, ignore_eos, ...) are honoured. Structured outputs come as OpenAI's
+``response_format`` (json_object, json_schema) or vLLM's ``structured_outputs`` (json, regex, choice,
+grammar, ...), on both completion endpoints.
 
 Responses are plain dicts serialised once with compact separators, the byte format OpenAI streams.
 """
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.errors import InvalidRequestError
 from kvreuse.sampling import SamplingParams, TokenLogprobs
+from kvreuse.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 from kvreuse.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -31,6 +34,9 @@ MAX_N = 128
 # Most prompts in one /v1/completions request.
 MAX_PROMPTS_PER_REQUEST = 1024
 MAX_CACHE_SALT_CHARS = 256
+# vLLM's structured_outputs fields (its StructuredOutputsParams without our error-location field).
+STRUCTURED_OUTPUT_FIELDS = (*CONSTRAINTS, "disable_any_whitespace", "disable_additional_properties",
+                            "whitespace_pattern")
 # JSON has no -inf; a token the model rules out gets this logprob (as vLLM reports it).
 MIN_REPORTED_LOGPROB = -9999.0
 
@@ -69,6 +75,8 @@ class _SamplingRequest(_StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | regex | choice | grammar | ...: ...}
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -88,6 +96,37 @@ class _SamplingRequest(_StrictModel):
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
                               f"got {len(self.cache_salt)} characters", "cache_salt")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, each error naming the request's own field."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_FIELDS))
+            if unknown:
+                raise bad_request(f"structured_outputs has unknown field(s) {', '.join(unknown)}; the fields are "
+                                  f"{', '.join(STRUCTURED_OUTPUT_FIELDS)}", f"structured_outputs.{unknown[0]}")
+            kinds = [name for name in CONSTRAINTS if self.structured_outputs.get(name) not in (None, False)]
+            return StructuredOutputsParams(**self.structured_outputs,
+                                           field=f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else None)
+        response_format = self.response_format
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True, field="response_format")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise bad_request("response_format.json_schema must be an object with a name",
+                                  "response_format.json_schema.name")
+            schema = spec.get("schema", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format.json_schema.schema")
+            return StructuredOutputsParams(json=schema, field="response_format.json_schema.schema")
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format.type")
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
         """SamplingParams from the request; a bad value becomes a 400 naming the request field."""
@@ -110,6 +149,7 @@ class _SamplingRequest(_StrictModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self.constraint(),
             )
         except InvalidRequestError as error:
             # The request may name a field differently from SamplingParams (chat's top_logprobs).
@@ -131,7 +171,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -146,9 +185,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("tool_choice is not supported (only 'none' is accepted)", "tool_choice")
         if self.function_call not in (None, "none"):
             raise bad_request("function_call is not supported (only 'none' is accepted)", "function_call")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise bad_request("response_format is not supported (only {'type': 'text'} is accepted)",
-                              "response_format")
         if self.store:
             raise bad_request("store is not supported: this server keeps no completions", "store")
         if self.metadata:

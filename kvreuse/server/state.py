@@ -8,6 +8,7 @@ route applies (admission, model names, prompts, ``max_tokens``). It sits below t
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import bad_request, model_not_found, unavailable
 from kvreuse.server.protocol import TokenTexts
+from kvreuse.structured_outputs import StructuredOutputsParams
 
 __all__ = ["ServedAdapter", "ServerConfig", "ServerState"]
 
@@ -143,6 +145,17 @@ class ServerState:
         except InvalidRequestError as error:
             raise bad_request(error.message, param, error.code) from None
         return tokenized.as_engine_prompt(), len(tokenized.token_ids)
+
+    async def check_constraint(self, constraint: StructuredOutputsParams | None) -> None:
+        """Compile a structured-output constraint before the request is queued (on the engine's grammar
+        thread, awaited: the loop goes on serving); a refused one is a 400 naming the request's field. The
+        compiled grammar is cached, so the engine finds it ready."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.wrap_future(self.llm_engine.structured.compiler.submit(constraint))
+        except InvalidRequestError as error:
+            raise bad_request(error.message, error.param, error.code) from None
 
     def check_stop_token_ids(self, stop_token_ids: list[int] | None) -> None:
         # An id beyond the vocabulary would fail inside the sampler, in the middle of a batch.
