@@ -3,8 +3,9 @@
 Weights can never be downloaded here, so tests, demos and benchmarks run on folders made by this
 module: config.json with the real shapes of a named model, seeded random weights in safetensors
 (HF parameter names), and a byte-level BPE tokenizer trained deterministically on the corpus that
-ships in ``kvreuse/data/corpus.txt``, with a ChatML chat template. The folders load offline in
-``transformers`` as well as in our own loader, so the two can be compared.
+ships in ``kvreuse/data/corpus.txt``, with a ChatML chat template that takes tools (Qwen2.5's shape and
+tool-call tokens, so tests and demos run real tool loops). The folders load offline in ``transformers``
+as well as in our own loader, so the two can be compared.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 # Bump when anything that changes the produced folders changes (names, shapes, init, tokenizer
 # recipe), so cached folders and tokenizers made by an older version are not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 
@@ -40,8 +41,15 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # trained first, so their ids are 0, 1, 2
-# 256 byte tokens and the special tokens; anything smaller cannot encode arbitrary text.
-MIN_TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS)
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
+# Added after training as the last ids, as Qwen2.5 / Qwen3 add them: one token each, but not special, so
+# decoding keeps them in the text (the tool-call parser reads them there) and a grammar can name them as text.
+TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+# 256 byte tokens, the special tokens and the tool tokens; anything smaller cannot encode arbitrary text.
+MIN_TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -68,15 +76,67 @@ AUTO_SHARD_BYTES = 2 * 1024**3
 # even for a 128256 x 4096 embedding.
 GENERATION_CHUNK_ELEMENTS = 1 << 22
 
+# ChatML, with tools in Qwen2.5-Instruct's shape (our own wording): with ``tools`` the system turn lists one
+# JSON object per tool inside <tools></tools> and says how to call one; an assistant turn's calls follow its
+# text as ``\n<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``; tool results go back inside a
+# user turn as ``\n<tool_response>\n...\n</tool_response>`` (consecutive results share one turn). Arguments
+# given as an object are written with ``tojson`` (json.dumps, ensure_ascii=False, ", " and ": "), which is
+# the serialisation the hermes grammar makes the model generate, so a replayed call renders the tokens the
+# model produced. A chat without tools, tool calls or tool results renders exactly as plain ChatML.
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- elif message['content'] is not none %}"
-    "{{- message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') }}"
+    "{%- macro text_of(content) %}"
+    "{%- if content is string %}"
+    "{{- content }}"
+    "{%- elif content is not none %}"
+    "{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') }}"
     "{%- endif %}"
+    "{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- text_of(messages[0]['content']) + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call functions to help with the request. Each function is described by one JSON '"
+    " 'object per line inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with its name and a JSON object of arguments inside '"
+    " '<tool_call></tool_call> tags, one pair of tags per call:\\n<tool_call>\\n'"
+    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set content = text_of(message['content']) %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if content %}"
+    "{{- '\\n' + content }}"
+    "{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}"
+    "{%- set tool_call = tool_call['function'] %}"
+    "{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}"
+    "{{- tool_call['arguments'] }}"
+    "{%- else %}"
+    "{{- tool_call['arguments'] | tojson }}"
+    "{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}"
+    "{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -206,11 +266,15 @@ def _tokenizer_cache_key(corpus: bytes, vocab_size: int) -> str:
 def _train_tokenizer(corpus: bytes, vocab_size: int) -> BpeTokenizer:
     """Byte-level BPE with Qwen2's pipeline. Training is deterministic for a given corpus and size.
 
+    The tool tokens are added after training as the last ``len(TOOL_TOKENS)`` ids (so ``vocab_size`` is
+    still the total), unnormalised and not special, as Qwen's tokenizers have them.
+
     The pipeline (NFC, Qwen2's split regex, byte level without its own regex) is exactly what
     transformers' Qwen2Tokenizer rebuilds from vocab + merges for model_type "qwen2", so every arch
     tokenizes the same text to the same ids in transformers and in tokenizer.json alike.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                            trainers)
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
@@ -221,7 +285,7 @@ def _train_tokenizer(corpus: bytes, vocab_size: int) -> BpeTokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(TOOL_TOKENS),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -230,6 +294,7 @@ def _train_tokenizer(corpus: bytes, vocab_size: int) -> BpeTokenizer:
     # Blank-line separated documents, so merges never span two unrelated pieces of text.
     documents = corpus.decode("utf-8").split("\n\n")
     tokenizer.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
     return tokenizer
 
 
@@ -457,7 +522,7 @@ def _write_weights(out_dir: Path, specs: Sequence[TensorSpec], dtype: torch.dtyp
 # Folder assembly
 
 
-def _tokenizer_config(max_length: int) -> dict:
+def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int]) -> dict:
     added_tokens = {
         str(token_id): {
             "content": token, "lstrip": False, "rstrip": False, "normalized": False,
@@ -465,6 +530,11 @@ def _tokenizer_config(max_length: int) -> dict:
         }
         for token_id, token in enumerate(SPECIAL_TOKENS)
     }
+    for token, token_id in tool_token_ids.items():
+        added_tokens[str(token_id)] = {
+            "content": token, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False, "special": False,
+        }
     return {
         # Explicit class: a model-specific class (e.g. LlamaTokenizer chosen from model_type) would
         # rebuild the pipeline with its own pre-tokenizer instead of using tokenizer.json as is.
@@ -563,7 +633,8 @@ def make_model(
         "pad_token_id": config["pad_token_id"],
     })
     shutil.copyfile(tokenizer_json, out_path / "tokenizer.json")
-    _write_json(out_path / "tokenizer_config.json", _tokenizer_config(preset_spec.max_position_embeddings))
+    _write_json(out_path / "tokenizer_config.json",
+                _tokenizer_config(preset_spec.max_position_embeddings, _tool_token_ids(tokenizer_json)))
     _write_json(out_path / "special_tokens_map.json", {
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
@@ -584,6 +655,11 @@ def _tokenizer_vocab_size(tokenizer_json: Path) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+
+
+def _tool_token_ids(tokenizer_json: Path) -> dict[str, int]:
+    added = json.loads(tokenizer_json.read_text(encoding="utf-8"))["added_tokens"]
+    return {entry["content"]: entry["id"] for entry in added if entry["content"] in TOOL_TOKENS}
 
 
 # ----------------------------------------------------------------------------------------------
