@@ -1,12 +1,23 @@
-"""Checking a chat conversation: roles, and OpenAI-style text parts flattened to plain strings.
+"""Checking a chat conversation and its tools: roles, text parts, tool calls and tool results.
 
 A leaf module (it imports only `kvreuse.errors`) so that both `kvreuse.inputs` (which renders and
 encodes prompts) and `kvreuse.tokenizer` (whose ``apply_chat_template`` checks what it renders) can
-use it without importing each other. `kvreuse.inputs` re-exports both names.
+use it without importing each other, and the tool-call parsers can check ``tools``. `kvreuse.inputs`
+re-exports the names.
+
+Tool history comes in OpenAI's shape: an assistant message with ``tool_calls`` (its content may be
+null), each ``{"id", "type": "function", "function": {"name", "arguments"}}`` whose ``arguments`` is the
+JSON text the model generated; then one ``role: "tool"`` message per call, its ``tool_call_id`` naming
+it. The checked copy carries ``arguments`` parsed into an object: chat templates write it with
+``tojson`` (Qwen2.5's, Llama 3.1's, Mistral's and ours), which would quote a string a second time, and
+the serialisation ``tojson`` gives back is the one the tool-call grammars make the model generate, so
+a replayed turn renders the text the model produced.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +25,9 @@ from kvreuse.errors import InvalidRequestError
 
 # The roles OpenAI's chat API accepts ("developer" is its newer name for "system").
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# OpenAI's rule for function names, with dots (MCP servers name tools "server.tool"). A name is written
+# into the prompt and into grammars as is, so nothing in it may need JSON escaping.
+TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def validate_messages(messages: Any, *, param: str = "messages") -> list[dict[str, Any]]:
@@ -36,8 +50,139 @@ def validate_messages(messages: Any, *, param: str = "messages") -> list[dict[st
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                                       f"{where}.role")
-        flattened.append({**message, "content": _content_text(message.get("content"), f"{where}.content")})
+        checked = {**message, "content": _content_text(message.get("content"), f"{where}.content")}
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise InvalidRequestError(f"{where}.tool_calls: only assistant messages carry tool calls, "
+                                          f"this one's role is {role!r}", f"{where}.tool_calls")
+            calls = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+            if calls:
+                checked["tool_calls"] = calls
+            else:
+                del checked["tool_calls"]
+        if role == "tool":
+            _check_tool_result(flattened, message, where)
+        flattened.append(checked)
     return flattened
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's calls, each with its arguments parsed (see the module docstring)."""
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+        raise InvalidRequestError(f"{where} must be a list of tool calls, got {type(calls).__name__}", where)
+    checked: list[dict[str, Any]] = []
+    for index, call in enumerate(calls):
+        call_where = f"{where}[{index}]"
+        if not isinstance(call, Mapping):
+            raise InvalidRequestError(f"{call_where} must be an object, got {type(call).__name__}", call_where)
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{call_where}.id must be a non-empty string", f"{call_where}.id")
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(f"{call_where}.type must be 'function', got {call.get('type')!r}",
+                                      f"{call_where}.type")
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{call_where}.function must be an object with name and arguments",
+                                      f"{call_where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{call_where}.function.name must be a non-empty string",
+                                      f"{call_where}.function.name")
+        checked.append({**call, "id": call_id, "type": "function", "function": {
+            **function, "name": name,
+            "arguments": _parsed_arguments(function.get("arguments"), f"{call_where}.function.arguments"),
+        }})
+    return checked
+
+
+def _parsed_arguments(arguments: Any, where: str) -> Any:
+    if arguments is None:
+        return {}
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if not isinstance(arguments, str):
+        raise InvalidRequestError(f"{where} must be a JSON string, got {type(arguments).__name__}", where)
+    if not arguments.strip():
+        return {}
+    try:
+        return json.loads(arguments)
+    except ValueError as error:
+        raise InvalidRequestError(f"{where} is not valid JSON: {error}", where) from None
+
+
+def _check_tool_result(previous: list[dict[str, Any]], message: Mapping[str, Any], where: str) -> None:
+    """A tool result answers a call of the assistant message just before it (other results of the same
+    message may come between), as OpenAI requires."""
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequestError(f"{where}.tool_call_id must be a non-empty string naming the call it answers",
+                                  f"{where}.tool_call_id")
+    position = len(previous) - 1
+    while position >= 0 and previous[position]["role"] == "tool":
+        position -= 1
+    answered = previous[position] if position >= 0 else None
+    calls = answered.get("tool_calls") if answered is not None and answered["role"] == "assistant" else None
+    if not calls:
+        raise InvalidRequestError(f"{where}: a tool message must follow an assistant message with tool_calls",
+                                  f"{where}.tool_call_id")
+    if call_id not in {call["id"] for call in calls}:
+        raise InvalidRequestError(f"{where}.tool_call_id {call_id!r} names no tool call of the assistant message "
+                                  "before it", f"{where}.tool_call_id")
+
+
+def validate_tools(tools: Any, *, param: str = "tools") -> list[dict[str, Any]]:
+    """Check OpenAI-style ``tools`` (``[{"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}]``): names unique and of OpenAI's form, ``parameters`` a valid JSON schema.
+    Returns plain dicts in the order given (the order the prompt lists them in). None or [] is no tools."""
+    if tools is None:
+        return []
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(f"{param} must be a list of tools, got {type(tools).__name__}", param)
+    checked: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError(f"{where} must be an object, got {type(tool).__name__}", where)
+        if tool.get("type", "function") != "function":
+            raise InvalidRequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{where}.function must be an object with a name", f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME_PATTERN.fullmatch(name):
+            raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', "
+                                      f"got {name!r}", f"{where}.function.name")
+        if name in names:
+            raise InvalidRequestError(f"{where}.function.name {name!r} is already the name of another tool",
+                                      f"{where}.function.name")
+        names.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise InvalidRequestError(f"{where}.function.description must be a string",
+                                      f"{where}.function.description")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequestError(f"{where}.function.strict must be a bool", f"{where}.function.strict")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            _check_schema(parameters, f"{where}.function.parameters")
+        checked.append({**tool, "type": "function", "function": dict(function)})
+    return checked
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{where} must be a JSON schema object, got {type(schema).__name__}", where)
+    import jsonschema  # imported on first use: only requests with tools pay for it
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.path)
+        raise InvalidRequestError(f"{where}{path} is not a valid JSON schema: {error.message}",
+                                  f"{where}{path}") from None
 
 
 def _content_text(content: Any, where: str) -> str:

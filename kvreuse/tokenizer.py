@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import InvalidRequestError
-from kvreuse.messages import validate_messages
+from kvreuse.messages import validate_messages, validate_tools
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -87,6 +87,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return getattr(self.hf_tokenizer, "chat_template", None)
 
+    @property
+    def added_tokens(self) -> dict[str, int]:
+        """The added tokens (special or not), text -> id: tool-call grammars name single-token tags by them
+        (kvreuse.tool_parsers.choose)."""
+        return {token.content: token_id for token_id, token in self.hf_tokenizer.added_tokens_decoder.items()}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens (bos) are added only where the tokenizer's own
         config adds them; the chat-template path passes ``add_special_tokens=False``."""
@@ -104,7 +110,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
         """Render ``messages`` (checked and flattened by kvreuse.messages.validate_messages) with the model's
-        chat template; extra kwargs go to the template."""
+        chat template; extra kwargs go to the template (``tools`` checked by validate_tools first)."""
+        if template_kwargs.get("tools") is not None:
+            template_kwargs["tools"] = validate_tools(template_kwargs["tools"]) or None
         return self.render_chat(validate_messages(messages), add_generation_prompt, **template_kwargs)
 
     def render_chat(self, flattened: list[dict[str, Any]], add_generation_prompt: bool = True,
