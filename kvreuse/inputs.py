@@ -8,10 +8,19 @@ bad role or a prompt over ``max_model_len`` is the same `InvalidRequestError` (w
 An `InputProcessor` holds a `Tokenizer`; Hugging Face fast tokenizers must not be used from two
 threads at once, so each thread that encodes (the engine thread, the server's event loop) owns its
 own processor and tokenizer object.
+
+Agent turns hit the cache by construction: a generated turn that comes back in the next request's
+history, re-tokenized, need not give back the ids the model sampled (a BPE tokenizer encodes text one
+canonical way; sampling can pick any spelling, ``<tool_call>`` piece by piece, a word split in two), and
+the prompt would leave the cache exactly where that turn began. A `GenerationMemory`, shared by the
+`OutputProcessor` that records each finished sample's text and ids and the `InputProcessor` that encodes
+the next turn, lets a remembered text found at an assistant turn of a rendered chat be encoded as the ids
+that produced it; the text around it is encoded as before, split at those points.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from kvreuse.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from kvreuse.messages import CHAT_ROLES, validate_messages
+from kvreuse.messages import CHAT_ROLES, validate_messages, validate_tools
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer
 
 __all__ = [
-    "CHAT_ROLES", "InputProcessor", "PromptInput", "TokenizedPrompt", "common_prefix_length",
-    "validate_messages", "validate_prompt_tokens",
+    "CHAT_ROLES", "GenerationMemory", "InputProcessor", "PromptInput", "TokenizedPrompt", "common_prefix_length",
+    "validate_messages", "validate_prompt_tokens", "validate_tools",
 ]
 
 # A prompt as the engine and LLM.generate take it: text, token ids, or {"prompt_token_ids": [...]}
@@ -78,23 +87,100 @@ def validate_prompt_tokens(token_ids: Sequence[int], max_model_len: int | None, 
                 )
 
 
+class GenerationMemory:
+    """Generated texts and the token ids that produced them (without the final eos), least recently used
+    first out, so a chat that replays them encodes them as those ids.
+
+    Bounded by entries and by characters held; an entry evicted while its conversation goes on costs that
+    conversation its cache from the evicted turn on, so the bounds are generous (an agent server holds
+    every turn of every live conversation). Each lookup of an entry keeps it fresh. Not thread-safe: the
+    recording and the encoding side of one memory run on one thread (the caller's for `LLM`, the event
+    loop for the server).
+    """
+
+    # Entries are indexed by their first characters, so finding those that start at a position costs
+    # HEAD_CHARS dictionary lookups, whatever the number of entries.
+    HEAD_CHARS = 16
+
+    def __init__(self, max_entries: int = 8192, max_chars: int = 32 * 1024 * 1024) -> None:
+        if max_entries < 1 or max_chars < 1:
+            raise ValueError(f"max_entries and max_chars must be >= 1, got {max_entries}, {max_chars}")
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._by_head: dict[str, set[str]] = {}
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self._entries
+
+    def record(self, text: str, token_ids: Sequence[int]) -> None:
+        """Remember that ``token_ids`` (which decode to exactly ``text``, special tokens included) were
+        generated. The same text generated again with other ids replaces them: the newest conversation is
+        the likeliest to continue."""
+        if not text or not token_ids or len(text) > self.max_chars:
+            return
+        if text in self._entries:
+            self._entries[text] = tuple(token_ids)
+            self._entries.move_to_end(text)
+            return
+        self._entries[text] = tuple(token_ids)
+        self._by_head.setdefault(text[: self.HEAD_CHARS], set()).add(text)
+        self._chars += len(text)
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+            oldest, _ = self._entries.popitem(last=False)
+            self._chars -= len(oldest)
+            head = oldest[: self.HEAD_CHARS]
+            self._by_head[head].discard(oldest)
+            if not self._by_head[head]:
+                del self._by_head[head]
+
+    def longest_at(self, text: str, position: int) -> tuple[str, tuple[int, ...]] | None:
+        """The longest remembered text that ``text`` holds at ``position``, with its ids (now the most
+        recently used), or None."""
+        best: str | None = None
+        for length in range(1, self.HEAD_CHARS + 1):
+            head = text[position : position + length]
+            if len(head) < length:
+                break
+            for candidate in self._by_head.get(head, ()):
+                if (best is None or len(candidate) > len(best)) and text.startswith(candidate, position):
+                    best = candidate
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return best, self._entries[best]
+
+
 def _as_token_list(value: Any, param: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidRequestError(f"{param} must be a list of integers", param)
     return list(value)
 
 
+# Not computed yet (None means the template has no assistant turn marker).
+_UNKNOWN = object()
+
+
 class InputProcessor:
     """Renders, encodes and validates prompts for one model; owned by a single thread.
 
     ``max_model_len`` / ``vocab_size`` of None skip those checks (the router only needs the ids).
+    ``generation_memory``: the memory this thread's `OutputProcessor` records generated turns into; a chat
+    that replays one of them gets the ids that were generated (see the module docstring). None: chats are
+    encoded as their text alone.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, generation_memory: GenerationMemory | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.generation_memory = generation_memory
+        self._assistant_marker: Any = _UNKNOWN
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, tools: list[Any] | None = None,
                param: str = "messages") -> str:
@@ -112,13 +198,60 @@ class InputProcessor:
 
     def from_messages(self, messages: Any, *, add_generation_prompt: bool = True, tools: list[Any] | None = None,
                       param: str = "messages", validate: bool = True) -> TokenizedPrompt:
-        """Render and encode a conversation (the template already holds any bos: none is added)."""
+        """Render and encode a conversation (the template already holds any bos: none is added).
+
+        ``tools`` (OpenAI's shape, checked by validate_tools; errors name ``tools[i]...``) go to the
+        template, which lists them in the prompt. Tool calls in the history have their JSON arguments
+        parsed, so the template serialises them (see kvreuse.messages). Generated turns found in the
+        generation memory are encoded as the ids that were generated."""
         flattened = validate_messages(messages, param=param)
-        text = self._render(flattened, add_generation_prompt, tools, param)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        checked_tools = validate_tools(tools, param="tools")
+        text = self._render(flattened, add_generation_prompt, checked_tools or None, param)
+        token_ids = self._encode_chat(text)
         if validate:
             self.validate(token_ids, param)
         return TokenizedPrompt(token_ids, text, flattened)
+
+    def _encode_chat(self, text: str) -> list[int]:
+        """The rendered chat's ids: each remembered generated text that starts right after an assistant turn
+        marker becomes its generated ids; the text between them is encoded as usual."""
+        memory = self.generation_memory
+        marker = self.assistant_marker() if memory else None
+        if not memory or not marker:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids: list[int] = []
+        encoded_up_to = 0
+        search_from = 0
+        while (found := text.find(marker, search_from)) != -1:
+            turn_start = found + len(marker)
+            match = memory.longest_at(text, turn_start)
+            if match is None:
+                search_from = turn_start
+                continue
+            generated, generated_ids = match
+            token_ids += self.tokenizer.encode(text[encoded_up_to:turn_start], add_special_tokens=False)
+            token_ids += generated_ids
+            encoded_up_to = search_from = turn_start + len(generated)
+        if encoded_up_to < len(text):
+            token_ids += self.tokenizer.encode(text[encoded_up_to:], add_special_tokens=False)
+        return token_ids
+
+    def assistant_marker(self) -> str | None:
+        """What the template writes where an assistant turn begins: its generation prompt
+        (``<|im_start|>assistant\\n`` for ChatML), found by rendering a one-message chat with and without it.
+        A generated turn's text starts right after it. None when the template adds no generation prompt."""
+        if self._assistant_marker is _UNKNOWN:
+            probe = [{"role": "user", "content": "x"}]
+            try:
+                without = self.tokenizer.render_chat(probe, False)
+                with_prompt = self.tokenizer.render_chat(probe, True)
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError):
+                # No chat template, or one that cannot render this probe: no splicing, nothing worse.
+                self._assistant_marker = None
+            else:
+                suffix = with_prompt[len(without):] if with_prompt.startswith(without) else ""
+                self._assistant_marker = suffix or None
+        return self._assistant_marker
 
     def from_text(self, text: Any, *, add_special_tokens: bool = True, param: str = "prompt",
                   validate: bool = True) -> TokenizedPrompt:

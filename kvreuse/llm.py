@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from kvreuse.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, parse_memory_size
 from kvreuse.engine import LLMEngine
-from kvreuse.inputs import PromptInput, TokenizedPrompt
+from kvreuse.inputs import GenerationMemory, InputProcessor, PromptInput, TokenizedPrompt
 from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
@@ -90,9 +90,13 @@ class LLM:
             enable_torch_compile=enable_torch_compile,
         )
         self.engine = LLMEngine(config)
-        # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer and inputs.
-        self.inputs = self.engine.inputs
-        self._outputs = OutputProcessor(self.engine.tokenizer)
+        # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer. Its outputs and
+        # inputs share a generation memory: a chat that replays a generated turn encodes it as the ids that
+        # were generated, so every turn of an agent loop starts with the previous prompt and generation.
+        self.generation_memory = GenerationMemory()
+        self.inputs = InputProcessor(self.engine.tokenizer, self.engine.max_model_len,
+                                     self.engine.model_config.vocab_size, generation_memory=self.generation_memory)
+        self._outputs = OutputProcessor(self.engine.tokenizer, self.generation_memory)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -132,10 +136,15 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        ``tools`` (OpenAI's shape) are listed in the prompt by the template; assistant messages may carry
+        ``tool_calls`` and ``role: "tool"`` messages answer them (kvreuse.messages). Enforcing a
+        ``tool_choice`` is the sampling params' grammar (kvreuse.tool_parsers ``structured_outputs``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt)
+        prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
                    for conversation in conversations]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm, cache_salt, self._loras_per_prompt(lora_request, len(prompts)))

@@ -16,6 +16,10 @@ has its own tokenizer object.
 
 Engine outputs are cumulative (all token ids so far), so a consumer that skipped some outputs
 still processes every token: the processor remembers how many it has seen.
+
+With a `GenerationMemory` (shared with the thread's `InputProcessor`), every finished sample's text is
+recorded with the ids that produced it, less the eos or stop token that ended it, so the next turn of the
+conversation encodes that text as those ids and hits the cache through it (kvreuse.inputs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvreuse.inputs import GenerationMemory
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -67,8 +72,9 @@ class ProcessedOutput:
 class OutputProcessor:
     """Detokenizes and applies stop strings for the requests of one caller thread."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, generation_memory: GenerationMemory | None = None) -> None:
         self.tokenizer = tokenizer
+        self.generation_memory = generation_memory
         self._requests: dict[str, _RequestText] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -97,12 +103,26 @@ class OutputProcessor:
             delta_ids = self._consume(sample, completion)
             if not was_finished and sample.num_tokens_at_stop is not None:
                 stopped.append((completion.index, str(sample.stop_reason)))
-            completions.append(self._completion(sample, completion, delta_ids))
+            processed_completion = self._completion(sample, completion, delta_ids)
+            if not was_finished and sample.finished and self.generation_memory is not None:
+                self._remember(processed_completion)
+            completions.append(processed_completion)
         finished = all(sample.finished for sample in state.samples)
         if finished:
             del self._requests[output.request_id]
         processed = dataclasses.replace(output, outputs=completions, finished=finished)
         return ProcessedOutput(processed, stopped)
+
+    def _remember(self, completion: CompletionOutput) -> None:
+        """Record a finished sample in the generation memory: its ids less the eos / stop token that ended
+        it, when they decode to exactly its text (not when a stop string cut the text, or skipped special
+        tokens are missing from it: the text a client sends back would not hold those ids)."""
+        assert self.generation_memory is not None
+        token_ids = list(completion.token_ids)
+        if token_ids and completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
+            token_ids.pop()
+        if token_ids and self.tokenizer.decode(token_ids, skip_special_tokens=False) == completion.text:
+            self.generation_memory.record(completion.text, token_ids)
 
     def _consume(self, sample: _SampleText, completion: CompletionOutput) -> list[int]:
         """Detokenize the tokens not seen yet; returns them (up to a stop string, if one ends them)."""

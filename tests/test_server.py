@@ -440,7 +440,9 @@ def test_roles_and_stop_cap_as_openai_clients_see_them(server: RunningServer, cl
     reply = client.chat.completions.create(
         model=MODEL_NAME, max_tokens=2, temperature=0, stop=[f"s{i}" for i in range(64)],
         messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                  {"role": "assistant", "content": "hello"}, {"role": "tool", "content": "42"},
+                  {"role": "assistant", "content": "hello", "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "42"},
                   {"role": "user", "content": "and?"}],
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
