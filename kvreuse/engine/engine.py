@@ -214,7 +214,9 @@ class LLMEngine:
         results = self._take_tokens(logits, sampling)
         now = time.monotonic()
         for item, result in zip(sampling, results):  # before advance: the block keys need the accepted tokens
-            self._append_tokens(item.request, result, now)
+            group, sample = self._sequences[id(item.request)]
+            sample.append(result.token_ids, result.logprobs, now, group.metrics)
+            self._generation_tokens += len(result.token_ids)
         accepted = {id(item.request): result.num_accepted for item, result in zip(sampling, results)}
         # In the batch's order (sorted by adapter with LoRA), each count with its own request.
         self.scheduler.advance([ScheduledRequest(item.request, item.num_tokens) for item in items], [
@@ -305,22 +307,6 @@ class LLMEngine:
                 group.pins_saved.append(pin.pin_id)
                 logger.debug("request %s: pinned %d tokens as %s (%s, ttl %s)", group.request_id,
                              pin.num_tokens, pin.pin_id, pin.kind, pin.ttl)
-
-    def _append_tokens(self, request: Request, result: VerifyResult, now: float) -> None:
-        """Record a step's tokens of one sequence (its SamplingState already has them)."""
-        group, sample = self._sequences[id(request)]
-        output = sample.output
-        for token_id, token_logprobs in zip(result.token_ids, result.logprobs):
-            request.append_token(token_id)
-            output.token_ids.append(token_id)
-            output.token_ids_delta.append(token_id)
-            if output.logprobs is not None:
-                output.logprobs.append(token_logprobs)
-        self._generation_tokens += len(result.token_ids)
-        if request.first_token_time is None:
-            request.first_token_time = now
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
 
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         if group.finished:

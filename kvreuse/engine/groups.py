@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvreuse.cache.pins import PinSpec
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.request import Request
+from kvreuse.sampling import TokenLogprobs
 
 
 @dataclass
@@ -22,6 +23,22 @@ class Sample:
 
     request: Request
     output: CompletionOutput
+
+    def append(self, token_ids: list[int], logprobs: list[TokenLogprobs | None], now: float,
+               metrics: RequestMetrics) -> None:
+        """Record a step's tokens (its SamplingState already has them): the request's, the output's and its
+        delta; the first one sets the time to first token."""
+        request, output = self.request, self.output
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            request.append_token(token_id)
+            output.token_ids.append(token_id)
+            output.token_ids_delta.append(token_id)
+            if output.logprobs is not None:
+                output.logprobs.append(token_logprobs)
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
 
 
 @dataclass
