@@ -34,7 +34,8 @@ from kvreuse.tokenizer import Tokenizer
 logger = logging.getLogger("kvreuse")
 
 COMPILED_CAPACITY = 512  # distinct compiled constraints kept (least recently used go first)
-# JSON that a template re-renders the same way: json.dumps' default separators, no free whitespace.
+# vLLM's disable_any_whitespace: the most compact JSON ("," and ":", no free whitespace). Tool calls use the
+# chat templates' own style instead (kvreuse.tool_parsers.TEMPLATE_JSON_STYLE: ", " and ": ").
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
