@@ -96,6 +96,10 @@ class GenerationMemory:
     every turn of every live conversation). Each lookup of an entry keeps it fresh. Not thread-safe: the
     recording and the encoding side of one memory run on one thread (the caller's for `LLM`, the event
     loop for the server).
+
+    Entries are kept per ``scope``, the cache namespace's salt of the request (a tenant's): a prompt is
+    encoded only with ids its own tenant generated. Shared across tenants, the prompt's token count would
+    tell one tenant whether another had generated a given text.
     """
 
     # Entries are indexed by their first characters, so finding those that start at a position costs
@@ -107,38 +111,39 @@ class GenerationMemory:
             raise ValueError(f"max_entries and max_chars must be >= 1, got {max_entries}, {max_chars}")
         self.max_entries = max_entries
         self.max_chars = max_chars
-        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._by_head: dict[str, set[str]] = {}
+        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()  # (scope, text) -> ids
+        self._by_head: dict[tuple[str, str], set[str]] = {}  # (scope, first characters) -> texts
         self._chars = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, text: object) -> bool:
-        return text in self._entries
+        return any(key[1] == text for key in self._entries)
 
-    def record(self, text: str, token_ids: Sequence[int]) -> None:
+    def record(self, text: str, token_ids: Sequence[int], scope: str = "") -> None:
         """Remember that ``token_ids`` (which decode to exactly ``text``, special tokens included) were
         generated. The same text generated again with other ids replaces them: the newest conversation is
         the likeliest to continue."""
         if not text or not token_ids or len(text) > self.max_chars:
             return
-        if text in self._entries:
-            self._entries[text] = tuple(token_ids)
-            self._entries.move_to_end(text)
+        key = (scope, text)
+        if key in self._entries:
+            self._entries[key] = tuple(token_ids)
+            self._entries.move_to_end(key)
             return
-        self._entries[text] = tuple(token_ids)
-        self._by_head.setdefault(text[: self.HEAD_CHARS], set()).add(text)
+        self._entries[key] = tuple(token_ids)
+        self._by_head.setdefault((scope, text[: self.HEAD_CHARS]), set()).add(text)
         self._chars += len(text)
         while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-            oldest, _ = self._entries.popitem(last=False)
+            (old_scope, oldest), _ = self._entries.popitem(last=False)
             self._chars -= len(oldest)
-            head = oldest[: self.HEAD_CHARS]
+            head = (old_scope, oldest[: self.HEAD_CHARS])
             self._by_head[head].discard(oldest)
             if not self._by_head[head]:
                 del self._by_head[head]
 
-    def longest_at(self, text: str, position: int) -> tuple[str, tuple[int, ...]] | None:
+    def longest_at(self, text: str, position: int, scope: str = "") -> tuple[str, tuple[int, ...]] | None:
         """The longest remembered text that ``text`` holds at ``position``, with its ids (now the most
         recently used), or None."""
         best: str | None = None
@@ -146,13 +151,13 @@ class GenerationMemory:
             head = text[position : position + length]
             if len(head) < length:
                 break
-            for candidate in self._by_head.get(head, ()):
+            for candidate in self._by_head.get((scope, head), ()):
                 if (best is None or len(candidate) > len(best)) and text.startswith(candidate, position):
                     best = candidate
         if best is None:
             return None
-        self._entries.move_to_end(best)
-        return best, self._entries[best]
+        self._entries.move_to_end((scope, best))
+        return best, self._entries[(scope, best)]
 
 
 def _as_token_list(value: Any, param: str) -> list[int]:
@@ -197,22 +202,23 @@ class InputProcessor:
             raise InvalidRequestError(f"the chat template rejected the messages: {error}", param) from None
 
     def from_messages(self, messages: Any, *, add_generation_prompt: bool = True, tools: list[Any] | None = None,
-                      param: str = "messages", validate: bool = True) -> TokenizedPrompt:
+                      param: str = "messages", validate: bool = True, memory_scope: str = "") -> TokenizedPrompt:
         """Render and encode a conversation (the template already holds any bos: none is added).
 
         ``tools`` (OpenAI's shape, checked by validate_tools; errors name ``tools[i]...``) go to the
         template, which lists them in the prompt. Tool calls in the history have their JSON arguments
         parsed, so the template serialises them (see kvreuse.messages). Generated turns found in the
-        generation memory are encoded as the ids that were generated."""
+        generation memory (under ``memory_scope``: the request's cache salt) are encoded as the ids that were
+        generated."""
         flattened = validate_messages(messages, param=param)
         checked_tools = validate_tools(tools, param="tools")
         text = self._render(flattened, add_generation_prompt, checked_tools or None, param)
-        token_ids = self._encode_chat(text)
+        token_ids = self._encode_chat(text, memory_scope)
         if validate:
             self.validate(token_ids, param)
         return TokenizedPrompt(token_ids, text, flattened)
 
-    def _encode_chat(self, text: str) -> list[int]:
+    def _encode_chat(self, text: str, scope: str = "") -> list[int]:
         """The rendered chat's ids: each remembered generated text that starts right after an assistant turn
         marker becomes its generated ids; the text between them is encoded as usual."""
         memory = self.generation_memory
@@ -224,7 +230,7 @@ class InputProcessor:
         search_from = 0
         while (found := text.find(marker, search_from)) != -1:
             turn_start = found + len(marker)
-            match = memory.longest_at(text, turn_start)
+            match = memory.longest_at(text, turn_start, scope)
             if match is None:
                 search_from = turn_start
                 continue

@@ -144,7 +144,8 @@ class LLM:
         ``tool_calls`` and ``role: "tool"`` messages answer them (kvreuse.messages). Enforcing a
         ``tool_choice`` is the sampling params' grammar (kvreuse.tool_parsers ``structured_outputs``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+        prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             memory_scope=cache_salt or "")
                    for conversation in conversations]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm, cache_salt, self._loras_per_prompt(lora_request, len(prompts)))
@@ -187,7 +188,7 @@ class LLM:
         for request_id, prompt, params, lora in zip(request_ids, prompts, params_list, loras):
             engine.add_request(request_id, prompt.as_engine_prompt(), params, cache_salt=cache_salt,
                                lora_request=lora)
-            self._outputs.add_request(request_id, prompt.token_ids, params)
+            self._outputs.add_request(request_id, prompt.token_ids, params, memory_scope=cache_salt or "")
         finished: dict[str, RequestOutput] = {}
         show_bar = use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_REQUESTS
         with tqdm(total=len(prompts), desc="requests", disable=not show_bar, unit="req") as bar:

@@ -58,6 +58,7 @@ class _SampleText:
 @dataclass
 class _RequestText:
     samples: list[_SampleText]
+    memory_scope: str = ""  # its cache salt: the generation memory's scope for its samples
 
 
 @dataclass
@@ -77,14 +78,15 @@ class OutputProcessor:
         self.generation_memory = generation_memory
         self._requests: dict[str, _RequestText] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    memory_scope: str = "") -> None:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already being processed")
         self._requests[request_id] = _RequestText([
             _SampleText(params, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                        skip_special_tokens=params.skip_special_tokens))
             for _ in range(params.n)
-        ])
+        ], memory_scope)
 
     def abort(self, request_id: str) -> None:
         """Forget a request (aborted, or its caller went away)."""
@@ -105,7 +107,7 @@ class OutputProcessor:
                 stopped.append((completion.index, str(sample.stop_reason)))
             processed_completion = self._completion(sample, completion, delta_ids)
             if not was_finished and sample.finished and self.generation_memory is not None:
-                self._remember(processed_completion)
+                self._remember(processed_completion, state.memory_scope)
             completions.append(processed_completion)
         finished = all(sample.finished for sample in state.samples)
         if finished:
@@ -113,7 +115,7 @@ class OutputProcessor:
         processed = dataclasses.replace(output, outputs=completions, finished=finished)
         return ProcessedOutput(processed, stopped)
 
-    def _remember(self, completion: CompletionOutput) -> None:
+    def _remember(self, completion: CompletionOutput, scope: str) -> None:
         """Record a finished sample in the generation memory: its ids less the eos / stop token that ended
         it, when they decode to exactly its text (not when a stop string cut the text, or skipped special
         tokens are missing from it: the text a client sends back would not hold those ids)."""
@@ -122,7 +124,7 @@ class OutputProcessor:
         if token_ids and completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
             token_ids.pop()
         if token_ids and self.tokenizer.decode(token_ids, skip_special_tokens=False) == completion.text:
-            self.generation_memory.record(completion.text, token_ids)
+            self.generation_memory.record(completion.text, token_ids, scope)
 
     def _consume(self, sample: _SampleText, completion: CompletionOutput) -> list[int]:
         """Detokenize the tokens not seen yet; returns them (up to a stop string, if one ends them)."""

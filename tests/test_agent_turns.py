@@ -196,6 +196,19 @@ def test_generation_memory_is_a_bounded_lru_matching_the_longest_text() -> None:
         GenerationMemory(max_entries=0)
 
 
+def test_generation_memory_is_scoped_by_cache_salt() -> None:
+    """A tenant's prompt is encoded only with ids its own tenant generated: shared, the prompt's token count
+    would tell one tenant that another generated a text."""
+    memory = GenerationMemory()
+    memory.record("secret plan", [5, 6, 7], scope="tenant-a")
+    assert memory.longest_at("secret plan", 0, scope="tenant-a") == ("secret plan", (5, 6, 7))
+    assert memory.longest_at("secret plan", 0, scope="tenant-b") is None
+    assert memory.longest_at("secret plan", 0) is None
+    memory.record("secret plan", [8], scope="tenant-b")
+    assert memory.longest_at("secret plan", 0, scope="tenant-a") == ("secret plan", (5, 6, 7))
+    assert memory.longest_at("secret plan", 0, scope="tenant-b") == ("secret plan", (8,))
+
+
 def finished_output(request_id: str, prompt_ids: list[int], token_ids: list[int], finish_reason: str,
                     stop_reason: int | str | None) -> RequestOutput:
     return RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0, token_ids=token_ids,
