@@ -17,11 +17,14 @@ import pytest
 
 from kvreuse.cli import main
 from kvreuse.inputs import InputProcessor, common_prefix_length
-from kvreuse.observatory.diagnose import ConstantSpan, FixedOrder, StripWhitespace, read_prompts, simulate
+from kvreuse.observatory.diagnose import (
+    ConstantSpan, FixedOrder, StripWhitespace, ToolHeldConstant, ToolsInOneOrder, fixes_from, read_prompts, simulate,
+)
 from kvreuse.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_LOG = REPO / "docs" / "examples" / "drift-chats.jsonl"
+TOOLS_LOG = REPO / "docs" / "examples" / "drift-tools.jsonl"  # an agent's requests: tools swapped, a dated tool
 KVREUSE = Path(sys.executable).parent / "kvreuse"  # the console script pip installed next to this interpreter
 RULES = "You answer questions about orders. Be polite and precise. Never invent tracking data. " * 2
 
@@ -53,6 +56,34 @@ def test_fixes_change_only_what_they_name() -> None:
     assert StripWhitespace().apply(text + " ") == text.replace(". \n", ".\n")
     ordered = FixedOrder(("Q: b", "A: 2", "Q: a", "A: 1")).apply(text)
     assert ordered.endswith("A: 1\nA: 2\nQ: a\nQ: b") and FixedOrder(("x", "y")).apply(text) == text
+
+
+def test_logged_tools_and_the_tool_fixes(tmp_path: Path) -> None:
+    log = tmp_path / "agent.jsonl"
+    tool = {"type": "function", "function": {"name": "hours", "description": "Hours. Today is Monday 2026-11-16."}}
+    other = {"type": "function", "function": {"name": "fetch", "parameters": {"type": "object"}}}
+    log.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [tool, other]}) + "\n")
+    (prompt,) = read_prompts(log, chat=True)
+    assert prompt.tools == (tool, other) and prompt.messages == ({"role": "user", "content": "hi"},)
+    log.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": {"x": 1}}) + "\n")
+    with pytest.raises(ValueError, match=r"agent.jsonl:1: tools must be a list"):
+        read_prompts(log, chat=True)
+
+    assert ToolsInOneOrder().apply_tools([tool, other]) == [other, tool] and ToolsInOneOrder().apply("x") == "x"
+    changed = json.loads(json.dumps(tool).replace("Monday", "Friday"))
+    held = ToolHeldConstant("hours", json.dumps(tool))
+    assert held.apply_tools([other, changed]) == [other, tool] and held.label.startswith("tool `hours` sent as first")
+    # A text fix reaches the tools' strings too: a date in a description is held as one in a message.
+    (fixed, _) = ConstantSpan("date", "Today is ").apply_tools([changed, other])
+    assert fixed["function"]["description"] == "Hours. Today is <date>."
+
+    # What a report's tools group suggests: one order for moved tools; a changed tool held, unless a volatile
+    # span there has its own fix.
+    group = {"volatile": [], "whitespace_only": False, "reordered_lines": None,
+             "tools": {"moved": ["fetch", "hours"], "changed": [{"name": "hours", "path": "description",
+                                                                 "change": "changed"}]}}
+    assert fixes_from({"groups": [group]}, {"hours": tool}) == [ToolsInOneOrder(), held]
+    assert fixes_from({"groups": [group]}) == [ToolsInOneOrder()]
 
 
 def test_simulated_cache_reuses_as_the_engine() -> None:
@@ -116,3 +147,33 @@ def test_console_script_on_plain_and_chat_logs(tmp_path: Path, tiny_model: Path)
     rates = [result["hit_rate"]] + [fix["hit_rate"] for fix in result["fixes"]]
     assert rates == sorted(rates) and rates[-1] > rates[0] + 0.4, rates
     assert result["drift_after_fixes"][0]["groups"][0]["kinds"] == ["reordered"]
+
+
+def test_console_script_names_the_tools_of_an_agent_log(tmp_path: Path, tiny_model: Path) -> None:
+    """The agent log of docs/observatory.md: every third request lists two tools the other way round, and a
+    tool's description carries the date. The report names both tools, the changed field, and the fixes."""
+    output = subprocess.run([str(KVREUSE), "diagnose", str(TOOLS_LOG), "--tokenizer", str(tiny_model), "--chat",
+                             "--json", str(tmp_path / "tools.json")],
+                            capture_output=True, text=True, timeout=120, check=True).stdout
+    prompts = read_prompts(TOOLS_LOG, chat=True)
+    inputs = InputProcessor(Tokenizer(tiny_model))
+    ids = [inputs.from_messages(list(prompt.messages), tools=list(prompt.tools)).token_ids for prompt in prompts]
+    result = json.loads((tmp_path / "tools.json").read_text())
+    swapped, dated = result["drift"]["groups"][:2]
+    assert swapped["position"] == common_prefix_length(ids[2], ids[1]), swapped
+    assert swapped["tools"]["summary"] == ["tools `search_catalog` and `fetch_page` swapped"]
+    assert swapped["tools"]["request_tools"][:2] == ["fetch_page", "search_catalog"] and swapped["kinds"] == ["tools"]
+    assert (swapped["cached_text"], swapped["request_text"]) == ("search_catalog", "fetch_page")
+    assert dated["position"] == common_prefix_length(ids[4], ids[3]), dated
+    assert dated["kinds"] == ["date", "tools"] and dated["request_text"] == "Tuesday 2026-11-17"
+    assert dated["tools"]["changed"] == [{"name": "opening_hours", "path": "description", "change": "changed"}]
+    assert ("(tools); tools `search_catalog` and `fetch_page` swapped" in output
+            and "(date, tools); tool `opening_hours`: description changed" in output), output
+    assert "tools: this prompt lists fetch_page, search_catalog, opening_hours, order_status; the cached one" in output
+    assert [fix["fix"] for fix in result["fixes"]] == [
+        "the tool list in one fixed order (sorted by name)",
+        "the date after 'of a branch. Today is' held constant (moved to the end)"]
+    rates = [result["hit_rate"]] + [fix["hit_rate"] for fix in result["fixes"]]
+    assert rates == sorted(rates) and rates[-1] > rates[0] + 0.15, rates
+    # Once both are fixed, what is left diverges where the users' questions start: nothing lost.
+    assert all(group["tokens_lost_per_request"] == 0 for group in result["drift_after_fixes"][-1]["groups"])

@@ -168,6 +168,7 @@ COMMANDS: dict[str, str] = {
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
     # docs/observatory.md
     "kvreuse diagnose docs/examples/drift-chats.jsonl --tokenizer ./tiny --chat": DIAGNOSE,
+    "kvreuse diagnose docs/examples/drift-tools.jsonl --tokenizer ./tiny --chat": DIAGNOSE,
 }
 
 # What each benchmark script prints when its table is there (a smoke run prints the same table).

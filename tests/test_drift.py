@@ -2,8 +2,10 @@
 tenant rule (a tenant never sees another tenant's prompt text), the cache tree and per-owner hit counters.
 
 The crafted workloads are the ways caching silently breaks: a timestamp in the system prompt that changes
-per request, a reordered few-shot block, a trailing space. Each report must name the token position where
-the prompt left the cache (checked against the tokenizer's own ids), the span that changed and its kind.
+per request, a reordered few-shot block, a trailing space, an agent's tool list with a description edited,
+two tools swapped or a tool added. Each report must name the token position where the prompt left the cache
+(checked against the tokenizer's own ids), the span that changed and its kind, and in a tool list the tool
+and the JSON path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvreuse.inputs import common_prefix_length
 from kvreuse.observatory.diagnose import simulate
 from kvreuse.observatory.drift import namespace_label, realign
 from kvreuse.observatory.scope import ALL, NamespaceOwners, Scope
+from kvreuse.observatory.tools import find_tools, first_difference, format_path, tool_drift
 from kvreuse.observatory.volatile import find_volatile_spans, reordered_items, whitespace_only
 
 RULES = ("Answer in one short paragraph. Be polite and precise. Refer to the order number when one is given. "
@@ -90,6 +93,136 @@ def test_realign_finds_what_a_brute_force_search_finds() -> None:
         assert (found[-1].i + found[-1].length if found else 0) == (expected[-1][0] + expected[-1][2] if expected else 0)
         for run in found:
             assert run.length >= 8 and request[run.i:run.i + run.length] == cached[run.j:run.j + run.length]
+
+
+# --- tool lists: which tool changed, came, went or moved (pure text) ----------------------------------------
+
+
+def function_tool(name: str, description: str, **properties: dict) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": list(properties)}}}
+
+
+SEARCH = function_tool("search", "Search the web for pages.", q={"type": "string", "description": "the query"},
+                       limit={"type": "integer", "description": "at most this many results"})
+FETCH = function_tool("fetch", "Fetch one page as text.", url={"type": "string", "description": "an http(s) URL"})
+WEATHER = function_tool("weather", "The weather at a place, today.", city={"type": "string"})
+TOOLS = [SEARCH, FETCH, WEATHER]
+
+
+def edited(tool: dict, change) -> dict:
+    copy = json.loads(json.dumps(tool))
+    change(copy["function"])
+    return copy
+
+
+def qwen_prompt(tools: list[dict], question: str = "Find me a recipe.") -> str:
+    """A chat with tools as Qwen2.5's template renders it: one JSON object per tool and line in <tools>."""
+    listed = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (f"<|im_start|>system\nYou are a research agent.\n\n# Tools\n\nYou may call one or more functions to "
+            f"assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML "
+            f"tags:\n<tools>{listed}\n</tools>\n\nFor each function call, return a json object with function name "
+            f"and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n<|im_start|>user\n{question}"
+            f"<|im_end|>\n<|im_start|>assistant\n")
+
+
+def description_of_q(function: dict) -> None:
+    function["parameters"]["properties"]["q"]["description"] = "the search query, in English"
+
+
+@pytest.mark.parametrize("request_tools, summary, fields", [
+    ([edited(SEARCH, description_of_q), FETCH, WEATHER],
+     ["tool `search`: parameters.properties.q.description changed"],
+     {"changed": [{"name": "search", "path": "parameters.properties.q.description", "change": "changed"}]}),
+    ([SEARCH, edited(FETCH, lambda f: f.update(description="Fetch a page.")), WEATHER],
+     ["tool `fetch`: description changed"], {"changed": [{"name": "fetch", "path": "description", "change": "changed"}]}),
+    ([SEARCH, edited(FETCH, lambda f: f["parameters"]["required"].append("url")), WEATHER],
+     ["tool `fetch`: parameters.required[1] added"], {}),
+    ([edited(SEARCH, lambda f: f["parameters"]["properties"].pop("limit")), FETCH, WEATHER],
+     ["tool `search`: parameters.properties.limit removed"], {}),
+    ([FETCH, SEARCH, WEATHER], ["tools `search` and `fetch` swapped"],
+     {"moved": ["search", "fetch"], "swapped": True, "changed": []}),
+    ([WEATHER, SEARCH, FETCH], ["tool `weather` moved"], {"moved": ["weather"], "swapped": False}),
+    ([SEARCH, FETCH, function_tool("calc", "Compute."), WEATHER], ["tool `calc` added"],
+     {"added": ["calc"], "removed": [], "moved": []}),
+    ([SEARCH, WEATHER], ["tool `fetch` removed"], {"removed": ["fetch"], "added": []}),
+    ([edited(SEARCH, lambda f: f.update(parameters=dict(reversed(list(f["parameters"].items()))))), FETCH, WEATHER],
+     ["tool `search`: the keys of parameters in another order"], {}),
+])
+def test_tool_drift_names_the_tool_and_the_path(request_tools: list[dict], summary: list[str], fields: dict) -> None:
+    drift = tool_drift(qwen_prompt(request_tools), qwen_prompt(TOOLS))
+    assert drift is not None and drift.summary == summary, drift
+    found = drift.as_dict()
+    assert {key: found[key] for key in fields} == fields
+    assert found["cached_tools"] == ["search", "fetch", "weather"] and found["complete"]
+    assert drift.advice
+
+
+def test_tool_drift_in_other_formats_and_cut_windows() -> None:
+    changed = [edited(SEARCH, description_of_q), FETCH]
+    # Llama 3.1's template: each tool as indented JSON, a blank line after each, in the first user turn.
+    def llama(tools: list[dict]) -> str:
+        return ("<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON "
+                "for a function call.\n\n" + "".join(json.dumps(tool, indent=4) + "\n\n" for tool in tools)
+                + "Question: what is new?<|eot_id|>")
+    assert tool_drift(llama(changed), llama(TOOLS[:2])).summary == ["tool `search`: parameters.properties.q.description changed"]
+    # Mistral's: one JSON array; Anthropic-style definitions (input_schema, no wrapper) are tools too.
+    def mistral(tools: list[dict]) -> str:
+        return f"[AVAILABLE_TOOLS]{json.dumps(tools)}[/AVAILABLE_TOOLS][INST]What is new?[/INST]"
+    assert tool_drift(mistral([FETCH, SEARCH]), mistral([SEARCH, FETCH])).summary == ["tools `search` and `fetch` swapped"]
+    anthropic = [{"name": "search", "description": "Search.", "input_schema": {"type": "object"}},
+                 {"name": "fetch", "description": "Fetch.", "input_schema": {"type": "object"}}]
+    assert tool_drift(mistral(anthropic[::-1]), mistral(anthropic)).moved == ("search", "fetch")
+    # The same definition serialised another way (no spaces after separators).
+    compact = qwen_prompt(TOOLS).replace(json.dumps(FETCH), json.dumps(FETCH, separators=(",", ":")))
+    assert tool_drift(compact, qwen_prompt(TOOLS)).summary == [
+        "tool `fetch`: the same definition, serialised differently (whitespace or escapes)"]
+    # Windows cut the list: the object a window's end cuts is ignored, and a tool past it is not "removed".
+    request, cached = qwen_prompt([edited(SEARCH, description_of_q), FETCH, WEATHER]), qwen_prompt(TOOLS)
+    cut_request = request[:request.index('"weather"') + 20]  # ends inside the weather tool
+    drift = tool_drift(cut_request, cached)
+    assert drift is not None and drift.request_tools == ("search", "fetch") and not drift.complete
+    assert drift.removed == () and drift.summary == ["tool `search`: parameters.properties.q.description changed"]
+    # The text before the divergence may start inside a tool (the lead kept is bounded): that one is skipped.
+    start = cached.index('"fetch"') - 10
+    assert tool_drift(request[start:], cached[start:]) is None  # search is cut: nothing named, nothing invented
+    assert find_tools(cached[start:])[0].name == "fetch"
+    # Not in a tool list: no tool finding; a tool call in the history is no tool definition.
+    assert tool_drift("Today is Monday. {\"name\": \"x\", \"arguments\": {}}", "Today is Friday.") is None
+    assert find_tools('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>') == []
+
+
+def test_first_difference_walks_in_text_order() -> None:
+    assert first_difference({"a": 1, "b": {"c": [1, 2]}}, {"a": 1, "b": {"c": [1, 3]}}) == (("b", "c", 1), "changed")
+    assert first_difference({"a": 1}, {"a": True}) == (("a",), "changed")  # true is other text than 1
+    assert first_difference({"a": 1, "b": 2}, {"b": 2, "a": 1}) == ((), "key order")
+    assert first_difference({"a": 1}, {"a": 1, "new": 0}) == (("new",), "added")
+    assert first_difference({"a": [1]}, {"a": [1]}) is None
+    assert format_path(("parameters", "properties", "max results", "enum", 2)) == 'parameters.properties["max results"].enum[2]'
+
+
+def test_char_level_report_names_the_tool_that_changed_and_the_one_that_moved() -> None:
+    report = char_report([qwen_prompt(TOOLS, "Find a recipe."), qwen_prompt([edited(SEARCH, description_of_q), FETCH, WEATHER],
+                                                                         "Find a recipe.")])
+    group = report["groups"][0]
+    assert group["kinds"] == ["tools"] and group["tools"]["changed"] == [
+        {"name": "search", "path": "parameters.properties.q.description", "change": "changed"}]
+    assert group["sentence"].endswith("(tools); tool `search`: parameters.properties.q.description changed"), group
+    assert group["advice"][0].startswith("send each tool's definition byte-identical") and "`search` changed" in group["advice"][0]
+    assert group["tokens_lost_per_request"] > 0
+
+    report = char_report([qwen_prompt(TOOLS), qwen_prompt([FETCH, SEARCH, WEATHER])])
+    group = report["groups"][0]
+    # One tool per line reads as reordered lines too; the tool analysis says it by name instead.
+    assert group["kinds"] == ["tools"] and group["reordered_lines"] is None, group
+    assert group["sentence"].endswith("(tools); tools `search` and `fetch` swapped")
+    assert (group["cached_text"], group["request_text"]) == ("search", "fetch")
+    assert group["tools"]["at_divergence"] == {"request": "fetch", "cached": "search"}
+    assert group["advice"] == ["keep the tool list in a fixed order (build it once, or sort it by name): the same "
+                               "tools come in another order"]
+    # Outside tool lists nothing changes: the date group of a plain prompt has no tools.
+    assert char_report(["Now: 2026-11-16. " + RULES, "Now: 2026-11-17. " + RULES])["groups"][0]["tools"] is None
 
 
 # --- the tenant rule --------------------------------------------------------------------------------------
@@ -203,6 +336,30 @@ def test_engine_report_on_a_trailing_space(llm: LLM) -> None:
     assert group["position"] == expected
     assert group["kinds"] == ["whitespace"] and group["whitespace_only"], group
     assert any("trailing whitespace" in advice for advice in group["advice"])
+
+
+@pytest.mark.parametrize("salt, request_tools, summary", [
+    ("tool-description", [edited(SEARCH, description_of_q), FETCH, WEATHER],
+     "tool `search`: parameters.properties.q.description changed"),
+    ("tool-order", [FETCH, SEARCH, WEATHER], "tools `search` and `fetch` swapped"),
+    ("tool-added", [SEARCH, FETCH, function_tool("calc", "Compute an expression.", expr={"type": "string"}), WEATHER],
+     "tool `calc` added"),
+])
+def test_engine_report_names_the_tool_on_rendered_prompts(llm: LLM, salt: str, request_tools: list[dict],
+                                                           summary: str) -> None:
+    """Real prompts: the made model's chat template lists the tools (Qwen2.5's shape), the engine records the
+    miss, the report names the tool."""
+    chat = system_chat(f"You are a research agent. {RULES}", "Find me a recipe for bread.")
+    for tools in (TOOLS, request_tools):
+        llm.chat(chat, SamplingParams(temperature=0, max_tokens=1), cache_salt=salt, use_tqdm=False, tools=tools)
+    ids = [llm.inputs.from_messages(chat, tools=tools).token_ids for tools in (TOOLS, request_tools)]
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) in llm.inputs.render(chat, tools=TOOLS)
+    label = namespace_label(namespace_key(salt, None, llm.engine.model_name))
+    (group,) = [group for group in llm.drift_report(top=50)["groups"] if group["namespace"] == label]
+    assert group["position"] == common_prefix_length(ids[1], ids[0]), group
+    assert "tools" in group["kinds"] and group["tools"]["summary"] == [summary], group
+    assert group["sentence"].endswith(f"(tools); {summary}") and group["tokens_lost_per_request"] > 0
+    assert group["tools"]["cached_tools"] == ["search", "fetch", "weather"] and group["tools"]["complete"]
 
 
 def test_cache_tree_and_hit_counters(llm: LLM) -> None:

@@ -1,15 +1,16 @@
 """``kvreuse diagnose PROMPTS.jsonl --tokenizer DIR [--chat]``: the drift report before a deployment.
 
 A log of prompts (one per line: a JSON string, ``{"prompt": ...}``, or with ``--chat``
-``{"messages": [...]}`` / a bare message list, rendered with the tokenizer folder's chat template
-through kvreuse's own InputProcessor) runs, in order, through the engine's own prefix index
-(`PrefixIndex`, unbounded: nothing is evicted), so matching, the partial-block reuse and the
-divergence of each miss are exactly the engine's. The misses go into the engine's `DriftLog`, whose
-report names the top divergence points and the volatile spans there. Then each fix the report
-suggests (a volatile span held constant, which is what moving it to the end of the prompt achieves
-for the prefix; trailing whitespace stripped; a reordered block in one fixed order) is applied to
-every prompt of the log and the log is simulated again: the difference in hit rate is what the fix
-would save.
+``{"messages": [...]}`` (with the request's ``"tools"`` when it had some) / a bare message list, rendered
+with the tokenizer folder's chat template through kvreuse's own InputProcessor) runs, in order, through
+the engine's own prefix index (`PrefixIndex`, unbounded: nothing is evicted), so matching, the
+partial-block reuse and the divergence of each miss are exactly the engine's. The misses go into the
+engine's `DriftLog`, whose report names the top divergence points, the volatile spans there and the
+tools that changed or moved. Then each fix the report suggests (a volatile span held constant, which is
+what moving it to the end of the prompt achieves for the prefix; trailing whitespace stripped; a
+reordered block in one fixed order; the tools in one order; a tool whose definition changed sent as the
+log first has it) is applied to every prompt of the log and the log is simulated again: the difference
+in hit rate is what the fix would save.
 
 Torch-free: only a tokenizer is loaded, never a model.
 """
@@ -48,6 +49,7 @@ class LoggedPrompt:
     line: int
     text: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # the request's tools (OpenAI's shape), for the template
 
 
 def read_prompts(path: Path, chat: bool) -> list[LoggedPrompt]:
@@ -65,13 +67,17 @@ def read_prompts(path: Path, chat: bool) -> list[LoggedPrompt]:
             value = json.loads(line)
         except ValueError as error:
             raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+        tools = None
         if isinstance(value, dict) and "messages" in value:
+            tools = value.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise ValueError(f"{path}:{number}: tools must be a list of tools")
             value = value["messages"]
         if isinstance(value, list):
             if not chat:
                 raise ValueError(f"{path}:{number}: a message list; pass --chat to render conversations with the "
                                  "tokenizer's chat template")
-            prompts.append(LoggedPrompt(number, messages=tuple(value)))
+            prompts.append(LoggedPrompt(number, messages=tuple(value), tools=tuple(tools) if tools else None))
         elif isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("prompt"), str)):
             prompts.append(LoggedPrompt(number, text=value if isinstance(value, str) else value["prompt"]))
         else:
@@ -86,13 +92,37 @@ def read_prompts(path: Path, chat: bool) -> list[LoggedPrompt]:
 
 
 class Fix(ABC):
-    """A change to every prompt's text (each message's content for conversations)."""
+    """A change to every prompt: to its text (each message's content for conversations), or to its tools."""
 
     label: str
 
     @abstractmethod
     def apply(self, text: str) -> str:
         """The text with this fix applied."""
+
+    def apply_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation's tools with this fix applied: a text fix changes every string in them (a date in
+        a tool's description is held constant as one in the system prompt is)."""
+        return [_map_strings(tool, self.apply) for tool in tools]
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(item, change) for item in value]
+    return value
+
+
+def tool_name(tool: Any) -> str | None:
+    """A logged tool's name: OpenAI's ``{"function": {"name"}}`` or a bare ``{"name"}``."""
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
+    return name if isinstance(name, str) else None
 
 
 @dataclass(frozen=True)
@@ -146,8 +176,40 @@ class FixedOrder(Fix):
         return "\n".join(lines)
 
 
-def fixes_from(report: dict[str, Any]) -> list[Fix]:
-    """The fixes the report's groups suggest, in the report's order, each once."""
+@dataclass(frozen=True)
+class ToolsInOneOrder(Fix):
+    """Send the tools in one order (sorted by name) whatever order a request had them in."""
+
+    label: str = "the tool list in one fixed order (sorted by name)"
+
+    def apply(self, text: str) -> str:
+        return text
+
+    def apply_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return sorted(tools, key=lambda tool: tool_name(tool) or "")
+
+
+@dataclass(frozen=True)
+class ToolHeldConstant(Fix):
+    """Send one tool with the same definition every time: the one the log first has."""
+
+    name: str
+    definition: str  # that tool as JSON (a frozen dataclass holds no dict)
+
+    @property
+    def label(self) -> str:
+        return f"tool `{self.name}` sent as first logged (its definition held constant)"
+
+    def apply(self, text: str) -> str:
+        return text
+
+    def apply_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [json.loads(self.definition) if tool_name(tool) == self.name else tool for tool in tools]
+
+
+def fixes_from(report: dict[str, Any], first_tools: dict[str, dict[str, Any]] | None = None) -> list[Fix]:
+    """The fixes the report's groups suggest, in the report's order, each once. ``first_tools``: each tool's
+    first logged definition, by name (what a tool whose definition changed is held to)."""
     fixes: list[Fix] = []
     for group in report["groups"]:
         for span in group["volatile"]:
@@ -160,6 +222,14 @@ def fixes_from(report: dict[str, Any]) -> list[Fix]:
             fixes.append(StripWhitespace())
         if group.get("reordered_lines"):
             fixes.append(FixedOrder(tuple(group["reordered_lines"])))
+        tools = group.get("tools")
+        if tools:
+            if tools["moved"]:
+                fixes.append(ToolsInOneOrder())
+            for change in tools["changed"]:
+                # A volatile span found there has its own fix, which keeps the rest of the tool as sent.
+                if first_tools and change["name"] in first_tools and not group["volatile"]:
+                    fixes.append(ToolHeldConstant(change["name"], json.dumps(first_tools[change["name"]])))
     return list(dict.fromkeys(fixes))[:MAX_FIXES]
 
 
@@ -228,7 +298,19 @@ class Diagnosis:
         self.inputs = InputProcessor(self.tokenizer)  # no length / vocabulary limits: nothing runs a model
         self.block_size = block_size
 
-    def token_lists(self, change: Callable[[str], str] = lambda text: text) -> list[list[int]]:
+    def first_tools(self) -> dict[str, dict[str, Any]]:
+        """Each tool's definition as the log first has it, by name."""
+        first: dict[str, dict[str, Any]] = {}
+        for prompt in self.prompts:
+            for tool in prompt.tools or ():
+                name = tool_name(tool)
+                if name is not None:
+                    first.setdefault(name, tool)
+        return first
+
+    def token_lists(self, change: Callable[[str], str] = lambda text: text,
+                    change_tools: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda tools: tools,
+                    ) -> list[list[int]]:
         lists = []
         for prompt in self.prompts:
             param = f"line {prompt.line}"
@@ -236,7 +318,9 @@ class Diagnosis:
                 messages = [dict(message, content=change(message["content"]))
                             if isinstance(message, dict) and isinstance(message.get("content"), str) else message
                             for message in prompt.messages]
-                lists.append(self.inputs.from_messages(messages, param=param, validate=False).token_ids)
+                tools = change_tools(list(prompt.tools)) if prompt.tools else None
+                prompt_ids = self.inputs.from_messages(messages, tools=tools, param=param, validate=False).token_ids
+                lists.append(prompt_ids)
             else:
                 lists.append(self.inputs.from_text(change(prompt.text or ""), param=param, validate=False).token_ids)
         return lists
@@ -247,7 +331,12 @@ class Diagnosis:
                 text = fix.apply(text)
             return text
 
-        return simulate(self.token_lists(change), self.block_size)
+        def change_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            for fix in fixes:
+                tools = fix.apply_tools(tools)
+            return tools
+
+        return simulate(self.token_lists(change, change_tools), self.block_size)
 
     def report(self, simulation: Simulation, top: int) -> dict[str, Any]:
         return simulation.drift.report(ALL, top, self.tokenizer.decode, _single_owner())
@@ -258,10 +347,11 @@ class Diagnosis:
         the fixes that report suggests make the next round."""
         logged = self.simulate()
         reports = [self.report(logged, top)]
+        first_tools = self.first_tools()
         applied: list[Fix] = []
         outcomes = []
         for round_number in range(1, rounds + 1):
-            new = [fix for fix in fixes_from(reports[-1]) if fix not in applied]
+            new = [fix for fix in fixes_from(reports[-1], first_tools) if fix not in applied]
             if not new or len(applied) >= MAX_FIXES:
                 break
             fixed = logged
@@ -313,6 +403,11 @@ def format_diagnosis(result: dict[str, Any]) -> str:
             lines.append(f"   volatile: {', '.join(spans)}")
         if group["reordered_items"]:
             lines.append(f"   reordered: the same {group['reordered_items']} items in another order")
+        tools = group.get("tools")
+        if tools and tools["request_tools"] != tools["cached_tools"]:  # what changed is in the sentence already
+            seen = "" if tools["complete"] else " (as far as the windows kept show)"
+            lines.append(f"   tools: this prompt lists {', '.join(tools['request_tools']) or 'none'}; the cached "
+                         f"one {', '.join(tools['cached_tools']) or 'none'}{seen}")
         for advice in group["advice"]:
             lines.append(f"   advice: {advice}")
     if result["fixes"]:

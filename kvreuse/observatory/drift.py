@@ -13,7 +13,9 @@ misses by (namespace, template start, divergence position) into sentences such a
     412 requests of the prefix starting 'You are the billing assistant' diverge at token 16, where
     the text changes ('Monday' / 'Friday 2026-11-20'): 1,731 tokens per request recomputed
 
-with the kinds of span found and advice. The same log serves ``kvreuse diagnose`` offline.
+with the kinds of span found and advice. Where the divergence falls inside a tool list (agent prompts
+resend their tools every turn), the tool that changed, came, went or moved is named too
+(kvreuse.observatory.tools). The same log serves ``kvreuse diagnose`` offline.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from typing import Any, NamedTuple
 
 from kvreuse.cache.prefix import CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.observatory.scope import NamespaceOwners, Owner, Scope
+from kvreuse.observatory.tools import ToolDrift, tool_drift
 from kvreuse.observatory.volatile import (
-    REORDERED, WHITESPACE, VolatileSpan, advice_for, item_cuts, reordered_items, spans_near, whitespace_only,
+    REORDERED, TOOLS, WHITESPACE, VolatileSpan, advice_for, item_cuts, reordered_items, spans_near, whitespace_only,
 )
 
 DRIFT_LOG_CAPACITY = 1024  # misses kept (the most recent)
-CONTEXT_TOKENS = 32  # tokens kept before the divergence (the text shown before it)
+CONTEXT_TOKENS = 32  # tokens before the divergence shown (and compared when nearby groups merge)
+# Tokens kept before the divergence: a tool definition that changed starts there, and its name and the path
+# to what changed need it whole (a tool of the lists agents send is rarely longer).
+LEAD_TOKENS = 1024
 WINDOW_TOKENS = 2048  # tokens kept after it on each side: what re-alignment can see, so tokens lost cap here
 TEMPLATE_START_TOKENS = 32  # leading prompt tokens that name the template a miss belongs to
 TOKEN_BYTES = 4  # token ids are kept as uint32 arrays
@@ -87,11 +93,13 @@ class DriftRecord:
     position: int  # first prompt token not served from the cache
     prompt_tokens: int
     template_start: tuple[int, ...]  # the prompt's first tokens (never past the divergence)
-    before: array  # prompt tokens just before the divergence
+    before: array  # prompt tokens before the divergence (at most LEAD_TOKENS; the last CONTEXT_TOKENS are shown)
     request_after: array  # prompt tokens from the divergence on (at most WINDOW_TOKENS)
     cached_after: array  # cached tokens from the divergence on (at most WINDOW_TOKENS)
     time: float  # Unix seconds
     tokens_lost: int | None = None  # measured at report time, then kept
+    tools: ToolDrift | None = field(default=None, repr=False)  # the tool list's changes, analysed at report time
+    tools_analysed: bool = False  # (then kept: None is also an answer)
 
     @property
     def tokens_recomputed(self) -> int:
@@ -170,6 +178,18 @@ def tokens_lost(record: DriftRecord) -> int:
     return record.tokens_lost
 
 
+def tool_changes(record: DriftRecord, decode: Decode) -> ToolDrift | None:
+    """How the tool list this miss diverged inside differs from the cached one (None: the divergence is in no
+    tool list). Both sides are decoded with the tokens kept before the divergence, where the tool it falls
+    in starts; analysed once, then kept on the record."""
+    if not record.tools_analysed:
+        lead = record.before.tolist()
+        record.tools = tool_drift(decode(lead + record.request_after.tolist()),
+                                  decode(lead + record.cached_after.tolist()))
+        record.tools_analysed = True
+    return record.tools
+
+
 def namespace_label(namespace: bytes) -> str:
     """A short stable name for a namespace (its key is a digest already; this one is shorter)."""
     return hashlib.blake2b(namespace, digest_size=6).hexdigest()
@@ -198,7 +218,7 @@ class DriftLog:
         self.records.append(DriftRecord(
             namespace=namespace, owner=owner, position=position, prompt_tokens=len(prompt_token_ids),
             template_start=tuple(prompt_token_ids[:min(position, TEMPLATE_START_TOKENS)]),
-            before=array("I", prompt_token_ids[max(0, position - CONTEXT_TOKENS):position]),
+            before=array("I", prompt_token_ids[max(0, position - LEAD_TOKENS):position]),
             request_after=array("I", prompt_token_ids[position:position + WINDOW_TOKENS]),
             cached_after=array("I", continuation[:WINDOW_TOKENS]),
             time=time.time() if now is None else now,
@@ -230,12 +250,18 @@ class DriftLog:
         }
 
 
+def _context(record: DriftRecord) -> array:
+    """The prompt tokens shown before the divergence (and compared when nearby groups merge)."""
+    return record.before[-CONTEXT_TOKENS:]
+
+
 def _agree_before(first: DriftRecord, second: DriftRecord) -> bool:
-    """Do two misses' prompts agree on the tokens both keep before the earlier divergence?"""
+    """Do two misses' prompts agree on the CONTEXT_TOKENS before the earlier divergence (those both keep)?"""
     early, late = sorted((first, second), key=lambda record: record.position)
-    start = max(early.position - len(early.before), late.position - len(late.before))
-    ours = early.before[start - (early.position - len(early.before)):]
-    theirs = late.before[start - (late.position - len(late.before)):][:len(ours)]
+    early_before, late_before = _context(early), _context(late)
+    start = max(early.position - len(early_before), late.position - len(late_before))
+    ours = early_before[start - (early.position - len(early_before)):]
+    theirs = late_before[start - (late.position - len(late_before)):][:len(ours)]
     return ours == theirs
 
 
@@ -301,7 +327,10 @@ class _Side:
         shown = text[start:end].strip()
         if not self.realigned and re.search(r"\s", shown):  # a window cut mid-word: end at the last whole word
             shown = re.sub(r"\s+\S*$", "", shown) + " …"
-        return shown.rstrip(".,;:") or shown  # a sentence's full stop is not part of the changed value
+        value = shown.rstrip(".,;:")  # a sentence's full stop is not part of the changed value
+        if value.endswith('"') and value.count('"') % 2:  # nor is the quote that ends a JSON string (a tool's)
+            value = value[:-1].rstrip(".,;:")
+        return value or shown
 
 
 def _sides(record: DriftRecord, decode: Decode) -> tuple[str, _Side, _Side, bool]:
@@ -311,8 +340,9 @@ def _sides(record: DriftRecord, decode: Decode) -> tuple[str, _Side, _Side, bool
         ends = (runs[0].i, runs[0].j)
     else:
         ends = (min(DIFF_TOKENS, len(record.request_after)), min(DIFF_TOKENS, len(record.cached_after)))
-    before = decode(record.before)
-    if record.position > len(record.before):  # the window starts inside the prompt: drop its first, cut word
+    context = _context(record)
+    before = decode(context)
+    if record.position > len(context):  # the window starts inside the prompt: drop its first, cut word
         before = re.sub(r"^\S*", "", before, count=1)
     sides = []
     for name, tokens, end in (("request", record.request_after, ends[0]), ("cached", record.cached_after, ends[1])):
@@ -361,16 +391,25 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
     if is_whitespace:
         kinds.append(WHITESPACE)
         request.whitespace = cached.whitespace = True
+    tools = tool_changes(latest, decode)
     line_start = before.rsplit("\n", 1)[-1]
-    reordered = reordered_items(line_start + decode(latest.request_after[:REORDER_WINDOW_TOKENS]),
-                                line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS]))
+    # Inside a tool list the tools analysis says what moved, by name (one tool per line would read as
+    # reordered lines too, and no fix to the messages' text reorders tools).
+    reordered = None if tools is not None else reordered_items(
+        line_start + decode(latest.request_after[:REORDER_WINDOW_TOKENS]),
+        line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS]))
     if reordered is not None:
         kinds.append(REORDERED)
+    if tools is not None:
+        kinds.append(TOOLS)
     request_text, cached_text = request.shown, cached.shown
     if reordered is not None:  # the sides start with the same items in another order: show each side's first
         request_text = reordered.items[0].strip()
         cached_start = line_start + decode(latest.cached_after[:REORDER_WINDOW_TOKENS])
         cached_text = next(item for item in _first_items(cached_start, reordered.unit) if item.strip()).strip()
+    if tools is not None and tools.moved and tools.request_at and tools.cached_at:
+        # Tools in another order: the sides re-align on the moved tool itself, so show the tools each has there.
+        request_text, cached_text = tools.request_at, tools.cached_at
     template = _template_text(latest.template_start, decode, cut=latest.position > len(latest.template_start))
     count = len(records)
     positions = sorted({record.position for record in records})
@@ -383,6 +422,8 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
         f"recomputed")
     if kinds:
         sentence += f" ({', '.join(kinds)})"
+    if tools is not None:
+        sentence += "; " + "; ".join(tools.summary)
     return {
         "sentence": sentence,
         "requests": count,
@@ -404,7 +445,9 @@ def _describe(figures: _GroupFigures, decode: Decode, owners: NamespaceOwners) -
         "reordered_items": len(reordered.items) if reordered is not None else None,
         # The reordered lines as this request has them (kvreuse diagnose tries one fixed order).
         "reordered_lines": list(reordered.items) if reordered is not None and reordered.unit == "lines" else None,
-        "advice": advice_for(kinds),
+        # Which tools changed, came, went or moved, when the divergence is inside a tool list (else None).
+        "tools": tools.as_dict() if tools is not None else None,
+        "advice": advice_for(kinds) + (tools.advice if tools is not None else []),
         "first_seen": records[0].time,
         "last_seen": latest.time,
     }

@@ -45,6 +45,7 @@ TEMPORAL = frozenset({"datetime", "date", "weekday", "time", "epoch"})
 IDENTIFIER = frozenset({"uuid", "hex-id", "id"})
 WHITESPACE = "whitespace"
 REORDERED = "reordered"
+TOOLS = "tools"  # inside a tool list: kvreuse.observatory.tools names what changed there, with its own advice
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def advice_for(kinds: Iterable[str]) -> list[str]:
     if REORDERED in found:
         advice.append("keep a fixed order (sort the items, examples or fields the same way every time): the "
                       "same lines come in another order")
-    if not advice:
+    if not advice and TOOLS not in found:
         advice.append("the prompts differ in content here (where the user's part starts, that is expected); "
                       "if this part is meant to be shared, make it byte-identical")
     return advice

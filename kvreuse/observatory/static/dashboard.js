@@ -391,6 +391,12 @@
       fact("volatile", group.volatile.map((span) => span.kind + " " + JSON.stringify(span.text) + " (" + span.side + ")")
                                      .join(", "));
     }
+    if (group.tools && Array.isArray(group.tools.summary) && group.tools.summary.length) {
+      // Inside a tool list: which tool changed (and the JSON path), came, went or moved.
+      const list = el("ul");
+      for (const line of group.tools.summary) list.appendChild(el("li", line));
+      fact("tools", list);
+    }
     if (Array.isArray(group.advice) && group.advice.length) {
       const list = el("ul");
       for (const line of group.advice) list.appendChild(el("li", line));
