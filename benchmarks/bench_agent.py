@@ -37,15 +37,56 @@ from typing import Any
 
 from kvreuse.bench.client import ClientConfig, LoadClient
 from kvreuse.bench.compare import (
-    SERVED_MODEL_NAME, LlamaServer, ServerProcess, free_port, system_command,
+    SERVED_MODEL_NAME, LlamaServer, ServerProcess, free_port, sigterm_as_interrupt, system_command,
 )
 from kvreuse.bench.options import add_agent_arguments, agent_options, smoke_mode
 from kvreuse.bench.report import (
-    Summary, format_table, format_turns_comparison, machine_description, summarize, write_json,
+    Summary, format_table, format_turns_comparison, machine_description, percentile, summarize, write_json,
 )
 from kvreuse.bench.workloads import RandomOptions, generate_workload
 
 SYSTEMS = ("kvreuse", "kvreuse-no-tools", "llama-server", "llama-server-no-tools")
+# Above this many cores used by processes outside the run, its timings are flagged as disturbed.
+DISTURBED_CORES = 0.3
+
+
+class OtherLoad:
+    """Cores kept busy by processes outside this benchmark (this process, the client, and the server
+    under test) while a system runs: all busy CPU time from /proc/stat minus the CPU time of those
+    processes. On a shared machine a run that others disturbed shows it (None where /proc is absent)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.start = self._sample()
+
+    @staticmethod
+    def _busy() -> int:
+        fields = [int(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+    def _mine(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+        return total
+
+    def _sample(self) -> tuple[float, int, int] | None:
+        try:
+            return time.monotonic(), self._busy(), self._mine()
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        others = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, others / ticks / (end[0] - self.start[0]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,39 +153,50 @@ def run_system(label: str, args: argparse.Namespace, model_dir: str, tokenizer: 
             warm = LoadClient(warm_config).run(warmup.requests)
             if not any(result.success for result in warm.results):
                 raise RuntimeError(f"[{label}] warm-up failed: {warm.results[0].error}\n{server.log_tail()}")
+        assert server.process is not None
+        load = OtherLoad([os.getpid(), server.process.pid])
         run = LoadClient(config, tokenizer).run(workload.requests)
+        others = load.cores()
     summary = summarize(run)
     print(format_table(summary, f"agent: {label}"), flush=True)
+    if others is not None:
+        note = " (disturbed: repeat this run)" if others > DISTURBED_CORES else ""
+        print(f"[{label}] other processes kept {others:.2f} cores busy during the run{note}", flush=True)
     failed = [result for result in run.results if result.error and not result.error.startswith("skipped")]
     if failed:
         print(f"[{label}] first error: {failed[0].error}", flush=True)
-    return {"label": label, "command": command, "workload": workload, "run": run, "summary": summary}
+    return {"label": label, "command": command, "workload": workload, "run": run, "summary": summary,
+            "other_cores": others}
 
 
 def print_summary(results: list[dict[str, Any]]) -> None:
-    """The side-by-side per-turn table, then one line per system over all turns."""
+    """The side-by-side per-turn table, then one line per system: all turns, and the turns after the
+    first (each of which could reuse its agent's whole previous turn)."""
     summaries: dict[str, Summary] = {result["label"]: result["summary"] for result in results}
     print()
     print(format_turns_comparison(summaries, "agent: hit rate and median TTFT per turn"))
     print(f"{'system':<24}{'done':>8}{'calls':>8}{'hit rate':>10}{'turns>0 hit':>13}{'TTFT med ms':>13}"
-          f"{'turns>0 TTFT':>14}")
-    for label, summary in summaries.items():
+          f"{'turns>0 TTFT':>14}{'others':>8}")
+    for system in results:
+        label, summary, others = system["label"], system["summary"], system["other_cores"]
         later = [turn for turn in summary.turns if turn.turn > 0]
         prompt, cached = sum(turn.prompt_tokens for turn in later), sum(turn.cached_tokens for turn in later)
-        later_ttft = sorted(turn.ttft_median_s for turn in later if turn.ttft_median_s is not None)
+        later_ttft = [request.ttft_s for request in system["run"].results
+                      if request.success and request.turn > 0 and request.ttft_s is not None]
         calls = "-" if summary.tool_calls_returned is None else str(summary.tool_calls_returned)
         print(f"{label:<24}{f'{summary.completed}/{summary.num_requests}':>8}{calls:>8}"
               f"{'-' if summary.cache_hit_rate is None else f'{summary.cache_hit_rate:.1%}':>10}"
               f"{f'{cached / prompt:.1%}' if prompt and summary.cache_hit_rate is not None else '-':>13}"
               f"{'-' if summary.ttft is None else f'{summary.ttft.median * 1000:.0f}':>13}"
-              f"{f'{later_ttft[len(later_ttft) // 2] * 1000:.0f}' if later_ttft else '-':>14}")
+              f"{f'{percentile(later_ttft, 50) * 1000:.0f}' if later_ttft else '-':>14}"
+              f"{'-' if others is None else f'{others:.2f}':>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if smoke_mode():  # the suite runs the documented command this way
         args.agent_num_agents, args.agent_num_turns, args.agent_tools_len = 2, 2, 200
-        args.agent_result_len, args.agent_output_len, args.agent_system_prompt_len, args.agent_task_len = 16, 48, 16, 8
+        args.agent_result_len, args.agent_system_prompt_len, args.agent_task_len = 16, 16, 8
         args.agent_num_tool_sets, args.max_concurrency, args.warmup_requests = 1, 2, 1
         args.kv_cache_memory, args.llama_ctx_size, args.llama_cache_ram = "64MiB", 4096, 256
         if not args.model:
@@ -169,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         systems = [label for label in systems if not label.startswith("llama-server")]
     log_dir = Path(tempfile.mkdtemp(prefix="kvreuse-bench-agent-"))
     print(f"model {model_dir}, kvreuse {args.dtype} on {args.device}; server logs in {log_dir}", flush=True)
-    results = [run_system(label, args, model_dir, tokenizer, log_dir) for label in systems]
+    with sigterm_as_interrupt():
+        results = [run_system(label, args, model_dir, tokenizer, log_dir) for label in systems]
     print_summary(results)
     if args.out:
         write_json(args.out, {
@@ -177,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             "gguf": args.gguf, "command": " ".join(sys.argv), "machine": machine_description(),
             "systems": {result["label"]: {
                 "command": " ".join(result["command"]), "workload": result["workload"].describe(),
+                "other_processes_cores": result["other_cores"],
                 "summary": result["summary"].as_dict(),
                 "requests": [request.as_dict() for request in result["run"].results]} for result in results},
         })

@@ -342,8 +342,8 @@ class LoadClient:
                 try:
                     prompt = render_chat(messages, **extra)
                     after = render_chat([*messages, answer], add_generation_prompt=False, **extra)
-                except Exception:  # noqa: BLE001 - a template without tool support fails in its own ways
-                    return
+                except Exception:  # noqa: BLE001 - a template, or a call cut short by max_tokens, may not render
+                    continue
             elif messages is None:
                 prompt, after = tokenizer.encode(text), tokenizer.encode(text + reply)
             elif render_chat is not None:

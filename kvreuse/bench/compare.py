@@ -249,7 +249,7 @@ def run_compare(args: argparse.Namespace) -> int:
     runs: dict[str, BenchmarkRun] = {}
     summaries: dict[str, Any] = {}
     commands: dict[str, list[str]] = {}
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         _run_systems(args, labels, model_dir, device, dtype, tokenizer, workload, warmup, log_dir, runs, summaries,
                      commands, llama)
 
@@ -292,7 +292,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM stops the run like Ctrl-C, so the server subprocess of the moment is stopped too."""
     if threading.current_thread() is not threading.main_thread():
         yield
