@@ -19,7 +19,9 @@ Text is made on the event loop, not the engine thread: `generate` runs the engin
 through an `OutputProcessor` (detokenizing, stop strings, stream holdback) and sends a finish
 command back when a stop string ends a sample. The event loop has its own `Tokenizer` object
 (``AsyncEngine.tokenizer``, also behind ``AsyncEngine.inputs`` for encoding), the engine thread
-keeps the engine's: no tokenizer object is used from two threads.
+keeps the engine's: no tokenizer object is used from two threads. Both event-loop processors share one
+`GenerationMemory` (recorded as samples finish, read as chats are encoded), which the event loop alone
+touches.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, TypeVar
 
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import EngineStats, LLMEngine
-from kvreuse.inputs import InputProcessor, PromptInput
+from kvreuse.inputs import GenerationMemory, InputProcessor, PromptInput
 from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
@@ -109,8 +111,13 @@ class AsyncEngine:
         self.model_name = engine.model_name
         # The event loop's own tokenizer object (the engine thread uses engine.tokenizer).
         self.tokenizer = Tokenizer(engine.tokenizer.path)
-        self.inputs = InputProcessor(self.tokenizer, engine.max_model_len, engine.model_config.vocab_size)
-        self._outputs = OutputProcessor(self.tokenizer)
+        # One generation memory shared by the event loop's outputs and inputs: a finished sample's text is
+        # recorded with the ids sampled for it, and a chat that replays it (the next turn of an agent loop)
+        # is encoded as those ids, so the turn hits the cache through its generated tokens (kvreuse.inputs).
+        self.generation_memory = GenerationMemory()
+        self.inputs = InputProcessor(self.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
+                                     generation_memory=self.generation_memory)
+        self._outputs = OutputProcessor(self.tokenizer, self.generation_memory)
         # Tier counters are read live (TieredStore.snapshot takes the store's lock): its writer thread
         # keeps counting after the step that queued the blocks.
         self.metrics = ServerMetrics(engine.model_name, lambda: self.stats,
@@ -186,7 +193,8 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineError("the engine loop is not running")
         tokenized = self.inputs.from_prompt(prompt, validate=False)  # handlers validated it already
-        self._outputs.add_request(request_id, tokenized.token_ids, params)
+        # Its generated text is remembered under its cache salt, the scope its tenant's next turn is encoded in.
+        self._outputs.add_request(request_id, tokenized.token_ids, params, memory_scope=cache_salt or "")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
