@@ -397,8 +397,10 @@ MALFORMED = [
     (CHAT, chat(max_completion_tokens=100_000), 400, "max_completion_tokens"),
     (CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
     (CHAT, chat(stop=[""]), 400, "stop"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f f"}}]), 400, "tools[0].function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice.function.name"),
+    (CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     (CHAT, chat(logit_bias={"5": 2}), 400, "logit_bias"),
     (CHAT, chat(best_of=2), 400, "best_of"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
@@ -427,6 +429,20 @@ MALFORMED = [
     (CHAT, chat(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
     (COMPLETIONS, completion(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
 ]
+
+
+def test_tools_are_served(client: openai.OpenAI):
+    """tools and a named tool_choice: the reply is the call (tests/test_tools_server.py covers tools in depth)."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=100, temperature=0, tools=tools, parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        messages=[{"role": "user", "content": "What time is it?"}])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_time"]
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
 
 
 def test_roles_and_stop_cap_as_openai_clients_see_them(server: RunningServer, client: openai.OpenAI):

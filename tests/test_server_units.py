@@ -67,9 +67,8 @@ def test_malformed_bodies_name_the_param(body: bytes, param: str | None):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"best_of": 3}, "best_of"),
         ({"n": 0}, "n"),
@@ -91,6 +90,71 @@ def test_neutral_values_of_unsupported_fields_pass():
         parallel_tool_calls=True, store=False, user="u-1",
     ))
     request.check()
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tool_setup_reads_tool_choice_against_the_parser():
+    from kvreuse.server.protocol import NO_TOOLS
+    from kvreuse.tool_parsers import HermesToolParser
+
+    parser = HermesToolParser()
+
+    def setup(parser_=parser, **fields):
+        request = parse_request(ChatCompletionRequest, chat_body(**fields))
+        request.check()
+        return request.tool_setup(parser_)
+
+    assert setup() is NO_TOOLS and setup(tool_choice="none") is NO_TOOLS
+    # none: the tools stay in the prompt (the route renders them), no call is read or forced.
+    assert setup(tools=[WEATHER_TOOL], tool_choice="none") is NO_TOOLS
+    plain_auto = setup(tools=[WEATHER_TOOL])
+    assert plain_auto.parser is parser and plain_auto.constraint is None
+    strict = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+    assert setup(tools=[strict], tool_choice="auto").constraint is not None
+    forced = setup(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   parallel_tool_calls=False)
+    assert forced.parser is parser and forced.constraint.grammar == parser.grammar(
+        [WEATHER_TOOL], {"type": "function", "function": {"name": "get_weather"}}, False)
+    assert forced.constraint.field == "tools"
+    params = parse_request(ChatCompletionRequest, chat_body(tools=[WEATHER_TOOL], tool_choice="required"))\
+        .sampling_params(max_tokens=8, logprobs=None, renames={}, tools=forced)
+    assert params.structured_outputs is forced.constraint and params.skip_special_tokens
+    # A format beside plain auto tools: the format is the constraint and no call is read.
+    assert setup(tools=[WEATHER_TOOL], response_format={"type": "json_object"}) is NO_TOOLS
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "structured_outputs": {"regex": "a"}},
+         "structured_outputs"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "maybe"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL, {"type": "function", "function": {}}]}, "tools[1].function.name"),
+    ],
+)
+def test_bad_tool_setups_name_the_field(fields: dict, param: str):
+    from kvreuse.errors import InvalidRequestError
+    from kvreuse.tool_parsers import HermesToolParser
+
+    request = parse_request(ChatCompletionRequest, chat_body(**fields))
+    with pytest.raises((APIError, InvalidRequestError)) as caught:
+        request.tool_setup(HermesToolParser())
+    assert caught.value.param == param
+
+
+def test_tools_without_a_parser_are_refused_unless_tool_choice_is_none():
+    request = parse_request(ChatCompletionRequest, chat_body(tools=[WEATHER_TOOL]))
+    assert api_error(request.tool_setup, None).param == "tools"
+    none = parse_request(ChatCompletionRequest, chat_body(tools=[WEATHER_TOOL], tool_choice="none"))
+    assert none.tool_setup(None).parser is None
 
 
 @pytest.mark.parametrize(
@@ -199,7 +263,9 @@ def fake_state(num_waiting: int, max_waiting: int):
     from kvreuse.server.state import ServerConfig, ServerState
 
     llm_engine = SimpleNamespace(tokenizer=None, max_model_len=64, model_config=SimpleNamespace(vocab_size=100))
-    engine = SimpleNamespace(engine=llm_engine, tokenizer=None, model_name="m", is_running=True, num_pending_commands=0,
+    tokenizer = SimpleNamespace(chat_template=None, added_tokens={})  # no tool-call format
+    engine = SimpleNamespace(engine=llm_engine, tokenizer=tokenizer, model_name="m", is_running=True,
+                             num_pending_commands=0,
                              stats=SimpleNamespace(num_waiting=num_waiting))
     return ServerState(engine, ServerConfig(max_waiting_requests=max_waiting))  # type: ignore[arg-type]
 

@@ -6,6 +6,12 @@ serve the processed outputs. A stream sends nothing, not even its headers, befor
 exists, so the time to first token a client measures is the real one. Stream deltas are the output
 processor's ``text_delta``: text that could be the start of a stop string is held back until it is
 clear it is not. A client that goes away aborts its request.
+
+Tools: a chat request's ``tools`` are rendered into the prompt by the chat template (the same prompt
+whatever ``tool_choice`` says); ``tool_choice`` is enforced by the tool-call parser's grammar as the request's
+constraint. Each choice's text goes through the parser (`ToolParser.extract`, or one streaming extractor per
+choice) into ``content`` and ``tool_calls``, whose ``arguments`` are the generated text itself, so the next
+turn that sends them back renders, and with the generation memory encodes, what was generated.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from kvreuse.server.async_engine import EngineError
 from kvreuse.server.errors import bad_request, internal_error
 from kvreuse.server.protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
-    completion_logprobs, dumps, parse_request, sse_event, sum_cached_by_tier, usage,
+    completion_logprobs, dumps, parse_request, sse_event, sum_cached_by_tier, tool_call_delta_json, tool_call_json,
+    usage,
 )
 from kvreuse.server.state import ServedAdapter, ServerState
 from kvreuse.system_prompt import system_prompt_pin
+from kvreuse.tool_parsers import StreamDelta, ToolCallDelta, ToolCallStream, ToolParser
 
 logger = logging.getLogger("kvreuse.server")
 
@@ -56,12 +64,17 @@ def openai_router(state: ServerState) -> APIRouter:
         adapter = state.lora_of(body.model)
         body.check()
         state.check_stop_token_ids(body.stop_token_ids)
-        tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt)
+        cache_salt = state.auth.cache_salt(tenant, body.cache_salt)
+        # The tools are in the prompt whatever tool_choice says: constraints act on the logits only. Replayed
+        # turns are encoded with the ids generated under the same cache salt (the tenant's), never another's.
+        tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tools=body.tools, memory_scope=cache_salt or "")
+        tools = body.tool_setup(state.tool_parser)
         token_ids = tokenized.token_ids
         prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
         max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
         renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
-        params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames)
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames, tools=tools)
         await state.check_constraint(params.structured_outputs)
         pins: list[PinSpec] = []
         if body.save_system_prompt_kv_cache:
@@ -76,9 +89,10 @@ def openai_router(state: ServerState) -> APIRouter:
             chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model or state.model_name,
             created=int(time.time()), adapter=adapter,
             prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
-            cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
+            cache_salt=cache_salt, arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
             num_logprobs=body.num_logprobs, user=body.user, pins=pins, owner=state.request_owner(tenant),
+            tool_parser=tools.parser,
         )
         return await _serve(state, request, generation)
 
@@ -113,15 +127,19 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        state.authenticate(request)
+        tenant = state.authenticate(request)
         body = parse_request(TokenizeRequest, await request.body())
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
         inputs = state.engine.inputs
         if body.messages is not None:
+            # As a chat request without a cache_salt would be encoded (its replayed turns as generated).
             tokenized = inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                             validate=False)
+                                             tools=body.tools, validate=False,
+                                             memory_scope=state.auth.cache_salt(tenant, None) or "")
+        elif body.tools is not None:
+            raise bad_request("tools go with messages (they are rendered by the chat template)", "tools")
         else:
             tokenized = inputs.from_text(body.prompt or "", add_special_tokens=body.add_special_tokens,
                                          validate=False)
@@ -162,6 +180,7 @@ class _Generation:
     adapter: ServedAdapter | None = None  # the LoRA adapter "model" named (None: the base model)
     pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
     owner: str | None = None  # the caller's tenant id when keys are configured (the observatory's tenant rule)
+    tool_parser: ToolParser | None = None  # reads tool calls out of each chat choice (None: text is content)
 
     @property
     def n(self) -> int:
@@ -339,6 +358,8 @@ class _ChoiceStream:
     finished: bool = False
     num_logprobs_sent: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    tool_stream: ToolCallStream | None = None  # this choice's own extractor (chat with tools)
+    made_calls: bool = False
 
 
 @dataclass
@@ -358,9 +379,11 @@ class _StreamWriter:
             "created": generation.created,
             "model": generation.model,
         }
+        parser = generation.tool_parser
         for prompt_index, params in enumerate(generation.params):
             for sample in range(params.n):
-                self.choices[prompt_index * params.n + sample] = _ChoiceStream()
+                self.choices[prompt_index * params.n + sample] = _ChoiceStream(
+                    tool_stream=parser.stream() if parser is not None else None)
 
     def encode(self, prompt_index: int, output: RequestOutput) -> bytes:
         self.last_outputs[prompt_index] = output
@@ -377,10 +400,20 @@ class _StreamWriter:
             if self.generation.num_logprobs is not None and completion.logprobs is not None and (text or finished):
                 entries = completion.logprobs[choice.num_logprobs_sent:]
                 choice.num_logprobs_sent = len(completion.logprobs)
-            finish_reason = _finish_reason(completion) if finished else None
             if self.generation.chat:
-                self._chat_chunks(parts, choice_index, choice, text, entries, finish_reason)
+                delta = StreamDelta(content=text)
+                if choice.tool_stream is not None:
+                    # Text that may still become a call is held back by the extractor until it is decided.
+                    delta = choice.tool_stream.feed(text)
+                    if finished:
+                        rest = choice.tool_stream.finish()
+                        delta.content += rest.content
+                        delta.tool_calls += rest.tool_calls
+                    choice.made_calls = choice.made_calls or bool(delta.tool_calls)
+                finish_reason = _finish_reason(completion, choice.made_calls) if finished else None
+                self._chat_chunks(parts, choice_index, choice, delta, entries, finish_reason)
             else:
+                finish_reason = _finish_reason(completion) if finished else None
                 self._completion_chunks(parts, choice_index, choice, text, entries, finish_reason)
             choice.finished = finished
         return b"".join(parts)
@@ -391,21 +424,28 @@ class _StreamWriter:
             payload["usage"] = None  # OpenAI's shape: usage only in the last chunk
         return sse_event(payload)
 
-    def _chat_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, text: str,
+    def _chat_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, delta: StreamDelta,
                      entries: Sequence[Any] | None, finish_reason: str | None) -> None:
-        if not (text or entries or finish_reason):
+        text = delta.content
+        if not (delta or entries or finish_reason):
             return  # e.g. a first token that completes no character yet: nothing to show, role included
         if not choice.started:
-            # The role goes out with the first content, never earlier: a client timing the first
-            # chunk measures the time to the first text.
+            # The role goes out with the first content or call, never earlier: a client timing the first
+            # chunk measures the time to the first text. A reply that opens with a call has null content.
             choice.started = True
-            parts.append(self._event({"index": index, "delta": {"role": "assistant", "content": ""},
+            opening = "" if text or not delta.tool_calls else None
+            parts.append(self._event({"index": index, "delta": {"role": "assistant", "content": opening},
                                       "logprobs": None, "finish_reason": None}))
-        if text or entries:
-            logprobs = None
-            if entries is not None:
-                logprobs = chat_logprobs(entries, self.state.token_texts, self.generation.num_logprobs or 0)
+        logprobs = None
+        if entries:
+            logprobs = chat_logprobs(entries, self.state.token_texts, self.generation.num_logprobs or 0)
+        if text or (logprobs is not None and not delta.tool_calls):
             parts.append(self._event({"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                                      "finish_reason": None}))
+            logprobs = None
+        if delta.tool_calls:
+            calls = [tool_call_delta_json(call) for call in _merged(delta.tool_calls)]
+            parts.append(self._event({"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
                                       "finish_reason": None}))
         if finish_reason is not None:
             parts.append(self._event({"index": index, "delta": {}, "logprobs": None,
@@ -425,9 +465,24 @@ class _StreamWriter:
         return sse_event({**self.header, "choices": [], "usage": _usage(self.generation, self.last_outputs)})
 
 
-def _finish_reason(completion: CompletionOutput) -> str:
+def _finish_reason(completion: CompletionOutput, made_calls: bool = False) -> str:
     # "abort" never reaches a client that is still listening; report anything else as OpenAI names it.
-    return completion.finish_reason if completion.finish_reason in ("stop", "length") else "stop"
+    if completion.finish_reason == "length":
+        return "length"  # a call cut by max_tokens is reported, but as cut
+    return "tool_calls" if made_calls else "stop"
+
+
+def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One stream piece per call: consecutive deltas of the same call joined (its head and its first
+    argument text go out together)."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        if merged and merged[-1].index == delta.index and delta.id is None and delta.name is None:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + delta.arguments)
+        else:
+            merged.append(delta)
+    return merged
 
 
 def _usage(generation: _Generation, outputs: dict[int, RequestOutput]) -> dict[str, Any]:
@@ -443,8 +498,15 @@ def _full_response(state: ServerState, generation: _Generation, finals: dict[int
         for completion in finals[prompt_index].outputs:
             index = prompt_index * generation.n + completion.index
             choice: dict[str, Any] = {"index": index}
+            made_calls = False
             if generation.chat:
                 choice["message"] = {"role": "assistant", "content": completion.text}
+                if generation.tool_parser is not None:
+                    content, calls = generation.tool_parser.extract(completion.text)
+                    choice["message"]["content"] = content or None
+                    if calls:
+                        choice["message"]["tool_calls"] = [tool_call_json(call) for call in calls]
+                        made_calls = True
                 choice["logprobs"] = (
                     chat_logprobs(completion.logprobs or [], state.token_texts, generation.num_logprobs or 0)
                     if generation.num_logprobs is not None else None
@@ -455,7 +517,7 @@ def _full_response(state: ServerState, generation: _Generation, finals: dict[int
                     completion_logprobs(completion.logprobs or [], state.token_texts)[0]
                     if generation.num_logprobs is not None else None
                 )
-            choice["finish_reason"] = _finish_reason(completion)
+            choice["finish_reason"] = _finish_reason(completion, made_calls)
             choice["stop_reason"] = completion.stop_reason
             choices.append(choice)
     return {

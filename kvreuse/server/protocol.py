@@ -6,7 +6,10 @@ is a 400 that names it, never silently ignored. Fields OpenAI defines but the en
 and anything else gets a 400 naming the field; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, ...) are honoured. Structured outputs come as OpenAI's
 ``response_format`` (json_object, json_schema) or vLLM's ``structured_outputs`` (json, regex, choice,
-grammar, ...), on both completion endpoints.
+grammar, ...), on both completion endpoints. Chat takes ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (`ChatCompletionRequest.tool_setup`): the tools are rendered into the prompt by the
+chat template whatever ``tool_choice`` says, and ``tool_choice`` acts on the logits only, through the tool-call
+parser's grammar.
 
 Responses are plain dicts serialised once with compact separators, the byte format OpenAI streams.
 """
@@ -17,14 +20,17 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.errors import InvalidRequestError
+from kvreuse.messages import validate_tools
 from kvreuse.sampling import SamplingParams, TokenLogprobs
 from kvreuse.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 from kvreuse.server.errors import APIError, bad_request
+from kvreuse.tool_parsers import ToolCall, ToolCallDelta, ToolParser, resolve_tool_choice
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer
@@ -128,8 +134,13 @@ class _SamplingRequest(_StrictModel):
         raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                           "response_format.type")
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
-        """SamplingParams from the request; a bad value becomes a 400 naming the request field."""
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, renames: dict[str, str],
+                        tools: ToolSetup | None = None) -> SamplingParams:
+        """SamplingParams from the request; a bad value becomes a 400 naming the request field. ``tools``: the
+        chat request's tool setup, whose grammar (if any) is the constraint and whose parser may need the
+        special tokens kept in the text."""
+        constraint = tools.constraint if tools is not None and tools.constraint is not None else self.constraint()
+        keep_special = tools is not None and tools.parser is not None and tools.parser.needs_special_tokens
         try:
             return SamplingParams(
                 n=self.n,
@@ -148,13 +159,26 @@ class _SamplingRequest(_StrictModel):
                 frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=self.constraint(),
+                skip_special_tokens=self.skip_special_tokens and not keep_special,
+                structured_outputs=constraint,
             )
         except InvalidRequestError as error:
             # The request may name a field differently from SamplingParams (chat's top_logprobs).
             param = renames.get(error.param, error.param) if error.param else None
             raise bad_request(error.message, param, error.code) from None
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How a chat request's tools are served: ``parser`` reads the calls out of each choice's text (None: no
+    call can be made, the text is content), ``constraint`` is the grammar that enforces ``tool_choice`` (None:
+    nothing enforced, e.g. ``auto`` without a strict tool)."""
+
+    parser: ToolParser | None = None
+    constraint: StructuredOutputsParams | None = None
+
+
+NO_TOOLS = ToolSetup()
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -165,10 +189,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     # Explicit caching: pin the KV of the system prompt (as formatted by the chat template).
     save_system_prompt_kv_cache: bool = False
-    # OpenAI fields accepted only with their neutral value (see check()).
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by kvreuse.messages.validate_tools (errors name tools[i]...)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields accepted only with their neutral value (see check()).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None
@@ -177,14 +201,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
         if self.functions:
-            raise bad_request("functions are not supported by this server", "functions")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported (only 'none' is accepted)", "tool_choice")
+            raise bad_request("functions (OpenAI's deprecated form) are not supported: send tools", "functions")
         if self.function_call not in (None, "none"):
-            raise bad_request("function_call is not supported (only 'none' is accepted)", "function_call")
+            raise bad_request("function_call (OpenAI's deprecated form) is not supported: send tool_choice",
+                              "function_call")
         if self.store:
             raise bad_request("store is not supported: this server keeps no completions", "store")
         if self.metadata:
@@ -193,6 +214,33 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("service_tier is not supported (only 'auto' or 'default')", "service_tier")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def tool_setup(self, parser: ToolParser | None) -> ToolSetup:
+        """The request's ``tools`` and ``tool_choice`` against the server's tool-call parser (None: the chat
+        template has no tool-call format we know). A choice that cannot be met, a parser missing, or a forced
+        call beside a ``response_format`` is an InvalidRequestError / 400 naming the field."""
+        tools = validate_tools(self.tools)
+        if not tools and self.tool_choice in (None, "auto", "none"):
+            return NO_TOOLS
+        choice = resolve_tool_choice(self.tool_choice, tools)  # required / a name without tools: refused here
+        if choice.mode == "none":
+            return NO_TOOLS  # the tools stay in the prompt; no call is read out of the text
+        if parser is None:
+            raise bad_request("this model's chat template writes no tool-call format this server knows "
+                              "(hermes, llama3_json, mistral): start the server with --tool-call-parser NAME "
+                              "to serve tools, or send tool_choice 'none'", "tools")
+        constraint = parser.structured_outputs(tools, self.tool_choice, self.parallel_tool_calls)
+        formatted = self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.get("type") != "text")
+        if formatted:
+            field_name = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            if constraint is not None:
+                raise bad_request(f"{field_name} cannot be combined with a tool_choice that forces a call "
+                                  "('required', a named function) or with strict tools: both constrain the same "
+                                  "output", field_name)
+            # The output is held to the format, so it can hold no call: its text is the content.
+            return NO_TOOLS
+        return ToolSetup(parser, constraint)
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -250,6 +298,7 @@ class TokenizeRequest(_StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # with messages: rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -314,6 +363,21 @@ def dumps(payload: Any) -> bytes:
 
 def sse_event(payload: Any) -> bytes:
     return b"data: " + dumps(payload) + b"\n\n"
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A call in a chat message: ``arguments`` is the text the model generated, character for character (sent
+    back in the next turn, it renders to the same tokens)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+    """A call's piece in a stream chunk, keyed by ``index``: the first piece has the id, type and name (and
+    the arguments so far, maybe ""), later ones only argument text."""
+    if delta.id is not None or delta.name is not None:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
 # kvreuse's extension of usage.prompt_tokens_details (only with KV tiers): cached_tokens split by tier.

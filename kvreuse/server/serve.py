@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from kvreuse.lora.request import LoRARequest
+from kvreuse.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from kvreuse.config import CacheConfig
@@ -65,6 +66,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-log-interval", type=float, default=10.0,
                         help="seconds between engine stats log lines while busy (0: off)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="how the model writes tool calls (vLLM's names): hermes (Qwen2.5/Qwen3, ChatML "
+                             "<tool_call> models, the models kvreuse make-model makes), llama3_json, mistral "
+                             "(default: chosen from the chat template; none found: requests that need tool calls "
+                             "get a 400)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility and changes nothing: tool_choice 'auto' is always "
+                             "served when there is a tool-call parser")
     parser.add_argument("--warm-prompts", default=None,
                         help="JSON list of system prompts (strings), message lists, or {messages, cache_salt} "
                              "objects, computed and pinned at start-up (use a 'public:' salt to share one "
@@ -85,7 +94,7 @@ def run_server(args: argparse.Namespace) -> int:
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     config = ServerConfig(api_keys=tuple(api_keys), admin_keys=tuple(admin_keys), isolate_tenants=args.isolate_tenants,
-                          lora_dirs=tuple(args.lora_dir or ()),
+                          lora_dirs=tuple(args.lora_dir or ()), tool_call_parser=args.tool_call_parser,
                           max_waiting_requests=args.max_waiting_requests, model_root=args.model)
     if args.isolate_tenants and not (api_keys or admin_keys):
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
@@ -109,6 +118,10 @@ def run_server(args: argparse.Namespace) -> int:
                 if speculative is not None else "",
                 f"; {len(api_keys)} API key(s), {len(admin_keys)} admin key(s)"
                 f"{', tenants isolated' if args.isolate_tenants else ''}" if api_keys or admin_keys else "")
+    logger.info("tool calls: %s", f"{state.tool_parser.name} parser" + (
+        "" if args.tool_call_parser else " (chosen from the chat template)")
+                if state.tool_parser is not None else "no parser (the chat template writes no tool-call format we know; "
+                "--tool-call-parser names one)")
     if llm.engine.tier_store is not None:
         logger.info("KV tiers: %s; model fingerprint %s (pending tier writes are flushed at exit)",
                     describe_tiers(llm.engine.config.cache), llm.engine.tier_store.fingerprint)

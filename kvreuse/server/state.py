@@ -2,7 +2,8 @@
 
 `ServerState` holds the AsyncEngine (whose event-loop tokenizer and input processor the handlers
 use), auth, the served LoRA adapters and the drain / in-flight bookkeeping, plus the checks every
-route applies (admission, model names, prompts, ``max_tokens``). It sits below the route modules and
+route applies (admission, model names, prompts, ``max_tokens``), and the tool-call parser the chat routes
+read calls with (`ServerState.tool_parser`: ``--tool-call-parser``, else chosen from the chat template). It sits below the route modules and
 `server/app.py`: the routes import it, app.py imports the routes, and nothing here imports either.
 """
 
@@ -24,6 +25,7 @@ from kvreuse.server.auth import ApiKeyAuth, Tenant
 from kvreuse.server.errors import bad_request, model_not_found, unavailable
 from kvreuse.server.protocol import TokenTexts
 from kvreuse.structured_outputs import StructuredOutputsParams
+from kvreuse.tool_parsers import ToolParser, choose
 
 __all__ = ["ServedAdapter", "ServerConfig", "ServerState"]
 
@@ -50,6 +52,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     model_root: str | None = None  # the "root" of the /v1/models entry (default: the model name)
     lora_dirs: tuple[str, ...] = ()  # the only folders POST /v1/load_lora_adapter may read adapters from
+    tool_call_parser: str | None = None  # --tool-call-parser (vLLM's names); None: chosen from the chat template
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -70,6 +73,10 @@ class ServerState:
         self.vocab_size = self.llm_engine.model_config.vocab_size
         self.auth = ApiKeyAuth(config.api_keys, config.isolate_tenants, config.admin_keys)
         self.token_texts = TokenTexts(self.tokenizer)
+        # How this model writes tool calls (ValueError naming the choices for an unknown name); None: the chat
+        # template writes no format we know, and requests that need calls get a 400.
+        self.tool_parser: ToolParser | None = choose(self.tokenizer.chat_template, config.tool_call_parser,
+                                                     added_tokens=self.tokenizer.added_tokens)
         self.created = int(time.time())
         self.adapters: dict[str, ServedAdapter] = {}  # served adapter names (--lora-modules, load route)
         self.draining = False
