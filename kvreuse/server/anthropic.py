@@ -6,6 +6,18 @@ refreshed on every hit. Usage reports Anthropic's three numbers, which add up to
 ``cache_read_input_tokens`` (reused from the cache), ``cache_creation_input_tokens`` (computed and
 written up to the last breakpoint) and ``input_tokens`` (the rest). Streaming sends Anthropic's
 event sequence; nothing goes out before the first token exists.
+
+Tool use goes through the same path as the OpenAI chat route: ``tools`` (name, description,
+input_schema) become OpenAI-shaped tools that the chat template lists in the prompt, the history's
+``tool_use`` blocks become an assistant message's ``tool_calls`` (the input object is written back by the
+template as it writes JSON, which is how the tool-call grammar makes the model write arguments, so a
+replayed call renders what was generated) and ``tool_result`` blocks become ``tool`` messages. The server's
+tool-call parser reads the calls out of the generated text; ``tool_choice`` ``any`` or a named tool is
+enforced by the parser's grammar (compiled before the request is queued). A ``cache_control`` on a tool pins
+the prompt up to that tool, system prompt included: the template writes the tools into the system turn,
+so the last tool's breakpoint holds the system prompt and every tool (Anthropic caches tools, then system,
+then messages, in that order). The tools stay in the prompt whatever ``tool_choice`` says: the choice acts
+on the logits only, so switching it never costs a cache hit.
 """
 
 from __future__ import annotations
@@ -14,60 +26,24 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.inputs import InputProcessor, common_prefix_length
+from kvreuse.errors import InvalidRequestError
 from kvreuse.outputs import RequestOutput
-from kvreuse.sampling import MAX_STOP_STRINGS, SamplingParams
+from kvreuse.sampling import SamplingParams
+from kvreuse.server.anthropic_protocol import (
+    ContentBlocks, MessagesRequest, blocks_of, breakpoint_prefixes, check_tool_history, openai_messages, tool_setup,
+    validation_message,
+)
 from kvreuse.server.errors import APIError
 
 if TYPE_CHECKING:
     from kvreuse.server.state import ServerState
-
-MAX_BREAKPOINTS = 4
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
-
-
-class CacheControl(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] = "5m"
-
-
-class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl | None = None
-
-
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
-
-
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    max_tokens: int = Field(ge=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    # SamplingParams' cap, checked here so the 400 names this API's field, in Anthropic's error shape.
-    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    # Request-level cache_control (newer SDKs): a breakpoint after the last block of the last message.
-    cache_control: CacheControl | None = None
-
 
 # --- errors in Anthropic's shape ----------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -79,78 +55,14 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": error_type, "message": message}}, status_code=status)
 
 
-def _field_path(location: tuple[Any, ...]) -> str:
-    path = ""
-    for part in location:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in ("str", "list[TextBlock]"):
-            continue
-        else:
-            path += f".{part}" if path else str(part)
-    return path
-
-
-# --- the prompt and its breakpoints ---------------------------------------------------------------------
-def _blocks(content: str | list[TextBlock] | None) -> list[TextBlock]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [TextBlock(type="text", text=content)]
-    return list(content)
-
-
-def _openai_messages(system: list[TextBlock], messages: list[list[TextBlock]], roles: list[str]) -> list[dict]:
-    result: list[dict] = []
-    if system:
-        result.append({"role": "system", "content": [{"type": "text", "text": b.text} for b in system]})
-    for role, blocks in zip(roles, messages):
-        result.append({"role": role, "content": [{"type": "text", "text": b.text} for b in blocks]})
-    return result
-
-
-def breakpoint_prefixes(inputs: InputProcessor, body: MessagesRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
-    """(prefix length in tokens, ttl seconds) for each cache_control block, in prompt order.
-
-    The prefix of a breakpoint is the conversation rendered up to and including its block; its
-    length is where those tokens stop agreeing with the full prompt's (robust to any template).
-    """
-    system = _blocks(body.system)
-    messages = [_blocks(message.content) for message in body.messages]
-    roles = [message.role for message in body.messages]
-    marked: list[tuple[int, int, float]] = []  # (message index; -1 = system, block index, ttl)
-    for block_index, block in enumerate(system):
-        if block.cache_control is not None:
-            marked.append((-1, block_index, TTL_SECONDS[block.cache_control.ttl]))
-    for message_index, blocks in enumerate(messages):
-        for block_index, block in enumerate(blocks):
-            if block.cache_control is not None:
-                marked.append((message_index, block_index, TTL_SECONDS[block.cache_control.ttl]))
-    if body.cache_control is not None and messages and messages[-1]:
-        marked.append((len(messages) - 1, len(messages[-1]) - 1, TTL_SECONDS[body.cache_control.ttl]))
-    if len(marked) > MAX_BREAKPOINTS:
-        raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(marked)}",
-                       param="cache_control")
-    prefixes = []
-    for message_index, block_index, ttl in marked:
-        if message_index == -1:
-            partial = _openai_messages(system[: block_index + 1], [], [])
-        else:
-            partial = _openai_messages(system, messages[:message_index] + [messages[message_index][: block_index + 1]],
-                                       roles[: message_index + 1])
-        ids = inputs.from_messages(partial, add_generation_prompt=False, validate=False).token_ids
-        prefixes.append((common_prefix_length(ids, prompt_ids), ttl))
-    return prefixes
-
-
 # --- responses -------------------------------------------------------------------------------------------
-def _stop_reason(output: RequestOutput) -> tuple[str, str | None]:
+def _stop_reason(output: RequestOutput, made_calls: bool = False) -> tuple[str, str | None]:
     completion = output.outputs[0]
     if completion.finish_reason == "length":
-        return "max_tokens", None
+        return "max_tokens", None  # a call cut by max_tokens is reported, but as cut
     if isinstance(completion.stop_reason, str):
         return "stop_sequence", completion.stop_reason
-    return "end_turn", None
+    return ("tool_use" if made_calls else "end_turn"), None
 
 
 def _usage(output: RequestOutput, last_breakpoint: int, output_tokens: int) -> dict[str, Any]:
@@ -172,6 +84,11 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def _named(message: str, param: str | None) -> str:
+    """Anthropic's error has no field for the parameter: the message names it up front."""
+    return message if param is None or message.startswith(param) else f"{param}: {message}"
+
+
 def anthropic_router(state: ServerState) -> APIRouter:
     """``POST /v1/messages`` over the server's state."""
     router = APIRouter()
@@ -189,21 +106,25 @@ def anthropic_router(state: ServerState) -> APIRouter:
             try:
                 body = MessagesRequest.model_validate_json(await request.body())
             except ValidationError as error:
-                first = error.errors()[0]
-                return anthropic_error(400, f"{_field_path(first['loc'])}: {first['msg']}")
+                return anthropic_error(400, validation_message(error))
             if body.model != state.model_name and body.model not in state.adapters:
                 return anthropic_error(404, f"model: {body.model!r} is not served here (try {state.model_name!r})")
             adapter = state.adapters.get(body.model)
             lora_request = adapter.lora_request if adapter is not None else None
-            conversation = _openai_messages(_blocks(body.system), [_blocks(m.content) for m in body.messages],
+            check_tool_history(body.messages)
+            tools = tool_setup(body, state.tool_parser)
+            salt = state.auth.cache_salt(tenant, None)
+            conversation = openai_messages(blocks_of(body.system), [blocks_of(m.content) for m in body.messages],
                                             [m.role for m in body.messages])
-            tokenized = state.engine.inputs.from_messages(conversation)
+            # The tools are in the prompt whatever tool_choice says; replayed turns are encoded with the ids
+            # generated under the same cache salt (the tenant's), as the OpenAI chat route does.
+            tokenized = state.engine.inputs.from_messages(conversation, tools=tools.tools or None,
+                                                          memory_scope=salt or "")
             token_ids = tokenized.token_ids
             prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
             max_tokens = state.max_tokens((body.max_tokens, "max_tokens"), num_prompt_tokens)
             block_size = state.llm_engine.kv.block_size
-            breakpoints = breakpoint_prefixes(state.engine.inputs, body, token_ids)
-            salt = state.auth.cache_salt(tenant, None)
+            breakpoints = breakpoint_prefixes(state.engine.inputs, body, token_ids, tools.tools, salt or "")
             owner = tenant.tenant_id if tenant is not None and state.auth.isolate_tenants else None
             pins = [PinSpec(num_tokens=length, key=f"breakpoint\x00{salt or ''}\x00{token_ids[:length]}",
                             kind="breakpoint", ttl=ttl, owner=owner)
@@ -215,9 +136,16 @@ def anthropic_router(state: ServerState) -> APIRouter:
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0,
                 stop=body.stop_sequences or None,
+                # A format whose tags are special tokens needs them in the text to find the calls.
+                skip_special_tokens=not (tools.parser is not None and tools.parser.needs_special_tokens),
+                structured_outputs=tools.constraint,
             )
+            # Compiled now (a refused grammar is a 400 naming tools); the engine then finds it ready.
+            await state.check_constraint(params.structured_outputs)
         except APIError as error:
-            return anthropic_error(error.status_code, str(error.message))
+            return anthropic_error(error.status_code, _named(str(error.message), error.param))
+        except InvalidRequestError as error:
+            return anthropic_error(400, _named(error.message, error.param))
         except ValueError as error:
             return anthropic_error(400, str(error))
 
@@ -234,17 +162,20 @@ def anthropic_router(state: ServerState) -> APIRouter:
             finally:
                 admission.release()
             assert final is not None
-            stop_reason, stop_sequence = _stop_reason(final)
             completion = final.outputs[0]
+            blocks = ContentBlocks(tools.parser.stream() if tools.parser is not None else None)
+            blocks.feed(completion.text, finished=True)
+            stop_reason, stop_sequence = _stop_reason(final, blocks.made_calls)
             return JSONResponse({
                 "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
-                "content": [{"type": "text", "text": completion.text}],
+                "content": blocks.content(),
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": _usage(final, last_breakpoint, len(completion.token_ids)),
             })
 
         async def events() -> AsyncIterator[bytes]:
             started = False
+            blocks = ContentBlocks(tools.parser.stream() if tools.parser is not None else None)
             try:
                 async for output in outputs:
                     completion = output.outputs[0]
@@ -256,16 +187,12 @@ def anthropic_router(state: ServerState) -> APIRouter:
                             "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
                             "content": [], "stop_reason": None, "stop_sequence": None,
                             "usage": _usage(output, last_breakpoint, 1)}})
-                        yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                           "content_block": {"type": "text", "text": ""}})
-                    # text_delta holds back a possible start of a stop string (kvreuse.output_processor).
-                    delta = completion.text_delta
-                    if delta:
-                        yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                           "delta": {"type": "text_delta", "text": delta}})
+                    # text_delta holds back a possible start of a stop string (kvreuse.output_processor), and
+                    # the parser's extractor holds back text that may still become a call.
+                    for name, data in blocks.feed(completion.text_delta, finished=output.finished):
+                        yield _sse(name, data)
                     if output.finished:
-                        stop_reason, stop_sequence = _stop_reason(output)
-                        yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+                        stop_reason, stop_sequence = _stop_reason(output, blocks.made_calls)
                         usage = _usage(output, last_breakpoint, len(completion.token_ids))
                         yield _sse("message_delta", {"type": "message_delta",
                                                      "delta": {"stop_reason": stop_reason,
