@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvreuse.cache.blocks import BlockPool, BlockPoolError
+from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import block_key, extend_block_keys, namespace_key
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.prefix import PrefixIndex
@@ -105,6 +106,37 @@ def test_hit_never_covers_last_token_and_partial_block_is_reused():
     kv.check_integrity([diverged])
 
 
+def test_a_finished_sequence_leaves_its_partly_filled_last_block_as_a_tail():
+    """The next turn of a chat extends a finished sequence: its last, partly filled block stays cached as a
+    tail, a leaf served as a partial match (copied), with no KV event and no tier copy (full blocks only)."""
+    events = KVEventLog()
+    kv = KVCacheManager(num_blocks=16, block_size=4, events=events)
+    evicted: list = []
+    kv.tiers = type("Tiers", (), {"lookup": lambda self, refs: [], "load": lambda self, ids, payloads: None,
+                                  "evicted": lambda self, node: evicted.append(node)})()
+    first = make_request(list(range(10)))  # two full blocks and 2 tokens of a third
+    run_prefill(kv, first)
+    tail_block = first.block_ids[2]
+    stored = events.read(0, 1000).last_seq
+    kv.free(first)
+    kv.check_integrity([])
+    next_turn = make_request(list(range(10)) + [50, 51, 52])
+    match = kv.match(next_turn)
+    assert match.num_tokens == 10 and match.partial.num_tokens == 2 and match.partial.node.block_id == tail_block
+    assert kv.admit(next_turn, match, 3)
+    assert kv.take_copies()[0].src_block == tail_block
+    kv.end_step()
+    assert events.read(0, 1000).last_seq == stored  # the tail made no KV event
+    kv.free(next_turn)
+    assert kv.reset_prefix_cache() > 0 and all(len(node.tokens) == 4 for node in evicted)
+    assert kv.pool.num_free == 16
+    # A sequence whose computed tokens fill its blocks exactly leaves no tail.
+    exact = make_request(list(range(8)))
+    run_prefill(kv, exact)
+    kv.free(exact)
+    assert all(len(node.tokens) == 4 for node in kv.index.iter_nodes())
+
+
 def test_token_verification_defeats_a_forged_key():
     pool = BlockPool(4)
     index = PrefixIndex(pool, 2)
@@ -127,20 +159,20 @@ def test_namespaces_do_not_share():
 
 def test_eviction_is_leaf_first_lru_and_respects_pins():
     kv = KVCacheManager(num_blocks=8, block_size=2)
-    old = make_request([1, 2, 3, 4, 5])  # blocks [1,2] [3,4]
-    new = make_request([9, 9, 8, 8, 7])  # blocks [9,9] [8,8]
+    old = make_request([1, 2, 3, 4, 5])  # blocks [1,2] [3,4] and the tail [5]
+    new = make_request([9, 9, 8, 8, 7])  # blocks [9,9] [8,8] and the tail [7]
     for request in (old, new):
         run_prefill(kv, request)
         kv.free(request)
     index = kv.index
-    assert index.evict(1) == 1
-    # The tail of the least recently used chain goes first, never its head.
+    assert index.evict(2) == 2
+    # The end of the least recently used chain goes first (its tail, then [3,4]), never its head.
     assert kv.match(make_request([1, 2, 3, 4, 5])).num_tokens == 2
-    assert kv.match(make_request([9, 9, 8, 8, 7])).num_tokens == 4
+    assert kv.match(make_request([9, 9, 8, 8, 7, 6])).num_tokens == 5
     pinned_chain = kv.match(make_request([9, 9, 8, 8, 7])).nodes
     index.pin(pinned_chain)
-    assert index.evict(10) == 1  # only the unpinned [1,2] could go
-    assert kv.match(make_request([9, 9, 8, 8, 7])).num_tokens == 4
+    assert index.evict(10) == 2  # only the unpinned [1,2] and the tail [7] could go
+    assert kv.match(make_request([9, 9, 8, 8, 7, 6])).num_tokens == 4
     assert kv.match(make_request([1, 2, 3])).num_tokens == 0
     index.unpin(pinned_chain)
     assert kv.reset_prefix_cache() == 2
@@ -180,8 +212,8 @@ def reference_hit(cached: set[tuple[int, ...]], tokens: list[int]) -> int:
         full += 1
     start = full * BLOCK
     best = 0
-    for prefix in cached:
-        if len(prefix) == start + BLOCK and list(prefix[:start]) == tokens[:start]:
+    for prefix in cached:  # full blocks and the tails of finished sequences after the matched chain
+        if start < len(prefix) <= start + BLOCK and list(prefix[:start]) == tokens[:start]:
             common = 0
             for cached_token, token in zip(prefix[start:], tokens[start:limit]):
                 if cached_token != token:
@@ -219,7 +251,8 @@ class CacheMachine(RuleBasedStateMachine):
         for prefix in evicted:
             assert prefix not in used, "a block in use was evicted"
             assert prefix not in pinned, "a pinned block was evicted"
-            assert not any(len(q) > len(prefix) and q[: len(prefix)] == prefix for q in after), "head before tail"
+            if len(prefix) % BLOCK == 0:  # a tail is a leaf: a longer prefix starting with its tokens is a sibling's
+                assert not any(len(q) > len(prefix) and q[: len(prefix)] == prefix for q in after), "head before tail"
         self.cached -= evicted
         assert self.cached == after
 
@@ -263,6 +296,9 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, pick: int) -> None:
         request = self.live.pop(pick % len(self.live))
         self.kv.free(request)
+        if request.num_computed_tokens % BLOCK:  # its partly filled last block stays, as a tail
+            self.cached.add(tuple(request.all_token_ids[: request.num_computed_tokens]))
+        assert self.cached == tree_prefixes(self.kv.index)
 
     @rule(count=st.integers(1, 5))
     def evict(self, count: int) -> None:

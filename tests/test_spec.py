@@ -273,7 +273,8 @@ def test_pinned_system_prompt_hits_with_speculation(drafts):
     pin = llm.pin(system)
     assert pin["tokens"] == 20
     [output] = llm.generate([{"prompt_token_ids": system + prompt_ids(111, 5)}], GREEDY)
-    assert output.num_cached_tokens == 20
+    # The 20 pinned tokens, and the 21st from the tail the pinning request left (its draft K/V too).
+    assert output.num_cached_tokens == 21 and output.pins_hit == [pin["id"]]
     [plain] = make_llm(target).generate([{"prompt_token_ids": system + prompt_ids(111, 5)}], GREEDY)
     assert output.outputs[0].token_ids == plain.outputs[0].token_ids
 

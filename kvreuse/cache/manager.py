@@ -16,7 +16,7 @@ from typing import Protocol
 
 from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.events import KVEventLog
-from kvreuse.cache.hashing import extend_block_keys
+from kvreuse.cache.hashing import block_key, extend_block_keys
 from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.cache.tiers.store import BlockRef
 
@@ -257,6 +257,20 @@ class KVCacheManager:
                 pending.popleft()
                 self._drop_pending(key)
 
+    def _cache_tail(self, request: CacheSequence) -> None:
+        size = self.block_size
+        num_full, tail_len = divmod(request.num_computed_tokens, size)
+        if (not self.enable_prefix_caching or tail_len == 0 or len(request.cached_nodes) != num_full
+                or len(request.block_ids) <= num_full):
+            return
+        parent = request.cached_nodes[-1] if request.cached_nodes else None
+        tokens = request.all_token_ids[num_full * size : num_full * size + tail_len]
+        key = block_key(parent.key if parent is not None else request.namespace, tokens)
+        block = request.block_ids[num_full]
+        node = self.index.insert(request.namespace, parent, key, tokens, block, tail=True)
+        if node.block_id == block:  # else the same tail was cached before: ours is freed below
+            request.cached_nodes.append(node)  # released with the others, so it becomes idle
+
     def _drop_pending(self, key: bytes) -> None:
         self._pending[key] -= 1
         if self._pending[key] <= 0:
@@ -264,9 +278,12 @@ class KVCacheManager:
 
     # --- release ----------------------------------------------------------------------------------
     def free(self, request: CacheSequence) -> None:
-        """Drop the request's hold on its blocks; cached ones stay in the index as idle."""
+        """Drop the request's hold on its blocks; cached ones stay in the index as idle, and so does the last,
+        partly filled block of computed tokens (a tail): the next turn of a chat or an agent loop extends
+        this sequence, and its partial match then covers every computed token, not only the full blocks."""
         for key in self._pending_of.pop(id(request), ()):
             self._drop_pending(key)
+        self._cache_tail(request)
         for block in reversed(request.block_ids):
             self.pool.release(block)
         self.index.release(request.cached_nodes)

@@ -155,11 +155,17 @@ class PrefixIndex:
             node.last_access = now
             self._maybe_push_candidate(node)
 
-    def insert(self, namespace: bytes, parent: CacheNode | None, key: bytes, tokens: Sequence[int], block_id: int) -> CacheNode:
+    def insert(self, namespace: bytes, parent: CacheNode | None, key: bytes, tokens: Sequence[int], block_id: int,
+               tail: bool = False) -> CacheNode:
         """Cache ``block_id`` as the child ``key`` of ``parent`` (None: the namespace root).
 
         If that child already exists (another request computed the same block), the existing node
         is returned and ``block_id`` stays uncached: the caller should switch to the existing block.
+
+        ``tail``: the last, partly filled block of a sequence that ended (1 .. block_size - 1 tokens). It
+        is a leaf for good (only full blocks have children), serves as a partial match (its tokens are
+        copied, as any partial hit's), and stays in this pool: no KV event and no tier record, whose
+        readers know full blocks only.
         """
         if parent is None:
             parent = self.roots.get(namespace)
@@ -173,8 +179,9 @@ class PrefixIndex:
             if existing.tokens != list(tokens):
                 raise RuntimeError("block key collision with different tokens")
             return existing
-        if len(tokens) != self.block_size:
-            raise ValueError(f"only full blocks of {self.block_size} tokens are cached, got {len(tokens)}")
+        if not (0 < len(tokens) < self.block_size if tail else len(tokens) == self.block_size):
+            raise ValueError(f"a cached block holds {self.block_size} tokens (a tail 1..{self.block_size - 1}), "
+                             f"got {len(tokens)}")
         node = CacheNode(
             key=key, tokens=list(tokens), block_id=block_id, parent=parent, depth=parent.depth + 1,
             last_access=next(self._clock),
@@ -185,7 +192,7 @@ class PrefixIndex:
         self._node_of_block[block_id] = node
         self.num_cached_blocks += 1
         self._maybe_push_candidate(node)
-        if self.events is not None:
+        if self.events is not None and not tail:
             self.events.stored(key)
         return node
 
@@ -228,7 +235,7 @@ class PrefixIndex:
             stamp, _, node = heapq.heappop(self._heap)
             if stamp != node.last_access or not self.is_evictable(node):
                 continue  # stale entry
-            if self.on_evict is not None:
+            if self.on_evict is not None and len(node.tokens) == self.block_size:  # tails stay in this pool
                 self.on_evict(node)
             self._remove(node)
             freed += 1
@@ -249,7 +256,7 @@ class PrefixIndex:
         self.pool.mark_evicted(node.block_id)
         self.num_cached_blocks -= 1
         self.num_evicted_blocks += 1
-        if self.events is not None:
+        if self.events is not None and len(node.tokens) == self.block_size:
             self.events.removed(node.key)
         if parent.is_root:
             if not parent.children:
@@ -293,8 +300,10 @@ class PrefixIndex:
                 raise RuntimeError("parent does not list its child")
             if node not in node.parent.children_by_first_token.get(node.tokens[0], ()):
                 raise RuntimeError("first-token index misses a child")
-            if node.depth != node.parent.depth + 1 or len(node.tokens) != self.block_size:
+            if node.depth != node.parent.depth + 1 or not 0 < len(node.tokens) <= self.block_size:
                 raise RuntimeError("bad depth or block length")
+            if len(node.tokens) < self.block_size and node.children:
+                raise RuntimeError("a tail (partly filled block) has children")
             if node.pin_count < 0:
                 raise RuntimeError("negative pin count")
             # A chain never loses its head before its tail: a used block's ancestors are present.
