@@ -75,6 +75,30 @@ class ToolCallStream(ABC):
         """The sample ended: release what was held back. Call once."""
 
 
+class BufferedToolCallStream(ToolCallStream):
+    """The shape every format's stream takes: the text so far, a position before which it is settled, a
+    state, the index of the call being read and the scanner of its arguments; ``_advance`` settles what the
+    text allows (all of it when ``final``)."""
+
+    def __init__(self, state: str) -> None:
+        self._text = ""
+        self._position = 0  # text before it is settled: handed out or skipped
+        self._state = state
+        self._index = -1
+        self._scanner: ValueScanner | None = None
+
+    def feed(self, text: str) -> StreamDelta:
+        self._text += text
+        return self._advance(final=False)
+
+    def finish(self) -> StreamDelta:
+        return self._advance(final=True)
+
+    @abstractmethod
+    def _advance(self, final: bool) -> StreamDelta:
+        """Settle what the text so far decides; with ``final``, everything."""
+
+
 ToolChoiceMode = Literal["none", "auto", "required"]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvreuse.tool_parsers.base import (
+    BufferedToolCallStream,
     HeaderStatus,
     StreamDelta,
     ToolCallDelta,
@@ -61,21 +62,10 @@ class HermesToolParser(ToolParser):
         return "\n".join(lines) + "\n" + rules
 
 
-class _HermesStream(ToolCallStream):
+class _HermesStream(BufferedToolCallStream):
     def __init__(self, parser: HermesToolParser) -> None:
+        super().__init__("content")  # content, header, arguments, seek
         self._parser = parser
-        self._text = ""
-        self._position = 0  # text before it is settled: handed out or skipped
-        self._state = "content"  # content, header, arguments, seek
-        self._index = -1
-        self._scanner: ValueScanner | None = None
-
-    def feed(self, text: str) -> StreamDelta:
-        self._text += text
-        return self._advance(final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> StreamDelta:
         text, out = self._text, StreamDelta()

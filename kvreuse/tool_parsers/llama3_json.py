@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from kvreuse.tool_parsers.base import (
+    BufferedToolCallStream,
     HeaderStatus,
     StreamDelta,
     ToolCallDelta,
@@ -49,21 +50,10 @@ class Llama3JsonToolParser(ToolParser):
         return "\n".join(lines) + "\n" + rules
 
 
-class _Llama3JsonStream(ToolCallStream):
+class _Llama3JsonStream(BufferedToolCallStream):
     def __init__(self, parser: Llama3JsonToolParser) -> None:
+        super().__init__("start")  # start, content, header, arguments, between, done
         self._parser = parser
-        self._text = ""
-        self._position = 0
-        self._state = "start"  # start, content, header, arguments, between, done
-        self._index = -1
-        self._scanner: ValueScanner | None = None
-
-    def feed(self, text: str) -> StreamDelta:
-        self._text += text
-        return self._advance(final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> StreamDelta:
         text, out = self._text, StreamDelta()

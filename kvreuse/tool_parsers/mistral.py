@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvreuse.tool_parsers.base import (
+    BufferedToolCallStream,
     HeaderStatus,
     StreamDelta,
     ToolCallDelta,
@@ -71,22 +72,11 @@ class MistralToolParser(ToolParser):
         return "\n".join(lines) + "\n" + rules
 
 
-class _MistralStream(ToolCallStream):
+class _MistralStream(BufferedToolCallStream):
     def __init__(self, parser: MistralToolParser) -> None:
+        super().__init__("content")  # content, open, header, name, arguments, between, done
         self._parser = parser
-        self._text = ""
-        self._position = 0
-        self._state = "content"  # content, open, header, name, arguments, between, done
         self._in_list = False
-        self._index = -1
-        self._scanner: ValueScanner | None = None
-
-    def feed(self, text: str) -> StreamDelta:
-        self._text += text
-        return self._advance(final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._advance(final=True)
 
     def _start_call(self, out: StreamDelta, name: str, value_start: int) -> None:
         self._index += 1
