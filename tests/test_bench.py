@@ -737,15 +737,20 @@ def test_agent_client_without_tool_calls_and_with_llama_server_timings(agent_stu
 def test_turn_summaries_and_the_side_by_side_table() -> None:
     def result(conversation: str, turn: int, prompt: int, cached: int, ttft: float, calls: int) -> RequestResult:
         return RequestResult(f"{conversation}-t{turn}", "g", conversation, turn, success=True, ttft_s=ttft, e2e_s=ttft,
-                             prompt_tokens=prompt, cached_tokens=cached, cached_tokens_reported=True,
+                             prompt_tokens=prompt, cached_tokens=cached, cached_tokens_reported=True, output_tokens=50,
                              tool_calls=[{"id": "c"}] * calls)
 
     results = [result("a0", 0, 1000, 0, 2.0, 1), result("a1", 0, 1000, 900, 0.4, 0),
-               result("a0", 1, 1400, 1300, 0.3, 1), result("a1", 1, 1500, 1400, 0.5, 1),
+               result("a0", 1, 1400, 1049, 0.3, 1), result("a1", 1, 1500, 1000, 0.5, 1),
                RequestResult("a2-t1", "g", "a2", 1, error="HTTP 500: boom")]
+    results[2].ideal_cached_tokens, results[2].ideal_prompt_tokens = 1100, 1450
     turns = turn_summaries(results)
     assert [(turn.turn, turn.requests, turn.completed) for turn in turns] == [(0, 2, 2), (1, 3, 2)]
-    assert turns[0].hit_rate == pytest.approx(900 / 2000) and turns[1].hit_rate == pytest.approx(2700 / 2900)
+    assert turns[0].hit_rate == pytest.approx(900 / 2000) and turns[1].hit_rate == pytest.approx(2049 / 2900)
+    # Turn 1 reused 2,049 of the 2 x (1,000 + 50) tokens its turn 0 left; turn 0 has no previous turn.
+    assert turns[0].previous_turn_reuse is None and turns[1].previous_turn_reuse == pytest.approx(2049 / 2100)
+    # The ideal figure divides by the prompt as the client tokenized it.
+    assert turns[1].ideal_hit_rate == pytest.approx(1100 / 1450)
     assert turns[0].ttft_median_s == pytest.approx(1.2) and turns[1].ttft_median_s == pytest.approx(0.4)
     assert [turn.tool_calls_returned for turn in turns] == [1, 2]
     assert turn_summaries([RequestResult("r", "g", None, 0, success=True)]) == ()
@@ -753,5 +758,5 @@ def test_turn_summaries_and_the_side_by_side_table() -> None:
                  "llama-server": summarize(BenchmarkRun(results[:2], 1.0))}
     table = format_turns_comparison(summaries, "per turn")
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
-    assert rows["0"] == ["0", "45.0%", "1200.0", "1/2", "45.0%", "1200.0", "1/2"]
-    assert rows["1"] == ["1", "93.1%", "400.0", "2/2", "-", "-", "-"]
+    assert rows["0"] == ["0", "45.0%", "-", "1200.0", "1/2", "45.0%", "-", "1200.0", "1/2"]
+    assert rows["1"] == ["1", "70.7%", "97.6%", "400.0", "2/2", "-", "-", "-", "-"]

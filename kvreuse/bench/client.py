@@ -105,6 +105,9 @@ class RequestResult:
     expected_prompt_tokens: int | None = None
     expected_output_tokens: int = 0
     ideal_cached_tokens: int | None = None
+    # The prompt's length as the client tokenized it for the ideal figure (a server that encodes earlier
+    # replies by their sampled ids counts differently): the ideal hit rate's denominator.
+    ideal_prompt_tokens: int | None = None
     generated_text: str = ""
     finish_reason: str | None = None
     # Where cached_tokens came from: "usage" (prompt_tokens_details) or "timings" (llama-server's cache_n).
@@ -135,7 +138,7 @@ class RequestResult:
             "output_arrived_at_end": self.output_arrived_at_end,
             "expected_prompt_tokens": self.expected_prompt_tokens,
             "expected_output_tokens": self.expected_output_tokens,
-            "ideal_cached_tokens": self.ideal_cached_tokens,
+            "ideal_cached_tokens": self.ideal_cached_tokens, "ideal_prompt_tokens": self.ideal_prompt_tokens,
             "finish_reason": self.finish_reason, "cached_tokens_source": self.cached_tokens_source,
             "tool_calls": self.tool_calls,
         }
@@ -356,6 +359,7 @@ class LoadClient:
             else:
                 return
             result.ideal_cached_tokens = min(_longest_shared_prefix(tuple(prompt), earlier), max(0, len(prompt) - 1))
+            result.ideal_prompt_tokens = len(prompt)
             bisect.insort(earlier, tuple(after))
 
 

@@ -66,6 +66,9 @@ class TurnSummary:
     cached_tokens: int
     hit_rate: float | None  # cached / prompt tokens of this turn; None when the server reports no cached tokens
     ideal_hit_rate: float | None
+    # Cached tokens over what the previous turn of the same conversation left behind (its prompt plus its
+    # output): 1.0 when every turn reuses its whole previous turn; None on turn 0.
+    previous_turn_reuse: float | None
     prompt_tokens_median: float | None
     ttft_median_s: float | None
     tool_calls_returned: int | None  # agent turns whose reply carried a tool call; None for other workloads
@@ -110,28 +113,42 @@ def error_kind(message: str) -> str:
     return head[0]
 
 
+def _ideal_prompt(result: RequestResult) -> int:
+    """The ideal figure's denominator: the prompt as the client tokenized it (else as the server counted it)."""
+    return result.ideal_prompt_tokens or result.prompt_tokens or 0
+
+
 def turn_summaries(results: Sequence[RequestResult]) -> tuple[TurnSummary, ...]:
     """Per-turn figures of the conversation requests among ``results`` (none: an empty tuple)."""
     by_turn: dict[int, list[RequestResult]] = {}
+    by_key: dict[tuple[str, int], RequestResult] = {}
     for result in results:
         if result.conversation is not None:
             by_turn.setdefault(result.turn, []).append(result)
+            by_key[(result.conversation, result.turn)] = result
     turns = []
     for turn, members in sorted(by_turn.items()):
         ok = [result for result in members if result.success]
         prompt = sum(result.prompt_tokens or 0 for result in ok)
         cached = sum(result.cached_tokens for result in ok)
         reported = any(result.cached_tokens_reported for result in ok)
-        with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and result.prompt_tokens]
-        ideal_prompt = sum(result.prompt_tokens or 0 for result in with_ideal)
+        with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and _ideal_prompt(result)]
+        ideal_prompt = sum(_ideal_prompt(result) for result in with_ideal)
         ttfts = [result.ttft_s for result in ok if result.ttft_s is not None]
         prompts = [float(result.prompt_tokens) for result in ok if result.prompt_tokens is not None]
         agent = [result for result in ok if result.tool_calls is not None]
+        carried = reused = 0
+        for result in ok:
+            previous = by_key.get((result.conversation or "", turn - 1))
+            if previous is not None and previous.success and previous.prompt_tokens:
+                carried += previous.prompt_tokens + previous.output_tokens
+                reused += result.cached_tokens
         turns.append(TurnSummary(
             turn=turn, requests=len(members), completed=len(ok), prompt_tokens=prompt, cached_tokens=cached,
             hit_rate=cached / prompt if reported and prompt else None,
             ideal_hit_rate=(sum(result.ideal_cached_tokens or 0 for result in with_ideal) / ideal_prompt
                             if ideal_prompt else None),
+            previous_turn_reuse=reused / carried if carried and reported else None,
             prompt_tokens_median=percentile(prompts, 50) if prompts else None,
             ttft_median_s=percentile(ttfts, 50) if ttfts else None,
             tool_calls_returned=sum(1 for result in agent if result.tool_calls) if agent else None,
@@ -146,8 +163,8 @@ def summarize(run: BenchmarkRun) -> Summary:
     cached_tokens = sum(result.cached_tokens for result in ok)
     output_tokens = sum(result.output_tokens for result in ok)
     reported = sum(1 for result in ok if result.cached_tokens_reported)
-    with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and result.prompt_tokens]
-    ideal_prompt = sum(result.prompt_tokens or 0 for result in with_ideal)
+    with_ideal = [result for result in ok if result.ideal_cached_tokens is not None and _ideal_prompt(result)]
+    ideal_prompt = sum(_ideal_prompt(result) for result in with_ideal)
     duration = max(run.duration_s, 1e-9)
     agent = [result for result in ok if result.tool_calls is not None]
     returned = sum(1 for result in agent if result.tool_calls)
@@ -229,26 +246,29 @@ def format_table(summary: Summary, title: str) -> str:
 
 
 def format_turns(turns: Sequence[TurnSummary]) -> str:
-    """One row per turn: requests, tool calls back (agents), median prompt tokens, hit rate, TTFT median."""
+    """One row per turn: requests, tool calls back (agents), median prompt tokens, hit rate (and the ideal
+    one), share of the previous turn (prompt + output) reused, TTFT median."""
     agent = any(turn.tool_calls_returned is not None for turn in turns)
     header = f"{'turn':<6}{'done':>6}" + (f"{'calls':>7}" if agent else "") + \
-        f"{'prompt med':>12}{'hit rate':>10}{'ideal':>8}{'TTFT med ms':>13}"
+        f"{'prompt med':>11}{'hit rate':>10}{'ideal':>8}{'prev reused':>13}{'TTFT med ms':>13}"
     lines = [header]
     for turn in turns:
         calls = f"{'-' if turn.tool_calls_returned is None else turn.tool_calls_returned:>7}" if agent else ""
         prompt = "-" if turn.prompt_tokens_median is None else f"{turn.prompt_tokens_median:.0f}"
-        lines.append(f"{turn.turn:<6}{f'{turn.completed}/{turn.requests}':>6}{calls}{prompt:>12}"
-                     f"{_rate(turn.hit_rate):>10}{_rate(turn.ideal_hit_rate):>8}{_ms(turn.ttft_median_s):>13}")
+        lines.append(f"{turn.turn:<6}{f'{turn.completed}/{turn.requests}':>6}{calls}{prompt:>11}"
+                     f"{_rate(turn.hit_rate):>10}{_rate(turn.ideal_hit_rate):>8}{_rate(turn.previous_turn_reuse):>13}"
+                     f"{_ms(turn.ttft_median_s):>13}")
     return "\n".join(lines)
 
 
 def format_turns_comparison(summaries: dict[str, Summary], title: str) -> str:
-    """Per-turn hit rate and median TTFT of several systems side by side (and tool calls back, for agents)."""
+    """Per-turn hit rate, share of the previous turn reused ("prev") and median TTFT of several systems side
+    by side (and tool calls back, for agents)."""
     labels = [label for label, summary in summaries.items() if summary.turns]
     if not labels:
         return ""
     agent = any(summary.tool_calls_returned is not None for summary in summaries.values())
-    per_system = ("hit rate", "TTFT ms") + (("calls",) if agent else ())
+    per_system = ("hit rate", "prev", "TTFT ms") + (("calls",) if agent else ())
     column = 10
     span = max(column * len(per_system), *(len(label) + 2 for label in labels))
     column = span // len(per_system)
@@ -262,7 +282,8 @@ def format_turns_comparison(summaries: dict[str, Summary], title: str) -> str:
         cells = []
         for label in labels:
             turn = by_turn[label].get(index)
-            cells += [_rate(turn.hit_rate) if turn else "-", _ms(turn.ttft_median_s) if turn else "-"]
+            cells += [_rate(turn.hit_rate) if turn else "-", _rate(turn.previous_turn_reuse) if turn else "-",
+                      _ms(turn.ttft_median_s) if turn else "-"]
             if agent:
                 cells.append("-" if turn is None or turn.tool_calls_returned is None
                              else f"{turn.tool_calls_returned}/{turn.completed}")
