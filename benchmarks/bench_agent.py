@@ -238,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from kvreuse.bench.plot import plot_turns
 
+        options = agent_options(args)
         plot_turns([(result["label"], result["summary"]) for result in results],
-                   f"{results[0]['workload'].describe() if results else 'agent'}\nmodel {Path(model_dir).name}, "
-                   f"{os.cpu_count()} cores", args.plot)
+                   f"agent: {options.num_agents} agents x {options.num_turns} turns, tool list ~{options.tools_len} "
+                   f"tokens, results {options.result_len} tokens, at most {options.output_len} out; model "
+                   f"{Path(model_dir).name} ({args.dtype}), {os.cpu_count()} cores", args.plot)
         print(f"wrote {args.plot}")
     return 0 if all(result["summary"].completed == result["summary"].num_requests for result in results) else 1
 

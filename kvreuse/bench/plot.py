@@ -148,8 +148,10 @@ def plot_comparison(systems: Sequence[tuple[str, Sequence[RequestResult], Summar
 def plot_turns(systems: Sequence[tuple[str, Summary]], title: str, path: str | os.PathLike[str]) -> None:
     """Per-turn hit rate and median TTFT of each system (workloads with turns: multi-turn, agent)."""
     plt = _pyplot()
-    figure, (rates, ttfts) = plt.subplots(1, 2, figsize=(11, 3.8))
-    figure.suptitle(title, fontsize=9)
+    import textwrap
+
+    figure, (rates, ttfts) = plt.subplots(1, 2, figsize=(11, 4))
+    figure.suptitle("\n".join(textwrap.fill(line, 160) for line in title.splitlines()), fontsize=8)
     for index, (label, summary) in enumerate(systems):
         color = COLORS[index % len(COLORS)]
         turns = [turn for turn in summary.turns if turn.completed]

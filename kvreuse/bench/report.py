@@ -250,12 +250,12 @@ def format_turns(turns: Sequence[TurnSummary]) -> str:
     one), share of the previous turn (prompt + output) reused, TTFT median."""
     agent = any(turn.tool_calls_returned is not None for turn in turns)
     header = f"{'turn':<6}{'done':>6}" + (f"{'calls':>7}" if agent else "") + \
-        f"{'prompt med':>11}{'hit rate':>10}{'ideal':>8}{'prev reused':>13}{'TTFT med ms':>13}"
+        f"{'prompt med':>12}{'hit rate':>10}{'ideal':>8}{'prev reused':>13}{'TTFT med ms':>13}"
     lines = [header]
     for turn in turns:
         calls = f"{'-' if turn.tool_calls_returned is None else turn.tool_calls_returned:>7}" if agent else ""
         prompt = "-" if turn.prompt_tokens_median is None else f"{turn.prompt_tokens_median:.0f}"
-        lines.append(f"{turn.turn:<6}{f'{turn.completed}/{turn.requests}':>6}{calls}{prompt:>11}"
+        lines.append(f"{turn.turn:<6}{f'{turn.completed}/{turn.requests}':>6}{calls}{prompt:>12}"
                      f"{_rate(turn.hit_rate):>10}{_rate(turn.ideal_hit_rate):>8}{_rate(turn.previous_turn_reuse):>13}"
                      f"{_ms(turn.ttft_median_s):>13}")
     return "\n".join(lines)
