@@ -150,6 +150,10 @@ COMMANDS: dict[str, str] = {
     "shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 32 "
     "--gsp-output-len 16 --request-rate 1 --temperature 1 --seed 0 --out serve.json "
     "--plot docs/img/bench_serve_shared-prefix.png": BENCH_SERVE,
+    # smoke: BIN is no binary, so the script skips the llama-server runs and says so
+    "python benchmarks/bench_agent.py --model models/smollm2-135m-v2384 --dtype float32 --systems "
+    "kvreuse,llama-server,kvreuse-no-tools,llama-server-no-tools --llama-server BIN --gguf "
+    "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
     # docs/router.md
     "kvreuse route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 --port 8080 --policy "
     "cache-aware --tokenizer ./model-folder": ROUTE,
@@ -185,6 +189,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_server_overhead.py": (r"client TTFT\s+median", r"engine TTFT\s+median", r"overhead\s+median\s+\S"),
     "bench_lora.py": (r"layout\s+output tok/s", r"4 adapters\s+\S", r"warm TTFT"),
     "bench_tiers.py": (r"source\s+TTFT ms\s+/ cold", r"disk\s+\d", r"restart \(disk\)\s+\d"),
+    "bench_agent.py": (r"turn\s+hit rate\s+prev\s+TTFT ms\s+calls", r"(?m)^kvreuse\s+\d+/\d+\s+\d+\s+\d+\.\d%",
+                       r"(?m)^kvreuse-no-tools\s+\d+/\d+\s+0\s+\d+\.\d%", r"llama-server: skipped in this smoke run"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
 }
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
