@@ -760,3 +760,18 @@ def test_turn_summaries_and_the_side_by_side_table() -> None:
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:1].isdigit()}
     assert rows["0"] == ["0", "45.0%", "-", "1200.0", "1/2", "45.0%", "-", "1200.0", "1/2"]
     assert rows["1"] == ["1", "70.7%", "97.6%", "400.0", "2/2", "-", "-", "-", "-"]
+
+
+def test_compare_runs_llama_server_with_jinja_only_given_its_binary_and_gguf(tmp_path: Path, capsys) -> None:
+    from kvreuse.bench.compare import LlamaServer
+    from kvreuse.cli import main
+
+    base = ["bench", "compare", "--workload", "agent", "--systems", "kvreuse,llama-server", "--disable-tqdm"]
+    assert main(base) == 2
+    assert "needs --llama-server BIN and --gguf FILE" in capsys.readouterr().err
+    assert main(base + ["--llama-server", str(tmp_path / "nope"), "--gguf", str(tmp_path / "m.gguf")]) == 2
+    assert "must be llama-server's binary" in capsys.readouterr().err
+    command = LlamaServer("/bin/llama-server", "m.gguf", slots=3, ctx_size=8192, cache_ram_mib=512).command(8123)
+    assert command[:3] == ["/bin/llama-server", "-m", "m.gguf"] and "--jinja" in command
+    assert command[command.index("-np") + 1] == "3" and command[command.index("--port") + 1] == "8123"
+    assert command[command.index("-c") + 1] == "8192" and command[command.index("--cache-ram") + 1] == "512"
