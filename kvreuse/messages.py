@@ -8,7 +8,8 @@ re-exports the names.
 Tool history comes in OpenAI's shape: an assistant message with ``tool_calls`` (its content may be
 null), each ``{"id", "type": "function", "function": {"name", "arguments"}}`` whose ``arguments`` is the
 JSON text the model generated; then one ``role: "tool"`` message per call, its ``tool_call_id`` naming
-it. The checked copy carries ``arguments`` parsed into an object: chat templates write it with
+it. The checked copy carries ``arguments`` parsed into an object (text that is not JSON, a call cut off by
+``max_tokens``, stays text): chat templates write it with
 ``tojson`` (Qwen2.5's, Llama 3.1's, Mistral's and ours), which would quote a string a second time, and
 the serialisation ``tojson`` gives back is the one the tool-call grammars make the model generate, so
 a replayed turn renders the text the model produced.
@@ -107,8 +108,10 @@ def _parsed_arguments(arguments: Any, where: str) -> Any:
         return {}
     try:
         return json.loads(arguments)
-    except ValueError as error:
-        raise InvalidRequestError(f"{where} is not valid JSON: {error}", where) from None
+    except ValueError:
+        # Not JSON: a call that max_tokens cut off, sent back as the client got it. The agent loop goes on;
+        # the text stays as it is (templates write a string argument as it is, or quote it).
+        return arguments
 
 
 def _check_tool_result(previous: list[dict[str, Any]], message: Mapping[str, Any], where: str) -> None:

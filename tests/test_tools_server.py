@@ -270,7 +270,7 @@ BAD_TOOL_REQUESTS = [
     ({"messages": MESSAGES + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}]},
      "messages[2].tool_call_id"),
     ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "GetTime", "arguments": "{not json"}}]}]},
+        {"id": "c1", "type": "function", "function": {"name": "GetTime", "arguments": ["not", "text"]}}]}]},
      "messages[2].tool_calls[0].function.arguments"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),

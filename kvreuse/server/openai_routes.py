@@ -427,15 +427,17 @@ class _StreamWriter:
     def _chat_chunks(self, parts: list[bytes], index: int, choice: _ChoiceStream, delta: StreamDelta,
                      entries: Sequence[Any] | None, finish_reason: str | None) -> None:
         text = delta.content
-        if not (delta or entries or finish_reason):
-            return  # e.g. a first token that completes no character yet: nothing to show, role included
-        if not choice.started:
-            # The role goes out with the first content or call, never earlier: a client timing the first
-            # chunk measures the time to the first text. A reply that opens with a call has null content.
+        # The role goes out with the first content or call; with tools, with the first token, whatever the
+        # extractor holds back (a call's head takes tens of tokens to be certain: a client timing the first
+        # chunk would otherwise time the call's name, where a text reply's first chunk is its first token).
+        # A reply that opens with a call, or whose first token decides nothing yet, has null content.
+        if not choice.started and (delta or entries or finish_reason or choice.tool_stream is not None):
             choice.started = True
-            opening = "" if text or not delta.tool_calls else None
+            opening = "" if text or not (delta.tool_calls or choice.tool_stream is not None) else None
             parts.append(self._event({"index": index, "delta": {"role": "assistant", "content": opening},
                                       "logprobs": None, "finish_reason": None}))
+        if not (delta or entries or finish_reason):
+            return  # e.g. a token that completes no character yet, or text held back: nothing more to show
         logprobs = None
         if entries:
             logprobs = chat_logprobs(entries, self.state.token_texts, self.generation.num_logprobs or 0)
