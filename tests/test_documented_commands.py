@@ -168,6 +168,7 @@ COMMANDS: dict[str, str] = {
     "python -m pytest tests/test_server_units.py tests/test_server.py": CI_PYTEST,
     "python benchmarks/bench_spec.py --preset smollm2-135m --dtype float32": SCRIPT,
     "python benchmarks/bench_tiers.py --preset qwen2.5-0.5b --dtype float32": SCRIPT,
+    "python benchmarks/bench_structured.py --preset smollm2-135m --dtype float32": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
     # docs/observatory.md
@@ -191,6 +192,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_tiers.py": (r"source\s+TTFT ms\s+/ cold", r"disk\s+\d", r"restart \(disk\)\s+\d"),
     "bench_agent.py": (r"turn\s+hit rate\s+prev\s+TTFT ms\s+calls", r"(?m)^kvreuse\s+\d+/\d+\s+\d+\s+\d+\.\d%",
                        r"(?m)^kvreuse-no-tools\s+\d+/\d+\s+0\s+\d+\.\d%", r"llama-server: skipped in this smoke run"),
+    "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
+                            r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
 }
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
