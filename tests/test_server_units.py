@@ -347,3 +347,36 @@ def test_running_gauge_is_published_before_each_output_reaches_the_event_loop(ti
     assert all(running == 1.0 for finished, running in posted[:-1])
     assert posted[-1] == (True, 0.0)  # the last: the engine has let it go
     assert scraped_running() == 0.0
+
+
+def test_with_tools_the_role_chunk_goes_out_with_the_first_token() -> None:
+    """A tool-call reply's first token decides nothing yet (it may be the start of a call, held back by the
+    extractor), but the stream's first chunk, the role, goes out with it: a client timing its first chunk
+    times the first token, as with a text reply, not the call's name tens of tokens later."""
+    import json as json_module
+
+    from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.openai_routes import _Generation, _StreamWriter
+    from kvreuse.tool_parsers import HermesToolParser
+
+    generation = _Generation(chat=True, request_id="chatcmpl-1", model="m", created=0, prompts=[[1, 2]],
+                             prompt_lengths=[2], params=[SamplingParams()], cache_salt=None, arrival_time=0.0,
+                             stream=True, include_usage=False, num_logprobs=None, user=None,
+                             tool_parser=HermesToolParser())
+    writer = _StreamWriter(None, generation)  # type: ignore[arg-type]  # the state is read for logprobs only
+
+    def step(text: str, finish_reason: str | None = None) -> list[dict]:
+        completion = CompletionOutput(0, text=text, token_ids=[7], text_delta=text, finish_reason=finish_reason)
+        output = RequestOutput("chatcmpl-1", None, [1, 2], [completion], finish_reason is not None,
+                               num_cached_tokens=0, metrics=RequestMetrics(arrival_time=0.0))
+        raw = writer.encode(0, output)
+        return [json_module.loads(line[len("data: "):]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+    first = step("<tool")  # may be the start of <tool_call>: held back
+    assert [event["choices"][0]["delta"] for event in first] == [{"role": "assistant", "content": None}]
+    rest = step('_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "stop")
+    deltas = [event["choices"][0]["delta"] for event in rest]
+    assert all("role" not in delta for delta in deltas)
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert rest[-1]["choices"][0]["finish_reason"] == "tool_calls"
