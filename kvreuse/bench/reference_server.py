@@ -55,6 +55,7 @@ class ReferenceRunner:
                  max_cached_tokens: int = 65536, min_reuse_tokens: int = 16) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from kvreuse.models.loader import resolve_tokenizer_path
         from kvreuse.tokenizer import Tokenizer
 
         if max_entries < 1:
@@ -62,7 +63,10 @@ class ReferenceRunner:
         if min_reuse_tokens < 1:
             raise ValueError(f"min_reuse_tokens must be >= 1, got {min_reuse_tokens}")
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-        config = AutoConfig.from_pretrained(model_dir)
+        # A GGUF file: transformers reads it from its folder by name (and dequantizes it).
+        gguf = {"gguf_file": Path(model_dir).name} if Path(model_dir).suffix.lower() == ".gguf" else {}
+        location = str(Path(model_dir).parent) if gguf else model_dir
+        config = AutoConfig.from_pretrained(location, **gguf)
         if dtype == "auto":
             torch_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             torch_dtype = DTYPES.get(str(torch_dtype).replace("torch.", ""), torch.float32) \
@@ -71,14 +75,14 @@ class ReferenceRunner:
             torch_dtype = DTYPES[dtype]
         else:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-        has_weights = any(Path(model_dir).glob("*.safetensors"))
+        has_weights = bool(gguf) or any(Path(model_dir).glob("*.safetensors"))
         if has_weights:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **gguf)
         else:  # a config-only folder: random weights, as kvreuse's dummy load format
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         self.model = model.to(self.device).eval()
         self.dtype = torch_dtype
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(resolve_tokenizer_path(model_dir))
         self.max_entries = max_entries
         self.max_cached_tokens = max_cached_tokens
         self.min_reuse_tokens = min_reuse_tokens

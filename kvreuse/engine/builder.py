@@ -34,7 +34,9 @@ from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.loader import load_model, resolve_dtype_with_reason, resolve_model_path, safetensors_files
+from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf
+from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_tokenizer_path,
+                                   safetensors_files)
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
 from kvreuse.scheduler import Scheduler
@@ -81,7 +83,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed)
-    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    tokenizer_path = resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer = Tokenizer(tokenizer_path)
 
     # Speculative decoding: the draft's K/V (one more layer) and its per-slot input feature live in the
@@ -116,7 +118,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events)
     tier_store = tier_glue = None
     if config.cache.has_tiers:
-        fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft)
+        fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path)
         tier_store = make_tiers(config, kv_cache, fingerprint)
         tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
 
@@ -201,19 +203,35 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
 
 
 def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: ModelConfig, kv_cache: KVCache,
-                       dtype: torch.dtype, draft: EagleDraft | None) -> str:
-    """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint)."""
+                       dtype: torch.dtype, draft: EagleDraft | None, tokenizer_path: Path | None = None) -> str:
+    """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint).
+
+    A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
+    beside the file's digest, so KV computed from a Q4 file is never served to a Q8 file of the same
+    architecture, and a record says which format made it; a folder's fingerprint has no such field and
+    stays what it was (stored records keep hitting).
+    """
+    gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
         weights = f"dummy-seed-{config.seed}"
+    elif gguf_file:
+        weights = gguf_digest(model_path)
     else:
         weights = files_digest(safetensors_files(model_path), memo=cache_dir() / "weights-digests.json")
-    tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    tokenizer_dir = tokenizer_path or resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
                        if (tokenizer_dir / name).is_file()]
-    config_file = model_path / "config.json"
-    model_json = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else repr(model_config)
+    fields = {}
+    if gguf_file:
+        info = read_gguf(model_path)
+        model_json = info.hf_config
+        fields["weight_format"] = "dummy" if config.load_format == "dummy" else info.weight_format
+    else:
+        config_file = model_path / "config.json"
+        model_json = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() \
+            else repr(model_config)
     return model_fingerprint({
-        "config": model_json,
+        "config": model_json, **fields,
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
         "dtype": str(dtype), "kv_dtype": str(kv_cache.dtype), "block_size": kv_cache.block_size,
         "kv_layers": kv_cache.num_layers, "kv_heads": kv_cache.num_kv_heads, "head_dim": kv_cache.head_dim,

@@ -1,11 +1,13 @@
 """Finding a model, choosing its dtype and loading its weights.
 
-This module owns the boundary with the outside world of checkpoints: a local folder or a Hugging Face
-hub id (``resolve_model_path``), the dtype policy (``resolve_dtype``: bfloat16 where the hardware
-does it natively, else float32), and ``load_model``, which builds the model directly on the target
-device and streams ``*.safetensors`` tensor by tensor into it, so peak memory stays near the size of
-the model rather than twice it. ``load_format="dummy"`` gives random weights for any config so
-benchmarks and tests need no weight files.
+This module owns the boundary with the outside world of checkpoints: a local folder, a GGUF file or a
+Hugging Face hub id (``resolve_model_path``; ``resolve_tokenizer_path`` gives the folder a tokenizer is
+read from, a GGUF file's converted one included), the dtype policy (``resolve_dtype``: bfloat16 where the
+hardware does it natively, else float32), and ``load_model``, which builds the model directly on the
+target device and streams ``*.safetensors`` (or a GGUF file's tensors, dequantized, see
+kvreuse.models.gguf) tensor by tensor into it, so peak memory stays near the size of the model rather
+than twice it. ``load_format="dummy"`` gives random weights for any config so benchmarks and tests need
+no weight files.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import torch
 
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.cpu import cpu_bfloat16_support
+from kvreuse.models.gguf import gguf_tokenizer_dir, is_gguf_path, iterate_gguf_weights, read_gguf
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# How weights are held in memory. None: in the model's dtype (a GGUF file dequantized). vLLM's "gguf"
+# (the file's quantized blocks, with kernels that read them) is not built yet.
+QUANTIZATION_METHODS: tuple[str | None, ...] = (None,)
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -61,11 +67,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local model folder: ``model`` itself if it is a folder, else a Hugging Face hub download."""
+    """A local model: ``model`` itself if it is a folder or a ``.gguf`` file, else a Hugging Face hub
+    download (a folder)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     text = str(model)
+    if is_gguf_path(path):
+        if not path.is_file():
+            raise ValueError(f"GGUF file {text!r} does not exist")
+        return path
+    if path.is_file():
+        raise ValueError(f"model {text!r} is a file but not a .gguf file; a model is a folder with config.json, "
+                         "a GGUF file or a Hugging Face hub id")
     if text.startswith(("/", ".", "~")) or path.exists():
         raise ValueError(f"model folder {text!r} does not exist (or is not a folder)")
     try:
@@ -83,6 +97,20 @@ def resolve_model_path(model: str | Path) -> Path:
             f"({type(exc).__name__}: {exc}). Pass a local folder, or check the name and network access."
         ) from exc
     return Path(local)
+
+
+def resolve_tokenizer_path(model: str | Path) -> Path:
+    """The folder a ``Tokenizer`` loads for ``model`` (a folder, a hub id or a GGUF file): a GGUF file's
+    tokenizer is converted once into a cache folder keyed by the file's digest (kvreuse.models.gguf)."""
+    path = resolve_model_path(model)
+    return gguf_tokenizer_dir(path) if is_gguf_path(path) else path
+
+
+def model_config_of(model_path: Path) -> ModelConfig:
+    """The config of a model folder (config.json) or of a GGUF file (its metadata)."""
+    if is_gguf_path(model_path):
+        return ModelConfig.from_dict(read_gguf(model_path).hf_config)
+    return ModelConfig.from_pretrained(model_path)
 
 
 def safetensors_files(model_path: Path) -> list[Path]:
@@ -117,15 +145,20 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     """Build the model on ``device`` in ``dtype`` and fill its weights.
 
-    ``model_path`` is a folder with ``config.json`` (and weights unless ``load_format="dummy"``);
-    a ``ModelConfig`` is accepted for dummy weights. Raises ValueError for unsupported
-    architectures, missing files, and missing, unexpected or mis-shaped weights.
+    ``model_path`` is a folder with ``config.json`` (and weights unless ``load_format="dummy"``) or a
+    GGUF file (config and weights from the file, every tensor dequantized into ``dtype``); a
+    ``ModelConfig`` is accepted for dummy weights. Raises ValueError for unsupported architectures or
+    tensor types, missing or truncated files, and missing, unexpected or mis-shaped weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not supported yet; supported: None (weights in the "
+                         "model's dtype, a GGUF file dequantized)")
     device = torch.device(device)
     if isinstance(model_path, ModelConfig):
         if load_format != "dummy":
@@ -134,7 +167,17 @@ def load_model(
         folder = None
     else:
         folder = Path(model_path)
-        config = ModelConfig.from_pretrained(folder)
+        gguf_file = is_gguf_path(folder)
+        if load_format == "gguf" and not gguf_file:
+            raise ValueError(f"load_format='gguf' needs a .gguf file, got {str(folder)!r}")
+        if load_format == "safetensors" and gguf_file:
+            raise ValueError(f"load_format='safetensors' needs a model folder, got the GGUF file {str(folder)!r}")
+        config = model_config_of(folder)
+        if gguf_file and load_format != "dummy":
+            model = LlamaFamilyForCausalLM(config, dtype, device)
+            model.load_weights(iterate_gguf_weights(folder))
+            model.eval()
+            return model, config
     files: list[Path] = []
     if load_format != "dummy":
         assert folder is not None

@@ -138,7 +138,12 @@ class RouterState:
         # block keys are theirs; no max_model_len / vocabulary checks: the backend answers those.
         self.inputs: InputProcessor | None = None
         if config.tokenizer is not None:
-            self.inputs = InputProcessor(Tokenizer(config.tokenizer))
+            tokenizer_dir = config.tokenizer
+            if str(tokenizer_dir).lower().endswith(".gguf"):
+                from kvreuse.models.loader import resolve_tokenizer_path  # torch: only for a GGUF file's tokenizer
+
+                tokenizer_dir = str(resolve_tokenizer_path(tokenizer_dir))
+            self.inputs = InputProcessor(Tokenizer(tokenizer_dir))
         self.metrics = RouterMetrics(self)
 
     def _backend_down(self, backend: Backend) -> None:

