@@ -16,6 +16,10 @@ of speculative rows. Other layouts of the same weight do better there:
   eight weight rows per pass, for one to a few rows (float32 and bfloat16). On a 2-core AVX-512 EPYC
   one decode row streams the 896x4864 down projection at ~35 GB/s, against 22-25 for the best library
   kernel. Built for the CPU on first use; where no compiler builds it, the planner never offers it.
+- ``qdot`` and ``qtile``, for weights held quantized (models/quant.py, models/qlinear.py): the C++
+  kernel that reads the quantized groups directly (decode rows), and F.linear on tiles dequantized one
+  at a time (many rows). Only quantized weights run them; their plans are measured the same way, under
+  the format's name (``q4_k/bfloat16``) where a float weight's key has its dtype.
 
 Which wins, and where, depends on the CPU, the thread count, the dtype and the weight's shape (on a
 2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 15 GB/s on F.linear, 23 packed
@@ -49,6 +53,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +68,11 @@ logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), or one kernel name for every layer
 # Preference order when times tie.
-KERNELS = ("plain", "packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8")
+KERNELS = ("plain", "packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8", "qdot", "qtile")
 # The weight layout each kernel reads; kernels sharing one can share a plan without extra memory.
 LAYOUT = {"plain": "plain", "packed": "packed", "transposed": "transposed", "split_in": "transposed",
-          "split_out": "split_out", "rowdot": "plain", "rowdot8": "plain"}
+          "split_out": "split_out", "rowdot": "plain", "rowdot8": "plain", "qdot": "quantized", "qtile": "quantized"}
+QUANTIZED_KERNELS = ("qdot", "qtile")  # over a quantized weight only (models/qlinear.py runs them)
 ROWDOT_GROUP = {"rowdot": 1, "rowdot8": 8}  # weight rows per pass of models/rowdot.py's kernel
 # The row-dot kernels re-read each pass of weight rows from cache for every input row: a GEMV, not a
 # GEMM. They are probed up to this many rows and never chosen above.
@@ -216,6 +222,8 @@ def run_kernel(name: str, x: torch.Tensor, layout: torch.Tensor, parts: int,
 def kernel_runs(name: str, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
     """Whether kernel ``name`` can run a ``dtype`` weight of this [out, in] shape here. Asked per kernel,
     so an engine forced onto one kernel never builds the row-dot extension."""
+    if name in QUANTIZED_KERNELS:
+        return False  # float weights; a quantized weight's kernels are models/qlinear.py's to offer
     if name == "packed":
         return packing_available(dtype)
     if name.startswith("split"):
@@ -416,14 +424,21 @@ class PlanBook:
             return LinearPlan.single(forced if kernel_runs(forced, dtype, shape) else "plain")
         if shape[0] * shape[1] < MIN_MEASURED_ELEMENTS:
             return PLAIN
-        key = self._key(dtype, shape)
+        return self.plan_measured(str(dtype).removeprefix("torch."), shape, max_layouts,
+                                  lambda: measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS),
+                                  lambda name: kernel_runs(name, dtype, shape))
+
+    def plan_measured(self, label: str, shape: tuple[int, int], max_layouts: int,
+                      measure_now: Callable[[], dict[str, dict[int, float]]], runs: Callable[[str], bool]) -> LinearPlan:
+        """The plan decided from the timings stored under (this machine, ``label``, ``shape``), or from
+        ``measure_now()``'s, kept for the next start. ``runs(name)``: whether a kernel runs here now."""
+        key = f"{self.machine} | {label} | {shape[0]}x{shape[1]}"
         times = self._stored_times(key)
         if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
             # A kernel measured once but not runnable now (the row-dot build failed here) drops out.
-            return decide({name: by_rows for name, by_rows in times.items() if kernel_runs(name, dtype, shape)},
-                          max_layouts)
-        times = measure(shape[0], shape[1], dtype, runnable_kernels(dtype, shape), PROBE_ROWS)
+            return decide({name: by_rows for name, by_rows in times.items() if runs(name)}, max_layouts)
+        times = measure_now()
         self.measured += 1
         self._plans[key] = {"times_us": times}
         plan = decide(times, max_layouts)

@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.attention.forward_batch import ProjectionDeltas
+from kvreuse.models import qlinear
 from kvreuse.models.config import Llama3RopeScaling
 from kvreuse.models.kernels import LinearKernel, PlanBook
+from kvreuse.models.qlinear import QuantizedLinearKernel
+from kvreuse.models.quant import QuantizedTensor
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -101,7 +104,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). ``output_sizes`` lists the fused parts (e.g. q, k, v) in row order."""
+    """y = x W^T (+ b). ``output_sizes`` lists the fused parts (e.g. q, k, v) in row order.
+
+    The weight is a float parameter, or held quantized (``set_quantized``: GGUF blocks repacked, or int8
+    quantized at load), in which case ``weight`` is None and ``quantized`` holds the parts."""
 
     def __init__(
         self,
@@ -115,11 +121,14 @@ class Linear(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         output_size = sum(output_sizes)
+        self.dtype = dtype
         self.weight = _empty_parameter((output_size, input_size), dtype, device)
         self.bias = _empty_parameter((output_size,), dtype, device) if bias else None
+        # The weight's parts (stacked by output rows) where it is held quantized (set_quantized).
+        self.quantized: list[QuantizedTensor | torch.Tensor] | None = None
 
         # The CPU kernel chosen for this weight's shape (see choose_cpu_kernel); None: plain F.linear.
-        self.kernel: LinearKernel | None = None
+        self.kernel: LinearKernel | QuantizedLinearKernel | None = None
         # Where LoRA adapters attach (set by the model): the decoder layer and PEFT's module name per part.
         self.lora_layer: int | None = None
         self.lora_modules: tuple[str, ...] = ()
@@ -141,10 +150,41 @@ class Linear(nn.Module):
         plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts)
         if plan.is_plain:
             return False
-        self.kernel = LinearKernel(self.weight.detach(), None if self.bias is None else self.bias.detach(), plan)
+        self.kernel = LinearKernel(self.weight.detach(), self._bias_tensor(), plan)
         if "plain" not in plan.layouts:  # the row-dot kernels read the plain layout too
             self.weight = None  # type: ignore[assignment]
         return True
+
+    def _bias_tensor(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach()
+
+    def set_quantized(self, parts: list[QuantizedTensor | torch.Tensor]) -> None:
+        """Hold the weight as ``parts`` stacked by output rows (each a QuantizedTensor, or a float tensor
+        for a part a file keeps unquantized), run by the quantized kernels (qlinear.DEFAULT_PLAN until
+        ``choose_cpu_kernel`` measures). Where those cannot run (no compiler built them, or not on CPU)
+        the parts are dequantized into the float weight instead: the same values, float memory."""
+        rows = sum(part.shape[0] for part in parts)
+        if rows != sum(self.output_sizes) or any(part.shape[1] != self.input_size for part in parts):
+            shapes = ", ".join(f"{part.shape[0]}x{part.shape[1]}" for part in parts)
+            raise ValueError(f"quantized parts {shapes} do not make a {sum(self.output_sizes)}x{self.input_size} weight")
+        device = self.bias.device if self.bias is not None else (
+            self.weight.device if self.weight is not None else torch.device("cpu"))
+        if device.type == "cpu" and qlinear.available():
+            self.quantized = list(parts)
+            self.weight = None  # type: ignore[assignment]
+            self.kernel = QuantizedLinearKernel(self.quantized, self._bias_tensor())
+            return
+        dense = torch.cat([qlinear.dequantize_any(part) for part in parts]).to(self.dtype)
+        self.weight = nn.Parameter(dense.to(device), requires_grad=False)
+        self.quantized = None
+        self.kernel = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory of the weight as held (quantized, or float in any kernel layout)."""
+        if self.kernel is not None:
+            return self.kernel.layout_bytes
+        return self.weight.numel() * self.weight.element_size()
 
     def part_rows(self, part: int) -> slice:
         """Rows of the fused weight that belong to part ``part`` (e.g. 1 = k of a qkv projection)."""
@@ -167,3 +207,23 @@ class GatedMLP(nn.Module):
         # In place: the [T, intermediate] activations are the largest tensors of a prefill, and
         # not allocating a second one is measurably faster on CPU.
         return self.down_proj(F.silu(gate).mul_(up), lora)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table held quantized: looked-up rows are dequantized (qlinear's kernel), in ``dtype``;
+    a tied output projection reads the same quantized table (``quantized``)."""
+
+    def __init__(self, table: QuantizedTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.quantized = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = qlinear.dequantize_rows(self.quantized, ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table dequantized (float memory: for the rare reader of the whole matrix, not the forward)."""
+        return qlinear.dequantize(self.quantized).to(self.dtype)

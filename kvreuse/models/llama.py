@@ -25,8 +25,11 @@ from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
+from kvreuse.models import qlinear
 from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
-from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from kvreuse.models.layers import GatedMLP, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
+from kvreuse.models.qlinear import QuantizedLinearKernel
+from kvreuse.models.quant import QuantizedTensor, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
-        self._tied_head_kernel: LinearKernel | None = None  # see choose_cpu_kernels
+        self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
@@ -159,8 +162,11 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The output projection's float weight (dequantized where it is held quantized)."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight
+        if self.lm_head.quantized is not None:
+            return torch.cat([qlinear.dequantize_any(part) for part in self.lm_head.quantized]).to(self.dtype)
         return self.lm_head.weight
 
     def forward(
@@ -198,14 +204,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         A tied output projection keeps the embedding (the lookup needs it) next to its other layout."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        embedding = self.model.embed_tokens.weight
-        tied = [embedding] if self.lm_head is None else []
+        embed_tokens = self.model.embed_tokens
+        embedding = None if isinstance(embed_tokens, QuantizedEmbedding) else embed_tokens.weight
+        tied = [embedding] if self.lm_head is None and embedding is not None else []
         max_layouts = layouts_allowed(book, [m.weight for m in linears], kept=tied)
         changed = sum(module.choose_cpu_kernel(book, max_layouts) for module in linears)
         # Memory beyond one copy of each weight: a layer's second layout, or the tied head's own layouts
         # (the embedding stays for the lookup).
         extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
-        if self.lm_head is None and embedding.device.type == "cpu":
+        if self.lm_head is None and embedding is None:  # a quantized table: the head reads it in place
+            table = embed_tokens.quantized
+            self._tied_head_kernel = QuantizedLinearKernel([table], None, [qlinear.plan_for(book, table, self.dtype)])
+            changed += 1
+        elif self.lm_head is None and embedding.device.type == "cpu":
             plan = book.plan_for(embedding.dtype, tuple(embedding.shape), max_layouts)
             if not plan.is_plain:
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
@@ -239,14 +250,19 @@ class LlamaFamilyForCausalLM(nn.Module):
             names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer)
         return names
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every expected name exactly once.
 
+        A ``QuantizedTensor`` (a GGUF tensor repacked, models/quant.py) is held quantized: a linear
+        layer's weight or part of one (``Linear.set_quantized`` once all its parts are in; a part given
+        as a float tensor stays float beside the quantized ones), or the embedding table
+        (``QuantizedEmbedding``, which a tied output projection reads too).
         Raises ValueError naming the first unexpected weight, a shape mismatch, or the missing ones.
         """
         parameters = dict(self.named_parameters())
         expected = set(self.expected_weight_names())
         loaded: set[str] = set()
+        quantized: dict[Linear, dict[int, QuantizedTensor]] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -254,6 +270,10 @@ class LlamaFamilyForCausalLM(nn.Module):
                 continue  # some tied checkpoints store the shared matrix twice
             if name not in expected:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint for {self.config.architecture}")
+            if isinstance(tensor, QuantizedTensor):
+                self._load_quantized(name, tensor, quantized)
+                loaded.add(name)
+                continue
             target, rows = self._target_of(name, parameters)
             destination = target.data if rows is None else target.data[rows]
             if tuple(tensor.shape) != tuple(destination.shape):
@@ -266,6 +286,55 @@ class LlamaFamilyForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"missing weight(s) in checkpoint: {shown}")
+        for linear, parts in quantized.items():
+            # A part that came as a float tensor was copied into the float weight: it stays float.
+            linear.set_quantized([parts[index] if index in parts else linear.weight.data[linear.part_rows(index)].clone()
+                                  for index in range(len(linear.output_sizes))])
+
+    def _load_quantized(self, name: str, tensor: QuantizedTensor, pending: dict[Linear, dict[int, QuantizedTensor]]) -> None:
+        if name == "model.embed_tokens.weight":
+            embedding = self.model.embed_tokens
+            if tensor.shape != tuple(embedding.weight.shape):
+                raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected {tuple(embedding.weight.shape)}")
+            if embedding.weight.device.type == "cpu" and qlinear.available():
+                self.model.embed_tokens = QuantizedEmbedding(tensor, self.dtype)
+                if self.lm_head is None:  # tied: the output projection reads the same table
+                    self._tied_head_kernel = QuantizedLinearKernel([tensor], None)
+            else:  # the quantized kernels cannot run here: the table dequantized, as a float checkpoint's
+                embedding.weight.data.copy_(qlinear.dequantize_any(tensor))
+            return
+        linear, part = self._linear_of(name)
+        if linear is None:
+            raise ValueError(f"weight {name!r} is quantized ({tensor.format.name}); only linear layers' weights "
+                             "and the embedding can be held quantized")
+        expected = (linear.output_sizes[part], linear.input_size)
+        if tensor.shape != expected:
+            raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected {expected}")
+        pending.setdefault(linear, {})[part] = tensor
+
+    def _linear_of(self, name: str) -> tuple[Linear | None, int]:
+        """The linear layer whose weight (or fused part of it) ``name`` is, and the part's index."""
+        if name == "lm_head.weight":
+            return self.lm_head, 0
+        match = _LAYER_NAME.match(name)
+        if match is None or match.group(3) != "weight":
+            return None, 0
+        layer, module, _ = match.groups()
+        fused_module, part = _FUSED_PARTS.get(module, (module, 0))
+        linear = self.model.layers[int(layer)].get_submodule(fused_module)
+        return (linear, part) if isinstance(linear, Linear) else (None, 0)
+
+    def quantize_int8(self) -> int:
+        """Quantize every linear layer's float weight to int8 (models/quant.py's q8_0 layout: a fp16 scale
+        per 32 values), in place: ``quantization="int8"``. The embedding, and a tied output projection
+        with it, stay in the model's dtype (the lookup reads the table). Returns the matrices quantized;
+        a layer whose width is not a multiple of 32 stays float."""
+        count = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not None and module.input_size % 32 == 0:
+                module.set_quantized([quantize_int8(module.weight.data)])
+                count += 1
+        return count
 
     def _target_of(self, name: str, parameters: dict[str, nn.Parameter]) -> tuple[nn.Parameter, slice | None]:
         match = _LAYER_NAME.match(name)

@@ -42,14 +42,14 @@ GROUPS = (1, 8)  # weight rows per pass the C++ kernel is instantiated for
 DTYPES = (torch.float32, torch.bfloat16)  # bf16: float32 accumulation, the output rounded once
 
 
-def build_name() -> str:
+def build_name(source: Path = SOURCE, stem: str = "kvreuse_rowdot") -> str:
     """The extension's name: a digest of what decides the binary (source, flags, torch, the CPU's flags)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+    for part in (source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  platform.machine().encode(), " ".join(sorted(cpu_flags() or ())).encode()):
         digest.update(part)
         digest.update(b"\0")
-    return f"kvreuse_rowdot_{digest.hexdigest()[:16]}"
+    return f"{stem}_{digest.hexdigest()[:16]}"
 
 
 def available() -> bool:
@@ -64,11 +64,21 @@ def available() -> bool:
 @functools.cache
 def library() -> Path | None:
     """The built library this process loaded (built now if the cache dir has none), or None."""
+    built = load_extension(SOURCE, build_name(), "the row-dot GEMV",
+                           "CPU linear layers use the library kernels only")
+    if built is not None:
+        _register_fake()
+    return built
+
+
+def load_extension(source: Path, name: str, what: str, fallback: str) -> Path | None:
+    """Load the C++ extension ``name`` built from ``source`` for this CPU (building it into the cache dir
+    first if no library of that name is there); None, with one warning naming ``what`` failed and the
+    ``fallback``, where it cannot be built or loaded or the platform is not Linux on x86-64 / aarch64."""
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
         return None
     from torch.utils import cpp_extension
 
-    name = build_name()
     directory = cache_dir() / "kernels" / name
     built = directory / f"{name}.so"
     try:
@@ -78,16 +88,14 @@ def library() -> Path | None:
             torch.ops.load_library(str(built))
         else:
             directory.mkdir(parents=True, exist_ok=True)
-            logger.info("building the row-dot GEMV for this CPU in %s (once per machine, ~10 s)", directory)
-            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+            logger.info("building %s for this CPU in %s (once per machine, ~10 s)", what, directory)
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
                                extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                                is_python_module=False, verbose=False)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]  # the compiler's last line
-        logger.warning("the row-dot GEMV could not be built or loaded (%s); CPU linear layers use the "
-                       "library kernels only", reason)
+        logger.warning("%s could not be built or loaded (%s); %s", what, reason, fallback)
         return None
-    _register_fake()
     return built
 
 

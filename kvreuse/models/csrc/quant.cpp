@@ -1,0 +1,643 @@
+// Linear layers on quantized weights (models/quant.py's layouts), reading the quantized groups directly.
+//
+// A decode step's linear layer reads each weight byte once and does two flops per value, so its speed is
+// how fast the weight streams from memory; a weight held at 4.5-8.5 bits per value streams 4-7x fewer
+// bytes than float32. `qlinear` computes y = x W^T for a few rows of x: per group of 32 values it turns
+// the stored integers into float32 (one conversion and one FMA with the group's scale and offset, in
+// registers), then multiplies them into every input row's float32 accumulators. `qdequant` writes the
+// float32 values of whole rows (the larger row counts multiply those tiles with the library GEMM).
+//
+// The layouts (kept in step with models/quant.py's FORMATS and sections): each output row is a run of
+// spans of 256 values (the last one shorter where the row is not a multiple of 256), each span its fp16
+// scales, its 8-bit codes, its high-bit planes (a 32-bit word per 32 values and plane) and its values
+// (int8, or 4 bits: in each group of 32, byte i holds value i low and value i + 16 high). For every format
+// the value is a * q + b with a * q exact in float32 (or a * (q - zero)), so fma(q, a, b) is gguf's own.
+//
+// Built at run time by models/qlinear.py with -march=native: AVX-512 (16 lanes), AVX2 with FMA (8 lanes),
+// or scalar code. Output rows are split between torch's OpenMP threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 32;   // values per nibble group and per plane word
+constexpr int64_t kSuper = 256;  // values per K-quant super-block
+constexpr int kMaxRows = 8;      // input rows per pass over the weights (their accumulators stay in registers)
+
+// The formats, numbered as in models/quant.py.
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+const char* const kNames[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+
+template <int Code>
+struct Fmt;
+// bits: value bits (8: int8 values); group: values per scale; kquant: scales are 8-bit codes times an fp16
+// per super-block; has_min: an offset per group (else -zero * scale); block: GGUF's values per block.
+#define KVREUSE_FORMAT(CODE, BITS, GROUP, KQUANT, HAS_MIN, ZERO, BLOCK)                       \
+  template <>                                                                                \
+  struct Fmt<CODE> {                                                                         \
+    static constexpr int bits = BITS, group = GROUP, zero = ZERO;                            \
+    static constexpr bool kquant = KQUANT, has_min = HAS_MIN;                                \
+    static constexpr int64_t block = BLOCK;                                                  \
+  };
+KVREUSE_FORMAT(kQ8_0, 8, 32, false, false, 0, 32)
+KVREUSE_FORMAT(kQ4_0, 4, 32, false, false, 8, 32)
+KVREUSE_FORMAT(kQ4_1, 4, 32, false, true, 0, 32)
+KVREUSE_FORMAT(kQ5_0, 5, 32, false, false, 16, 32)
+KVREUSE_FORMAT(kQ5_1, 5, 32, false, true, 0, 32)
+KVREUSE_FORMAT(kQ4_K, 4, 32, true, true, 0, 256)
+KVREUSE_FORMAT(kQ5_K, 5, 32, true, true, 0, 256)
+KVREUSE_FORMAT(kQ6_K, 6, 16, true, false, 32, 256)
+#undef KVREUSE_FORMAT
+
+// Byte offsets of a span's arrays (models/quant.py QuantFormat.sections) and its size.
+struct SpanLayout {
+  int64_t d = 0, dmin = 0, scales = 0, mins = 0, planes = 0, values = 0, bytes = 0;
+};
+
+template <class F>
+SpanLayout span_layout(int64_t chunks) {
+  SpanLayout l;
+  const int64_t codes = chunks * kChunk / F::group;
+  int64_t at = 0;
+  if constexpr (F::kquant) {
+    l.d = at, at += 2;
+    if constexpr (F::has_min) l.dmin = at, at += 2;
+    l.scales = at, at += codes;
+    if constexpr (F::has_min) l.mins = at, at += codes;
+  } else {
+    l.scales = at, at += 2 * codes;
+    if constexpr (F::has_min) l.mins = at, at += 2 * codes;
+  }
+  if constexpr (F::bits > 4 && F::bits < 8) l.planes = at, at += 4 * (F::bits - 4) * chunks;
+  l.values = at, at += F::bits == 8 ? kChunk * chunks : kChunk / 2 * chunks;
+  l.bytes = at;
+  return l;
+}
+
+// A row: `full` spans of 8 chunks, then a span of `tail` chunks (0: none).
+struct Layout {
+  SpanLayout span, last;
+  int64_t full = 0, tail = 0, row_bytes = 0;
+};
+
+template <class F>
+Layout layout_of(int64_t in) {
+  Layout l;
+  l.full = in / kSuper, l.tail = in % kSuper / kChunk;
+  l.span = span_layout<F>(kSuper / kChunk);
+  l.last = span_layout<F>(l.tail);
+  l.row_bytes = l.full * l.span.bytes + (l.tail ? l.last.bytes : 0);
+  return l;
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// The scales a and offsets b of a span of n <= 8 chunks (256 values) starting at chunk c0: the value of
+// group g is a[g] * q + b[g], with one group per chunk (32 values) or, for 16-value groups, two.
+struct Span {
+  float a[16], b[16];
+};
+
+template <class F>
+inline void span_params(const uint8_t* sp, const SpanLayout& l, int n, Span& s) {
+  constexpr int per_chunk = kChunk / F::group;
+  if constexpr (F::kquant) {
+    const float d = half_at(sp + l.d);
+    const uint8_t* codes = sp + l.scales;
+    if constexpr (F::has_min) {
+      const float dmin = half_at(sp + l.dmin);
+      for (int g = 0; g < n; ++g) {
+        s.a[g] = d * static_cast<float>(codes[g]);
+        s.b[g] = -(dmin * static_cast<float>(sp[l.mins + g]));
+      }
+    } else {
+      for (int g = 0; g < n * per_chunk; ++g) {
+        s.a[g] = d * static_cast<float>(static_cast<int8_t>(codes[g]));
+        s.b[g] = -F::zero * s.a[g];
+      }
+    }
+  } else {
+#if defined(__F16C__)
+    if (n == 8) {
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + l.scales)));
+      _mm256_storeu_ps(s.a, a);
+      if constexpr (F::has_min) {
+        _mm256_storeu_ps(s.b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + l.mins))));
+      } else {
+        _mm256_storeu_ps(s.b, _mm256_mul_ps(a, _mm256_set1_ps(static_cast<float>(-F::zero))));
+      }
+      return;
+    }
+#endif
+    for (int g = 0; g < n; ++g) {
+      s.a[g] = half_at(sp + l.scales + 2 * g);
+      s.b[g] = F::has_min ? half_at(sp + l.mins + 2 * g) : -F::zero * s.a[g];
+    }
+  }
+}
+
+// ---- vectors: W float lanes ----------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using V = __m512;
+using VI = __m512i;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V vfloat(VI q) { return _mm512_cvtepi32_ps(q); }
+inline VI u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI low4(VI q) { return _mm512_and_si512(q, _mm512_set1_epi32(15)); }
+inline VI high4(VI q) { return _mm512_srli_epi32(q, 4); }
+template <int Shift>
+inline VI add_bits(VI q, uint32_t bits) {  // lane i += (bit i of bits) << Shift
+  return _mm512_mask_add_epi32(q, static_cast<__mmask16>(bits), q, _mm512_set1_epi32(1 << Shift));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+using V = __m256;
+using VI = __m256i;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline float vsum(V acc) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V vfloat(VI q) { return _mm256_cvtepi32_ps(q); }
+inline VI u8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI i8_lanes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI low4(VI q) { return _mm256_and_si256(q, _mm256_set1_epi32(15)); }
+inline VI high4(VI q) { return _mm256_srli_epi32(q, 4); }
+template <int Shift>
+inline VI add_bits(VI q, uint32_t bits) {
+  const VI lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const VI bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), lane), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(q, _mm256_slli_epi32(bit, Shift));
+}
+#else
+constexpr int W = 1;
+using V = float;
+using VI = int32_t;
+inline V vzero() { return 0.f; }
+inline V vset(float a) { return a; }
+inline V vload(const float* p) { return *p; }
+inline void vstore(float* p, V v) { *p = v; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vsub(V a, V b) { return a - b; }
+inline V vmul(V a, V b) { return a * b; }
+inline float vsum(V a) { return a; }
+inline V vfloat(VI q) { return static_cast<float>(q); }
+inline VI u8_lanes(const uint8_t* p) { return *p; }
+inline VI i8_lanes(const uint8_t* p) { return static_cast<int8_t>(*p); }
+inline VI low4(VI q) { return q & 15; }
+inline VI high4(VI q) { return q >> 4; }
+template <int Shift>
+inline VI add_bits(VI q, uint32_t bits) { return q + static_cast<int32_t>((bits & 1u) << Shift); }
+#endif
+constexpr int N = kChunk / W;  // vectors per chunk of 32 values
+
+// The integers q of chunk c of a span, N vectors of W lanes, in value order.
+template <class F>
+inline void decode(const uint8_t* sp, const SpanLayout& l, int c, VI q[N]) {
+  if constexpr (F::bits == 8) {
+    const uint8_t* v = sp + l.values + kChunk * c;
+    for (int k = 0; k < N; ++k) q[k] = i8_lanes(v + k * W);
+  } else {
+    const uint8_t* v = sp + l.values + kChunk / 2 * c;
+    for (int k = 0; k < N / 2; ++k) {
+      const VI bytes = u8_lanes(v + k * W);
+      q[k] = low4(bytes);
+      q[k + N / 2] = high4(bytes);
+    }
+    if constexpr (F::bits > 4) {
+      uint32_t words[F::bits - 4];
+      std::memcpy(words, sp + l.planes + 4 * (F::bits - 4) * c, sizeof(words));
+      for (int k = 0; k < N; ++k) {
+        q[k] = add_bits<4>(q[k], words[0] >> (k * W));
+        if constexpr (F::bits > 5) q[k] = add_bits<5>(q[k], words[1] >> (k * W));
+      }
+    }
+  }
+}
+
+// y[r, j] = sum_i x[r, i] * w[j, i] for R input rows and weight rows [begin, end): per chunk of 32 values
+// the weights are made float32 once, in registers, and multiplied into each row's two accumulators.
+template <class F, int R>
+void dot_rows(const float* x, int64_t in, const uint8_t* w, const Layout& l, float* out, int64_t out_features,
+              int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    V acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const bool last = c0 / 8 == l.full;  // the short last span
+      const SpanLayout& sl = last ? l.last : l.span;
+      const uint8_t* sp = row + c0 / 8 * l.span.bytes;
+      const int n = last ? static_cast<int>(l.tail) : 8;
+      Span s;
+      span_params<F>(sp, sl, n, s);
+      for (int c = 0; c < n; ++c) {
+        VI q[N];
+        decode<F>(sp, sl, c, q);
+        for (int k = 0; k < N; ++k) {
+          const int g = F::group == 32 ? c : 2 * c + k * W / 16;
+          const V wv = vfma(vfloat(q[k]), vset(s.a[g]), vset(s.b[g]));
+          const float* xk = x + kChunk * (c0 + c) + k * W;
+          for (int r = 0; r < R; ++r) acc[r][k & 1] = vfma(wv, vload(xk + r * in), acc[r][k & 1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_features + j] = vsum(vadd(acc[r][0], acc[r][1]));
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX512-BF16: the integers q (at most 8 bits) are exact in bfloat16, so one vdpbf16ps multiplies 32 of
+// them by 32 bf16 inputs exactly and adds the products into 16 float32 lanes: the weights of a chunk
+// become bf16 lanes by a table lookup (vpermw) on their 4-bit (5-, 6-bit) codes, the chunk's scale is
+// applied to its float32 sums, and the offsets b * sum(x) of each group come from the inputs' group
+// sums. float32 inputs are split into two bf16 parts (16 significant bits) multiplied in turn.
+#define KVREUSE_BF16_DOT 1
+
+inline uint16_t bf16_bits(float exact) {
+  uint32_t bits;
+  std::memcpy(&bits, &exact, 4);
+  return static_cast<uint16_t>(bits >> 16);  // exact for the small integers the tables hold
+}
+
+// 32 bf16 lanes: lane i holds value(i).
+template <class Fn>
+inline __m512i bf16_table(Fn value) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = bf16_bits(static_cast<float>(value(i)));
+  return _mm512_load_si512(t);
+}
+
+// The tables that turn codes into bf16 values: lo for indices 0-31, hi for 32-63 (6-bit values).
+template <class F>
+struct Bf16Tables {
+  __m512i lo, hi, shifts;
+  Bf16Tables() {
+    // The nibble lanes: 16 bytes widened twice, the second copy shifted right by 4 (the high halves).
+    shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    if constexpr (F::bits == 8) {
+      lo = bf16_table([](int i) { return i & 15; });                                // low nibble
+      hi = bf16_table([](int i) { return 16 * ((i & 15) < 8 ? (i & 15) : (i & 15) - 16); });  // signed high
+    } else if constexpr (F::bits == 4) {
+      lo = bf16_table([](int i) { return (i & 15) - F::zero; });  // bit 4 of the index is not cleared
+    } else {
+      lo = bf16_table([](int i) { return i - F::zero; });
+      hi = bf16_table([](int i) { return i + 32 - F::zero; });
+    }
+  }
+};
+
+// The bf16 weights of chunk c in value order (w[0]; for int8 values also w[1]: w[0] + w[1] = q).
+template <class F>
+inline void decode_bf16(const uint8_t* sp, const SpanLayout& l, int c, const Bf16Tables<F>& t, __m512i w[2]) {
+  if constexpr (F::bits == 8) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + l.values + kChunk * c)));
+    w[0] = _mm512_permutexvar_epi16(bytes, t.lo);
+    w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), t.hi);
+  } else {
+    const __m128i b16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + l.values + kChunk / 2 * c));
+    __m512i idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(b16)), t.shifts);
+    if constexpr (F::bits == 4) {
+      w[0] = _mm512_permutexvar_epi16(idx, t.lo);
+    } else {
+      uint32_t words[F::bits - 4];
+      std::memcpy(words, sp + l.planes + 4 * (F::bits - 4) * c, sizeof(words));
+      idx = _mm512_and_si512(idx, _mm512_set1_epi16(15));
+      idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(words[0]), idx, _mm512_set1_epi16(16));
+      if constexpr (F::bits == 5) {
+        w[0] = _mm512_permutexvar_epi16(idx, t.lo);
+      } else {
+        idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(words[1]), idx, _mm512_set1_epi16(32));
+        w[0] = _mm512_permutex2var_epi16(t.lo, idx, t.hi);
+      }
+    }
+  }
+}
+
+inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+}
+
+// As dot_rows, over bf16 inputs: xh [R, in] (and xl, the float32 inputs' remainders, when Split), xsum
+// [R, chunks] the inputs' sum per chunk (for formats with offsets).
+template <class F, int R, bool Split>
+void dot_rows_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t in, const uint8_t* w,
+                   const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  const Bf16Tables<F> tables;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    __m512 even[R], odd[R];  // chunks alternate between two accumulators per row: two FMA chains
+    __m256 offsets[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offsets[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const bool last = c0 / 8 == l.full;  // the short last span
+      const SpanLayout& sl = last ? l.last : l.span;
+      const uint8_t* sp = row + c0 / 8 * l.span.bytes;
+      const int n = last ? static_cast<int>(l.tail) : 8;
+      Span s;
+      span_params<F>(sp, sl, n, s);
+      const auto step = [&](int c, __m512 (&acc)[R]) {
+        __m512i wv[2];
+        decode_bf16<F>(sp, sl, c, tables, wv);
+        __m512 scale;
+        if constexpr (F::group == 32) {
+          scale = _mm512_set1_ps(s.a[c]);
+        } else {
+          scale = _mm512_insertf32x8(_mm512_set1_ps(s.a[2 * c]), _mm256_set1_ps(s.a[2 * c + 1]), 1);
+        }
+        const int64_t at = kChunk * (c0 + c);
+        for (int r = 0; r < R; ++r) {
+          __m512 t = dot_bf16(_mm512_setzero_ps(), wv[0], xh + r * in + at);
+          if constexpr (Split) t = dot_bf16(t, wv[0], xl + r * in + at);
+          if constexpr (F::bits == 8) {
+            t = dot_bf16(t, wv[1], xh + r * in + at);
+            if constexpr (Split) t = dot_bf16(t, wv[1], xl + r * in + at);
+          }
+          acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+      };
+      int c = 0;
+      for (; c + 1 < n; c += 2) step(c, even), step(c + 1, odd);
+      if (c < n) step(c, even);
+      if constexpr (F::has_min) {
+        for (int r = 0; r < R; ++r) {
+          const float* xs = xsum + r * chunks + c0;
+          if (n == 8) {
+            offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(s.b), _mm256_loadu_ps(xs), offsets[r]);
+          } else {
+            for (int g = 0; g < n; ++g) tail[r] += s.b[g] * xs[g];
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+      if constexpr (F::has_min) {
+        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offsets[r]), _mm256_extractf128_ps(offsets[r], 1));
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        total += _mm_cvtss_f32(o) + tail[r];
+      }
+      out[r * out_features + j] = total;
+    }
+  }
+}
+
+template <class F, bool Split>
+void dot_range_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t rows, int64_t in,
+                    const uint8_t* w, const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const uint16_t* h = xh + r0 * in;
+    const uint16_t* lo = Split ? xl + r0 * in : nullptr;
+    const float* xs = xsum + r0 * chunks;
+    float* o = out + r0 * out_features;
+    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+      case 1: dot_rows_bf16<F, 1, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 2: dot_rows_bf16<F, 2, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 3: dot_rows_bf16<F, 3, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 4: dot_rows_bf16<F, 4, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 5: dot_rows_bf16<F, 5, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 6: dot_rows_bf16<F, 6, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 7: dot_rows_bf16<F, 7, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      default: dot_rows_bf16<F, 8, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+    }
+  }
+}
+#endif
+
+template <class F>
+void dot_range(const float* x, int64_t rows, int64_t in, const uint8_t* w, const Layout& l, float* out,
+               int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const float* xr = x + r0 * in;
+    float* o = out + r0 * out_features;
+    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+      case 1: dot_rows<F, 1>(xr, in, w, l, o, out_features, begin, end); break;
+      case 2: dot_rows<F, 2>(xr, in, w, l, o, out_features, begin, end); break;
+      case 3: dot_rows<F, 3>(xr, in, w, l, o, out_features, begin, end); break;
+      case 4: dot_rows<F, 4>(xr, in, w, l, o, out_features, begin, end); break;
+      case 5: dot_rows<F, 5>(xr, in, w, l, o, out_features, begin, end); break;
+      case 6: dot_rows<F, 6>(xr, in, w, l, o, out_features, begin, end); break;
+      case 7: dot_rows<F, 7>(xr, in, w, l, o, out_features, begin, end); break;
+      default: dot_rows<F, 8>(xr, in, w, l, o, out_features, begin, end); break;
+    }
+  }
+}
+
+// float32 values of weight rows [begin, end): fma(q, a, b), or (q - zero) * a without an offset, which is
+// gguf's own arithmetic (a * q is exact), signed zeros included.
+template <class F>
+void dequant_range(const uint8_t* w, const Layout& l, int64_t in, float* out, int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    float* o = out + j * in;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const bool last = c0 / 8 == l.full;  // the short last span
+      const SpanLayout& sl = last ? l.last : l.span;
+      const uint8_t* sp = row + c0 / 8 * l.span.bytes;
+      const int n = last ? static_cast<int>(l.tail) : 8;
+      Span s;
+      span_params<F>(sp, sl, n, s);
+      for (int c = 0; c < n; ++c) {
+        VI q[N];
+        decode<F>(sp, sl, c, q);
+        for (int k = 0; k < N; ++k) {
+          const int g = F::group == 32 ? c : 2 * c + k * W / 16;
+          V value;
+          if constexpr (F::has_min) {
+            value = vfma(vfloat(q[k]), vset(s.a[g]), vset(s.b[g]));
+          } else {
+            value = vmul(vsub(vfloat(q[k]), vset(static_cast<float>(F::zero))), vset(s.a[g]));
+          }
+          vstore(o + kChunk * (c0 + c) + k * W, value);
+        }
+      }
+    }
+  }
+}
+
+// Calls fn.template operator()<Fmt<code>>() for a runtime format code.
+template <class Fn>
+void with_format(int64_t code, Fn&& fn) {
+  switch (code) {
+    case kQ8_0: fn(Fmt<kQ8_0>{}); break;
+    case kQ4_0: fn(Fmt<kQ4_0>{}); break;
+    case kQ4_1: fn(Fmt<kQ4_1>{}); break;
+    case kQ5_0: fn(Fmt<kQ5_0>{}); break;
+    case kQ5_1: fn(Fmt<kQ5_1>{}); break;
+    case kQ4_K: fn(Fmt<kQ4_K>{}); break;
+    case kQ5_K: fn(Fmt<kQ5_K>{}); break;
+    case kQ6_K: fn(Fmt<kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "unknown quantized format ", code);
+  }
+}
+
+// Checks what every op needs of a weight: a known format, a width it allows, uint8 rows of that format.
+Layout checked_layout(const char* op, const at::Tensor& weight, int64_t format, int64_t in) {
+  TORCH_CHECK(format >= 0 && format <= kQ6_K, op, ": unknown format ", format, " (0-7: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)");
+  TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be a CPU tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, op, ": weight must be uint8 [out, row bytes], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  Layout l;
+  int64_t block = 0;
+  with_format(format, [&](auto f) {
+    using F = decltype(f);
+    block = F::block;
+    if (in > 0 && in % F::block == 0) l = layout_of<F>(in);
+  });
+  TORCH_CHECK(in > 0 && in % block == 0, op, ": ", kNames[format], " needs in_features a positive multiple of ", block,
+              ", got ", in);
+  TORCH_CHECK(weight.size(1) == l.row_bytes, op, ": a ", kNames[format], " row of ", in, " features has ", l.row_bytes,
+              " bytes, weight rows have ", weight.size(1));
+  return l;
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
+  const Layout l = checked_layout("qlinear", weight, format, in);
+  TORCH_CHECK(x.device().is_cpu(), "qlinear: x must be a CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "qlinear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, in], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == in, "qlinear: x has ", x.size(1), " features, weight expects ", in);
+  const at::Tensor wc = weight.contiguous();
+  const int64_t rows = x.size(0), out_features = wc.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
+  const uint8_t* wp = wc.const_data_ptr<uint8_t>();
+  float* op = out.mutable_data_ptr<float>();
+#if defined(KVREUSE_BF16_DOT)
+  // The inputs as bf16 (float32 ones as a bf16 part and its bf16 remainder) and their sums per chunk of 32.
+  const bool split = x.scalar_type() == at::kFloat;
+  const at::Tensor xc = x.contiguous();
+  const int64_t chunks = in / kChunk;
+  std::vector<uint16_t> high(split ? rows * in : 0), low(split ? rows * in : 0);
+  std::vector<float> sums(rows * chunks);
+  const uint16_t* xh;
+  if (split) {
+    const float* xf = xc.const_data_ptr<float>();
+    for (int64_t i = 0; i < rows * in; ++i) {
+      const c10::BFloat16 h(xf[i]);  // rounded to nearest even
+      const c10::BFloat16 rest(xf[i] - static_cast<float>(h));
+      high[i] = h.x, low[i] = rest.x;
+    }
+    xh = high.data();
+  } else {
+    xh = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      float total = 0.f;
+      for (int64_t i = r * in + c * kChunk, e = i + kChunk; i < e; ++i) {
+        total += bf16_to_float(xh[i]) + (split ? bf16_to_float(low[i]) : 0.f);
+      }
+      sums[r * chunks + c] = total;
+    }
+  }
+  const uint16_t* xl = low.data();
+  const float* xs = sums.data();
+  with_format(format, [&](auto f) {
+    using F = decltype(f);
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+      if (split) {
+        dot_range_bf16<F, true>(xh, xl, xs, rows, in, wp, l, op, out_features, begin, end);
+      } else {
+        dot_range_bf16<F, false>(xh, xl, xs, rows, in, wp, l, op, out_features, begin, end);
+      }
+    });
+  });
+#else
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16 rows widened once per call
+  const float* xp = xf.const_data_ptr<float>();
+  with_format(format, [&](auto f) {
+    using F = decltype(f);
+    // 16 weight rows per task at least: thread hand-off stays cheap against a row's work.
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+      dot_range<F>(xp, rows, in, wp, l, op, out_features, begin, end);
+    });
+  });
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor qdequant(const at::Tensor& weight, int64_t format, int64_t in) {
+  const Layout l = checked_layout("qdequant", weight, format, in);
+  const at::Tensor wc = weight.contiguous();
+  const int64_t out_features = wc.size(0);
+  at::Tensor out = at::empty({out_features, in}, wc.options().dtype(at::kFloat));
+  if (out_features > 0) {
+    const uint8_t* wp = wc.const_data_ptr<uint8_t>();
+    float* op = out.mutable_data_ptr<float>();
+    with_format(format, [&](auto f) {
+      using F = decltype(f);
+      at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+        dequant_range<F>(wp, l, in, op, begin, end);
+      });
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
+  m.def("qlinear(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
+  m.def("qdequant(Tensor weight, int format, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
+  m.impl("qlinear", &qlinear);
+  m.impl("qdequant", &qdequant);
+}

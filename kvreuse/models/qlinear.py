@@ -1,0 +1,220 @@
+"""Linear layers on quantized weights (csrc/quant.cpp): built for this CPU on first use, as ``torch.ops.kvreuse_cpu``.
+
+Two operators over models/quant.py's layouts, built and cached like the row-dot GEMV (models/rowdot.py:
+``torch.utils.cpp_extension`` with ``-march=native``, named by a digest of source, flags, torch and CPU
+flags, loaded directly once built):
+
+- ``qlinear(x, weight, format, in_features)``: y = x W^T for a few rows of x (decode), reading the
+  quantized groups directly: the weight streams at its stored 4.5-8.5 bits per value;
+- ``qdequant(weight, format, in_features)``: the float32 values of weight rows (gguf's, bit for bit).
+
+Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
+multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept.
+Which of the two runs a row count is measured per CPU, format, activation dtype and shape, as for float
+weights (models/kernels.py's ``qdot`` and ``qtile``; ``QuantizedLinearKernel`` follows the plan).
+Both operators have fake implementations, so ``torch.compile`` traces them. Where the build fails,
+``available()`` says False once in the log and the model holds its weights dequantized in its dtype
+(quant.dequantize, plain torch), as without quantization.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvreuse.models import kernels, rowdot
+from kvreuse.models.kernels import ALWAYS, LinearPlan, PlanBook
+from kvreuse.models.quant import FORMATS, QuantizedTensor, cat_rows, random_quantized
+
+SOURCE = Path(__file__).with_name("csrc") / "quant.cpp"
+DTYPES = (torch.float32, torch.bfloat16)  # activations; accumulation is float32 either way
+# Output rows per tile of tiled_linear: about this many weight values dequantized at once (4 MiB in
+# float32, within the L2 / L3 caches while the GEMM reads it).
+TILE_VALUES = 2**20
+# The qdot kernel re-decodes the weight for every 8 input rows: a GEMV, probed up to this many rows.
+QDOT_MAX_ROWS = 64
+# The plan where nothing is measured (small weights, an engine forced onto one float kernel): the
+# quantized kernel for decode rows, dequantized tiles above.
+DEFAULT_PLAN = LinearPlan(((8, "qdot"), (ALWAYS, "qtile")))
+
+
+def build_name() -> str:
+    return rowdot.build_name(SOURCE, "kvreuse_quant")
+
+
+def available() -> bool:
+    """Whether the quantized kernels run here, building them first if needed (once per process)."""
+    return library() is not None
+
+
+@functools.cache
+def library() -> Path | None:
+    built = rowdot.load_extension(SOURCE, build_name(), "the quantized linear kernels",
+                                  "quantized weights are held dequantized in the model's dtype")
+    if built is not None:
+        _register_fake()
+    return built
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("kvreuse_cpu::qlinear")
+    def _(x: torch.Tensor, weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("kvreuse_cpu::qdequant")
+    def _(weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
+        return weight.new_empty((weight.shape[0], in_features), dtype=torch.float32)
+
+
+def qlinear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x [rows, in] (float32 or bfloat16) @ weight^T -> [rows, out] in x's dtype, float32 accumulation.
+    ``available()`` must have returned True."""
+    return torch.ops.kvreuse_cpu.qlinear(x, weight.data, weight.format.code, weight.in_features)
+
+
+def dequantize(weight: QuantizedTensor) -> torch.Tensor:
+    """float32 [out, in] through the C++ kernel (``available()`` must have returned True)."""
+    return torch.ops.kvreuse_cpu.qdequant(weight.data, weight.format.code, weight.in_features)
+
+
+def dequantize_rows(weight: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [len(rows), in]: the weight rows at the indices ``rows`` (an embedding lookup)."""
+    return torch.ops.kvreuse_cpu.qdequant(weight.data.index_select(0, rows), weight.format.code, weight.in_features)
+
+
+def dequantize_any(weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+    """float32 values of a quantized weight: the C++ kernel where it is built, plain torch otherwise (a
+    float tensor is returned as is)."""
+    if not isinstance(weight, QuantizedTensor):
+        return weight
+    return dequantize(weight) if available() else weight.dequantize()
+
+
+def tile_rows(weight: QuantizedTensor) -> int:
+    return max(16, TILE_VALUES // weight.in_features // 16 * 16)
+
+
+def tiled_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x [rows, in] @ weight^T by tiles of output rows, each dequantized to float32 and multiplied by
+    F.linear in float32 (bf16 inputs widened, the output rounded once): the decode kernel's numerics,
+    with no bf16 rounding of the weights (and float32 GEMMs are the faster ones on CPUs without AMX)."""
+    step = tile_rows(weight)
+    out_features = weight.shape[0]
+    xf = x.float()
+    if out_features <= step:
+        out = F.linear(xf, dequantize(weight))
+    else:
+        out = torch.cat([F.linear(xf, dequantize(weight.rows(start, min(start + step, out_features))))
+                         for start in range(0, out_features, step)], dim=-1)
+    return out.to(x.dtype)
+
+
+def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+    """x [rows, in] through kernel ``name`` (qdot or qtile) over a quantized weight; a float part of a
+    fused weight (a GGUF file may keep one projection in F16) runs F.linear."""
+    if not isinstance(weight, QuantizedTensor):
+        return F.linear(x, weight.to(x.dtype))
+    return qlinear(x, weight) if name == "qdot" else tiled_linear(x, weight)
+
+
+def merge_parts(parts: list[QuantizedTensor | torch.Tensor]) -> list[QuantizedTensor | torch.Tensor]:
+    """Consecutive parts of one format stacked into one (a fused projection whose parts share a format
+    is one weight, one kernel call)."""
+    merged: list[QuantizedTensor | torch.Tensor] = []
+    for part in parts:
+        previous = merged[-1] if merged else None
+        if (isinstance(part, QuantizedTensor) and isinstance(previous, QuantizedTensor)
+                and previous.format == part.format):
+            merged[-1] = cat_rows([previous, part])
+        elif isinstance(part, torch.Tensor) and isinstance(previous, torch.Tensor):
+            merged[-1] = torch.cat((previous, part))
+        else:
+            merged.append(part)
+    return merged
+
+
+class QuantizedLinearKernel:
+    """y = x W^T (+ b) over a weight held quantized: its parts (stacked by output rows, one per format
+    run) each on the kernel its plan picks for x's row count, the outputs side by side."""
+
+    def __init__(self, parts: list[QuantizedTensor | torch.Tensor], bias: torch.Tensor | None,
+                 plans: list[LinearPlan] | None = None) -> None:
+        self.parts = merge_parts(parts)
+        self.plans = plans or [DEFAULT_PLAN] * len(self.parts)
+        if len(self.plans) != len(self.parts):
+            raise ValueError(f"{len(self.parts)} weight parts, {len(self.plans)} plans")
+        self.bias = bias
+        self.out_features = sum(part.shape[0] for part in self.parts)
+        self.weight_bytes = sum(part.nbytes if isinstance(part, QuantizedTensor) else
+                                part.numel() * part.element_size() for part in self.parts)
+        self.layout_bytes = self.weight_bytes  # the quantized weight is the only layout
+        self.weight = None  # no plain float weight
+
+    @property
+    def plan(self) -> LinearPlan:
+        """One plan whose ranges of row counts are those of all parts' plans (the compiled decode reads
+        where kernels switch); each range names the first part's kernel."""
+        if len(self.plans) == 1:
+            return self.plans[0]
+        limits = sorted({limit for plan in self.plans for limit, _ in plan.segments})
+        return LinearPlan(tuple((limit, self.plans[0].kernel_for(limit)) for limit in limits))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])
+        outs = [run_quantized(plan.kernel_for(rows), flat, part) for part, plan in zip(self.parts, self.plans)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> LinearPlan:
+    """The measured plan for a quantized weight of this format and shape under ``dtype`` activations
+    (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot or qtile forces
+    one; forced onto a float kernel, or for weights too small to matter, DEFAULT_PLAN, unmeasured."""
+    forced = os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower()
+    if forced in kernels.QUANTIZED_KERNELS:
+        return LinearPlan.single(forced)
+    shape = weight.shape
+    if forced != "auto" or shape[0] * shape[1] < kernels.MIN_MEASURED_ELEMENTS or dtype not in DTYPES:
+        return DEFAULT_PLAN
+    label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}"
+    return book.plan_measured(label, shape, 1, lambda: measure(weight.format.name, shape, dtype),
+                              lambda name: name in kernels.QUANTIZED_KERNELS)
+
+
+def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,
+            rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:
+    """Microseconds per call of qdot and qtile on random weights of this format and shape, by row count
+    (kernels.measure's method: copies that overflow the caches for memory-bound sizes, the kernels
+    taking turns, the fastest repeat)."""
+    rows = rows or kernels.PROBE_ROWS
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    copies = max(1, min(kernels.MAX_COPIES, kernels.COLD_BYTES // FORMATS[fmt].row_bytes(in_features) // out_features))
+    weights = [random_quantized(fmt, out_features, in_features, generator) for _ in range(copies)]
+    if out_features * in_features > kernels.LARGE_WEIGHT_ELEMENTS:
+        rows = tuple(count for count in rows if count <= kernels.COLD_ROWS)
+    times: dict[str, dict[int, float]] = {name: {} for name in kernels.QUANTIZED_KERNELS}
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, in_features, generator=generator).to(dtype)
+            used = copies if count <= kernels.COLD_ROWS else 1
+            repeats = 7 if count <= kernels.COLD_ROWS else 2
+            calls = {name: (lambda name=name: [run_quantized(name, x, w) for w in weights[:used]])
+                     for name in kernels.QUANTIZED_KERNELS if name != "qdot" or count <= QDOT_MAX_ROWS}
+            for call in calls.values():
+                call()  # warm-up
+            best = {name: math.inf for name in kernels.QUANTIZED_KERNELS}
+            for _ in range(repeats):
+                for name, call in calls.items():
+                    best[name] = min(best[name], kernels._call_us(call) / used)
+            for name in kernels.QUANTIZED_KERNELS:
+                times[name][count] = best[name]
+    return times

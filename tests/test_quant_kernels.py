@@ -1,0 +1,335 @@
+"""Linear layers on quantized weights (models/quant.py, models/qlinear.py, models/csrc/quant.cpp): GGUF's
+blocks repacked losslessly, each kernel equal to dequantize-then-F.linear, bad input refused, traced by
+torch.compile, the float path where no compiler builds the kernels, and a model on its quantized
+weights generating what the same model dequantized generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from kvreuse import LLM, SamplingParams
+from kvreuse.models import kernels, qlinear, quant
+from kvreuse.models.layers import Linear, QuantizedEmbedding
+from kvreuse.models.quant import FORMATS, GGUF_TYPES, QuantizedTensor, repack_gguf
+
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                    reason="no C++ compiler to build the quantized kernels")
+# GGML types gguf.quants can quantize (the K-quants it only dequantizes: their tests use random blocks).
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# Offsets of the fp16 fields in each GGUF block (random bytes there could be NaN or infinity).
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    assert qlinear.available(), "the quantized kernels did not build (see the log)"
+
+
+def gguf_blocks(ggml_type: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """A GGUF tensor's raw blocks [out, row bytes]: every code and value random, scales sane fp16."""
+    fmt = FORMATS[GGUF_TYPES[ggml_type]]
+    rng = np.random.default_rng(seed)
+    count = in_features // fmt.block
+    blocks = rng.integers(0, 256, (out_features, count, fmt.gguf_block_bytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[ggml_type]:
+        halves = (rng.uniform(1e-4, 1e-2, (out_features, count)) * rng.choice([-1, 1], (out_features, count)))
+        blocks[..., offset:offset + 2] = halves.astype(np.float16).view(np.uint8).reshape(out_features, count, 2)
+    return blocks.reshape(out_features, -1)
+
+
+def reference(ggml_type: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[ggml_type]).reshape(shape).astype(np.float32))
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# Shapes with a short last span (rows not a multiple of 256 values: 96, 288, 1120) where the format allows.
+SHAPES = {"block32": [(3, 32), (9, 96), (21, 288), (4, 1120), (37, 256)], "block256": [(3, 256), (21, 512), (5, 1280)]}
+
+
+def shapes_of(ggml_type: str) -> list[tuple[int, int]]:
+    return SHAPES["block256" if FORMATS[GGUF_TYPES[ggml_type]].block == 256 else "block32"]
+
+
+@pytest.mark.parametrize("ggml_type", list(GGUF_TYPES))
+def test_repacking_is_exact_and_as_small_as_the_file(ggml_type):
+    """Random blocks (every code and value pattern) and, where gguf can quantize, real quantized data:
+    the repacked layout dequantizes to gguf's values bit for bit, in plain torch and in the C++ kernel,
+    and takes at most 3% more bytes than the file's blocks (K-quants' 6-bit scales unpacked to bytes)."""
+    for out_features, in_features in shapes_of(ggml_type):
+        raws = [gguf_blocks(ggml_type, out_features, in_features)]
+        if ggml_type in QUANTIZABLE:
+            values = np.random.default_rng(1).standard_normal((out_features, in_features)).astype(np.float32)
+            raws.append(gguf_quantize(values, GGMLQuantizationType[ggml_type]))
+        for raw in raws:
+            qt = repack_gguf(raw, ggml_type, (out_features, in_features))
+            expected = reference(ggml_type, raw, (out_features, in_features))
+            assert bits_equal(qt.dequantize(), expected), (ggml_type, out_features, in_features)
+            assert qt.nbytes <= 1.03 * raw.nbytes
+            if qlinear.available():
+                assert bits_equal(qlinear.dequantize(qt), expected)
+
+
+def test_layout_sizes_and_int8_quantization():
+    assert {name: fmt.bits_per_value() for name, fmt in FORMATS.items()} == {
+        "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625}
+    torch.manual_seed(0)
+    weight = torch.randn(40, 96)
+    weight[3, :32] = 0  # an all-zero group: scale 0, values 0
+    qt = quant.quantize_int8(weight)
+    assert qt.format.name == "q8_0" and qt.nbytes == 40 * (96 + 6)
+    # Round to nearest with a scale of (largest magnitude / 127): off by at most half a step.
+    step = weight.reshape(40, 3, 32).abs().amax(-1, keepdim=True) / 127
+    error = (qt.dequantize() - weight).reshape(40, 3, 32).abs()
+    assert bool((error <= step * 0.51 + 1e-6).all()) and bool((qt.dequantize()[3, :32] == 0).all())
+    with pytest.raises(ValueError, match="q8_0 needs in_features a positive multiple of 32, got 40"):
+        quant.quantize_int8(torch.randn(8, 40))
+
+
+def _tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-output bound on the kernels' error against the exact product: float32 inputs are taken as two
+    bf16 parts (16 significant bits, 2**-16 relative) on AVX512-BF16 CPUs, float32 sums add a few
+    2**-24; bf16 outputs are the float32 result rounded once (2**-9 relative). A dropped tail, a wrong
+    scale or a wrong row would be off by a group's whole contribution, far above it."""
+    magnitude = F.linear(x.double().abs(), weight.double().abs())
+    bound = magnitude * 2.0**-14
+    if x.dtype == torch.bfloat16:
+        bound = bound + F.linear(x.double(), weight.double()).abs() * 2.0**-8
+    return bound + 1e-30
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", qlinear.DTYPES, ids=str)
+@pytest.mark.parametrize("ggml_type", list(GGUF_TYPES))
+def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
+    """qdot (the quantized groups read directly) and qtile (dequantized tiles, F.linear) against the
+    float64 product with the dequantized weight: 0-17 rows (one pass of 8, two, a partial third), output
+    rows that do not fill a thread's share evenly, short last spans, a non-contiguous input."""
+    for out_features, in_features in shapes_of(ggml_type):
+        qt = repack_gguf(gguf_blocks(ggml_type, out_features, in_features, seed=2), ggml_type,
+                         (out_features, in_features))
+        weight = qt.dequantize()
+        generator = torch.Generator().manual_seed(3)
+        inputs = [torch.randn(rows, in_features, generator=generator).to(dtype) for rows in (0, 1, 2, 3, 5, 8, 9, 16, 17)]
+        inputs.append(torch.randn(in_features, 3, generator=generator).to(dtype).t())  # non-contiguous
+        for x in inputs:
+            expected = F.linear(x.double(), weight.double())
+            for name in kernels.QUANTIZED_KERNELS:
+                got = qlinear.run_quantized(name, x, qt)
+                assert got.dtype == dtype and got.shape == (x.shape[0], out_features)
+                error = (got.double() - expected).abs()
+                assert bool((error <= _tolerance(x, weight)).all()), (name, ggml_type, x.shape, error.max())
+
+
+@needs_compiler
+def test_quantized_linear_kernel_parts_bias_and_tiles(built, monkeypatch):
+    """A fused weight whose parts have different formats (a Q4_K_M file's q/k beside a Q6_K v), plus a
+    float part and a bias, through every kernel choice, with tiles smaller than the weight."""
+    monkeypatch.setattr(qlinear, "TILE_VALUES", 512 * 20)
+    parts = [repack_gguf(gguf_blocks("Q4_K", 40, 512), "Q4_K", (40, 512)),
+             repack_gguf(gguf_blocks("Q4_K", 24, 512, seed=1), "Q4_K", (24, 512)),
+             repack_gguf(gguf_blocks("Q6_K", 24, 512, seed=2), "Q6_K", (24, 512)),
+             torch.randn(8, 512) * 0.01]
+    weight = torch.cat([qlinear.dequantize_any(part) for part in parts])
+    bias = torch.randn(96)
+    for plans in (None, [kernels.LinearPlan.single("qtile")] * 3, [kernels.LinearPlan(((2, "qdot"), (kernels.ALWAYS, "qtile")))] * 3):
+        kernel = qlinear.QuantizedLinearKernel(parts, bias, plans)
+        assert [p.shape[0] for p in kernel.parts] == [64, 24, 8]  # the two Q4_K parts are one weight
+        for rows in (1, 3, 11):
+            x = torch.randn(2, rows, 512)
+            expected = F.linear(x.double(), weight.double(), bias.double())
+            error = (kernel(x).double() - expected).abs().reshape(2 * rows, 96)
+            assert bool((error <= _tolerance(x.reshape(2 * rows, 512), weight)).all())
+    with pytest.raises(ValueError, match="3 weight parts, 1 plans"):
+        qlinear.QuantizedLinearKernel(parts, None, [qlinear.DEFAULT_PLAN])
+
+
+@needs_compiler
+def test_bad_input_is_refused_naming_the_problem(built):
+    qt = repack_gguf(gguf_blocks("Q4_K", 8, 512), "Q4_K", (8, 512))
+    code = qt.format.code
+    op = torch.ops.kvreuse_cpu.qlinear
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Half"):
+        op(torch.randn(1, 512).half(), qt.data, code, 512)
+    with pytest.raises(RuntimeError, match="x has 511 features, weight expects 512"):
+        op(torch.randn(1, 511), qt.data, code, 512)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, in\]"):
+        op(torch.randn(512), qt.data, code, 512)
+    with pytest.raises(RuntimeError, match="unknown format 9"):
+        op(torch.randn(1, 512), qt.data, 9, 512)
+    with pytest.raises(RuntimeError, match="q4_k needs in_features a positive multiple of 256, got 288"):
+        op(torch.randn(1, 288), qt.data, code, 288)
+    with pytest.raises(RuntimeError, match="a q4_k row of 512 features has 296 bytes, weight rows have 295"):
+        op(torch.randn(1, 512), qt.data[:, :295], code, 512)
+    with pytest.raises(RuntimeError, match="weight must be uint8"):
+        torch.ops.kvreuse_cpu.qdequant(qt.data.to(torch.int16), code, 512)
+    with pytest.raises(ValueError, match="GGML type F16 is not held quantized"):
+        repack_gguf(np.zeros((2, 64), np.uint8), "F16", (2, 32))
+    with pytest.raises(ValueError, match="a Q4_0 tensor of shape 2x64 has 72 bytes, got 70"):
+        repack_gguf(np.zeros(70, np.uint8), "Q4_0", (2, 64))
+    with pytest.raises(ValueError, match="rows must be a multiple of 256 values, got 288"):
+        repack_gguf(np.zeros(2 * 288 // 256 * 144, np.uint8), "Q4_K", (2, 288))
+    with pytest.raises(ValueError, match=r"q8_0 data for 64 features must be uint8 \[out, 68\]"):
+        QuantizedTensor("q8_0", torch.zeros(2, 64, dtype=torch.uint8), 64)
+    linear = Linear(512, [8, 8], False, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="quantized parts 8x512 do not make a 16x512 weight"):
+        linear.set_quantized([qt])
+
+
+@needs_compiler
+def test_ops_under_torch_compile(built):
+    """Fake implementations let a fullgraph compile with inductor's C++ wrapper (the compiled decode's
+    setting) trace the decode kernel, the tiled path and an embedding lookup, with work fused around."""
+    qt = repack_gguf(gguf_blocks("Q5_0", 48, 96), "Q5_0", (48, 96))
+    table = repack_gguf(gguf_blocks("Q8_0", 30, 96, seed=1), "Q8_0", (30, 96))
+    ids = torch.tensor([3, 0, 29, 3])
+
+    def step(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        embedded = qlinear.dequantize_rows(table, ids)
+        return torch.relu(qlinear.qlinear(x * 2 + embedded, qt)) + qlinear.tiled_linear(x, qt)
+
+    x = torch.randn(4, 96)
+    compiled = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})
+    torch.testing.assert_close(compiled(x, ids), step(x, ids))
+    weight, rows = qt.dequantize(), table.dequantize()[ids]
+    expected = torch.relu(F.linear(x * 2 + rows, weight)) + F.linear(x, weight)
+    torch.testing.assert_close(compiled(x, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_dequantized_float_path_remains(tmp_path):
+    """A fresh process whose compiler fails: one warning, and a layer or embedding given quantized
+    weights holds them dequantized in its dtype (gguf's values), running plain F.linear."""
+    raw = gguf_blocks("Q4_1", 16, 64)
+    np.save(tmp_path / "raw.npy", raw)
+    script = (
+        "import numpy as np, torch\n"
+        "from kvreuse.models import qlinear, quant\n"
+        "from kvreuse.models.layers import Linear\n"
+        "assert not qlinear.available()\n"
+        f"qt = quant.repack_gguf(np.load({str(tmp_path / 'raw.npy')!r}), 'Q4_1', (16, 64))\n"
+        "linear = Linear(64, [16], False, torch.float32, torch.device('cpu'))\n"
+        "linear.set_quantized([qt])\n"
+        "assert linear.quantized is None and linear.kernel is None\n"
+        "assert torch.equal(linear.weight, qt.dequantize())\n"
+        "x = torch.randn(3, 64)\n"
+        "torch.testing.assert_close(linear(x), x @ qt.dequantize().t())\n"
+        "print('float path ok')\n"
+    )
+    env = {**os.environ, "CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "float path ok" in result.stdout
+    assert "the quantized linear kernels could not be built" in result.stderr
+
+
+@needs_compiler
+def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    monkeypatch.setattr(kernels, "PROBE_ROWS", (1, 16, 256))
+    monkeypatch.setattr(kernels, "MAX_COPIES", 2)
+    path = tmp_path / "linear-kernels.json"
+    book = kernels.PlanBook(path)
+    small = repack_gguf(gguf_blocks("Q4_0", 16, 64), "Q4_0", (16, 64))
+    assert qlinear.plan_for(book, small, torch.float32) == qlinear.DEFAULT_PLAN and book.measured == 0
+    qt = quant.random_quantized("q4_0", 1024, 512)
+    plan = qlinear.plan_for(book, qt, torch.bfloat16)
+    assert book.measured == 1 and set(plan.times_us) == set(kernels.QUANTIZED_KERNELS)
+    assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
+    assert plan.kernel_for(1) == "qdot" and plan.kernel_for(10**6) == "qtile"
+    book.save()
+    (key,) = json.loads(path.read_text())["plans"]
+    assert key.endswith("| q4_0/bfloat16 | 1024x512")
+    monkeypatch.setattr(qlinear, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert qlinear.plan_for(kernels.PlanBook(path), qt, torch.bfloat16).segments == plan.segments
+    monkeypatch.setenv(kernels.KERNEL_ENV, "qtile")
+    assert qlinear.plan_for(book, qt, torch.bfloat16) == kernels.LinearPlan.single("qtile")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "transposed")  # a float kernel forced: quantized weights unmeasured
+    assert qlinear.plan_for(book, qt, torch.bfloat16) == qlinear.DEFAULT_PLAN
+
+
+def _quantized_weights(folder, ggml_type: str) -> tuple[list, list]:
+    """The tiny model's weights as a GGUF file of ``ggml_type`` would hold them (every matrix quantized
+    by gguf, the embedding too; norms and biases float): (name, QuantizedTensor or tensor) and the same
+    weights dequantized by gguf."""
+    from kvreuse.models.loader import iterate_safetensors, safetensors_files
+
+    held, dense = [], []
+    for name, tensor in iterate_safetensors(safetensors_files(folder)):
+        if tensor.dim() == 2:
+            raw = gguf_quantize(tensor.float().numpy(), GGMLQuantizationType[ggml_type])
+            held.append((name, repack_gguf(raw, ggml_type, tuple(tensor.shape))))
+            dense.append((name, reference(ggml_type, raw, tuple(tensor.shape))))
+        else:
+            held.append((name, tensor))
+            dense.append((name, tensor))
+    return held, dense
+
+
+def _greedy(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 21, 40)]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@needs_compiler
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_model_on_quantized_weights_generates_as_dequantized(built, tiny_models, tmp_path, arch, ggml_type):
+    """The tiny model's matrices (embedding included) quantized by gguf: held quantized (every linear on
+    the quantized kernels, the embedding a QuantizedEmbedding, a tied head reading it) it generates the
+    tokens the same weights dequantized into float32 generate, with log-probabilities within 1e-3.
+    qwen2 is made tied here, so its output projection reads the quantized table."""
+    folder = tiny_models[arch]
+    if arch == "qwen2":
+        folder = tmp_path / "qwen2-tied"
+        shutil.copytree(tiny_models[arch], folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["tie_word_embeddings"] = True
+        (folder / "config.json").write_text(json.dumps(config))
+    held, dense = _quantized_weights(folder, ggml_type)
+    quantized_llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    model = quantized_llm.engine.model
+    model.load_weights(held)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and isinstance(m.kernel, qlinear.QuantizedLinearKernel) for m in linears)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert (model._tied_head_kernel is not None) == (arch == "qwen2")
+    dense_llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    dense_llm.engine.model.load_weights(dense)
+    for a, b in zip(_greedy(quantized_llm), _greedy(dense_llm)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-3)
+
+
+@needs_compiler
+def test_int8_quantization_keeps_greedy_output(built, tiny_models):
+    """quantize_int8 (quantization="int8"): every linear layer in the q8_0 layout (a quarter of float32's
+    bytes plus scales), the embedding float; the tiny model's greedy tokens equal float32's here (random
+    weights have few near-ties) and log-probabilities stay within 0.05."""
+    folder = tiny_models["llama"]
+    float_llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    int8_llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    model = int8_llm.engine.model
+    assert model.quantize_int8() == len([m for m in model.modules() if isinstance(m, Linear)])
+    for module in model.modules():
+        if isinstance(module, Linear):
+            assert module.weight is None and module.weight_bytes == sum(module.output_sizes) * module.input_size * 17 // 16
+    for a, b in zip(_greedy(int8_llm), _greedy(float_llm)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=5e-2)
