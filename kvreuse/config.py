@@ -180,6 +180,7 @@ class SpeculativeConfig:
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is gguf
+QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as models/loader.py's
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"
+    # How weights are held (vLLM's names): none | gguf | int8; None: gguf for a GGUF file on CPU, else none
+    quantization: str | None = None
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -201,5 +204,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None: the "
+                             f"model's default), got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

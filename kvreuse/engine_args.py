@@ -42,6 +42,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                              "else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+                        help="how weights are held on CPU: gguf keeps a GGUF file's quantized blocks (the default "
+                             "for a .gguf model), int8 quantizes a folder's linear layers at load (weight-only), "
+                             "none holds every weight in --dtype")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 2GiB or 512MiB")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -142,7 +146,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
 
     return LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, load_format=args.load_format,
-        enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+        quantization=getattr(args, "quantization", None), enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,

@@ -35,6 +35,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         load_format: str = "auto",
+        quantization: str | None = None,
         enable_prefix_caching: bool = True,
         block_size: int = 16,
         kv_cache_memory: int | str = "1GiB",
@@ -60,7 +61,10 @@ class LLM:
         KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
         with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0").
         ``enable_torch_compile``: run decode steps through torch.compile (compiled when the engine
-        starts: minutes the first time on a machine, seconds once inductor's disk cache has them)."""
+        starts: minutes the first time on a machine, seconds once inductor's disk cache has them).
+        ``quantization`` (vLLM's name): "gguf" keeps a GGUF file's quantized weights in memory and runs on
+        them (the default for a .gguf model on CPU), "int8" quantizes a folder's linear layers at load
+        (weight-only), "none" holds every weight in ``dtype``."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -68,6 +72,7 @@ class LLM:
             dtype=dtype,
             device=device,
             load_format=load_format,
+            quantization=quantization,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,

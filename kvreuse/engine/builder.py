@@ -82,7 +82,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason)
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
-                                     seed=config.seed)
+                                     seed=config.seed, quantization=config.quantization)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer = Tokenizer(tokenizer_path)
 
@@ -113,6 +113,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
                          max_num_seqs=config.scheduler.max_num_seqs)
+    held = model.weight_memory_bytes()
+    on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if is_gguf_path(model_path) else ""
+    logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
     # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
     kv_events = KVEventLog()
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events)
@@ -209,7 +212,8 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
     beside the file's digest, so KV computed from a Q4 file is never served to a Q8 file of the same
     architecture, and a record says which format made it; a folder's fingerprint has no such field and
-    stays what it was (stored records keep hitting).
+    stays what it was (stored records keep hitting). ``quantization="int8"`` adds itself (the weights are
+    not the files'); "gguf" adds nothing: its kernels compute with the file's values, as dequantized.
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -222,6 +226,8 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
                        if (tokenizer_dir / name).is_file()]
     fields = {}
+    if config.quantization == "int8":  # other weights than the files': so other KV
+        fields["quantization"] = "int8"
     if gguf_file:
         info = read_gguf(model_path)
         model_json = info.hf_config

@@ -229,6 +229,22 @@ class LlamaFamilyForCausalLM(nn.Module):
                     changed, extra / 2**20)
         return changed
 
+    def weight_memory_bytes(self) -> int:
+        """Bytes the weights take as held: each linear layer in its kernel layouts (quantized blocks or
+        float), the embedding table (quantized or float), norms and biases, and a tied head's own layouts."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        total = sum(module.weight_bytes for module in linears)
+        embed_tokens = self.model.embed_tokens
+        total += embed_tokens.quantized.nbytes if isinstance(embed_tokens, QuantizedEmbedding) else (
+            embed_tokens.weight.numel() * embed_tokens.weight.element_size())
+        counted = {id(module.weight) for module in linears if module.weight is not None}
+        counted.add(id(getattr(embed_tokens, "weight", None)) if not isinstance(embed_tokens, QuantizedEmbedding) else 0)
+        total += sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in counted)
+        if isinstance(self._tied_head_kernel, LinearKernel):  # its layouts beside the embedding kept for lookups
+            total += self._tied_head_kernel.layout_bytes - (
+                self._tied_head_kernel.weight_bytes if "plain" in self._tied_head_kernel.plan.layouts else 0)
+        return total
+
     # ---- weights -------------------------------------------------------------------------------
 
     def expected_weight_names(self) -> list[str]:

@@ -4,8 +4,8 @@ This module owns the boundary with the outside world of checkpoints: a local fol
 Hugging Face hub id (``resolve_model_path``; ``resolve_tokenizer_path`` gives the folder a tokenizer is
 read from, a GGUF file's converted one included), the dtype policy (``resolve_dtype``: bfloat16 where the
 hardware does it natively, else float32), and ``load_model``, which builds the model directly on the
-target device and streams ``*.safetensors`` (or a GGUF file's tensors, dequantized, see
-kvreuse.models.gguf) tensor by tensor into it, so peak memory stays near the size of the model rather
+target device and streams ``*.safetensors`` (or a GGUF file's tensors, see kvreuse.models.gguf: kept
+quantized for ``quantization="gguf"``, else dequantized) tensor by tensor into it, so peak memory stays near the size of the model rather
 than twice it. ``load_format="dummy"`` gives random weights for any config so benchmarks and tests need
 no weight files.
 """
@@ -13,20 +13,48 @@ no weight files.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from kvreuse.config import QUANTIZATION_METHODS
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.cpu import cpu_bfloat16_support
-from kvreuse.models.gguf import gguf_tokenizer_dir, is_gguf_path, iterate_gguf_weights, read_gguf
+from kvreuse.models.gguf import (gguf_tokenizer_dir, is_gguf_path, iterate_gguf_tensors, iterate_gguf_weights,
+                                 read_gguf)
 from kvreuse.models.llama import LlamaFamilyForCausalLM
+from kvreuse.models.quant import GGUF_TYPES, QuantizedTensor, repack_gguf
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# How weights are held in memory. None: in the model's dtype (a GGUF file dequantized). vLLM's "gguf"
-# (the file's quantized blocks, with kernels that read them) is not built yet.
-QUANTIZATION_METHODS: tuple[str | None, ...] = (None,)
+# How weights are held in memory (vLLM's names): "gguf" keeps a GGUF file's quantized blocks (repacked,
+# models/quant.py) and runs linear layers on kernels that read them (models/qlinear.py); "int8" quantizes
+# a folder's float weights at load (weight-only, a scale per 32 values) onto the same kernels; "none"
+# holds them in the model's dtype (a GGUF file dequantized): QUANTIZATION_METHODS, from kvreuse.config.
+# None: "gguf" for a GGUF file on CPU, else "none". Both quantized methods run on CPU only (their kernels
+# are CPU code).
+
+
+def resolve_quantization(quantization: str | None, model_path: Path | None, device: torch.device) -> str:
+    """The quantization method a load uses: ``quantization``, or for None the default for the model."""
+    gguf_file = model_path is not None and is_gguf_path(model_path)
+    if quantization is None:
+        return "gguf" if gguf_file and device.type == "cpu" else "none"
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None: the "
+                         f"model's default), got {quantization!r}")
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only (its kernels are CPU code), got device "
+                         f"{device}; load without quantization there")
+    if quantization == "gguf" and not gguf_file:
+        raise ValueError("quantization='gguf' needs a .gguf model file")
+    if quantization == "int8" and gguf_file:
+        raise ValueError("quantization='int8' quantizes a model folder's float weights; a GGUF file is "
+                         "quantized already (quantization='gguf' keeps its blocks)")
+    return quantization
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -150,16 +178,19 @@ def load_model(
     """Build the model on ``device`` in ``dtype`` and fill its weights.
 
     ``model_path`` is a folder with ``config.json`` (and weights unless ``load_format="dummy"``) or a
-    GGUF file (config and weights from the file, every tensor dequantized into ``dtype``); a
-    ``ModelConfig`` is accepted for dummy weights. Raises ValueError for unsupported architectures or
-    tensor types, missing or truncated files, and missing, unexpected or mis-shaped weights.
+    GGUF file (config and weights from the file); a ``ModelConfig`` is accepted for dummy weights.
+    ``quantization`` (QUANTIZATION_METHODS; None: the model's default, see ``resolve_quantization``):
+    "gguf" keeps a GGUF file's quantized matrices quantized (the rest dequantized into ``dtype``), "int8"
+    quantizes a folder's linear layers after loading, "none" holds every tensor in ``dtype``. Raises
+    ValueError for unsupported architectures or tensor types, missing or truncated files, and missing,
+    unexpected or mis-shaped weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={quantization!r} is not supported yet; supported: None (weights in the "
-                         "model's dtype, a GGUF file dequantized)")
     device = torch.device(device)
+    quantization = resolve_quantization(
+        quantization, None if isinstance(model_path, ModelConfig) or load_format == "dummy" else Path(model_path),
+        device)
     if isinstance(model_path, ModelConfig):
         if load_format != "dummy":
             raise ValueError("a ModelConfig without a folder can only be loaded with load_format='dummy'")
@@ -175,7 +206,7 @@ def load_model(
         config = model_config_of(folder)
         if gguf_file and load_format != "dummy":
             model = LlamaFamilyForCausalLM(config, dtype, device)
-            model.load_weights(iterate_gguf_weights(folder))
+            model.load_weights(iterate_gguf_quantized(folder) if quantization == "gguf" else iterate_gguf_weights(folder))
             model.eval()
             return model, config
     files: list[Path] = []
@@ -192,5 +223,18 @@ def load_model(
         model.init_dummy_weights(seed)
     else:
         model.load_weights(iterate_safetensors(files))
+    if quantization == "int8":
+        count = model.quantize_int8()
+        logger.info("quantization int8: %d linear layers quantized (weight-only, a scale per 32 values)", count)
     model.eval()
     return model, config
+
+
+def iterate_gguf_quantized(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(our name, tensor) for quantization="gguf": a matrix of a type the kernels read (models/quant.py
+    GGUF_TYPES) repacked losslessly as a QuantizedTensor, every other tensor dequantized to float32."""
+    for name, tensor in iterate_gguf_tensors(path):
+        if len(tensor.shape) == 2 and tensor.ggml_type in GGUF_TYPES:
+            yield name, repack_gguf(tensor.raw, tensor.ggml_type, tensor.shape)
+        else:
+            yield name, tensor.dequantize()

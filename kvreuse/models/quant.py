@@ -308,6 +308,10 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales, mins
 
 
+# Rows repacked at a time: about this many values (the plane packing's int64 intermediates are 8 bytes each).
+REPACK_VALUES = 2**22
+
+
 def repack_gguf(raw: np.ndarray | torch.Tensor, ggml_type: str, shape: tuple[int, int]) -> QuantizedTensor:
     """A GGUF tensor's blocks (uint8, [out, in / block * block bytes] or flat) as a QuantizedTensor.
 
@@ -320,12 +324,21 @@ def repack_gguf(raw: np.ndarray | torch.Tensor, ggml_type: str, shape: tuple[int
     out_features, in_features = shape
     if in_features % fmt.block:
         raise ValueError(f"a {ggml_type} tensor's rows must be a multiple of {fmt.block} values, got {in_features}")
-    data = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw.contiguous()
     blocks_per_row = in_features // fmt.block
     expected = out_features * blocks_per_row * fmt.gguf_block_bytes
     if data.dtype != torch.uint8 or data.numel() != expected:
         raise ValueError(f"a {ggml_type} tensor of shape {out_features}x{in_features} has {expected} bytes, "
                          f"got {data.numel()} ({data.dtype})")
+    data = data.reshape(out_features, -1)
+    step = max(1, REPACK_VALUES // in_features)
+    rows = [_repack_rows(fmt, data[start:start + step], in_features) for start in range(0, out_features, step)]
+    return QuantizedTensor(fmt, rows[0] if len(rows) == 1 else torch.cat(rows), in_features)
+
+
+def _repack_rows(fmt: QuantFormat, data: torch.Tensor, in_features: int) -> torch.Tensor:
+    out_features = data.shape[0]
+    blocks_per_row = in_features // fmt.block
     blocks = data.reshape(out_features, blocks_per_row, fmt.gguf_block_bytes)
     arrays: dict[str, torch.Tensor] = {}
     if fmt.name == "q8_0":
@@ -369,7 +382,7 @@ def repack_gguf(raw: np.ndarray | torch.Tensor, ggml_type: str, shape: tuple[int
         q = (low | (high << 4)).reshape(out_features, in_features)
         arrays.update(_values_and_planes(fmt, q))
     flat = {name: array.reshape(out_features, -1) for name, array in arrays.items()}
-    return QuantizedTensor(fmt, _join(fmt, flat, in_features), in_features)
+    return _join(fmt, flat, in_features)
 
 
 def _values_and_planes(fmt: QuantFormat, q: torch.Tensor) -> dict[str, torch.Tensor]:

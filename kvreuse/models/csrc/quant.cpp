@@ -300,7 +300,8 @@ void dot_rows(const float* x, int64_t in, const uint8_t* w, const Layout& l, flo
 // them by 32 bf16 inputs exactly and adds the products into 16 float32 lanes: the weights of a chunk
 // become bf16 lanes by a table lookup (vpermw) on their 4-bit (5-, 6-bit) codes, the chunk's scale is
 // applied to its float32 sums, and the offsets b * sum(x) of each group come from the inputs' group
-// sums. float32 inputs are split into two bf16 parts (16 significant bits) multiplied in turn.
+// sums. A float32 input is split exactly into three bf16 parts (8 + 8 + 8 significant bits: x = h + m + l)
+// multiplied in turn, so its products are exact too and only the float32 sums round.
 #define KVREUSE_BF16_DOT 1
 
 inline uint16_t bf16_bits(float exact) {
@@ -367,11 +368,11 @@ inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
 }
 
-// As dot_rows, over bf16 inputs: xh [R, in] (and xl, the float32 inputs' remainders, when Split), xsum
-// [R, chunks] the inputs' sum per chunk (for formats with offsets).
+// As dot_rows, over bf16 inputs: xh [R, in] (and, when Split, xm and xl [R, in]: a float32 input is
+// xh + xm + xl exactly), xsum [R, chunks] the inputs' sum per chunk (for formats with offsets).
 template <class F, int R, bool Split>
-void dot_rows_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t in, const uint8_t* w,
-                   const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
+void dot_rows_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, const float* xsum, int64_t in,
+                   const uint8_t* w, const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
   const int64_t chunks = in / kChunk;
   const Bf16Tables<F> tables;
   for (int64_t j = begin; j < end; ++j) {
@@ -399,10 +400,10 @@ void dot_rows_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, in
         const int64_t at = kChunk * (c0 + c);
         for (int r = 0; r < R; ++r) {
           __m512 t = dot_bf16(_mm512_setzero_ps(), wv[0], xh + r * in + at);
-          if constexpr (Split) t = dot_bf16(t, wv[0], xl + r * in + at);
+          if constexpr (Split) t = dot_bf16(dot_bf16(t, wv[0], xm + r * in + at), wv[0], xl + r * in + at);
           if constexpr (F::bits == 8) {
             t = dot_bf16(t, wv[1], xh + r * in + at);
-            if constexpr (Split) t = dot_bf16(t, wv[1], xl + r * in + at);
+            if constexpr (Split) t = dot_bf16(dot_bf16(t, wv[1], xm + r * in + at), wv[1], xl + r * in + at);
           }
           acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
         }
@@ -435,23 +436,25 @@ void dot_rows_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, in
 }
 
 template <class F, bool Split>
-void dot_range_bf16(const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t rows, int64_t in,
-                    const uint8_t* w, const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
+void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, const float* xsum, int64_t rows,
+                    int64_t in, const uint8_t* w, const Layout& l, float* out, int64_t out_features, int64_t begin,
+                    int64_t end) {
   const int64_t chunks = in / kChunk;
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     const uint16_t* h = xh + r0 * in;
+    const uint16_t* mid = Split ? xm + r0 * in : nullptr;
     const uint16_t* lo = Split ? xl + r0 * in : nullptr;
     const float* xs = xsum + r0 * chunks;
     float* o = out + r0 * out_features;
     switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: dot_rows_bf16<F, 1, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 2: dot_rows_bf16<F, 2, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 3: dot_rows_bf16<F, 3, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 4: dot_rows_bf16<F, 4, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 5: dot_rows_bf16<F, 5, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 6: dot_rows_bf16<F, 6, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 7: dot_rows_bf16<F, 7, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
-      default: dot_rows_bf16<F, 8, Split>(h, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 1: dot_rows_bf16<F, 1, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 2: dot_rows_bf16<F, 2, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 3: dot_rows_bf16<F, 3, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 4: dot_rows_bf16<F, 4, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 5: dot_rows_bf16<F, 5, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 6: dot_rows_bf16<F, 6, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      case 7: dot_rows_bf16<F, 7, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
+      default: dot_rows_bf16<F, 8, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
     }
   }
 }
@@ -559,21 +562,27 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
   const uint8_t* wp = wc.const_data_ptr<uint8_t>();
   float* op = out.mutable_data_ptr<float>();
 #if defined(KVREUSE_BF16_DOT)
-  // The inputs as bf16 (float32 ones as a bf16 part and its bf16 remainder) and their sums per chunk of 32.
+  // The inputs as bf16 (a float32 one as three bf16 parts that add up to it exactly), and their sums per
+  // chunk of 32 values.
   const bool split = x.scalar_type() == at::kFloat;
   const at::Tensor xc = x.contiguous();
   const int64_t chunks = in / kChunk;
-  std::vector<uint16_t> high(split ? rows * in : 0), low(split ? rows * in : 0);
+  std::vector<uint16_t> parts(split ? 3 * rows * in : 0);
   std::vector<float> sums(rows * chunks);
   const uint16_t* xh;
+  uint16_t* high = parts.data();
+  uint16_t* mid = high + rows * in;
+  uint16_t* low = mid + rows * in;
   if (split) {
     const float* xf = xc.const_data_ptr<float>();
     for (int64_t i = 0; i < rows * in; ++i) {
-      const c10::BFloat16 h(xf[i]);  // rounded to nearest even
-      const c10::BFloat16 rest(xf[i] - static_cast<float>(h));
-      high[i] = h.x, low[i] = rest.x;
+      const c10::BFloat16 h(xf[i]);  // rounded to nearest even; each remainder is exact in float32
+      const float rest = xf[i] - static_cast<float>(h);
+      const c10::BFloat16 m(rest);
+      const c10::BFloat16 lo(rest - static_cast<float>(m));
+      high[i] = h.x, mid[i] = m.x, low[i] = lo.x;
     }
-    xh = high.data();
+    xh = high;
   } else {
     xh = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>());
   }
@@ -581,20 +590,19 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
     for (int64_t c = 0; c < chunks; ++c) {
       float total = 0.f;
       for (int64_t i = r * in + c * kChunk, e = i + kChunk; i < e; ++i) {
-        total += bf16_to_float(xh[i]) + (split ? bf16_to_float(low[i]) : 0.f);
+        total += split ? (bf16_to_float(high[i]) + bf16_to_float(mid[i])) + bf16_to_float(low[i]) : bf16_to_float(xh[i]);
       }
       sums[r * chunks + c] = total;
     }
   }
-  const uint16_t* xl = low.data();
   const float* xs = sums.data();
   with_format(format, [&](auto f) {
     using F = decltype(f);
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
       if (split) {
-        dot_range_bf16<F, true>(xh, xl, xs, rows, in, wp, l, op, out_features, begin, end);
+        dot_range_bf16<F, true>(xh, mid, low, xs, rows, in, wp, l, op, out_features, begin, end);
       } else {
-        dot_range_bf16<F, false>(xh, xl, xs, rows, in, wp, l, op, out_features, begin, end);
+        dot_range_bf16<F, false>(xh, nullptr, nullptr, xs, rows, in, wp, l, op, out_features, begin, end);
       }
     });
   });
