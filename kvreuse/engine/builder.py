@@ -11,6 +11,7 @@ setting and the limit, raised before the engine exists.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -34,9 +35,10 @@ from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf
+from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf, release_gguf_readers
 from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_tokenizer_path,
                                    safetensors_files)
+from kvreuse.runner.host_allocator import return_free_heap
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
 from kvreuse.scheduler import Scheduler
@@ -146,6 +148,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec is not None:
         spec.proposer.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
             [id(request) for request in requests], drafted, logits)
+    if is_gguf_path(model_path):
+        release_gguf_readers()  # the file's parsed header and mapping: nothing reads them from here on
+    if device.type == "cpu":
+        gc.collect()
+        return_free_heap()  # what loading freed (a GGUF header, repacking's intermediates) back to the system
     return EngineParts(
         config=config, device=device, dtype=dtype, dtype_reason=dtype_reason,
         model_name=config.served_model_name or config.model, model=model, model_config=model_config,

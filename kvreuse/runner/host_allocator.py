@@ -62,3 +62,16 @@ def keep_activations_in_heap() -> bool:
     else:
         logger.warning("CPU: glibc refused the malloc thresholds; large activations stay on mmap")
     return applied
+
+
+def return_free_heap() -> bool:
+    """Give the heap glibc holds free back to the system (``malloc_trim``): after start-up, whose
+    parsing and repacking freed far more small objects than the running engine will reuse. Returns
+    whether it ran (glibc on Linux only)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # returns whether anything went back; either is fine
+    except (OSError, AttributeError):
+        return False
+    return True
