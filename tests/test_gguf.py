@@ -131,7 +131,8 @@ def test_real_model_config_and_tokenizer_come_from_the_file(real_llm: LLM):
 # --- files written from our folders ----------------------------------------------------------------------------
 
 MADE = [("llama-plain", "F32"), ("llama-plain", "F16"), ("llama-plain", "Q8_0"), ("qwen2", "F32"), ("qwen2", "F16"),
-        ("qwen2", "Q8_0"), ("qwen2", "BF16"), ("qwen3", "Q8_0"), ("mistral", "Q4_0"), ("llama-plain", "Q4_1")]
+        ("qwen2", "Q8_0"), ("qwen2", "BF16"), ("qwen3", "Q8_0"), ("mistral", "Q4_0"), ("llama-plain", "Q4_1"),
+        ("qwen2", "Q5_0"), ("llama-plain", "Q5_1")]  # Q5_0 / Q5_1: what Q4_K_M files hold where rows are not 256-wide
 
 
 @pytest.mark.parametrize("arch,kind", MADE)

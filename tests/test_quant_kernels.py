@@ -346,7 +346,7 @@ def _weight_bytes(model) -> int:
 
 
 @needs_compiler
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_gguf_file_is_served_from_its_quantized_weights(built, tiny_models, tmp_path, tensor_type):
     """LLM("model.gguf") holds the file's quantized matrices quantized by default (quantization="gguf":
     no float weight left, the matrices' bytes within 3% of the file's tensor bytes), and generates what

