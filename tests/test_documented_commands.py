@@ -173,6 +173,10 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_spec.py --preset smollm2-135m --dtype float32": SCRIPT,
     "python benchmarks/bench_tiers.py --preset qwen2.5-0.5b --dtype float32": SCRIPT,
     "python benchmarks/bench_structured.py --preset smollm2-135m --dtype float32": SCRIPT,
+    # smoke: kvreuse alone on tiny GGUF files under these names
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --gguf "
+    "models/qwen2.5-0.5b.q8_0.gguf --gguf models/qwen2.5-0.5b.q4_k_m.gguf --out gguf.json": SCRIPT,
+    "kvreuse make-model models/qwen2.5-0.5b --preset qwen2.5-0.5b --dtype bfloat16": MAKE_MODEL,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
     # docs/observatory.md
@@ -196,6 +200,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_tiers.py": (r"source\s+TTFT ms\s+/ cold", r"disk\s+\d", r"restart \(disk\)\s+\d"),
     "bench_agent.py": (r"turn\s+hit rate\s+prev\s+TTFT ms\s+calls", r"(?m)^kvreuse\s+\d+/\d+\s+\d+\s+\d+\.\d%",
                        r"(?m)^kvreuse-no-tools\s+\d+/\d+\s+0\s+\d+\.\d%", r"llama-server: skipped in this smoke run"),
+    "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d",
+                      r"qwen2.5-0.5b.q4_k_m.gguf"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
@@ -467,6 +473,16 @@ class Workspace:
         # a partner thread that another process holds off the core (the distillation alone ran 8x slower).
         self.env.setdefault("OMP_NUM_THREADS", "1")
 
+    def tiny_gguf(self) -> Path:
+        """A Q4_1 GGUF file of the tiny model, written once."""
+        from gguf_files import write_gguf
+
+        with self._lock:
+            path = self.root / "tiny-model.Q4_1.gguf"
+            if not path.exists():
+                write_gguf(self.model, path, "Q4_1")
+            return path
+
     def folder(self, label: str, *, empty: bool = False, commands: list[str] = ()) -> Path:
         """A fresh working folder; unless ``empty``, with the model folders and adapters ``commands`` name,
         ``benchmarks`` (the repository's) and ``docs/img``."""
@@ -489,6 +505,11 @@ class Workspace:
                 target = path / name
                 if not target.exists():  # a real copy: the server keeps adapters inside --lora-dir
                     shutil.copytree(self.adapter, target)
+            for name in option_values(argv_of(text), "--gguf"):  # a GGUF file: the tiny model's, Q4_1
+                target = path / name
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.symlink_to(self.tiny_gguf())
             for name in draft_folders(text):  # the EAGLE draft a --speculative-config names: a random one
                 target = path / name
                 if not target.exists():
