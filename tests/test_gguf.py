@@ -262,18 +262,19 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
         LLM(str(tmp_path / "phi.gguf"), dtype="float32")
 
     source = made_gguf(tiny_models, gguf_dir, "qwen2", "F32")
-    odd = tmp_path / "q5.gguf"
+    odd = tmp_path / "iq4.gguf"
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(odd), "qwen2")
-    for tensor in reader.tensors:  # the same model with one matrix in Q5_0, a type kvreuse does not load
+    for tensor in reader.tensors:  # the same model with one matrix in IQ4_NL, a type kvreuse does not load
         values = np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist())))
         if tensor.name == "blk.1.ffn_up.weight":
-            blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q5_0)
-            writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+            # IQ4_NL blocks have Q4_0's size (an fp16 scale and 16 bytes per 32 values): Q4_0's bytes stand in.
+            blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         else:
             writer.add_tensor(tensor.name, np.array(values))
     finish(writer)
-    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight' has type Q5_0, which kvreuse cannot load"):
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight' has type IQ4_NL, which kvreuse cannot load"):
         read_gguf(odd)
 
     data = source.read_bytes()
