@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from kvreuse.config import SCHEDULING_POLICIES, parse_memory_size
+from kvreuse.config import LOAD_FORMATS, QUANTIZATION_METHODS, SCHEDULING_POLICIES, parse_memory_size
 from kvreuse.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), "
                              "else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    parser.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS))
+    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
                         help="how weights are held on CPU: gguf keeps a GGUF file's quantized blocks (the default "
                              "for a .gguf model), int8 quantizes a folder's linear layers at load (weight-only), "
                              "none holds every weight in --dtype")
@@ -146,7 +146,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
 
     return LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, load_format=args.load_format,
-        quantization=getattr(args, "quantization", None), enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+        quantization=args.quantization, enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, seed=args.seed, max_pinned_fraction=args.max_pinned_fraction,

@@ -85,6 +85,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed, quantization=config.quantization)
+    gguf_file = is_gguf_path(model_path)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer = Tokenizer(tokenizer_path)
 
@@ -116,7 +117,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
                          max_num_seqs=config.scheduler.max_num_seqs)
     held = model.weight_memory_bytes()
-    on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if is_gguf_path(model_path) else ""
+    on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if gguf_file else ""
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
     # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
     kv_events = KVEventLog()
@@ -148,7 +149,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec is not None:
         spec.proposer.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
             [id(request) for request in requests], drafted, logits)
-    if is_gguf_path(model_path):
+    if gguf_file:
         release_gguf_readers()  # the file's parsed header and mapping: nothing reads them from here on
     if device.type == "cpu":
         gc.collect()

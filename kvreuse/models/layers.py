@@ -145,11 +145,10 @@ class Linear(nn.Module):
         The plain weight is released unless the plan still uses it, so memory grows only where a
         second layout buys speed. Returns False where plain F.linear is the verdict (or not on CPU).
         """
-        if self.quantized is not None and isinstance(self.kernel, QuantizedLinearKernel):
+        if self.quantized is not None:
             # Each quantized part on the kernel measured fastest for its format and shape, per row count.
-            kernel = self.kernel
-            kernel.plans = [qlinear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
-                            else qlinear.DEFAULT_PLAN for part in kernel.parts]
+            self.kernel.plans = [qlinear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
+                                 else qlinear.DEFAULT_PLAN for part in self.kernel.parts]
             return True
         if self.weight is None or self.weight.device.type != "cpu":
             return False

@@ -212,9 +212,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Memory beyond one copy of each weight: a layer's second layout, or the tied head's own layouts
         # (the embedding stays for the lookup).
         extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
-        if self.lm_head is None and embedding is None:  # a quantized table: the head reads it in place
-            table = embed_tokens.quantized
-            self._tied_head_kernel = QuantizedLinearKernel([table], None, [qlinear.plan_for(book, table, self.dtype)])
+        if self.lm_head is None and embedding is None:  # a quantized table: the head (made at load) reads it in place
+            self._tied_head_kernel.plans = [qlinear.plan_for(book, embed_tokens.quantized, self.dtype)]
             changed += 1
         elif self.lm_head is None and embedding.device.type == "cpu":
             plan = book.plan_for(embedding.dtype, tuple(embedding.shape), max_layouts)
@@ -233,13 +232,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Bytes the weights take as held: each linear layer in its kernel layouts (quantized blocks or
         float), the embedding table (quantized or float), norms and biases, and a tied head's own layouts."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
+        in_layouts = {id(module.weight) for module in linears if module.weight is not None}  # in weight_bytes
         total = sum(module.weight_bytes for module in linears)
-        embed_tokens = self.model.embed_tokens
-        total += embed_tokens.quantized.nbytes if isinstance(embed_tokens, QuantizedEmbedding) else (
-            embed_tokens.weight.numel() * embed_tokens.weight.element_size())
-        counted = {id(module.weight) for module in linears if module.weight is not None}
-        counted.add(id(getattr(embed_tokens, "weight", None)) if not isinstance(embed_tokens, QuantizedEmbedding) else 0)
-        total += sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in counted)
+        # Every other parameter: a float embedding table, norms, biases.
+        total += sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in in_layouts)
+        if isinstance(self.model.embed_tokens, QuantizedEmbedding):  # held outside the parameters
+            total += self.model.embed_tokens.quantized.nbytes
         if isinstance(self._tied_head_kernel, LinearKernel):  # its layouts beside the embedding kept for lookups
             total += self._tied_head_kernel.layout_bytes - (
                 self._tied_head_kernel.weight_bytes if "plain" in self._tied_head_kernel.plan.layouts else 0)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.config import QUANTIZATION_METHODS
+from kvreuse.config import LOAD_FORMATS, QUANTIZATION_METHODS
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.cpu import cpu_bfloat16_support
 from kvreuse.models.gguf import (gguf_tokenizer_dir, is_gguf_path, iterate_gguf_tensors, iterate_gguf_weights,
@@ -29,17 +29,17 @@ from kvreuse.models.quant import GGUF_TYPES, QuantizedTensor, repack_gguf
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# How weights are held in memory (vLLM's names): "gguf" keeps a GGUF file's quantized blocks (repacked,
-# models/quant.py) and runs linear layers on kernels that read them (models/qlinear.py); "int8" quantizes
-# a folder's float weights at load (weight-only, a scale per 32 values) onto the same kernels; "none"
-# holds them in the model's dtype (a GGUF file dequantized): QUANTIZATION_METHODS, from kvreuse.config.
-# None: "gguf" for a GGUF file on CPU, else "none". Both quantized methods run on CPU only (their kernels
-# are CPU code).
 
 
 def resolve_quantization(quantization: str | None, model_path: Path | None, device: torch.device) -> str:
-    """The quantization method a load uses: ``quantization``, or for None the default for the model."""
+    """The quantization method a load uses: ``quantization``, or for None the default for the model.
+
+    How weights are held in memory (QUANTIZATION_METHODS, vLLM's names): "gguf" keeps a GGUF file's
+    quantized blocks (repacked, models/quant.py) and runs linear layers on kernels that read them
+    (models/qlinear.py); "int8" quantizes a folder's float weights at load (weight-only, a scale per 32
+    values) onto the same kernels; "none" holds them in the model's dtype (a GGUF file dequantized). None:
+    "gguf" for a GGUF file on CPU, else "none". Both quantized methods run on CPU only (their kernels are
+    CPU code)."""
     gguf_file = model_path is not None and is_gguf_path(model_path)
     if quantization is None:
         return "gguf" if gguf_file and device.type == "cpu" else "none"
