@@ -372,6 +372,23 @@ def test_fingerprint_keeps_a_q4_files_kv_from_a_q8_file(tiny_models, gguf_dir, t
     output = again.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)[0]
     assert output.cached_tokens_by_tier["disk"] == 36  # every full block before the last prompt token
 
+    # The same file dequantized (quantization="none") computes KV in other arithmetic: another fingerprint.
+    dense = LLM(str(q8), **options, quantization="none")
+    assert dense.engine.tier_store.fingerprint != fingerprint
+
+
+def test_the_engine_keeps_no_parsed_gguf_header(tiny_models, gguf_dir):
+    """Once the engine holds its weights, the parsed header and file mapping kept for reuse while loading
+    are released (they would cost more memory than the weights of a small quantized model)."""
+    from kvreuse.models import gguf
+
+    path = made_gguf(tiny_models, gguf_dir, "qwen2", "Q8_0")
+    read_gguf(path)
+    assert gguf._open_reader.cache_info().currsize >= 1
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    assert gguf._open_reader.cache_info().currsize == 0
+    assert 0 < llm.engine.model.weight_memory_bytes()
+
 
 # --- the demo's real model --------------------------------------------------------------------------------------
 

@@ -36,8 +36,8 @@ from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf, release_gguf_readers
-from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_tokenizer_path,
-                                   safetensors_files)
+from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_quantization,
+                                   resolve_tokenizer_path, safetensors_files)
 from kvreuse.runner.host_allocator import return_free_heap
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
@@ -220,8 +220,9 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
     beside the file's digest, so KV computed from a Q4 file is never served to a Q8 file of the same
     architecture, and a record says which format made it; a folder's fingerprint has no such field and
-    stays what it was (stored records keep hitting). ``quantization="int8"`` adds itself (the weights are
-    not the files'); "gguf" adds nothing: its kernels compute with the file's values, as dequantized.
+    stays what it was (stored records keep hitting). A quantized method ("gguf", "int8") adds itself: the
+    quantized kernels round differently from the float path over the same file (and int8's weights are
+    not the files'), so the KV they compute is another's.
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -234,8 +235,10 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     tokenizer_files = [tokenizer_dir / name for name in ("tokenizer.json", "tokenizer_config.json")
                        if (tokenizer_dir / name).is_file()]
     fields = {}
-    if config.quantization == "int8":  # other weights than the files': so other KV
-        fields["quantization"] = "int8"
+    method = resolve_quantization(config.quantization, None if config.load_format == "dummy" else model_path,
+                                  kv_cache.device)
+    if method != "none":  # other arithmetic (int8: other weights) than the float path: other KV
+        fields["quantization"] = method
     if gguf_file:
         info = read_gguf(model_path)
         model_json = info.hf_config
