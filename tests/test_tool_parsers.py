@@ -330,7 +330,8 @@ def test_auto_with_strict_tools_allows_text_then_enforces_calls(tokenizer: Token
 
 # Any character but DEL: json.dumps writes U+007F raw, which llguidance's JSON strings refuse (a model
 # would have to write \u007f, which a replay turns back into DEL: the one character a replay cannot match).
-JSON_TEXT = st.text(st.characters(exclude_characters="\x7f"), max_size=12)
+# Valid Unicode text (codec utf-8: no lone surrogates, which no tokenizer encodes; see the note of issue 29).
+JSON_TEXT = st.text(st.characters(codec="utf-8", exclude_characters="\x7f"), max_size=12)
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
     | JSON_TEXT,
