@@ -120,7 +120,8 @@ class Client:
         """Sum over the streams of (tokens after the first) / (time after the first), all sent at once."""
         async with httpx.AsyncClient(timeout=600) as client:
             results = await asyncio.gather(*(self.stream(client, prompt, max_tokens) for prompt in prompts))
-        return sum((tokens - 1) / (last - first) for first, last, tokens in results)
+        # A stream whose tokens came in one chunk (a tiny model in smoke mode) has no decode time to divide by.
+        return sum((tokens - 1) / (last - first) for first, last, tokens in results if last > first)
 
     async def ttft(self, prompt: list[int]) -> float:
         async with httpx.AsyncClient(timeout=600) as client:
