@@ -153,7 +153,7 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
         started = time.perf_counter()
         server.wait_ready(timeout_s=900)
         result["start_s"] = time.perf_counter() - started
-        time.sleep(SETTLE_S)
+        time.sleep(args.settle_s)
         result["rss_idle_bytes"] = vm_status(server.process.pid)["VmRSS"]
         client = Client(server.base_url)
         # First requests, one and --concurrency at once: lazy set-up (and a compiled batch size) out of the figures.
@@ -161,15 +161,15 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
         asyncio.run(client.decode_rate([tokens(16) for _ in range(args.concurrency)], 8))
         one, many, cold, warm = [], [], [], []
         for _ in range(args.repeats):
-            time.sleep(SETTLE_S)
+            time.sleep(args.settle_s)
             one.append(asyncio.run(client.decode_rate([tokens(args.decode_prompt_tokens)], args.decode_tokens)))
-            time.sleep(SETTLE_S)
+            time.sleep(args.settle_s)
             many.append(asyncio.run(client.decode_rate(
                 [tokens(args.decode_prompt_tokens) for _ in range(args.concurrency)], args.decode_tokens)))
-            time.sleep(SETTLE_S)
+            time.sleep(args.settle_s)
             prefix = tokens(args.prefill_len)
             cold.append(asyncio.run(client.ttft(prefix)))
-            time.sleep(SETTLE_S)
+            time.sleep(args.settle_s)
             warm.append(asyncio.run(client.ttft(prefix + tokens(16))))
         result |= {
             "decode_tok_s_one_stream": statistics.median(one),
@@ -201,6 +201,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
+    args.settle_s = SETTLE_S
     systems = args.systems.split(",")
     if any(system not in SYSTEMS for system in systems):
         parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
@@ -208,6 +209,7 @@ def main() -> int:
         args.concurrency, args.decode_prompt_tokens, args.decode_tokens, args.prefill_len, args.repeats = 2, 8, 4, 32, 1
         args.ctx_size = 512
         systems = ["kvreuse"]
+        args.settle_s = 0.0  # no llama-server whose threads to wait for
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
     elif "llama-server" in systems and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")

@@ -21,7 +21,7 @@ that produced it; the text around it is encoded as before, split at those points
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +160,36 @@ class GenerationMemory:
         return best, self._entries[(scope, best)]
 
 
+def _first_invalid_text(value: Any, where: str) -> str | None:
+    """Where in a JSON-like value the first string that is not valid Unicode (a lone surrogate) sits."""
+    if isinstance(value, str):
+        return None if _is_valid_unicode(value) else where
+    if isinstance(value, Mapping):
+        items: Any = ((f"{where}.{key}", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for item_where, item in items:
+        if (found := _first_invalid_text(item, item_where)) is not None:
+            return found
+    return None
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_invalid_text(param: str) -> InvalidRequestError:
+    # A lone surrogate ("\ud800") is a Python str but no Unicode text: no tokenizer can encode it.
+    return InvalidRequestError(f"{param} is not valid Unicode text: it holds a lone surrogate code point "
+                               "(U+D800..U+DFFF), which no tokenizer encodes", param)
+
+
 def _as_token_list(value: Any, param: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidRequestError(f"{param} must be a list of integers", param)
@@ -213,6 +243,9 @@ class InputProcessor:
         flattened = validate_messages(messages, param=param)
         checked_tools = validate_tools(tools, param="tools")
         text = self._render(flattened, add_generation_prompt, checked_tools or None, param)
+        if not _is_valid_unicode(text):
+            raise _refuse_invalid_text(_first_invalid_text(messages, param) or _first_invalid_text(tools, "tools")
+                                       or param)
         token_ids = self._encode_chat(text, memory_scope)
         if validate:
             self.validate(token_ids, param)
@@ -263,6 +296,8 @@ class InputProcessor:
                   validate: bool = True) -> TokenizedPrompt:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{param} must be a string, got {type(text).__name__}", param)
+        if not _is_valid_unicode(text):
+            raise _refuse_invalid_text(param)
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if validate:
             self.validate(token_ids, param)

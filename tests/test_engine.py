@@ -16,6 +16,7 @@ import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine import LLMEngine
+from kvreuse.errors import InvalidRequestError
 
 MAX_NEW = 12
 _reference_models: dict[Path, object] = {}
@@ -239,6 +240,13 @@ def test_bad_requests_fail_alone(tiny_model):
         engine.add_request("empty", "", GREEDY)
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\].*outside the vocabulary"):
         engine.add_request("oov", {"prompt_token_ids": [5, 10**7]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="lone surrogate") as refused:
+        engine.add_request("surrogate", "hello \ud800", GREEDY)
+    assert refused.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="lone surrogate") as refused:
+        llm.chat([{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": [{"type": "text", "text": "hi \udfff"}]}], GREEDY)
+    assert refused.value.param == "messages[1].content[0].text"
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="already in flight"):

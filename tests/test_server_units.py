@@ -380,3 +380,44 @@ def test_with_tools_the_role_chunk_goes_out_with_the_first_token() -> None:
     assert all("role" not in delta for delta in deltas)
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_time"
     assert rest[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_small_steps_leave_a_core_to_the_event_loop(tiny_model):
+    """On CPU, the server's engine thread runs steps of a few tokens (decode) on one thread fewer than
+    prefill, so its event loop keeps a core; the event loop's own thread count is untouched."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from kvreuse.llm import LLM
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.async_engine import AsyncEngine
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one intra-op thread: there is no core to leave")
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    seen: list[tuple[str, int, int]] = []  # (thread name, intra-op threads, tokens) per forward
+
+    def record(module, args):
+        seen.append((threading.current_thread().name, torch.get_num_threads(), args[0].numel()))
+
+    llm.engine.model.register_forward_pre_hook(record)
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=0)
+
+    async def run() -> list:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        return [output async for output in engine.generate("r", "A very long story about caches:", params)]
+
+    engine.start()
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+    assert [name for name, _, _ in seen] == ["kvreuse-engine"] * 4
+    prefill, *decodes = seen
+    assert prefill[2] > 4 and prefill[1] == threads
+    assert [(count, tokens) for _, count, tokens in decodes] == [(threads - 1, 1)] * 3
+    assert torch.get_num_threads() == threads

@@ -54,7 +54,9 @@ class CompiledDecode:
         self.kv_cache = kv_cache
         # On CPU the Python wrapper around the generated kernels costs what the compile saves; the C++
         # wrapper is the point. (On CUDA inductor's defaults apply, unmeasured: docs/architecture.md.)
-        options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        # cpp.dynamic_threads: the generated loops take the caller's thread count at run time (not the one
+        # at compile time), so a server's small steps leave its event loop a core (runner.StepThreads).
+        options = {"cpp_wrapper": True, "cpp.dynamic_threads": True} if device.type == "cpu" else {}
         if device.type != "cpu":
             logger.warning("enable_torch_compile has only been tested and measured on CPU; on %s inductor's "
                            "defaults apply (no CUDA graphs)", device)

@@ -137,6 +137,10 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already running")
+        policy = self.engine.share_cpu_with_event_loop()
+        if policy is not None:
+            logger.info("CPU steps of at most %d tokens run on %d of %d threads (the event loop keeps a core)",
+                        policy.small_step_tokens, policy.small_step_threads, policy.threads)
         self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
         self._thread.start()
 
