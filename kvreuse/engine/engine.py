@@ -34,15 +34,12 @@ from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.request import Request
 from kvreuse.runner.input_batch import StepItem, build_forward_batch
-from kvreuse.runner.model_runner import StepThreads
+from kvreuse.runner.step_threads import StepThreads
 from kvreuse.sampling import SamplingParams, SamplingState
 from kvreuse.scheduler import ScheduledRequest
 from kvreuse.spec.verify import VerifyItem, VerifyResult, verify
 
 logger = logging.getLogger("kvreuse")
-
-# Steps of at most this many tokens leave a core to a server's event loop (share_cpu_with_event_loop).
-SMALL_STEP_TOKENS = 4
 
 
 class LLMEngine:
@@ -326,14 +323,14 @@ class LLMEngine:
             return None
         return self.tier_glue.cached_by_tier(max(request.num_cached_tokens, 0), request.tier_tokens)
 
-    def share_cpu_with_event_loop(self, small_step_tokens: int = SMALL_STEP_TOKENS) -> StepThreads | None:
-        """For a server whose event loop shares this process: on CPU, steps of at most ``small_step_tokens``
-        tokens leave one core to the event loop (see StepThreads); larger steps use every intra-op thread.
-        Returns the policy set, or None (a GPU, or a single thread: nothing to leave)."""
+    def share_cpu_with_event_loop(self) -> StepThreads | None:
+        """For a server whose event loop shares this process: on CPU, steps of a few tokens run on every
+        intra-op thread or on one fewer, whichever their measured time favours (runner/step_threads.py);
+        larger steps use every thread. Returns the policy set, or None (a GPU, or a single thread)."""
         threads = torch.get_num_threads()
         if self.device.type != "cpu" or threads < 2:
             return None
-        self.runner.step_threads = StepThreads(threads, threads - 1, small_step_tokens)
+        self.runner.step_threads = StepThreads(threads)
         return self.runner.step_threads
 
     # --- introspection ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ function of (tokens, positions, cache, metadata) and the engine never touches a 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -22,32 +22,13 @@ from kvreuse.attention.backend import AttentionBackend
 from kvreuse.runner.compiled_decode import CompiledDecode
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.host_allocator import keep_activations_in_heap
+from kvreuse.runner.step_threads import StepThreads
 
 
 class StepOutput(NamedTuple):
     logits: torch.Tensor  # float32 [len(logits_indices), vocab]
     hidden: torch.Tensor  # final hidden states of every token of the step [num_tokens, hidden]
     aux_hidden: list[torch.Tensor]  # residual streams entering the requested layers, [num_tokens, hidden] each
-
-
-@dataclass(frozen=True)
-class StepThreads:
-    """Intra-op CPU threads per step, by the step's token count.
-
-    A server runs its event loop (HTTP, detokenizing, streaming) on a thread of the engine's process. A step
-    of a few tokens (one-stream decode) has too little parallel work to repay the core the event loop then
-    cannot get: with every core in the step's thread team, the loop preempts one team member and the whole
-    parallel region waits for it. Measured on 2 cores, SmolLM2 Q4_1 served (bench_gguf.py, decode tok/s on
-    2 threads vs 1): 1 stream 35 vs 56, 4 streams 96 vs 123, 8 streams 160 vs 143, 16 streams 172 vs 125,
-    prefill 2x. So steps of at most ``small_step_tokens`` tokens (4) run on ``small_step_threads``, larger
-    ones on ``threads``. Compiled decode graphs fix their thread count when built, so they keep it."""
-
-    threads: int
-    small_step_threads: int
-    small_step_tokens: int
-
-    def for_step(self, num_tokens: int) -> int:
-        return self.small_step_threads if num_tokens <= self.small_step_tokens else self.threads
 
 
 class ModelRunner:
@@ -115,6 +96,7 @@ class ModelRunner:
                 f"context length {longest} exceeds max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
+        threads = None
         if self.step_threads is not None and self.device.type == "cpu":
             # Per thread in OpenMP (the calling thread's team size), so only the engine thread is affected.
             threads = self.step_threads.for_step(batch.num_tokens)
@@ -133,6 +115,8 @@ class ModelRunner:
                                     aux_layers, aux)
                 logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         self.last_forward_seconds = time.perf_counter() - start
+        if threads is not None:
+            self.step_threads.record(batch.num_tokens, threads, self.last_forward_seconds)  # type: ignore[union-attr]
         return StepOutput(logits, hidden, aux)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:

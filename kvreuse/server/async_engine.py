@@ -139,8 +139,9 @@ class AsyncEngine:
             raise RuntimeError("the engine loop is already running")
         policy = self.engine.share_cpu_with_event_loop()
         if policy is not None:
-            logger.info("CPU steps of at most %d tokens run on %d of %d threads (the event loop keeps a core)",
-                        policy.small_step_tokens, policy.small_step_threads, policy.threads)
+            logger.info("CPU steps of at most %d tokens run on %d or %d threads, whichever measures faster with "
+                        "the event loop beside them", policy.small_step_tokens, policy.small_step_threads,
+                        policy.threads)
         self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
         self._thread.start()
 

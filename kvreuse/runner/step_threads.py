@@ -1,0 +1,82 @@
+"""How many intra-op CPU threads a server's engine step runs on, chosen by measuring the steps themselves.
+
+A server runs its event loop (HTTP, detokenizing, streaming) on a thread of the engine's process. While
+it runs Python, it holds a core, and an engine step whose thread team wants every core then waits at each
+parallel region for the team member the loop displaced. A step of a few tokens (one-stream decode) pays
+that at every one of its few-microsecond regions; whether the second core's bandwidth repays it depends on
+the model. Measured served on 2 cores (bench_gguf.py, one-stream decode tok/s on 2 threads vs 1):
+SmolLM2-135M Q4_1 36 vs 56, qwen2.5-0.5b Q4_K_M 28.8 vs 26.3. Steps of many tokens (prefill, 8 or more
+streams) need every core: SmolLM2's 16-stream decode is 172 on 2 threads, 125 on 1.
+
+So a step of more than ``small_step_tokens`` tokens runs on every thread, and a smaller one on whichever
+of ``threads`` and ``threads - 1`` has recently given the shorter step for its token count: the policy
+runs small steps on ``threads - 1`` first, tries the other count for ``probe_steps`` steps once each count
+has ``probe_steps`` measurements and then every ``reprobe_every`` small steps, and compares the medians
+of the latest ``window`` step times per (token count, thread count): medians, because a step that meets
+the next request's arrival or a client's burst of work takes half as long again, and a running mean let
+those flip the choice back and forth (measured: qwen2.5-0.5b's one-stream decode fell to 26 tok/s, below
+either fixed count). The measurement is the step as served, event loop included, so it decides what a
+microbenchmark at start-up could not see.
+
+Compiled decode graphs are built with ``cpp.dynamic_threads`` (runner/compiled_decode.py), so they
+follow the thread count set here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepThreads:
+    """The thread count for each step (``for_step``) and what each count measured (``record``)."""
+
+    threads: int
+    small_step_tokens: int = 4
+    probe_steps: int = 8
+    reprobe_every: int = 256
+    window: int = 16
+    # (token count, thread count) -> the latest step seconds
+    step_seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    _small_steps: int = 0
+    _probe_left: int = 0
+    _probing: int | None = None  # the thread count a probe is measuring, while one runs
+
+    def __post_init__(self) -> None:
+        if self.threads < 2:
+            raise ValueError(f"threads must be at least 2 to leave a core, got {self.threads}")
+
+    @property
+    def small_step_threads(self) -> int:
+        return self.threads - 1
+
+    def for_step(self, num_tokens: int) -> int:
+        if num_tokens > self.small_step_tokens:
+            return self.threads
+        self._small_steps += 1
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return self._probing  # type: ignore[return-value]
+        self._probing = None
+        best = self.best(num_tokens)
+        other = self.threads if best == self.small_step_threads else self.small_step_threads
+        unmeasured = (num_tokens, other) not in self.step_seconds
+        if (unmeasured and self._small_steps > self.probe_steps) or self._small_steps % self.reprobe_every == 0:
+            self._probing, self._probe_left = other, self.probe_steps - 1
+            return other
+        return best
+
+    def best(self, num_tokens: int) -> int:
+        """The count with the shorter median step for this token count (``threads - 1`` until both are known)."""
+        small = self.step_seconds.get((num_tokens, self.small_step_threads))
+        full = self.step_seconds.get((num_tokens, self.threads))
+        if not small or not full:
+            return self.small_step_threads
+        return self.threads if statistics.median(full) < statistics.median(small) else self.small_step_threads
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        if num_tokens > self.small_step_tokens:
+            return
+        self.step_seconds.setdefault((num_tokens, threads), deque(maxlen=self.window)).append(seconds)

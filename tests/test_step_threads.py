@@ -1,0 +1,43 @@
+"""runner/step_threads.py: a server's small CPU steps run on the thread count their measured time favours."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.runner.step_threads import StepThreads
+
+
+def run(policy: StepThreads, seconds_by_threads: dict[int, float], steps: int, tokens: int = 1) -> list[int]:
+    """Drive the policy for ``steps`` steps of ``tokens`` tokens whose time depends on the thread count."""
+    chosen = []
+    for _ in range(steps):
+        threads = policy.for_step(tokens)
+        policy.record(tokens, threads, seconds_by_threads[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def test_a_small_step_starts_on_one_thread_fewer_then_keeps_the_faster_count():
+    # The event loop slows a full team (SmolLM2 served on 2 cores): one thread fewer stays.
+    policy = StepThreads(2, probe_steps=4, reprobe_every=64)
+    chosen = run(policy, {1: 0.018, 2: 0.028}, 64)
+    assert chosen[:4] == [1] * 4 and chosen[4:8] == [2] * 4  # measure the other count once
+    assert chosen[8:63] == [1] * 55 and chosen[63] == 2  # then the faster; a re-probe every 64 steps
+    # A bigger model's step gains from the second core despite the loop (qwen2.5-0.5b): every thread wins.
+    policy = StepThreads(2, probe_steps=4, reprobe_every=64)
+    chosen = run(policy, {1: 0.038, 2: 0.035}, 64)
+    assert chosen[:8] == [1] * 4 + [2] * 4 and chosen[8:63] == [2] * 55 and chosen[63] == 1
+
+
+def test_the_choice_follows_a_change_and_large_steps_use_every_thread():
+    policy = StepThreads(4, probe_steps=2, reprobe_every=16)
+    assert run(policy, {3: 0.010, 4: 0.020}, 16)[4:15] == [3] * 11
+    # The loop goes quiet and the full team becomes faster: a re-probe finds it.
+    later = run(policy, {3: 0.010, 4: 0.002}, 64)
+    assert later[49:63] == [4] * 14 and later[63] == 3  # between re-probes of the count it left
+    # Each token count is measured on its own; a prefill or a batch of 8 streams takes every thread.
+    assert policy.for_step(5) == 4 and policy.for_step(2048) == 4
+    policy.record(2048, 4, 1.0)
+    assert all(tokens <= 4 for tokens, _ in policy.step_seconds)
+    with pytest.raises(ValueError, match="at least 2"):
+        StepThreads(1)
