@@ -1,4 +1,4 @@
-"""Distil an EAGLE-1 draft head for a target model folder, offline, on a CPU, in minutes.
+"""Distil an EAGLE-1 draft head for a target model (a folder or a GGUF file), offline, on a CPU, in minutes.
 
 The models this project makes have random weights, so no published draft fits them; a draft trained
 here predicts its own target well enough for demos and benchmarks to show a real acceptance rate.
@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.loader import load_model
+from kvreuse.models.gguf import is_gguf_path, read_gguf
+from kvreuse.models.loader import load_model, model_config_of, resolve_tokenizer_path
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.spec.eagle import DraftSpec, EagleDraft
@@ -109,14 +110,15 @@ def greedy_sequences(target_dir: str | os.PathLike[str], prompts: list[list[int]
     from kvreuse.llm import LLM
     from kvreuse.sampling import SamplingParams
 
-    llm = LLM(str(target_dir), dtype="float32", kv_cache_memory=_kv_memory(target_dir, prompts, gen_tokens))
+    llm = LLM(str(target_dir), dtype="float32", quantization="none",
+              kv_cache_memory=_kv_memory(target_dir, prompts, gen_tokens))
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
     return [list(prompt) + list(output.outputs[0].token_ids) for prompt, output in zip(prompts, outputs)]
 
 
 def _kv_memory(target_dir: str | os.PathLike[str], prompts: list[list[int]], gen_tokens: int) -> int:
-    config = ModelConfig.from_pretrained(Path(target_dir))
+    config = model_config_of(Path(target_dir))
     per_token = 2 * config.num_hidden_layers * config.kv_size * 4
     tokens = sum(len(prompt) + gen_tokens + 32 for prompt in prompts)
     return max(64 << 20, min(4 << 30, 2 * tokens * per_token))
@@ -336,7 +338,8 @@ def make_distill_data(target_dir: str | os.PathLike[str], target: LlamaFamilyFor
         raise ValueError(f"gen_tokens ({gen_tokens}) must be below seq_len ({seq_len}): prompts need tokens")
     say = log or (lambda line: None)
     started = time.perf_counter()
-    prompts = corpus_prompts(Tokenizer(Path(target_dir)), num_sequences, seq_len - gen_tokens, seed, "train")
+    prompts = corpus_prompts(Tokenizer(resolve_tokenizer_path(target_dir)), num_sequences, seq_len - gen_tokens,
+                             seed, "train")
     say(f"distill-eagle: {num_sequences} prompts of {seq_len - gen_tokens} corpus tokens, "
         f"each with the target's greedy continuation of {gen_tokens} tokens")
     sequences = torch.tensor(greedy_sequences(target_dir, prompts, gen_tokens), dtype=torch.long)
@@ -504,6 +507,17 @@ def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData,
     }
 
 
+def target_hf_config(target_path: Path) -> dict[str, Any]:
+    """The target's config.json as a dict: a model folder's, or the one a GGUF file's metadata gives."""
+    if is_gguf_path(target_path):
+        if not target_path.is_file():
+            raise ValueError(f"target GGUF file {str(target_path)!r} does not exist")
+        return dict(read_gguf(target_path).hf_config)
+    if not (target_path / "config.json").is_file():
+        raise ValueError(f"target {str(target_path)!r} is not a model folder (no config.json) or a GGUF file")
+    return json.loads((target_path / "config.json").read_text(encoding="utf-8"))
+
+
 def distill_eagle_draft(
     target_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -532,13 +546,12 @@ def distill_eagle_draft(
     train_settings = TrainSettings(steps=steps, batch_size=batch_size, depth=depth, lr=lr, seed=seed, **settings)
     train_settings.check()
     target_path = Path(target_dir)
-    if not (target_path / "config.json").is_file():
-        raise ValueError(f"target {str(target_dir)!r} is not a model folder (no config.json)")
     started, cpu_started = time.perf_counter(), time.process_time()
-    target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
+    target_config = target_hf_config(target_path)
     save_dtype = _DTYPES.get(str(target_config.get("torch_dtype") or "float32"), torch.float32)
     config = draft_config(target_config, "eagle")
-    target, _ = load_model(target_path, torch.float32, "cpu")
+    # Float weights (a GGUF file's blocks dequantized): training differentiates through the frozen head.
+    target, _ = load_model(target_path, torch.float32, "cpu", quantization="none")
     data = make_distill_data(target_path, target, num_sequences=num_sequences, seq_len=seq_len,
                              gen_tokens=gen_tokens, seed=seed, log=log)
     draft, figures = train_draft(target, config, data, train_settings, log)
@@ -566,15 +579,16 @@ def evaluate_draft(target_dir: str | os.PathLike[str], draft_dir: str | os.PathL
     from kvreuse.tokenizer import Tokenizer
 
     ks = [num_speculative_tokens] if isinstance(num_speculative_tokens, int) else list(num_speculative_tokens)
-    prompts = corpus_prompts(Tokenizer(Path(target_dir)), num_prompts, prompt_len, seed, "heldout")
+    prompts = corpus_prompts(Tokenizer(resolve_tokenizer_path(target_dir)), num_prompts, prompt_len, seed, "heldout")
     inputs = [{"prompt_token_ids": prompt} for prompt in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     memory = _kv_memory(target_dir, prompts, max_tokens + 32)
     plain = [output.outputs[0].token_ids for output in LLM(
-        str(target_dir), dtype="float32", kv_cache_memory=memory).generate(inputs, params, use_tqdm=False)]
+        str(target_dir), dtype="float32", quantization="none", kv_cache_memory=memory).generate(
+            inputs, params, use_tqdm=False)]
     results = []
     for k in ks:
-        llm = LLM(str(target_dir), dtype="float32", kv_cache_memory=memory, speculative_config={
+        llm = LLM(str(target_dir), dtype="float32", quantization="none", kv_cache_memory=memory, speculative_config={
             "method": "eagle", "model": str(draft_dir), "num_speculative_tokens": k})
         started = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
@@ -596,7 +610,7 @@ def evaluate_draft(target_dir: str | os.PathLike[str], draft_dir: str | os.PathL
 # --- kvreuse distill-eagle ------------------------------------------------------------------------------
 def add_distill_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvreuse distill-eagle TARGET_DIR OUT_DIR``."""
-    parser.add_argument("target", help="the target model folder (e.g. made by kvreuse make-model)")
+    parser.add_argument("target", help="the target model: a folder (e.g. made by kvreuse make-model) or a GGUF file")
     parser.add_argument("out", help="the draft folder to write (created if missing)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"AdamW steps (default {DEFAULT_STEPS})")
     parser.add_argument("--seed", type=int, default=0)

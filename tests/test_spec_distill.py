@@ -135,3 +135,30 @@ def test_cli_writes_a_draft_the_engine_loads(tmp_path: Path, _offline_and_privat
     bad = subprocess.run([*command, "distill-eagle", str(tmp_path / "missing"), str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a model folder" in bad.stderr
+
+
+def test_a_gguf_target_gets_a_draft_its_quantized_engine_uses(tmp_path: Path, _offline_and_private_cache):
+    """distill-eagle takes a GGUF file (config and tokenizer from its metadata, its blocks dequantized for
+    training); the draft loads beside the file served from its quantized blocks, and greedy output is
+    the same with and without it."""
+    from gguf_files import write_gguf
+
+    from kvreuse.distill import distill_eagle_draft
+    from kvreuse.models.make import make_model
+
+    gguf_file = write_gguf(make_model(tmp_path / "m", preset="tiny", dtype="float32"), tmp_path / "m.gguf", "Q8_0")
+    out = tmp_path / "draft"
+    figures = distill_eagle_draft(gguf_file, out, log=None, num_sequences=16, seq_len=48, gen_tokens=16,
+                                  batch_size=8, steps=10, depth=2, seed=0)
+    assert figures["engine_agreement"] > 0.95  # the feature pass computes what the engine generated
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] > 0
+
+    prompts = _held_out_prompts(tmp_path / "m")[:2]
+    plain, _ = _generate(gguf_file, prompts, None)
+    speculated, stats = _generate(gguf_file, prompts, out)
+    assert speculated == plain
+    assert stats["spec_decode_num_drafts"] > 0
+
+    with pytest.raises(ValueError, match="missing.gguf' does not exist"):
+        distill_eagle_draft(tmp_path / "missing.gguf", out, log=None)
