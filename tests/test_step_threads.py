@@ -41,3 +41,11 @@ def test_the_choice_follows_a_change_and_large_steps_use_every_thread():
     assert all(tokens <= 4 for tokens, _ in policy.step_seconds)
     with pytest.raises(ValueError, match="at least 2"):
         StepThreads(1)
+
+
+def test_a_change_of_choice_is_logged_with_the_medians(caplog: pytest.LogCaptureFixture):
+    policy = StepThreads(2, probe_steps=4, reprobe_every=64)
+    with caplog.at_level("INFO", logger="kvreuse"):
+        run(policy, {1: 0.038, 2: 0.035}, 16)
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["CPU steps of 1 token(s) now run on 2 of 2 threads (median step 1 thread 38.0 ms, 2 threads 35.0 ms)"]

@@ -24,9 +24,12 @@ follow the thread count set here.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("kvreuse")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class StepThreads:
     _small_steps: int = 0
     _probe_left: int = 0
     _probing: int | None = None  # the thread count a probe is measuring, while one runs
+    _chosen: dict[int, int] = field(default_factory=dict)  # token count -> the count last chosen (for the log)
 
     def __post_init__(self) -> None:
         if self.threads < 2:
@@ -61,6 +65,10 @@ class StepThreads:
             return self._probing  # type: ignore[return-value]
         self._probing = None
         best = self.best(num_tokens)
+        if self._chosen.get(num_tokens, self.small_step_threads) != best:
+            logger.info("CPU steps of %d token(s) now run on %d of %d threads (median step %s)", num_tokens, best,
+                        self.threads, self.describe(num_tokens))
+        self._chosen[num_tokens] = best
         other = self.threads if best == self.small_step_threads else self.small_step_threads
         unmeasured = (num_tokens, other) not in self.step_seconds
         if (unmeasured and self._small_steps > self.probe_steps) or self._small_steps % self.reprobe_every == 0:
@@ -75,6 +83,12 @@ class StepThreads:
         if not small or not full:
             return self.small_step_threads
         return self.threads if statistics.median(full) < statistics.median(small) else self.small_step_threads
+
+    def describe(self, num_tokens: int) -> str:
+        """The median step per thread count for this token count, e.g. "1 thread 18.2 ms, 2 threads 27.9 ms"."""
+        parts = [f"{threads} thread{'s' if threads > 1 else ''} {statistics.median(times) * 1e3:.1f} ms"
+                 for (tokens, threads), times in sorted(self.step_seconds.items()) if tokens == num_tokens and times]
+        return ", ".join(parts) or "not measured"
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if num_tokens > self.small_step_tokens:
