@@ -297,6 +297,17 @@ def test_output_budget_and_stop_token_ids_are_checked():
 # --- the engine loop and /metrics -------------------------------------------------------------------------
 
 
+def run_on_engine_thread(engine, main):
+    """Start the AsyncEngine's thread, run the coroutine function ``main`` on an event loop, stop the engine."""
+    import asyncio
+
+    engine.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 def test_running_gauge_is_published_before_each_output_reaches_the_event_loop(tiny_model):
     """A scrape made after a client read a request's first byte finds it running, and one made after the
     last byte finds it gone. The check runs on the engine thread at the very moment each output is
@@ -337,11 +348,7 @@ def test_running_gauge_is_published_before_each_output_reaches_the_event_loop(ti
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         return [output async for output in engine.generate("r", "A very long story:", params)]
 
-    engine.start()
-    try:
-        outputs = asyncio.run(run())
-    finally:
-        engine.shutdown()
+    outputs = run_on_engine_thread(engine, run)
     assert outputs[-1].finished and len(posted) >= 2
     assert posted[0] == (False, 1.0)  # the first token: running
     assert all(running == 1.0 for finished, running in posted[:-1])
@@ -385,7 +392,6 @@ def test_with_tools_the_role_chunk_goes_out_with_the_first_token() -> None:
 def test_small_steps_leave_a_core_to_the_event_loop(tiny_model):
     """On CPU, the server's engine thread runs steps of a few tokens (decode) on one thread fewer than
     prefill, so its event loop keeps a core; the event loop's own thread count is untouched."""
-    import asyncio
     import threading
 
     import torch
@@ -410,11 +416,7 @@ def test_small_steps_leave_a_core_to_the_event_loop(tiny_model):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         return [output async for output in engine.generate("r", "A very long story about caches:", params)]
 
-    engine.start()
-    try:
-        outputs = asyncio.run(run())
-    finally:
-        engine.shutdown()
+    outputs = run_on_engine_thread(engine, run)
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
     assert [name for name, _, _ in seen] == ["kvreuse-engine"] * 4
     prefill, *decodes = seen

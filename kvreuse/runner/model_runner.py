@@ -96,10 +96,11 @@ class ModelRunner:
                 f"context length {longest} exceeds max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
+        policy = self.step_threads if self.device.type == "cpu" else None
         threads = None
-        if self.step_threads is not None and self.device.type == "cpu":
+        if policy is not None:
             # Per thread in OpenMP (the calling thread's team size), so only the engine thread is affected.
-            threads = self.step_threads.for_step(batch.num_tokens)
+            threads = policy.for_step(batch.num_tokens)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         batch = self._to_device(batch)
@@ -115,8 +116,8 @@ class ModelRunner:
                                     aux_layers, aux)
                 logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         self.last_forward_seconds = time.perf_counter() - start
-        if threads is not None:
-            self.step_threads.record(batch.num_tokens, threads, self.last_forward_seconds)  # type: ignore[union-attr]
+        if policy is not None and threads is not None:
+            policy.record(batch.num_tokens, threads, self.last_forward_seconds)
         return StepOutput(logits, hidden, aux)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
