@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,7 +101,7 @@ def test_layout_sizes_and_int8_quantization():
         quant.quantize_int8(torch.randn(8, 40))
 
 
-def _tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _tolerance(x: torch.Tensor, weight: torch.Tensor, bf16_output: bool | None = None) -> torch.Tensor:
     """Per-output bound on the kernels' error against the exact product: every product is exact (bf16
     codes times bf16 inputs, a float32 input split exactly into three bf16 parts; or float32 FMAs) and
     only the float32 sums round (a few 2**-24 of the magnitudes per term); bf16 outputs are the float32
@@ -108,9 +109,21 @@ def _tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     group's whole contribution, far above it."""
     magnitude = F.linear(x.double().abs(), weight.double().abs())
     bound = magnitude * 2.0**-17
-    if x.dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16 if bf16_output is None else bf16_output:
         bound = bound + F.linear(x.double(), weight.double()).abs() * 2.0**-8
     return bound + 1e-30
+
+
+def _rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as qdot8 multiplies it: per 32 values, the nearest (ties to even) of the codes -127..127 times
+    amax / 127."""
+    groups = x.float().reshape(x.shape[0], x.shape[1] // 32, 32)  # float32 arithmetic, as the kernel's
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    # torch.full_like(...) / amax, not 127 / amax: torch computes the latter as 127 * (1 / amax), rounded twice.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inverse)
+    return (codes.double() * scale.double()).reshape(x.shape)
 
 
 @needs_compiler
@@ -119,7 +132,8 @@ def _tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
     """qdot (the quantized groups read directly) and qtile (dequantized tiles, F.linear) against the
     float64 product with the dequantized weight: 0-17 rows (one pass of 8, two, a partial third), output
-    rows that do not fill a thread's share evenly, short last spans, a non-contiguous input."""
+    rows that do not fill a thread's share evenly, short last spans, a non-contiguous input. qdot8 (where
+    this CPU runs the format on int8 inputs) against the product of the inputs it rounds, as exactly."""
     for out_features, in_features in shapes_of(ggml_type):
         qt = repack_gguf(gguf_blocks(ggml_type, out_features, in_features, seed=2), ggml_type,
                          (out_features, in_features))
@@ -127,13 +141,44 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
         generator = torch.Generator().manual_seed(3)
         inputs = [torch.randn(rows, in_features, generator=generator).to(dtype) for rows in (0, 1, 2, 3, 5, 8, 9, 16, 17)]
         inputs.append(torch.randn(in_features, 3, generator=generator).to(dtype).t())  # non-contiguous
+        inputs[2][0, :32] = 0  # a group of zeros (no scale to divide by)
+        int8 = qt.format.name in qlinear.int8_formats()
         for x in inputs:
-            expected = F.linear(x.double(), weight.double())
             for name in kernels.QUANTIZED_KERNELS:
+                if name == "qdot8" and not int8:
+                    continue
+                rounded = _rounded_to_int8(x) if name == "qdot8" else x
+                expected = F.linear(rounded.double(), weight.double())
                 got = qlinear.run_quantized(name, x, qt)
                 assert got.dtype == dtype and got.shape == (x.shape[0], out_features)
                 error = (got.double() - expected).abs()
-                assert bool((error <= _tolerance(x, weight)).all()), (name, ggml_type, x.shape, error.max())
+                bound = _tolerance(rounded, weight, bf16_output=dtype == torch.bfloat16)
+                assert bool((error <= bound).all()), (name, ggml_type, x.shape, error.max())
+
+
+@needs_compiler
+def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, monkeypatch):
+    """qdot8 rounds the inputs: offered for bfloat16 activations only (float32 engines keep exact
+    products), for the formats this CPU runs on int8 inputs; asked for another format it names it, and
+    a fused weight's later part in such a format falls back to qdot."""
+    assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float32)
+    assert ("qdot8" in qlinear.kernels_for("q8_0", torch.bfloat16)) == ("q8_0" in qlinear.int8_formats())
+    assert qlinear.int8_formats() <= {"q8_0", "q4_0", "q4_1", "q4_k"}
+    q6 = quant.random_quantized("q6_k", 16, 256)
+    x = torch.randn(2, 256).bfloat16()
+    with pytest.raises(RuntimeError, match="q6_k is not run on int8 inputs"):
+        qlinear.qlinear_int8(x, q6)
+    assert torch.equal(qlinear.run_quantized("qdot8", x, q6), qlinear.qlinear(x, q6))
+    with pytest.raises(RuntimeError, match="x has 128 features, weight expects 256"):
+        qlinear.qlinear_int8(torch.randn(1, 128), quant.random_quantized("q8_0", 16, 256))
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        qlinear.qlinear_int8(torch.ones(1, 256, dtype=torch.float16), quant.random_quantized("q8_0", 16, 256))
+    book = kernels.PlanBook(Path(os.devnull))
+    q8 = quant.random_quantized("q8_0", 16, 256)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot8")
+    assert qlinear.plan_for(book, q8, torch.float32) == kernels.LinearPlan.single("qdot")
+    expected = "qdot8" if "q8_0" in qlinear.int8_formats() else "qdot"
+    assert qlinear.plan_for(book, q8, torch.bfloat16) == kernels.LinearPlan.single(expected)
 
 
 @needs_compiler
@@ -248,9 +293,10 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     assert qlinear.plan_for(book, small, torch.float32) == qlinear.DEFAULT_PLAN and book.measured == 0
     qt = quant.random_quantized("q4_0", 1024, 512)
     plan = qlinear.plan_for(book, qt, torch.bfloat16)
-    assert book.measured == 1 and set(plan.times_us) == set(kernels.QUANTIZED_KERNELS)
+    assert book.measured == 1 and set(plan.times_us) == set(qlinear.kernels_for("q4_0", torch.bfloat16))
+    assert set(plan.times_us) >= {"qdot", "qtile"} and "qdot8" not in qlinear.kernels_for("q4_0", torch.float32)
     assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
-    assert plan.kernel_for(1) == "qdot" and plan.kernel_for(10**6) == "qtile"
+    assert plan.kernel_for(1) in ("qdot", "qdot8") and plan.kernel_for(10**6) in ("qtile", "qdot8")
     book.save()
     (key,) = json.loads(path.read_text())["plans"]
     assert key.endswith("| q4_0/bfloat16 | 1024x512")

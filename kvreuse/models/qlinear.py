@@ -6,12 +6,19 @@ flags, loaded directly once built):
 
 - ``qlinear(x, weight, format, in_features)``: y = x W^T for a few rows of x (decode), reading the
   quantized groups directly: the weight streams at its stored 4.5-8.5 bits per value;
-- ``qdequant(weight, format, in_features)``: the float32 values of weight rows (gguf's, bit for bit).
+- ``qdequant(weight, format, in_features)``: the float32 values of weight rows (gguf's, bit for bit);
+- ``qlinear_int8(x, weight, format, in_features)``: as qlinear over x rounded to int8 per 32 values (one
+  float32 scale each, amax / 127), multiplied by AVX512-VNNI's integer dot products: what llama.cpp
+  does with its quantized files. Formats q8_0, q4_0, q4_1 and q4_k, on CPUs with AVX512-VNNI
+  (``int8_formats()``; empty elsewhere).
 
 Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
 multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept.
-Which of the two runs a row count is measured per CPU, format, activation dtype and shape, as for float
-weights (models/kernels.py's ``qdot`` and ``qtile``; ``QuantizedLinearKernel`` follows the plan).
+Which runs a row count is measured per CPU, format, activation dtype and shape, as for float weights
+(models/kernels.py's ``qdot``, ``qdot8`` and ``qtile``; ``QuantizedLinearKernel`` follows the plan).
+``qdot8`` is offered for bfloat16 activations only: it rounds the inputs to 7 bits and a sign against
+each group's largest value, about the precision bfloat16 already keeps (8 bits), while float32 engines
+stay on the exact kernels (greedy output equal to transformers' on the dequantized file).
 Both operators have fake implementations, so ``torch.compile`` traces them. Where the build fails,
 ``available()`` says False once in the log and the model holds its weights dequantized in its dtype
 (quant.dequantize, plain torch), as without quantization.
@@ -66,6 +73,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("kvreuse_cpu::qlinear_int8")
+    def _(x: torch.Tensor, weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
     @torch.library.register_fake("kvreuse_cpu::qdequant")
     def _(weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
         return weight.new_empty((weight.shape[0], in_features), dtype=torch.float32)
@@ -75,6 +86,26 @@ def qlinear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """x [rows, in] (float32 or bfloat16) @ weight^T -> [rows, out] in x's dtype, float32 accumulation.
     ``available()`` must have returned True."""
     return torch.ops.kvreuse_cpu.qlinear(x, weight.data, weight.format.code, weight.in_features)
+
+
+@functools.cache
+def int8_formats() -> frozenset[str]:
+    """The formats ``qlinear_int8`` runs on this CPU (none without AVX512-VNNI or the build)."""
+    if not available():
+        return frozenset()
+    codes = set(torch.ops.kvreuse_cpu.int8_formats())
+    return frozenset(name for name, fmt in FORMATS.items() if fmt.code in codes)
+
+
+def qlinear_int8(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """As ``qlinear`` over x rounded to int8 per 32 values (``weight.format.name in int8_formats()``)."""
+    return torch.ops.kvreuse_cpu.qlinear_int8(x, weight.data, weight.format.code, weight.in_features)
+
+
+def kernels_for(fmt: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The quantized kernels offered for a weight of format ``fmt`` under ``dtype`` activations."""
+    offered = ("qdot", "qdot8", "qtile") if dtype == torch.bfloat16 and fmt in int8_formats() else ("qdot", "qtile")
+    return tuple(name for name in kernels.QUANTIZED_KERNELS if name in offered)
 
 
 def dequantize(weight: QuantizedTensor) -> torch.Tensor:
@@ -115,10 +146,13 @@ def tiled_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 
 def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
-    """x [rows, in] through kernel ``name`` (qdot or qtile) over a quantized weight; a float part of a
-    fused weight (a GGUF file may keep one projection in F16) runs F.linear."""
+    """x [rows, in] through kernel ``name`` (qdot, qdot8 or qtile) over a quantized weight; a float part
+    of a fused weight (a GGUF file may keep one projection in F16) runs F.linear. A fused weight's plan
+    is its first part's: qdot8 falls back to qdot on a part whose format it does not run."""
     if not isinstance(weight, QuantizedTensor):
         return F.linear(x, weight.to(x.dtype))
+    if name == "qdot8":
+        return qlinear_int8(x, weight) if weight.format.name in int8_formats() else qlinear(x, weight)
     return qlinear(x, weight) if name == "qdot" else tiled_linear(x, weight)
 
 
@@ -178,22 +212,23 @@ def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> Lin
     """The measured plan for a quantized weight of this format and shape under ``dtype`` activations
     (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot or qtile forces
     one; forced onto a float kernel, or for weights too small to matter, DEFAULT_PLAN, unmeasured."""
+    offered = kernels_for(weight.format.name, dtype)
     forced = os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower()
     if forced in kernels.QUANTIZED_KERNELS:
-        return LinearPlan.single(forced)
+        return LinearPlan.single(forced if forced in offered else "qdot")
     shape = weight.shape
     if forced != "auto" or shape[0] * shape[1] < kernels.MIN_MEASURED_ELEMENTS or dtype not in DTYPES:
         return DEFAULT_PLAN
     label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}"
     return book.plan_measured(label, shape, 1, lambda: measure(weight.format.name, shape, dtype),
-                              lambda name: name in kernels.QUANTIZED_KERNELS)
+                              lambda name: name in offered)
 
 
 def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,
             rows: tuple[int, ...] | None = None) -> dict[str, dict[int, float]]:
-    """Microseconds per call of qdot and qtile on random weights of this format and shape, by row count
-    (kernels.measure's method: copies that overflow the caches for memory-bound sizes, the kernels
-    taking turns, the fastest repeat)."""
+    """Microseconds per call of the kernels offered (``kernels_for``) on random weights of this format and
+    shape, by row count (kernels.measure's method: copies that overflow the caches for memory-bound
+    sizes, the kernels taking turns, the fastest repeat)."""
     rows = rows or kernels.PROBE_ROWS
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(0)
@@ -201,20 +236,21 @@ def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,
     weights = [random_quantized(fmt, out_features, in_features, generator) for _ in range(copies)]
     if out_features * in_features > kernels.LARGE_WEIGHT_ELEMENTS:
         rows = tuple(count for count in rows if count <= kernels.COLD_ROWS)
-    times: dict[str, dict[int, float]] = {name: {} for name in kernels.QUANTIZED_KERNELS}
+    offered = kernels_for(fmt, dtype)
+    times: dict[str, dict[int, float]] = {name: {} for name in offered}
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator).to(dtype)
             used = copies if count <= kernels.COLD_ROWS else 1
             repeats = 7 if count <= kernels.COLD_ROWS else 2
             calls = {name: (lambda name=name: [run_quantized(name, x, w) for w in weights[:used]])
-                     for name in kernels.QUANTIZED_KERNELS if name != "qdot" or count <= QDOT_MAX_ROWS}
+                     for name in offered if name != "qdot" or count <= QDOT_MAX_ROWS}
             for call in calls.values():
                 call()  # warm-up
-            best = {name: math.inf for name in kernels.QUANTIZED_KERNELS}
+            best = {name: math.inf for name in offered}
             for _ in range(repeats):
                 for name, call in calls.items():
                     best[name] = min(best[name], kernels._call_us(call) / used)
-            for name in kernels.QUANTIZED_KERNELS:
+            for name in offered:
                 times[name][count] = best[name]
     return times

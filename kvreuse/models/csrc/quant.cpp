@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -460,6 +461,182 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
 }
 #endif
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX512-VNNI over int8 activations, as llama.cpp multiplies its quantized files: each input row is rounded
+// per chunk of 32 values to int8 codes with one float32 scale (amax / 127), and vpdpbusd multiplies 64
+// unsigned bytes by 64 signed bytes into 16 int32 lanes, exactly. A pair of chunks shares one instruction;
+// the int32 sums become float32 once per pair, times the weight's and the input's scales. 8-bit weights
+// are the signed operand and the inputs go unsigned (code + 128; the 128 * sum(w) this adds is taken
+// back per lane); 4-bit weights are the unsigned operand as stored, their offsets b * sum(x) per group
+// come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, q4_k (5- and 6-bit codes stay on
+// the bf16 kernel). Only the inputs round: 7 bits plus sign against each chunk's largest value.
+#define KVREUSE_INT8_DOT 1
+
+template <class F>
+constexpr bool int8_dot_format() {
+  return F::bits == 8 || (F::bits == 4 && F::group == 32);
+}
+
+// The weight bytes of chunks c and c + 1 of a span (c + 1 < n, else the second half zero), in the lane
+// order the inputs are stored in (see quantize_rows): 8-bit codes as stored; 4-bit codes as
+// [c: 0-15, c+1: 0-15, c: 16-31, c+1: 16-31].
+template <class F>
+inline __m512i pair_codes(const uint8_t* sp, const SpanLayout& l, int c, bool both) {
+  if constexpr (F::bits == 8) {
+    const uint8_t* v = sp + l.values + kChunk * c;
+    return both ? _mm512_loadu_si512(v) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+  } else {
+    const uint8_t* v = sp + l.values + kChunk / 2 * c;
+    const __m256i b = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))
+                           : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+// Which of a pair's two chunks each int32 lane sums: 8-bit [c x8, c+1 x8]; 4-bit [c x4, c+1 x4] twice.
+template <class F>
+inline __m512i pair_lane_chunk() {
+  if constexpr (F::bits == 8) return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+}
+
+// The rows' int8 codes, 64 bytes per pair of chunks in pair_codes' lane order (an odd last chunk's
+// partner zero), unsigned (code + 128) for 8-bit weights; per pair 16 float32 lane scales (the chunk's
+// scale in each lane that sums it); per chunk the sum of its values as rounded (scale * sum of codes).
+struct QuantizedRows {
+  int64_t pairs = 0;
+  std::vector<uint8_t> codes;
+  std::vector<float> lane_scales, sums;
+};
+
+template <class F>
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
+  QuantizedRows q;
+  const int64_t chunks = in / kChunk;
+  q.pairs = (chunks + 1) / 2;
+  q.codes.assign(rows * q.pairs * 64, F::bits == 8 ? 128 : 0);
+  q.lane_scales.assign(rows * q.pairs * 16, 0.f);
+  q.sums.assign(rows * chunks, 0.f);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.const_data_ptr<float>();
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* v = xp + r * in + c * kChunk;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      // Rounded to nearest even (the default MXCSR mode), as std::nearbyint would.
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);  // |code| <= 127: exact
+      uint8_t* out = q.codes.data() + (r * q.pairs + c / 2) * 64;
+      if constexpr (F::bits == 8) {  // unsigned: code + 128
+        b0 = _mm_xor_si128(b0, _mm_set1_epi8(static_cast<char>(0x80)));
+        b1 = _mm_xor_si128(b1, _mm_set1_epi8(static_cast<char>(0x80)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 32), b0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 32 + 16), b1);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 16), b0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 + (c & 1) * 16), b1);
+      }
+      // The chunk's scale in the lanes that sum it.
+      float* scales = q.lane_scales.data() + (r * q.pairs + c / 2) * 16;
+      const __mmask16 mine = _mm512_cmpeq_epi32_mask(pair_lane_chunk<F>(), _mm512_set1_epi32(static_cast<int>(c & 1)));
+      _mm512_storeu_ps(scales, _mm512_mask_mov_ps(_mm512_loadu_ps(scales), mine, _mm512_set1_ps(d)));
+      q.sums[r * chunks + c] = d * static_cast<float>(total);
+    }
+  }
+  return q;
+}
+
+template <class F, int R>
+void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
+                   int64_t out_features, int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  const __m512i lane_chunk = pair_lane_chunk<F>();
+  const __m512i ones_128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* codes = q.codes.data() + r0 * q.pairs * 64;
+  const float* lane_scales = q.lane_scales.data() + r0 * q.pairs * 16;
+  const float* sums = q.sums.data() + r0 * chunks;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    __m512 even[R], odd[R];
+    __m256 offsets[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offsets[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const bool last = c0 / 8 == l.full;  // the short last span
+      const SpanLayout& sl = last ? l.last : l.span;
+      const uint8_t* sp = row + c0 / 8 * l.span.bytes;
+      const int n = last ? static_cast<int>(l.tail) : 8;
+      Span s;
+      if (n < 8) std::fill(std::begin(s.a), std::end(s.a), 0.f);  // a lone last chunk's partner lanes
+      span_params<F>(sp, sl, n, s);
+      const __m512 a = _mm512_loadu_ps(s.a);  // lanes past n unused
+      const auto step = [&](int c, __m512 (&acc)[R]) {
+        const __m512i wv = pair_codes<F>(sp, sl, c, c + 1 < n);
+        __m512i base = _mm512_setzero_si512();
+        if constexpr (F::bits == 8) base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones_128, wv));
+        const __m512 wscale = _mm512_permutexvar_ps(_mm512_add_epi32(lane_chunk, _mm512_set1_epi32(c)), a);
+        const int64_t pair = (c0 + c) / 2;
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_loadu_si512(codes + (r * q.pairs + pair) * 64);
+          const __m512i t = F::bits == 8 ? _mm512_dpbusd_epi32(base, xv, wv) : _mm512_dpbusd_epi32(base, wv, xv);
+          const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.pairs + pair) * 16));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
+        }
+      };
+      int c = 0;
+      for (; c + 3 < n; c += 4) step(c, even), step(c + 2, odd);
+      for (; c < n; c += 2) step(c, even);
+      if constexpr (F::bits == 4) {  // the offsets: b * sum(x) per group
+        for (int r = 0; r < R; ++r) {
+          const float* xs = sums + r * chunks + c0;
+          if (n == 8) {
+            offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(s.b), _mm256_loadu_ps(xs), offsets[r]);
+          } else {
+            for (int g = 0; g < n; ++g) tail[r] += s.b[g] * xs[g];
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+      if constexpr (F::bits == 4) {
+        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offsets[r]), _mm256_extractf128_ps(offsets[r], 1));
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        total += _mm_cvtss_f32(o) + tail[r];
+      }
+      out[r * out_features + j] = total;
+    }
+  }
+}
+
+template <class F>
+void dot_range_int8(const QuantizedRows& q, int64_t rows, int64_t in, const uint8_t* w, const Layout& l, float* out,
+                    int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    float* o = out + r0 * out_features;
+    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+      case 1: dot_rows_int8<F, 1>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 2: dot_rows_int8<F, 2>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 3: dot_rows_int8<F, 3>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 4: dot_rows_int8<F, 4>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 5: dot_rows_int8<F, 5>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 6: dot_rows_int8<F, 6>(q, r0, in, w, l, o, out_features, begin, end); break;
+      case 7: dot_rows_int8<F, 7>(q, r0, in, w, l, o, out_features, begin, end); break;
+      default: dot_rows_int8<F, 8>(q, r0, in, w, l, o, out_features, begin, end); break;
+    }
+  }
+}
+#endif
+
 template <class F>
 void dot_range(const float* x, int64_t rows, int64_t in, const uint8_t* w, const Layout& l, float* out,
                int64_t out_features, int64_t begin, int64_t end) {
@@ -620,6 +797,51 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// The formats qlinear_int8 runs here (none without AVX512-VNNI).
+std::vector<int64_t> int8_formats() {
+  std::vector<int64_t> codes;
+#if defined(KVREUSE_INT8_DOT)
+  for (int64_t code = kQ8_0; code <= kQ6_K; ++code) {
+    with_format(code, [&](auto f) {
+      if (int8_dot_format<decltype(f)>()) codes.push_back(code);
+    });
+  }
+#endif
+  return codes;
+}
+
+at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
+  const Layout l = checked_layout("qlinear_int8", weight, format, in);
+  TORCH_CHECK(x.device().is_cpu(), "qlinear_int8: x must be a CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "qlinear_int8: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "qlinear_int8: x must be [rows, in], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == in, "qlinear_int8: x has ", x.size(1), " features, weight expects ", in);
+  const std::vector<int64_t> formats = int8_formats();
+  TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), "qlinear_int8: ", kNames[format],
+              formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX512-VNNI"
+                              : " is not run on int8 inputs (q8_0, q4_0, q4_1, q4_k are)");
+  const at::Tensor wc = weight.contiguous();
+  const int64_t rows = x.size(0), out_features = wc.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+#if defined(KVREUSE_INT8_DOT)
+  if (rows > 0 && out_features > 0) {
+    const uint8_t* wp = wc.const_data_ptr<uint8_t>();
+    float* op = out.mutable_data_ptr<float>();
+    with_format(format, [&](auto f) {
+      using F = decltype(f);
+      if constexpr (int8_dot_format<F>()) {
+        const QuantizedRows q = quantize_rows<F>(x, rows, in);
+        at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+          dot_range_int8<F>(q, rows, in, wp, l, op, out_features, begin, end);
+        });
+      }
+    });
+  }
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 at::Tensor qdequant(const at::Tensor& weight, int64_t format, int64_t in) {
   const Layout l = checked_layout("qdequant", weight, format, in);
   const at::Tensor wc = weight.contiguous();
@@ -643,9 +865,12 @@ at::Tensor qdequant(const at::Tensor& weight, int64_t format, int64_t in) {
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("qlinear(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
   m.def("qdequant(Tensor weight, int format, int in_features) -> Tensor");
+  m.def("qlinear_int8(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
+  m.def("int8_formats() -> int[]", &int8_formats);
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("qdequant", &qdequant);
+  m.impl("qlinear_int8", &qlinear_int8);
 }
