@@ -563,17 +563,20 @@ def test_metrics_counters_move(server: RunningServer, client: openai.OpenAI, llm
 
 
 def test_a_stop_string_finish_is_counted_like_any_finish(server: RunningServer, client: openai.OpenAI):
-    """A stop string ends a request on the event loop's side; the engine thread still counts it."""
-    prompt = f"Stop check {uuid.uuid4().hex}"
-    free = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = free[len(free) // 2:len(free) // 2 + 2]
-    assert stop.strip(), free
+    """A stop string ends a request on the event loop's side. Here it completes on the last token
+    max_tokens allows, so the engine ends the request by length in that same step, before the event
+    loop's finish reaches it: the metric counts what the client saw, "stop" (it counted "length")."""
+    for _ in range(8):  # a prompt whose greedy text first shows a stop string in its last token
+        prompt = f"Stop check {uuid.uuid4().hex}"
+        free = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True}).choices[0]
+        stop = free.logprobs.tokens[-1].strip()
+        if stop and free.text.find(stop) == len(free.text.rstrip()) - len(stop):
+            break
+    else:
+        pytest.fail(f"no prompt's greedy text ended on a new stop string: {free.text!r}")
     before = wait_until_idle(server)
-    # Room past the stop string: with max_tokens=12 the engine could reach its length limit before the
-    # event loop's finish command arrived, and count "length" while the client saw "stop" (a known race,
-    # noted on issue 29).
-    stopped = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0, stop=[stop],
+    stopped = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
                                         extra_body={"ignore_eos": True}).choices[0]
     after = wait_until_idle(server)
     assert stopped.finish_reason == "stop" and stop not in stopped.text
@@ -582,6 +585,7 @@ def test_a_stop_string_finish_is_counted_like_any_finish(server: RunningServer, 
         return metric(after, name, **labels) - metric(before, name, **labels)
 
     assert delta("kvreuse:request_success_total", finished_reason="stop") == 1
+    assert delta("kvreuse:request_success_total", finished_reason="length") == 0
     assert delta("kvreuse:e2e_request_latency_seconds_count") == 1
 
 

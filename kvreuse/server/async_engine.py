@@ -205,6 +205,9 @@ class AsyncEngine:
         self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
                              tuple(pins), lora_request, owner))
         finished = False
+        # The finish reason is counted here, as the client sees it: a stop string found in the text ends a
+        # request on this side, and the engine, not told yet, may end it by length in the same step.
+        finish_reason: str | None = None
         try:
             while True:
                 item = await stream.queue.get()
@@ -217,6 +220,8 @@ class AsyncEngine:
                 for index, stop_string in processed.stopped:
                     self._inbox.put(_FinishSequence(request_id, index, stop_string))
                 finished = processed.output.finished
+                if finished:
+                    finish_reason = processed.output.outputs[0].finish_reason or "stop"
                 yield processed.output
                 if finished:
                     return
@@ -224,6 +229,9 @@ class AsyncEngine:
             self._outputs.abort(request_id)
             if not finished:
                 self._inbox.put(_Abort(request_id))
+                self.metrics.request_finished("abort")
+            elif finish_reason is not None:
+                self.metrics.request_finished(finish_reason)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -315,7 +323,6 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 engine.abort_request(command.request_id)
-                self.metrics.request_finished("abort")
         else:
             future = command.future
             try:
@@ -356,12 +363,12 @@ class AsyncEngine:
             self._outbox.append(functools.partial(_call_soon, loop, _put_all, items))
 
     def _record_finished(self, output: RequestOutput) -> None:
-        """Forget a finished request's stream and count it (latency, finish reason)."""
+        """Forget a finished request's stream and record its latency (its finish reason is counted by its
+        waiter, ``generate``, as the client sees it)."""
         del self._streams[output.request_id]
         e2e = output.metrics.e2e_latency
         if e2e is not None:
             self.metrics.e2e_request_latency.observe(e2e)
-        self.metrics.request_finished(output.outputs[0].finish_reason or "stop")
 
     def _fail_all(self, error: BaseException, *, include_queued: bool = False) -> None:
         """Abort every request in the engine and hand ``error`` to its waiter; with
