@@ -5,6 +5,7 @@ count requests per adapter, and the cache keeps adapters and the base model apar
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,3 +131,28 @@ def test_metrics_count_requests_per_adapter(server: RunningServer):
     assert count(after, "french") == count(before, "french") + 1
     assert count(after, "") == count(before, "") + 1
     assert "kvreuse:lora_resident_adapters" in after
+
+
+def test_vllm_lora_requests_info_names_running_adapters(server: RunningServer):
+    """vllm:lora_requests_info (what the Gateway API Inference Extension's LoRA affinity reads) names the
+    adapters of the running requests and the most that run at once."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def info() -> dict[str, str]:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        (sample,) = [sample for family in text_string_to_metric_families(text) for sample in family.samples
+                     if sample.name == "vllm:lora_requests_info"]
+        assert sample.value > 1e9  # the snapshot's time, as vLLM reports it
+        return sample.labels
+
+    seen: list[dict[str, str]] = []
+    with ThreadPoolExecutor(1) as pool:  # poll while one adapter request runs
+        request = pool.submit(client(server).completions.create, model="french", prompt="A long story:",
+                              max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        while not request.done():
+            seen.append(info())
+        assert request.result().choices[0].finish_reason == "length"
+    running = {labels["running_lora_adapters"] for labels in seen}
+    assert "french" in running and running <= {"french", ""}, running
+    assert {labels["max_lora"] for labels in seen} == {"4"}  # --max-loras' default
+    assert info()["running_lora_adapters"] == ""  # finished: no longer running

@@ -369,6 +369,29 @@ def test_disconnect_aborts_and_frees_blocks(server: RunningServer):
         after, "kvreuse:request_success_total", finished_reason="abort") + 1
 
 
+def test_vllm_named_gauges_follow_a_request(server: RunningServer):
+    """The gauges routers written for vLLM read (the Gateway API Inference Extension's endpoint picker:
+    vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...) are there under vLLM's names and labels and
+    move with the engine, not only kvreuse's own."""
+    labels = {"model_name": MODEL_NAME, "engine": "0"}
+    idle = wait_until_idle(server)
+    assert metric(idle, "vllm:num_requests_running", **labels) == 0
+    assert metric(idle, "vllm:num_requests_waiting", **labels) == 0
+    assert metric(idle, "vllm:kv_cache_usage_perc", **labels) == 0
+    blocks = httpx.get(f"{server.base_url}/v1/models", headers=auth()).json()["data"][0]["kv_cache_blocks"]
+    assert metric(idle, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(blocks),
+                  enable_prefix_caching="True", cache_dtype="auto") == 1
+    assert metric(idle, "vllm:lora_requests_info", max_lora="0", running_lora_adapters="") > 0  # a timestamp
+    body = {"model": MODEL_NAME, "prompt": "A very long story:", "temperature": 0, "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        busy = scrape(server)
+    assert metric(busy, "vllm:num_requests_running", **labels) == 1
+    assert metric(busy, "vllm:kv_cache_usage_perc", **labels) == metric(busy, "kvreuse:kv_cache_usage_perc") > 0
+    wait_until_idle(server)
+
+
 # --- errors ------------------------------------------------------------------------------------------------------
 
 

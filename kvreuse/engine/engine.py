@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 
@@ -344,9 +345,20 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             steps=self._steps,
             num_loras_resident=len(self.lora.resident) if self.lora is not None else 0,
+            running_adapters=self._adapter_names(self.scheduler.running),
+            waiting_adapters=self._adapter_names(self.scheduler.waiting),
+            max_loras=self.config.lora.max_loras if self.lora is not None else 0,
             spec_decode=self.spec.stats_snapshot() if self.spec is not None else None,
             tiers=self.tier_store.snapshot() if self.tier_store is not None else None,
         )
+
+    def _adapter_names(self, requests: Iterable[Request]) -> tuple[str, ...]:
+        """The names of the LoRA adapters these requests run with, sorted, each once (an adapter's
+        requests carry its digest; a digest under several names is listed by each)."""
+        if self.lora is None:
+            return ()
+        digests = {request.adapter for request in requests if request.adapter is not None}
+        return tuple(sorted(name for name, digest in self.lora.names().items() if digest in digests))
 
     def reset_prefix_cache(self, tiers: tuple[str, ...] = ("device",)) -> int:
         """Drop every idle cached block that is not pinned from the device pool, and every entry of the

@@ -20,6 +20,11 @@ class EngineStats:
     generation_tokens: int
     steps: int
     num_loras_resident: int = 0
+    # LoRA adapters (by name) of the running and of the waiting requests, and the most that run at once
+    # (0 without LoRA): vLLM's lora_requests_info, which the Gateway API Inference Extension reads.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
     spec_decode: SpecDecodeStats | None = None
     tiers: dict[str, dict[str, Any]] | None = None  # per tier: queries, hits, bytes, times, verify failures
 

@@ -44,7 +44,7 @@ from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
+from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics, cache_config_labels
 from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse.server")
@@ -120,10 +120,11 @@ class AsyncEngine:
         self._outputs = OutputProcessor(self.tokenizer, self.generation_memory)
         # Tier counters are read live (TieredStore.snapshot takes the store's lock): its writer thread
         # keeps counting after the step that queued the blocks.
-        self.metrics = ServerMetrics(engine.model_name, lambda: self.stats,
-                                     engine.tier_store.snapshot if engine.tier_store is not None else None)
         # Replaced whole after every iteration; readers on other threads see one consistent snapshot.
         self.stats: EngineStats = engine.stats()
+        self.metrics = ServerMetrics(engine.model_name, lambda: self.stats,
+                                     engine.tier_store.snapshot if engine.tier_store is not None else None,
+                                     cache_config_labels(engine.config, self.stats.cache.num_blocks))
         self._stats_logger = PeriodicStatsLogger(stats_log_interval_s, logger, self.stats)
         self._inbox: queue.SimpleQueue[_Add | _Abort | _FinishSequence | _Call | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only

@@ -1,5 +1,12 @@
 """Prometheus metrics at ``/metrics`` (names as vLLM's, prefix ``kvreuse:``) and the periodic stats log.
 
+The gauges that load-aware routers read are also exported under vLLM's own names and labels
+(``model_name``, ``engine``), so the Gateway API Inference Extension's endpoint picker, llm-d and other
+tools written for vLLM read a kvreuse server unchanged: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:lora_requests_info`` (value: the
+time of the snapshot; labels ``max_lora``, ``running_lora_adapters``, ``waiting_lora_adapters``, adapter
+names comma-separated) and ``vllm:cache_config_info`` (value 1; the KV pool's settings as labels).
+
 Everything lives in a `CollectorRegistry` owned by one `ServerMetrics` (no module globals, so two
 apps in one process never share counters). Engine totals (cache queries and hits, tokens,
 preemptions, evictions, running / waiting, KV usage) are read from the latest `EngineStats` snapshot
@@ -21,10 +28,13 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvreuse.config import EngineConfig
 from kvreuse.engine.stats import EngineStats
 from kvreuse.spec.stats import SpecDecodeStats
 
 PREFIX = "kvreuse:"
+VLLM_PREFIX = "vllm:"
+VLLM_ENGINE = "0"  # vLLM's ``engine`` label: the engine index within a server (kvreuse runs one)
 FINISH_REASONS = ("stop", "length", "abort")
 # Buckets reach down to a millisecond: a cached prefill or a GPU decode step is that fast.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -56,7 +66,8 @@ class ServerMetrics:
     after the engine step that queued the blocks, so the step's snapshot would lag while the engine idles."""
 
     def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
-                 tier_stats: Callable[[], dict[str, dict[str, Any]] | None] | None = None) -> None:
+                 tier_stats: Callable[[], dict[str, dict[str, Any]] | None] | None = None,
+                 cache_config: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -89,6 +100,7 @@ class ServerMetrics:
             [*labels, "lora_name"], registry=self.registry,
         )
         self.registry.register(_EngineStatsCollector(model_name, engine_stats, tier_stats))
+        self.registry.register(_VLLMCollector(model_name, engine_stats, cache_config or {}))
 
     def request_started(self, lora_name: str | None) -> None:
         self._lora_requests.labels(self.model_name, lora_name or "").inc()
@@ -184,6 +196,48 @@ class _EngineStatsCollector:
         for position, count in enumerate(per_position):
             family.add_metric([self._model_name, str(position)], count)
         yield family
+
+
+def cache_config_labels(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+    """vllm:cache_config_info's labels: the KV pool's settings under vLLM's CacheConfig names (values as
+    vLLM renders them: ``str`` of each; ``num_gpu_blocks`` is the pool's block count on any device),
+    plus kvreuse's byte budget."""
+    cache = config.cache
+    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching), "num_gpu_blocks": str(num_blocks),
+            "kv_cache_memory": str(cache.kv_cache_memory)}
+
+
+class _VLLMCollector:
+    """The gauges routers written for vLLM read, under vLLM's names and labels, from the same snapshot."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats], cache_config: dict[str, str]) -> None:
+        self._labels = [model_name, VLLM_ENGINE]
+        self._engine_stats = engine_stats
+        self._cache_config = dict(cache_config)
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._engine_stats()
+        gauges = (
+            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.cache.usage),
+        )
+        for name, documentation, value in gauges:
+            family = GaugeMetricFamily(f"{VLLM_PREFIX}{name}", documentation, labels=["model_name", "engine"])
+            family.add_metric(self._labels, value)
+            yield family
+        family = GaugeMetricFamily(f"{VLLM_PREFIX}lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(stats.max_loras), ",".join(stats.waiting_adapters), ",".join(stats.running_adapters)],
+                          time.time())
+        yield family
+        if self._cache_config:
+            names = sorted(self._cache_config)
+            family = GaugeMetricFamily(f"{VLLM_PREFIX}cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=names)
+            family.add_metric([self._cache_config[name] for name in names], 1.0)
+            yield family
 
 
 @dataclass
