@@ -33,6 +33,11 @@ class KVEvent:
     seq: int  # 1, 2, 3, ... per engine, never reused
     type: EventType
     key: bytes
+    # A stored block's parent block key (None: the first block of its namespace) and its token ids, for
+    # the vLLM-format publisher (server/kv_event_publisher.py), whose BlockStored carries both. The JSON
+    # view (/v1/cache/events) leaves them out: its readers need keys only, and see no text.
+    parent: bytes | None = None
+    tokens: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {"seq": self.seq, "type": self.type, "key": self.key.hex()}
@@ -55,16 +60,16 @@ class KVEventLog:
         self._lock = threading.Lock()
         self.epoch = uuid.uuid4().hex
 
-    def stored(self, key: bytes) -> None:
-        self._append("stored", key)
+    def stored(self, key: bytes, parent: bytes | None = None, tokens: tuple[int, ...] = ()) -> None:
+        self._append("stored", key, parent, tokens)
 
     def removed(self, key: bytes) -> None:
         self._append("removed", key)
 
-    def _append(self, kind: EventType, key: bytes) -> None:
+    def _append(self, kind: EventType, key: bytes, parent: bytes | None = None, tokens: tuple[int, ...] = ()) -> None:
         with self._lock:
             self._last_seq += 1
-            self._events.append(KVEvent(self._last_seq, kind, key))
+            self._events.append(KVEvent(self._last_seq, kind, key, parent, tokens))
 
     def read(self, after: int, limit: int) -> KVEventBatch:
         """Up to ``limit`` events with ``seq > after``, oldest first."""

@@ -74,6 +74,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM compatibility and changes nothing: tool_choice 'auto' is always "
                              "served when there is a tool-call parser")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="vLLM's KV event publisher settings, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", "
+                             "\"replay_endpoint\": \"tcp://127.0.0.1:5558\", \"topic\": \"kv-events\"}': "
+                             "block stored / removed events in vLLM's ZMQ + msgpack format, for llm-d's and "
+                             "Dynamo's KV-aware routers (they carry token ids: bind to a trusted address)")
     parser.add_argument("--warm-prompts", default=None,
                         help="JSON list of system prompts (strings), message lists, or {messages, cache_salt} "
                              "objects, computed and pinned at start-up (use a 'public:' salt to share one "
@@ -86,6 +92,7 @@ def run_server(args: argparse.Namespace) -> int:
     from kvreuse.server.app import build_app
     from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
+    from kvreuse.server.kv_event_publisher import KVEventsConfig, start_kv_event_publisher
     from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
@@ -100,6 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
+    kv_events_config = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     started = time.monotonic()
     llm = llm_from_args(args)
     if args.warm_prompts:
@@ -130,11 +138,17 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_keep_alive=30, lifespan="off",
     )
     server = DrainingServer(uvicorn_config, state, drain_timeout_s=args.drain_timeout)
+    publisher = None
+    if kv_events_config is not None:
+        publisher = start_kv_event_publisher(kv_events_config, llm.engine.kv_events, llm.engine.config.cache.block_size,
+                                             llm.engine.device.type)
     engine.start()
     try:
         server.run()
     finally:
         engine.shutdown()
+        if publisher is not None:
+            publisher.shutdown()
     logger.info("server stopped")
     return 0
 
