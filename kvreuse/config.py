@@ -79,8 +79,10 @@ class CacheConfig:
             raise ValueError(f"kv_host_memory must be >= 0 bytes, got {self.kv_host_memory}")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be positive, got {self.kv_disk_size}")
-        if self.kv_remote_url is not None and not self.kv_remote_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_remote_url must be a redis://, rediss:// or unix:// URL, got {self.kv_remote_url!r}")
+        if self.kv_remote_url is not None and not self.kv_remote_url.startswith(
+                ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError(f"kv_remote_url must be a redis://, rediss://, unix:// or redis+cluster:// URL, got "
+                             f"{self.kv_remote_url!r}")
         if (self.kv_disk_dir or self.kv_remote_url or self.kv_host_memory) and not self.enable_prefix_caching:
             raise ValueError("KV tiers need prefix caching (enable_prefix_caching=True)")
 

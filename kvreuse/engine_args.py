@@ -79,7 +79,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="most bytes the disk tier keeps (least recently used go first)")
     parser.add_argument("--kv-remote-url", type=remote_url_arg, default=None, metavar="URL",
                         help="remote KV tier on a Redis or Valkey server, redis://[:PASSWORD@]HOST:PORT/DB (or "
-                             "rediss://, unix://): every server with the same URL and model shares its prefixes; "
+                             "rediss://, unix://; redis+cluster://HOST:PORT for a Redis Cluster): every server with "
+                             "the same URL and model shares its prefixes; "
                              "a Redis that is down or slow turns lookups into misses, never errors")
 
 
@@ -113,8 +114,8 @@ def memory_size_arg(field_name: str, allow_zero: bool = False) -> Callable[[str]
 
 def remote_url_arg(value: str) -> str:
     """``--kv-remote-url``: a redis://, rediss:// or unix:// URL (checked at parse time)."""
-    if not value.startswith(("redis://", "rediss://", "unix://")):
-        raise argparse.ArgumentTypeError(f"expected a redis://HOST:PORT/DB, rediss:// or unix:// URL, "
+    if not value.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+        raise argparse.ArgumentTypeError(f"expected a redis://HOST:PORT/DB, rediss://, unix:// or redis+cluster://HOST:PORT URL, "
                                          f"got {redact_url(value)!r}")
     return value
 

@@ -544,3 +544,123 @@ def test_reset_prefix_cache_empties_named_tiers(tiny_model: Path, tmp_path: Path
         llm.reset_prefix_cache(tiers=("disk", "gpu"))
     assert getattr(info.value, "param", None) == "tiers"
     assert "gpu" in str(info.value) and "tiers" in str(info.value)
+
+
+# --- 6. Redis Cluster --------------------------------------------------------------------------------
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+def _cluster_ports(count: int) -> list[int]:
+    """Free ports whose cluster bus port (port + 10000) is free too, so below 55536."""
+    ports: list[int] = []
+    candidate = 20000 + os.getpid() % 20000
+    while len(ports) < count:
+        candidate += 1
+        try:
+            with socket.socket() as first, socket.socket() as bus:
+                first.bind(("127.0.0.1", candidate))
+                bus.bind(("127.0.0.1", candidate + 10000))
+        except OSError:
+            continue
+        ports.append(candidate)
+    return ports
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path):
+    """Six real redis-server processes in cluster mode (three masters, one replica each) on 127.0.0.1,
+    joined by ``redis-cli --cluster create``; yields (the first node's port, {port: process})."""
+    if not (os.access(REDIS_SERVER, os.X_OK) and os.access(REDIS_CLI, os.X_OK)):
+        pytest.skip(f"no redis-server / redis-cli at {REDIS_SERVER} / {REDIS_CLI}: the Redis Cluster test needs both")
+    redis = pytest.importorskip("redis", reason="redis-py is not installed")
+    ports = _cluster_ports(6)
+    processes: dict[int, subprocess.Popen] = {}
+    try:
+        for port in ports:
+            folder = tmp_path / f"node-{port}"
+            folder.mkdir()
+            processes[port] = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"),
+                 "--cluster-node-timeout", "1000", "--dir", str(folder)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        for port in ports:
+            while True:
+                try:
+                    redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).ping()
+                    break
+                except redis.RedisError:
+                    assert time.monotonic() < deadline, f"redis-server did not start on port {port}"
+                    time.sleep(0.05)
+        created = subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{port}" for port in ports],
+                                  "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True,
+                                 timeout=60)
+        assert created.returncode == 0, created.stdout + created.stderr
+        client = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+        while client.cluster_info().get("cluster_state") != "ok":
+            assert time.monotonic() < deadline + 30, "the cluster did not come up"
+            time.sleep(0.1)
+        # A replica that has not synced with its master once would refuse to take over from it.
+        for port in ports:
+            node = redis.Redis(host="127.0.0.1", port=port)
+            while (info := node.info("replication"))["role"] == "slave" and info.get("master_link_status") != "up":
+                assert time.monotonic() < deadline + 60, f"replica {port} did not sync"
+                time.sleep(0.1)
+        yield ports[0], processes
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+
+
+def test_redis_cluster_tier_shared_and_a_master_failing_over_costs_only_misses(tiny_model: Path, redis_cluster,
+                                                                               cold):
+    import redis
+
+    port, processes = redis_cluster
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{node}" for node in processes)  # every node: any may die
+    first = make_llm(tiny_model, kv_remote_url=url)
+    second = make_llm(tiny_model, kv_remote_url=url)
+    for prompt in PROMPTS:
+        assert tokens_of(run_checked(first.engine, [prompt])) == [cold(prompt)]
+    first.engine.flush_tiers()
+    assert first.stats()["kv_tiers"]["remote"]["stores"] >= len(PROMPTS) * TIER_TOKENS // BLOCK
+    # The records spread over the three masters (one key each, in its own slot).
+    cluster = redis.RedisCluster(host="127.0.0.1", port=port)
+    masters = [node for node in cluster.get_primaries()]
+    per_master = [cluster.dbsize(target_nodes=node) for node in masters]
+    assert len(masters) == 3 and all(count > 0 for count in per_master), per_master
+
+    # Another engine hits every prompt from the cluster.
+    for prompt in PROMPTS:
+        shared = run_checked(second.engine, [prompt])
+        assert tokens_of(shared) == [cold(prompt)]
+        assert shared[0].cached_tokens_by_tier == {"device": 0, "remote": TIER_TOKENS}
+
+    # One master killed mid-run: requests still succeed with the same tokens; lookups of its slots are
+    # misses (or, once its replica is promoted, hits of what had replicated), never wrong KV.
+    victim = masters[0].port
+    processes[victim].kill()
+    processes[victim].wait(timeout=10)
+    third = make_llm(tiny_model, kv_remote_url=url)
+    remote = third.engine.tier_store.tier("remote")
+    remote.retry_s = 0.2
+    started = time.monotonic()
+    while time.monotonic() - started < 8:  # through the failover (cluster-node-timeout 1 s)
+        for prompt in PROMPTS:
+            outputs = run_checked(third.engine, [prompt])
+            assert tokens_of(outputs) == [cold(prompt)]
+            third.reset_prefix_cache(tiers=("device",))
+        time.sleep(0.1)
+    assert remote.num_errors > 0  # the dead master was noticed
+    assert third.stats()["kv_tiers"]["remote"]["verify_failures"] == {}
+    # After the failover (the replica promoted) every prompt hits again, the dead master's slots included.
+    hits = []
+    for prompt in PROMPTS:
+        outputs = run_checked(third.engine, [prompt])
+        assert tokens_of(outputs) == [cold(prompt)]
+        hits.append(outputs[0].cached_tokens_by_tier["remote"])
+        third.reset_prefix_cache(tiers=("device",))
+    assert hits == [TIER_TOKENS] * len(PROMPTS), (hits, remote.num_errors)

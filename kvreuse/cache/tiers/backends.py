@@ -179,6 +179,9 @@ class DiskTier:
         return len(keys)
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # a Redis Cluster, reached through any of its nodes
+
+
 class RedisTier:
     """Records in a Redis or Valkey server (redis-py), shared by every kvreuse server that uses it.
 
@@ -186,6 +189,14 @@ class RedisTier:
     ``timeout_s`` (socket connect and read), and after a failure the tier answers misses without
     touching the network for ``retry_s`` seconds. So a lookup costs at most ``timeout_s`` once per
     ``retry_s`` while Redis is away, and nothing otherwise.
+
+    A ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (or ``rediss+cluster://``) URL names nodes of a Redis
+    Cluster: redis-py's RedisCluster learns the slot map from the first that answers and sends each key to
+    its slot's master. A record is one key (its
+    header, tokens and checksum travel inside it), so nothing needs two keys in one slot, and records
+    spread over every master; a lookup of several blocks is split by slot (``mget_nonatomic``). While a
+    master fails over, its slots' lookups fail and answer misses like a server that is down; the
+    promoted replica serves what it had replicated, and every record is verified when read.
     """
 
     name = "remote"
@@ -194,12 +205,46 @@ class RedisTier:
         import redis  # optional dependency: only servers with --kv-remote-url need it
 
         self.url = url
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.cluster = url.startswith(CLUSTER_SCHEMES)
+        self._redis = redis
+        self._timeout_s = timeout_s
+        # A cluster client connects to learn the slots when made: made on first use, so a cluster that is
+        # down at start-up costs misses like a server that is down, not a failed start.
+        self._client = None if self.cluster else redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = f"kvreuse:v{1}:{fingerprint}:".encode()
         self.retry_s = retry_s
         self._down_until = 0.0
         self.num_errors = 0
-        self._errors = (redis.RedisError, OSError)
+        # RedisClusterException (no node reachable, slots uncovered) is not a RedisError.
+        self._errors = (redis.RedisError, OSError, redis.exceptions.RedisClusterException)
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = self._connect_cluster()
+        return self._client
+
+    def _connect_cluster(self):
+        """A RedisCluster for ``redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]``: any listed node
+        that answers gives the slot map, so listing several survives the loss of one."""
+        from urllib.parse import unquote, urlsplit
+
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode
+        from redis.retry import Retry
+
+        parts = urlsplit(self.url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        username, _, password = userinfo.partition(":")
+        nodes = []
+        for address in hosts.split(","):
+            host, _, port = address.rpartition(":")
+            nodes.append(ClusterNode(host or "127.0.0.1", int(port or 6379)))
+        return self._redis.RedisCluster(
+            startup_nodes=nodes, username=unquote(username) or None, password=unquote(password) or None,
+            ssl=parts.scheme.startswith("rediss"), socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s, retry=Retry(NoBackoff(), 1))
 
     @property
     def available(self) -> bool:
@@ -208,12 +253,17 @@ class RedisTier:
     def _failed(self) -> None:
         self.num_errors += 1
         self._down_until = time.monotonic() + self.retry_s
+        if self.cluster:
+            # The next try asks the cluster for its slot map afresh: a client whose map still names a
+            # master that died (its replica promoted since) would otherwise keep failing on it.
+            self._client = None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys or not self.available:
             return [None] * len(keys)
         try:
-            return list(self.client.mget([self.prefix + key.hex().encode() for key in keys]))
+            names = [self.prefix + key.hex().encode() for key in keys]
+            return list(self.client.mget_nonatomic(names) if self.cluster else self.client.mget(names))
         except self._errors:
             self._failed()
             return [None] * len(keys)
