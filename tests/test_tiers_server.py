@@ -301,7 +301,8 @@ def test_no_tiers_no_extension_and_no_tier_metrics(tiny_model: Path, tmp_path: P
     class Stats:
         cache = type("Cache", (), {"query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "usage": 0.0})()
         prompt_tokens = generation_tokens = num_preemptions = num_running = num_waiting = 0
-        num_loras_resident = 0
+        num_loras_resident = max_loras = 0
+        running_adapters = waiting_adapters = ()
         spec_decode = None
         tiers = None
 

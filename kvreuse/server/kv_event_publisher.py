@@ -168,17 +168,20 @@ class ZmqKVEventPublisher:
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                self._publish_new()
-                if self._replay is None:
-                    self._stop.wait(POLL_INTERVAL_S)
-                elif poller.poll(timeout=POLL_INTERVAL_S * 1000):  # replay requests between reads
-                    self._serve_replay()
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                logger.exception("KV event publisher: socket error")
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._publish_new()
+                    if self._replay is None:
+                        self._stop.wait(POLL_INTERVAL_S)
+                    elif poller.poll(timeout=POLL_INTERVAL_S * 1000):  # replay requests between reads
+                        self._serve_replay()
+                except zmq.ZMQError:
+                    if self._stop.is_set():
+                        return
+                    logger.exception("KV event publisher: socket error")
+        except Exception:  # a bug here must not pass silently: followers would wait on a quiet stream
+            logger.exception("KV event publisher stopped: no more KV events are published")
 
     def _publish_new(self) -> None:
         batch = self._log.read(self._after, READ_LIMIT)
@@ -214,6 +217,8 @@ def start_kv_event_publisher(config: KVEventsConfig, log: KVEventLog, block_size
                              device_type: str) -> ZmqKVEventPublisher | None:
     """The publisher ``config`` asks for, started (None: events off or the null publisher)."""
     if not config.publishes:
+        logger.info("KV events not published: kv_events_config needs enable_kv_cache_events true and publisher "
+                    "'zmq' (got %s and %r)", config.enable_kv_cache_events, config.publisher)
         return None
     publisher = ZmqKVEventPublisher(config, log, block_size, "GPU" if device_type == "cuda" else "CPU")
     publisher.start()
