@@ -195,8 +195,9 @@ class RedisTier:
     its slot's master. A record is one key (its
     header, tokens and checksum travel inside it), so nothing needs two keys in one slot, and records
     spread over every master; a lookup of several blocks is split by slot (``mget_nonatomic``). While a
-    master fails over, its slots' lookups fail and answer misses like a server that is down; the
-    promoted replica serves what it had replicated, and every record is verified when read.
+    master fails over, its slots' lookups fail and answer misses like a server that is down (redis-py
+    re-reads the slot map after such errors); the promoted replica serves what it had replicated, and
+    every record is verified when read.
     """
 
     name = "remote"
@@ -253,10 +254,6 @@ class RedisTier:
     def _failed(self) -> None:
         self.num_errors += 1
         self._down_until = time.monotonic() + self.retry_s
-        if self.cluster:
-            # The next try asks the cluster for its slot map afresh: a client whose map still names a
-            # master that died (its replica promoted since) would otherwise keep failing on it.
-            self._client = None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys or not self.available:
