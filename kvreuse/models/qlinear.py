@@ -210,8 +210,9 @@ class QuantizedLinearKernel:
 
 def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> LinearPlan:
     """The measured plan for a quantized weight of this format and shape under ``dtype`` activations
-    (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot or qtile forces
-    one; forced onto a float kernel, or for weights too small to matter, DEFAULT_PLAN, unmeasured."""
+    (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot, qdot8 or qtile
+    forces one (qdot8 where it is not offered: qdot); forced onto a float kernel, or for weights too small
+    to matter, DEFAULT_PLAN, unmeasured."""
     offered = kernels_for(weight.format.name, dtype)
     forced = os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower()
     if forced in kernels.QUANTIZED_KERNELS:
