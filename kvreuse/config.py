@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,14 @@ def parse_memory_size(value: int | str, field_name: str = "kv_cache_memory") -> 
     if size <= 0:
         raise ValueError(f"{field_name} must be positive, got {value!r}")
     return size
+
+
+def reject_unknown_fields(value: dict[str, Any], known: Iterable[str], name: str) -> None:
+    """A ValueError naming the fields of a JSON option ``name`` that it does not have, and the ones it does."""
+    known = sorted(known)
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -170,10 +179,7 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
         known = {"method", "model", "num_speculative_tokens"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
+        reject_unknown_fields(value, known, "speculative_config")
         missing = sorted(name for name in known if name not in value)
         if missing:
             raise ValueError(f"speculative_config lacks {', '.join(missing)}")

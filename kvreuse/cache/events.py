@@ -21,6 +21,7 @@ import itertools
 import threading
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,7 +38,7 @@ class KVEvent:
     # the vLLM-format publisher (server/kv_event_publisher.py), whose BlockStored carries both. The JSON
     # view (/v1/cache/events) leaves them out: its readers need keys only, and see no text.
     parent: bytes | None = None
-    tokens: tuple[int, ...] = ()
+    tokens: Sequence[int] = ()  # the node's own token list (never mutated), not a copy
 
     def to_json(self) -> dict[str, object]:
         return {"seq": self.seq, "type": self.type, "key": self.key.hex()}
@@ -60,13 +61,13 @@ class KVEventLog:
         self._lock = threading.Lock()
         self.epoch = uuid.uuid4().hex
 
-    def stored(self, key: bytes, parent: bytes | None = None, tokens: tuple[int, ...] = ()) -> None:
+    def stored(self, key: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()) -> None:
         self._append("stored", key, parent, tokens)
 
     def removed(self, key: bytes) -> None:
         self._append("removed", key)
 
-    def _append(self, kind: EventType, key: bytes, parent: bytes | None = None, tokens: tuple[int, ...] = ()) -> None:
+    def _append(self, kind: EventType, key: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()) -> None:
         with self._lock:
             self._last_seq += 1
             self._events.append(KVEvent(self._last_seq, kind, key, parent, tokens))

@@ -193,7 +193,7 @@ class PrefixIndex:
         self.num_cached_blocks += 1
         self._maybe_push_candidate(node)
         if self.events is not None and not tail:
-            self.events.stored(key, None if parent.is_root else parent.key, tuple(node.tokens))
+            self.events.stored(key, None if parent.is_root else parent.key, node.tokens)  # shared, never mutated
         return node
 
     def release(self, nodes: Sequence[CacheNode]) -> None:

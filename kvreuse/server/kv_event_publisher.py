@@ -40,6 +40,7 @@ import msgpack
 import zmq
 
 from kvreuse.cache.events import KVEvent, KVEventLog
+from kvreuse.config import reject_unknown_fields
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,7 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config must be a JSON object: {error}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"kv_events_config must be a JSON object, got {type(raw).__name__}")
-        known = {field.name: field for field in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(known)}")
+        reject_unknown_fields(raw, (field.name for field in fields(cls)), "kv_events_config")
         config = cls(**raw)
         config.check()
         return config

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -102,6 +103,22 @@ Layout layout_of(int64_t in) {
   l.last = span_layout<F>(l.tail);
   l.row_bytes = l.full * l.span.bytes + (l.tail ? l.last.bytes : 0);
   return l;
+}
+
+// Calls fn(std::integral_constant<int, R>{}) with R = min(count, kMaxRows): the kernels' input rows per
+// pass over the weights are a compile-time count, so their accumulators stay in registers.
+template <class Fn>
+void with_rows(int64_t count, Fn&& fn) {
+  switch (std::min<int64_t>(kMaxRows, count)) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 inline float bf16_to_float(uint16_t bits) {
@@ -296,6 +313,36 @@ void dot_rows(const float* x, int64_t in, const uint8_t* w, const Layout& l, flo
   }
 }
 
+#if defined(__AVX512F__)
+// The offsets of R rows: sum over groups of b * (the inputs' sum over the group), per span of 8 groups in
+// 8 float32 lanes, a short last span in scalars.
+template <int R>
+struct GroupOffsets {
+  __m256 lanes[R];
+  float tail[R];
+  GroupOffsets() {
+    for (int r = 0; r < R; ++r) lanes[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+  }
+  // s.b of the span's n groups starting at group c0; sums [R, chunks]: each row's group sums.
+  void add(const Span& s, const float* sums, int64_t chunks, int64_t c0, int n) {
+    for (int r = 0; r < R; ++r) {
+      const float* xs = sums + r * chunks + c0;
+      if (n == 8) {
+        lanes[r] = _mm256_fmadd_ps(_mm256_loadu_ps(s.b), _mm256_loadu_ps(xs), lanes[r]);
+      } else {
+        for (int g = 0; g < n; ++g) tail[r] += s.b[g] * xs[g];
+      }
+    }
+  }
+  float total(int r) const {
+    __m128 o = _mm_add_ps(_mm256_castps256_ps128(lanes[r]), _mm256_extractf128_ps(lanes[r], 1));
+    o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+    o = _mm_add_ss(o, _mm_movehdup_ps(o));
+    return _mm_cvtss_f32(o) + tail[r];
+  }
+};
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX512-BF16: the integers q (at most 8 bits) are exact in bfloat16, so one vdpbf16ps multiplies 32 of
 // them by 32 bf16 inputs exactly and adds the products into 16 float32 lanes: the weights of a chunk
@@ -379,9 +426,8 @@ void dot_rows_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, c
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
     __m512 even[R], odd[R];  // chunks alternate between two accumulators per row: two FMA chains
-    __m256 offsets[R];
-    float tail[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offsets[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    GroupOffsets<R> offsets;
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
       const bool last = c0 / 8 == l.full;  // the short last span
       const SpanLayout& sl = last ? l.last : l.span;
@@ -412,25 +458,11 @@ void dot_rows_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, c
       int c = 0;
       for (; c + 1 < n; c += 2) step(c, even), step(c + 1, odd);
       if (c < n) step(c, even);
-      if constexpr (F::has_min) {
-        for (int r = 0; r < R; ++r) {
-          const float* xs = xsum + r * chunks + c0;
-          if (n == 8) {
-            offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(s.b), _mm256_loadu_ps(xs), offsets[r]);
-          } else {
-            for (int g = 0; g < n; ++g) tail[r] += s.b[g] * xs[g];
-          }
-        }
-      }
+      if constexpr (F::has_min) offsets.add(s, xsum, chunks, c0, n);
     }
     for (int r = 0; r < R; ++r) {
       float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-      if constexpr (F::has_min) {
-        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offsets[r]), _mm256_extractf128_ps(offsets[r], 1));
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        o = _mm_add_ss(o, _mm_movehdup_ps(o));
-        total += _mm_cvtss_f32(o) + tail[r];
-      }
+      if constexpr (F::has_min) total += offsets.total(r);
       out[r * out_features + j] = total;
     }
   }
@@ -447,16 +479,9 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
     const uint16_t* lo = Split ? xl + r0 * in : nullptr;
     const float* xs = xsum + r0 * chunks;
     float* o = out + r0 * out_features;
-    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: dot_rows_bf16<F, 1, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 2: dot_rows_bf16<F, 2, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 3: dot_rows_bf16<F, 3, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 4: dot_rows_bf16<F, 4, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 5: dot_rows_bf16<F, 5, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 6: dot_rows_bf16<F, 6, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      case 7: dot_rows_bf16<F, 7, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-      default: dot_rows_bf16<F, 8, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end); break;
-    }
+    with_rows(rows - r0, [&](auto r) {
+      dot_rows_bf16<F, decltype(r)::value, Split>(h, mid, lo, xs, in, w, l, o, out_features, begin, end);
+    });
   }
 }
 #endif
@@ -566,9 +591,8 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
     __m512 even[R], odd[R];
-    __m256 offsets[R];
-    float tail[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offsets[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    GroupOffsets<R> offsets;
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
       const bool last = c0 / 8 == l.full;  // the short last span
       const SpanLayout& sl = last ? l.last : l.span;
@@ -594,25 +618,11 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
       int c = 0;
       for (; c + 3 < n; c += 4) step(c, even), step(c + 2, odd);
       for (; c < n; c += 2) step(c, even);
-      if constexpr (F::bits == 4) {  // the offsets: b * sum(x) per group
-        for (int r = 0; r < R; ++r) {
-          const float* xs = sums + r * chunks + c0;
-          if (n == 8) {
-            offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(s.b), _mm256_loadu_ps(xs), offsets[r]);
-          } else {
-            for (int g = 0; g < n; ++g) tail[r] += s.b[g] * xs[g];
-          }
-        }
-      }
+      if constexpr (F::bits == 4) offsets.add(s, sums, chunks, c0, n);  // 4-bit codes: b * sum(x) per group
     }
     for (int r = 0; r < R; ++r) {
       float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-      if constexpr (F::bits == 4) {
-        __m128 o = _mm_add_ps(_mm256_castps256_ps128(offsets[r]), _mm256_extractf128_ps(offsets[r], 1));
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        o = _mm_add_ss(o, _mm_movehdup_ps(o));
-        total += _mm_cvtss_f32(o) + tail[r];
-      }
+      if constexpr (F::bits == 4) total += offsets.total(r);
       out[r * out_features + j] = total;
     }
   }
@@ -623,16 +633,9 @@ void dot_range_int8(const QuantizedRows& q, int64_t rows, int64_t in, const uint
                     int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     float* o = out + r0 * out_features;
-    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: dot_rows_int8<F, 1>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 2: dot_rows_int8<F, 2>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 3: dot_rows_int8<F, 3>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 4: dot_rows_int8<F, 4>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 5: dot_rows_int8<F, 5>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 6: dot_rows_int8<F, 6>(q, r0, in, w, l, o, out_features, begin, end); break;
-      case 7: dot_rows_int8<F, 7>(q, r0, in, w, l, o, out_features, begin, end); break;
-      default: dot_rows_int8<F, 8>(q, r0, in, w, l, o, out_features, begin, end); break;
-    }
+    with_rows(rows - r0, [&](auto r) {
+      dot_rows_int8<F, decltype(r)::value>(q, r0, in, w, l, o, out_features, begin, end);
+    });
   }
 }
 #endif
@@ -643,16 +646,7 @@ void dot_range(const float* x, int64_t rows, int64_t in, const uint8_t* w, const
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     const float* xr = x + r0 * in;
     float* o = out + r0 * out_features;
-    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: dot_rows<F, 1>(xr, in, w, l, o, out_features, begin, end); break;
-      case 2: dot_rows<F, 2>(xr, in, w, l, o, out_features, begin, end); break;
-      case 3: dot_rows<F, 3>(xr, in, w, l, o, out_features, begin, end); break;
-      case 4: dot_rows<F, 4>(xr, in, w, l, o, out_features, begin, end); break;
-      case 5: dot_rows<F, 5>(xr, in, w, l, o, out_features, begin, end); break;
-      case 6: dot_rows<F, 6>(xr, in, w, l, o, out_features, begin, end); break;
-      case 7: dot_rows<F, 7>(xr, in, w, l, o, out_features, begin, end); break;
-      default: dot_rows<F, 8>(xr, in, w, l, o, out_features, begin, end); break;
-    }
+    with_rows(rows - r0, [&](auto r) { dot_rows<F, decltype(r)::value>(xr, in, w, l, o, out_features, begin, end); });
   }
 }
 
