@@ -615,6 +615,15 @@ def redis_cluster(tmp_path: Path):
             process.wait(timeout=10)
 
 
+def test_redis_cluster_url_lists_nodes_and_a_bad_one_is_named():
+    pytest.importorskip("redis", reason="redis-py is not installed")
+    url = "redis+cluster://user:secret@10.0.0.1:7000,10.0.0.2,10.0.0.3:7002"
+    assert RedisTier(url, "fp")._cluster_nodes == [("10.0.0.1", 7000), ("10.0.0.2", 6379), ("10.0.0.3", 7002)]
+    for bad in ("10.0.0.1:port", "10.0.0.1:7000,:7001", "10.0.0.1:70000"):
+        with pytest.raises(ValueError, match="kv_remote_url: cluster node .* is not HOST:PORT"):
+            RedisTier(f"redis+cluster://{bad}", "fp")
+
+
 def test_redis_cluster_tier_shared_and_a_master_failing_over_costs_only_misses(tiny_model: Path, redis_cluster,
                                                                                cold):
     import redis

@@ -182,6 +182,23 @@ class DiskTier:
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # a Redis Cluster, reached through any of its nodes
 
 
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """(host, port) of each node a ``redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]`` URL lists
+    (port 6379 where none is given); a ValueError names an address that is not HOST:PORT."""
+    from urllib.parse import urlsplit
+
+    hosts = urlsplit(url).netloc.rpartition("@")[2]
+    nodes = []
+    for address in hosts.split(","):
+        host, separator, port = address.rpartition(":")
+        if not separator:
+            host, port = address, "6379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"kv_remote_url: cluster node {address!r} is not HOST:PORT")
+        nodes.append((host, int(port)))
+    return nodes
+
+
 class RedisTier:
     """Records in a Redis or Valkey server (redis-py), shared by every kvreuse server that uses it.
 
@@ -207,6 +224,7 @@ class RedisTier:
 
         self.url = url
         self.cluster = url.startswith(CLUSTER_SCHEMES)
+        self._cluster_nodes = cluster_nodes(url) if self.cluster else []
         self._redis = redis
         self._timeout_s = timeout_s
         # A cluster client connects to learn the slots when made: made on first use, so a cluster that is
@@ -236,14 +254,10 @@ class RedisTier:
         from redis.retry import Retry
 
         parts = urlsplit(self.url)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        username, _, password = userinfo.partition(":")
-        nodes = []
-        for address in hosts.split(","):
-            host, _, port = address.rpartition(":")
-            nodes.append(ClusterNode(host or "127.0.0.1", int(port or 6379)))
+        username, _, password = parts.netloc.rpartition("@")[0].partition(":")
         return self._redis.RedisCluster(
-            startup_nodes=nodes, username=unquote(username) or None, password=unquote(password) or None,
+            startup_nodes=[ClusterNode(host, port) for host, port in self._cluster_nodes],
+            username=unquote(username) or None, password=unquote(password) or None,
             ssl=parts.scheme.startswith("rediss"), socket_timeout=self._timeout_s,
             socket_connect_timeout=self._timeout_s, retry=Retry(NoBackoff(), 1))
 
