@@ -35,13 +35,23 @@ class Command:
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvreuse.ray.options import add_ray_arguments
     from kvreuse.server.serve import add_server_arguments
 
     add_engine_arguments(parser)
     add_server_arguments(parser)
+    add_ray_arguments(parser)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.ray_address is not None:
+        try:
+            from kvreuse.ray.builder import run_on_ray
+        except ModuleNotFoundError as error:
+            if error.name is None or not error.name.startswith("ray"):
+                raise
+            raise ValueError('--ray-address needs Ray Serve: pip install -e ".[ray]"') from None
+        return run_on_ray(args)
     from kvreuse.server.serve import run_server
 
     return run_server(args)

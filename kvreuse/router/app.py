@@ -26,20 +26,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvreuse.inputs import InputProcessor, validate_messages
+from kvreuse.inputs import InputProcessor
 from kvreuse.observatory.dashboard_fleet import BackendTarget, fleet_dashboard
 from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.router.backends import Backend, BackendPool
-from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router, prompt_block_keys
-from kvreuse.server.auth import bearer_key, isolated_cache_salt, tenant_id_of
+from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router
+from kvreuse.router.prompts import Namespace, cache_salt_of, prompt_of, route_request
 from kvreuse.server.errors import unavailable
 from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse.router")
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-# Without a tokenizer the router hashes characters: this many per "token", a rough average for BPE.
-CHARS_PER_TOKEN = 4
 SESSION_HEADER = "x-session-id"
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "host"})
@@ -214,58 +212,18 @@ class RouterState:
 
     def route_request(self, body: Any, chat: bool, session_id: str | None,
                       authorization: str | None = None) -> RouteRequest:
-        """The request's block keys, from the tokenizer when there is one, else from characters; per
-        backend where the backends key it in different namespaces (speculative drafts, adapter weights)."""
+        """The request's block keys (kvreuse.router.prompts), per backend where the backends key it in
+        different namespaces (speculative drafts, adapter weights)."""
         if not isinstance(body, dict):
             return RouteRequest((), 0, session_id)
         model = body.get("model") if isinstance(body.get("model"), str) else self.default_model
-        namespaces = self.backend_namespaces(model)
-        cache_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        if self.config.isolate_tenants:
-            key = bearer_key(authorization)
-            if key is not None:  # the backends' rule (kvreuse.server.auth), so the keys are theirs
-                cache_salt = isolated_cache_salt(tenant_id_of(key), cache_salt)
         try:
-            token_ids, text = self._prompt(body, chat)
+            prompt = prompt_of(body, chat, self.inputs)
         except (ValueError, TypeError):  # InvalidRequestError included: the backend answers it with a 400
-            return RouteRequest((), 0, session_id)
-        block_size = self.config.policy.block_size
-        if token_ids is None:
-            # Characters as "tokens", blocks of CHARS_PER_TOKEN x block_size characters: the index is
-            # the router's own (its keys are not the engine's), counts are in approximate tokens.
-            token_ids = [ord(c) for c in text or ""]
-            block_size *= CHARS_PER_TOKEN
-            num_prompt_tokens = len(token_ids) // CHARS_PER_TOKEN
-        else:
-            num_prompt_tokens = len(token_ids)
-        # Keys once per distinct namespace: backends with other drafts (or adapter weights) get their own.
-        keys_of = {namespace: tuple(prompt_block_keys(token_ids, block_size, cache_salt, adapter=namespace[1],
-                                                      model=namespace[0], draft=namespace[2]))
-                   for namespace in dict.fromkeys(namespaces.values())}
-        first = next(iter(keys_of.values()))
-        backend_keys = {name: keys_of[namespace] for name, namespace in namespaces.items()} if len(keys_of) > 1 else {}
-        return RouteRequest(first, num_prompt_tokens, session_id, backend_keys)
-
-    def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str | None]:
-        """(token ids, None), or without a tokenizer (None, text), of the request's (first) prompt."""
-        if chat:
-            if self.inputs is not None:
-                add_generation_prompt = body.get("add_generation_prompt", True)
-                tokenized = self.inputs.from_messages(body.get("messages"), add_generation_prompt=add_generation_prompt,
-                                                      validate=False)
-                return tokenized.token_ids, None
-            messages = validate_messages(body.get("messages"))
-            return None, "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch: route by its first prompt
-        if isinstance(prompt, list):
-            return [int(t) for t in prompt], None
-        if self.inputs is not None:
-            return self.inputs.from_text(prompt, validate=False).token_ids, None
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-        return None, prompt
+            prompt = None
+        namespaces = {name: Namespace(*namespace) for name, namespace in self.backend_namespaces(model).items()}
+        return route_request(prompt, cache_salt_of(body, authorization, self.config.isolate_tenants), session_id,
+                             namespaces, self.config.policy.block_size)
 
     def describe_backends(self) -> dict[str, Any]:
         return {"policy": self.config.policy.policy, "block_size": self.config.policy.block_size,

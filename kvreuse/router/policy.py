@@ -352,10 +352,11 @@ class Router:
         reused = min(held + self._remote_blocks(request, name) * block_size, prompt)
         return prompt - reused, reused - held
 
-    def _uncached_tokens(self, request: RouteRequest, name: str) -> int:
+    def uncached_tokens(self, request: RouteRequest, name: str) -> int:
+        """Prompt tokens ``name`` would compute for ``request`` (neither held nor in its remote group)."""
         return self._split(request, name)[0]
 
     def _decision(self, request: RouteRequest, name: str, reason: str) -> RouteDecision:
         matched = self.index.matched_blocks(name, request.keys_for(name))
-        return RouteDecision(name, matched, self._uncached_tokens(request, name), reason,
+        return RouteDecision(name, matched, self.uncached_tokens(request, name), reason,
                              self._remote_blocks(request, name))

@@ -139,6 +139,10 @@ class ZmqKVEventPublisher:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot bind {config.endpoint!r} / {config.replay_endpoint!r}: "
                              f"{error}") from None
+        # The addresses bound, a wildcard port ("tcp://127.0.0.1:*") resolved: what followers connect to.
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint: str | None = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                                            if self._replay is not None else None)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
         self._after = 0  # the log from the engine's start (warm prompts included), as far as its ring holds
@@ -219,6 +223,6 @@ def start_kv_event_publisher(config: KVEventsConfig, log: KVEventLog, block_size
         return None
     publisher = ZmqKVEventPublisher(config, log, block_size, "GPU" if device_type == "cuda" else "CPU")
     publisher.start()
-    logger.info("KV events in vLLM's format on %s%s (topic %r)", config.endpoint,
-                f", replay on {config.replay_endpoint}" if config.replay_endpoint else "", config.topic)
+    logger.info("KV events in vLLM's format on %s%s (topic %r)", publisher.endpoint,
+                f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "", config.topic)
     return publisher

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -27,8 +28,13 @@ from kvreuse.lora.request import LoRARequest
 from kvreuse.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from kvreuse.config import CacheConfig
     from kvreuse.engine import LLMEngine
+    from kvreuse.llm import LLM
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.kv_event_publisher import KVEventsConfig
     from kvreuse.server.state import ServerState
 
 logger = logging.getLogger("kvreuse.server")
@@ -86,13 +92,26 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "across isolated tenants)")
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT; returns the exit status."""
+@dataclass
+class ServerParts:
+    """One server, built and not yet started: what ``kvreuse serve`` runs under uvicorn and a Ray Serve
+    engine replica (kvreuse/ray) runs in-process."""
+
+    llm: LLM
+    engine: AsyncEngine
+    state: ServerState
+    app: FastAPI
+    kv_events_config: KVEventsConfig | None
+
+
+def build_server(args: argparse.Namespace) -> ServerParts:
+    """Load the model and build the app from ``kvreuse serve``'s options; a bad option raises ValueError
+    naming it. Start ``parts.engine`` (and the KV event publisher, if any) before serving."""
     from kvreuse.engine_args import llm_from_args
     from kvreuse.server.app import build_app
     from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
-    from kvreuse.server.kv_event_publisher import KVEventsConfig, start_kv_event_publisher
+    from kvreuse.server.kv_event_publisher import KVEventsConfig
     from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
@@ -133,20 +152,29 @@ def run_server(args: argparse.Namespace) -> int:
     if llm.engine.tier_store is not None:
         logger.info("KV tiers: %s; model fingerprint %s (pending tier writes are flushed at exit)",
                     describe_tiers(llm.engine.config.cache), llm.engine.tier_store.fingerprint)
+    return ServerParts(llm, engine, state, app, kv_events_config)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit status."""
+    from kvreuse.server.kv_event_publisher import start_kv_event_publisher
+
+    parts = build_server(args)
     uvicorn_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+        parts.app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=30, lifespan="off",
     )
-    server = DrainingServer(uvicorn_config, state, drain_timeout_s=args.drain_timeout)
+    server = DrainingServer(uvicorn_config, parts.state, drain_timeout_s=args.drain_timeout)
     publisher = None
-    if kv_events_config is not None:
-        publisher = start_kv_event_publisher(kv_events_config, llm.engine.kv_events, llm.engine.config.cache.block_size,
-                                             llm.engine.device.type)
-    engine.start()
+    if parts.kv_events_config is not None:
+        engine = parts.llm.engine
+        publisher = start_kv_event_publisher(parts.kv_events_config, engine.kv_events, engine.config.cache.block_size,
+                                             engine.device.type)
+    parts.engine.start()
     try:
         server.run()
     finally:
-        engine.shutdown()
+        parts.engine.shutdown()
         if publisher is not None:
             publisher.shutdown()
     logger.info("server stopped")

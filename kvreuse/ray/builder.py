@@ -1,0 +1,85 @@
+"""The kvreuse Ray Serve application, and ``kvreuse serve --ray-address`` which deploys it.
+
+`build_application` binds the two deployments of kvreuse/ray/deployments.py: the engine replicas (Ray
+Serve's ``num_replicas`` / ``autoscaling_config`` / ``ray_actor_options`` / ``max_replicas_per_node`` and
+its health checks, replica restarts and placement as for any deployment), with kvreuse's request router
+or Ray Serve's default, behind one ingress on Ray Serve's HTTP proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import HTTPOptions, RequestRouterConfig
+
+from kvreuse.ray.deployments import EngineReplica, Ingress
+from kvreuse.ray.options import RayServeOptions, options_from_mapping, ray_options_from_namespace, with_absolute_paths
+from kvreuse.ray.request_router import KVReuseRequestRouter
+from kvreuse.router.policy import PolicyConfig
+
+logger = logging.getLogger("kvreuse.ray")
+
+ENGINE_DEPLOYMENT = "kvreuse-engine"
+INGRESS_DEPLOYMENT = "kvreuse-ingress"
+
+
+def build_application(args: argparse.Namespace, options: RayServeOptions) -> Any:
+    """The bound application (a Ray Serve ``Application``) for ``kvreuse serve``'s options ``args``."""
+    args = with_absolute_paths(args)
+    if options.request_router == "kvreuse":
+        PolicyConfig(**options.routing_policy)  # a bad field is named here, before anything is deployed
+        router_config = RequestRouterConfig(request_router_class=KVReuseRequestRouter,
+                                            request_router_kwargs=dict(options.routing_policy),
+                                            request_routing_stats_period_s=options.request_routing_stats_period_s)
+    else:
+        router_config = RequestRouterConfig(request_routing_stats_period_s=options.request_routing_stats_period_s)
+    engine_options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT, "max_ongoing_requests": options.max_ongoing_requests,
+        "request_router_config": router_config, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+    }
+    if options.autoscaling_config is not None:
+        engine_options["autoscaling_config"] = options.autoscaling_config
+    else:
+        engine_options["num_replicas"] = options.num_replicas
+    if options.ray_actor_options is not None:
+        engine_options["ray_actor_options"] = options.ray_actor_options
+    if options.max_replicas_per_node is not None:
+        engine_options["max_replicas_per_node"] = options.max_replicas_per_node
+    engine = serve.deployment(EngineReplica).options(**engine_options).bind(args)
+    ingress = serve.deployment(Ingress).options(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0}).bind(engine, args, options.max_attempts)
+    return ingress
+
+
+def app_from_args(raw: dict[str, Any]) -> Any:
+    """``kvreuse.ray:app``: the application from a config file's ``args``."""
+    args, options = options_from_mapping(raw)
+    return build_application(args, options)
+
+
+def run_on_ray(args: argparse.Namespace) -> int:
+    """``kvreuse serve --ray-address``: deploy, serve on --host / --port until SIGTERM / SIGINT, then delete
+    the application (its replicas drain and stop) and exit 0. The cluster itself stays up."""
+    options = ray_options_from_namespace(args)
+    application = build_application(args, options)
+    ray.init(address=args.ray_address, log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
+    serve.run(application, name=options.app_name, route_prefix=options.route_prefix, blocking=False)
+    logger.info("kvreuse on Ray Serve: %s engine replica(s) of %s behind http://%s:%d (request router: %s)",
+                options.num_replicas if options.autoscaling_config is None else "autoscaled", args.model, args.host,
+                args.port, options.request_router)
+    print(f"serving on http://{args.host}:{args.port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    logger.info("stopping: deleting the application %r", options.app_name)
+    serve.delete(options.app_name)
+    return 0
