@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,22 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_c
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """The Ray cluster the Ray Serve tests deploy on: .ci/run's (RAY_ADDRESS), else one started here with
+    ``ray start`` (one head, two workers: tests/ray_cluster.py) and stopped at the end of the session."""
+    import ray_cluster
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        yield address
+        return
+    address = ray_cluster.start()
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        del os.environ["RAY_ADDRESS"]
+        ray_cluster.stop()

@@ -16,9 +16,12 @@ import sys
 import time
 
 HEAD_PORT = 6390
-# The command the docs show (docs/ray.md), run as typed by tests/test_ray_serve.py in a folder where
-# ./qwen05 is the suite's tiny model; its cluster is the one ``ray start`` made ("auto" finds it).
-DOCUMENTED_COMMAND = "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100"
+# The commands the docs show (docs/ray.md, docs/benchmarks.md), run as typed on this cluster (RAY_ADDRESS
+# names it): the deployment by tests/test_ray_serve.py in a folder where ./qwen05 is the suite's tiny model
+# ("auto" finds the cluster), the benchmark by tests/test_ray_bench.py with KVREUSE_BENCH_SMOKE=1.
+SERVE_COMMAND = "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100"
+BENCH_COMMAND = "python benchmarks/bench_ray.py --preset smollm2-135m --dtype bfloat16 --temperature 1"
+DOCUMENTED_COMMANDS = (SERVE_COMMAND, BENCH_COMMAND)
 
 
 def ray_cli() -> str:

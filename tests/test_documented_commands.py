@@ -30,6 +30,8 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
   as typed; exit 0 and the files they write are checked.
 - ``kvreuse route``: helper servers on the backend ports, the router as typed, one request through it
   that the router counts and a backend serves, SIGTERM, exit 0.
+- ``kvreuse serve --ray-address ...`` and ``python benchmarks/bench_ray.py``: as typed on the suite's Ray
+  cluster, by tests/test_ray_serve.py and tests/test_ray_bench.py (here: the text must be the one they run).
 - ``python benchmarks/X.py``: as typed with KVREUSE_BENCH_SMOKE=1 (each script's smoke mode: the same
   steps on the tiny preset with the smallest sizes), exit 0 and its table printed.
 
@@ -87,6 +89,8 @@ SERVE = "serve"  # in the background as typed: /health, one openai SDK request, 
 BENCH_SERVE = "bench-serve"  # against the server started before it in its block, else a helper; files checked
 ROUTE = "route"  # helper backends on the typed ports, the router as typed, a request through it, SIGTERM
 DISTILL = "distill"  # kvreuse distill-eagle as typed on the fixture model; the draft it writes loads and drafts
+RAY = "ray"  # run as typed on the suite's Ray cluster by tests/test_ray_serve.py (the deployment) and
+#              tests/test_ray_bench.py (the benchmark, KVREUSE_BENCH_SMOKE=1): they share one cluster, one at a time
 DIAGNOSE = "diagnose"  # kvreuse diagnose as typed (the log it names copied from the repository); its output must
 #                        equal the output block the docs show after it
 
@@ -158,6 +162,10 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_agent.py --model models/smollm2-135m-v2384 --dtype float32 --systems "
     "kvreuse,llama-server,kvreuse-no-tools,llama-server-no-tools --llama-server BIN --gguf "
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
+    # docs/ray.md
+    'pip install -e ".[ray]"': CI_INSTALL,
+    "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100": RAY,
+    "python benchmarks/bench_ray.py --preset smollm2-135m --dtype bfloat16 --temperature 1": RAY,
     # docs/router.md
     "kvreuse route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 --port 8080 --policy "
     "cache-aware --tokenizer ./model-folder": ROUTE,
@@ -736,7 +744,8 @@ class DocRuns:
         kinds = {command.text: COMMANDS.get(command.text) for command in UNIQUE}
         # The .ci/run checks first (instant), then the fixed-port lanes (the longest), then the rest.
         for command in UNIQUE:
-            check = {CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest, LINT: self._lint}.get(kinds[command.text])
+            check = {CI_INSTALL: self._ci_install, CI_PYTEST: self._ci_pytest, LINT: self._lint,
+                     RAY: self._ray}.get(kinds[command.text])
             if check is not None and command.text in selected:
                 jobs.append(([command.text], lambda command=command, check=check: {
                     command.text: self._timed(check, command)}))
@@ -974,6 +983,14 @@ class DocRuns:
             assert path.is_file() and path.parent == REPO / "tests" and path.name.startswith("test_"), (
                 f"{command.where}: {name} is not a test file of the suite that .ci/run runs")
         return "this suite, which .ci/run runs" + (f" (includes {', '.join(files)})" if files else "")
+
+    def _ray(self, command: DocCommand) -> str:
+        import ray_cluster
+
+        assert command.text in ray_cluster.DOCUMENTED_COMMANDS, (
+            f"{command.where}: `{command.text}` is not one of the commands tests/ray_cluster.py names for "
+            f"tests/test_ray_serve.py and tests/test_ray_bench.py to run as typed: {ray_cluster.DOCUMENTED_COMMANDS}")
+        return "run as typed on the Ray cluster by tests/test_ray_serve.py / tests/test_ray_bench.py"
 
     def _lint(self, command: DocCommand) -> str:
         assert command.text in ci_commands(), f".ci/run does not run `{command.text}`: {ci_commands()}"

@@ -64,6 +64,18 @@ def app_from_args(raw: dict[str, Any]) -> Any:
     return build_application(args, options)
 
 
+def _check_proxy_address(host: str, port: int) -> None:
+    """Serve's HTTP proxy is set up once per cluster: a later ``serve.start`` keeps the first one's address
+    (and only logs it). Say so instead of printing an address nothing listens on."""
+    from ray.serve.context import _get_global_client  # no public reader of the running proxy's options
+
+    http = _get_global_client().http_config
+    if (http.host, http.port) != (host, port):
+        raise ValueError(f"host/port: Ray Serve already runs on this cluster with its HTTP proxy on "
+                         f"{http.host}:{http.port}; pass --host {http.host} --port {http.port}, or shut Serve down "
+                         f"first (serve shutdown)")
+
+
 def run_on_ray(args: argparse.Namespace) -> int:
     """``kvreuse serve --ray-address``: deploy, serve on --host / --port until SIGTERM / SIGINT, then delete
     the application (its replicas drain and stop) and exit 0. The cluster itself stays up."""
@@ -71,6 +83,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
     application = build_application(args, options)
     ray.init(address=args.ray_address, log_to_driver=False)
     serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
+    _check_proxy_address(args.host, args.port)
     serve.run(application, name=options.app_name, route_prefix=options.route_prefix, blocking=False)
     logger.info("kvreuse on Ray Serve: %s engine replica(s) of %s behind http://%s:%d (request router: %s)",
                 options.num_replicas if options.autoscaling_config is None else "autoscaled", args.model, args.host,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from kvreuse.router.prompts import Namespace, route_request
 logger = logging.getLogger("kvreuse.ray")
 
 DEFAULT_CAPACITY_BLOCKS = 4096  # a replica whose metadata names no KV pool size
+MAX_DECISIONS = 100_000
 
 
 @dataclass
@@ -75,7 +77,9 @@ class KVReuseRequestRouter(RequestRouter):
         self._router: Router | None = None  # built once a replica's metadata gives the block size
         self._views: dict[str, ReplicaView] = {}
         self._follower: KVEventFollower | None = None
-        self._decisions: dict[str, _Routed] = {}  # internal request id -> the decision for it
+        # internal request id -> the decision for it, until the request completes; requests cancelled before
+        # Ray routed them never complete, so the oldest entries go beyond MAX_DECISIONS.
+        self._decisions: OrderedDict[str, _Routed] = OrderedDict()
         self.decision_counts: dict[str, int] = {}
         PolicyConfig(**self._policy_kwargs)  # a bad field fails the deployment here, naming it
 
@@ -174,6 +178,8 @@ class KVReuseRequestRouter(RequestRouter):
         if pending_request is not None:
             self._decisions[pending_request.metadata.internal_request_id] = _Routed(decision.backend, route,
                                                                                    decision.uncached_tokens)
+            while len(self._decisions) > MAX_DECISIONS:
+                self._decisions.popitem(last=False)
         chosen = views[decision.backend][0]
         # The choice first; if it is full (max_ongoing_requests), the rest by the same cost.
         others = [replica for name, (replica, _) in views.items() if name != decision.backend]
