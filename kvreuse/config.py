@@ -31,6 +31,10 @@ _UNITS = {
 }
 
 
+# kv_cache_dtype's values (vLLM's, plus int8); kvreuse.cache.kv_quant holds the schemes.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 def parse_memory_size(value: int | str, field_name: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB" or "1048576"."""
     if isinstance(value, bool):
@@ -72,6 +76,9 @@ class CacheConfig:
     kv_disk_dir: str | None = None
     kv_disk_size: int = 20 * 2**30
     kv_remote_url: str | None = None
+    # How the pool stores K and V (vLLM's name and values): "auto" (the model's dtype), "int8", "fp8" /
+    # "fp8_e4m3", "fp8_e5m2" (kvreuse.cache.kv_quant: one byte per value, a scale per token and head).
+    kv_cache_dtype: str = "auto"
 
     @property
     def has_tiers(self) -> bool:
@@ -92,6 +99,8 @@ class CacheConfig:
                 ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
             raise ValueError(f"kv_remote_url must be a redis://, rediss://, unix:// or redis+cluster:// URL, got "
                              f"{self.kv_remote_url!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if (self.kv_disk_dir or self.kv_remote_url or self.kv_host_memory) and not self.enable_prefix_caching:
             raise ValueError("KV tiers need prefix caching (enable_prefix_caching=True)")
 

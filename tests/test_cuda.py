@@ -70,3 +70,21 @@ def test_bad_input_fails_alone_on_the_gpu(tiny_model: Path):
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == MAX_NEW
     assert llm.stats()["blocks_free"] == llm.stats()["blocks_total"] - llm.stats()["blocks_idle_cached"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_pool_on_the_gpu(tiny_models: dict[str, Path], kv_cache_dtype: str):
+    """The quantized pool's code on CUDA (kvreuse.cache.kv_quant: the same as on CPU): greedy output equals
+    the model-dtype pool's on the same GPU, cold and from the cache, the invariants checked every step."""
+    model_dir = tiny_models["qwen2"]
+    prompts = [[(5 * i + 2 * j) % 250 + 1 for j in range(length)] for i, length in enumerate((9, 26, 41))]
+    reference = LLM(str(model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", block_size=4)
+    expected, _ = run_checked(reference, prompts)
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", block_size=4,
+              kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.kv_cache.kv.device.type == "cuda" and llm.engine.kv_cache.kv.element_size() == 1
+    assert llm.engine.kv_cache.num_blocks > 1.5 * reference.engine.kv_cache.num_blocks
+    cold, _ = run_checked(llm, prompts)
+    warm, warm_cached = run_checked(llm, prompts)
+    assert cold == expected and warm == expected
+    assert warm_cached == [len(prompt) - 1 for prompt in prompts]

@@ -162,6 +162,8 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_agent.py --model models/smollm2-135m-v2384 --dtype float32 --systems "
     "kvreuse,llama-server,kvreuse-no-tools,llama-server-no-tools --llama-server BIN --gguf "
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
+    # docs/benchmarks.md: the quantized KV cache (issue 31)
+    "python benchmarks/bench_kv_quant.py --json-out kv_quant.json": SCRIPT,
     # docs/ray.md
     'pip install -e ".[ray]"': CI_INSTALL,
     "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100": RAY,
@@ -213,6 +215,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
+    "bench_kv_quant.py": (r"(?m)^  int8\s+\d+\.\d+\s+\d\.\d+ /", r"capacity at the same kv_cache_memory .*int8 \d",
+                          r"(?m)^  auto, twice the memory\s+\d", r"(?m)^  fp8_e4m3\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d ms"),
 }
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 

@@ -252,6 +252,7 @@ def test_disk_tier_across_processes_and_fingerprint_variants(tiny_model: Path, t
         "weight": (changed_weight_copy(tiny_model, tmp_path / "weight"), {}),
         "dtype": (tiny_model, {"dtype": "bfloat16"}),
         "block_size": (tiny_model, {"block_size": 8}),
+        "kv_cache_dtype": (tiny_model, {"kv_cache_dtype": "int8"}),
         "tokenizer": (tiny_model, {"tokenizer": str(other_vocab_tokenizer(tiny_model, tmp_path / "tok"))}),
     }
     for name, (model, options) in variants.items():
@@ -263,7 +264,7 @@ def test_disk_tier_across_processes_and_fingerprint_variants(tiny_model: Path, t
         outputs = run_checked(engine, prompts)
         assert all(output.cached_tokens_by_tier["disk"] == 0 for output in outputs), name
         assert llm.stats()["kv_tiers"]["disk"]["hits"] == 0, name
-        if name == "weight":
+        if name in ("weight", "kv_cache_dtype"):
             # Records of the first model put under this model's folder are read and refused.
             engine.flush_tiers()
             engine.reset_prefix_cache(("device", "disk"))

@@ -183,24 +183,18 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.covers_whole_batch:
             return _causal_self_attention(q, k, v)
         if metadata.decodes_cover_whole_batch:  # a pure decode step: no output buffer to fill
-            return _decode_attention(q, kv_cache.key_caches[layer_idx], kv_cache.value_caches[layer_idx],
-                                     metadata.decodes)
-        key_cache = kv_cache.key_caches[layer_idx]
-        value_cache = kv_cache.value_caches[layer_idx]
+            return _decode_attention(q, kv_cache, layer_idx, metadata.decodes)
         out = torch.empty_like(q)
         for start, end in metadata.fresh_prefills:
             out[start:end] = _causal_self_attention(q[start:end], k[start:end], v[start:end])
         for chunk in metadata.context_chunks:
+            keys, values = kv_cache.gather(layer_idx, chunk.context_slots, _compute_dtype(q))
             out[chunk.token_start:chunk.token_end] = _chunk_attention(
-                q[chunk.token_start:chunk.token_end],
-                key_cache.index_select(0, chunk.context_slots),
-                value_cache.index_select(0, chunk.context_slots),
-                chunk.mask,
-            )
+                q[chunk.token_start:chunk.token_end], keys, values, chunk.mask)
         if metadata.decodes is not None:
             group = metadata.decodes
             batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
-            decode_out = _decode_attention(batch_q, key_cache, value_cache, group)
+            decode_out = _decode_attention(batch_q, kv_cache, layer_idx, group)
             if group.rows_slice is not None:
                 out[group.rows_slice] = decode_out
             else:
@@ -241,19 +235,18 @@ def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.squeeze(0).transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup
-) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
     """The decode rows' queries q [B, H, D], one per sequence, over padded contexts -> [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[1]
+    num_kv_heads = kv_cache.num_kv_heads
     # Heads sharing a KV head are consecutive, so with a single query they can be folded into the
     # query-length axis: [B, KV, heads_per_kv, D] against [B, KV, ctx, D], no K/V repetition.
     grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # index_select over flat slots is several times faster on CPU than advanced indexing [B, ctx].
     flat_slots = group.context_slots.view(-1)
     gathered_shape = (num_seqs, group.context_slots.shape[1], num_kv_heads, head_dim)
-    keys = key_cache.index_select(0, flat_slots).view(gathered_shape).to(q.dtype).transpose(1, 2)  # [B, KV, ctx, D]
-    values = value_cache.index_select(0, flat_slots).view(gathered_shape).to(q.dtype).transpose(1, 2)
+    keys, values = kv_cache.gather(layer, flat_slots, q.dtype)
+    keys = keys.view(gathered_shape).transpose(1, 2)  # [B, KV, ctx, D]
+    values = values.view(gathered_shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask)
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -6,6 +6,11 @@ allocation shaped ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_
 slot index ``block_id * block_size + offset`` addresses one token in every layer, a write is one
 ``index_copy_`` per layer, and a block copy (token-granular reuse of a partially matched block) is a
 single indexing operation over all layers at once.
+
+With a quantized ``kv_cache_dtype`` (kvreuse.cache.kv_quant) the tensor holds one-byte codes and a second
+one, ``scales`` ``[num_layers, 2, num_slots, num_kv_heads]`` bfloat16, holds their scales: `write`
+quantizes, `gather` dequantizes what attention reads, and a block's bytes (tiers) are its codes, then
+its scales, then its features.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Protocol
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
+from kvreuse.cache.kv_quant import (SCALE_DTYPE, KVQuantScheme, dequantize, kv_bytes_per_token, quantize,
+                                    resolve_kv_cache_dtype)
 
 
 class KVShape(Protocol):
@@ -28,6 +35,19 @@ class KVShape(Protocol):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int: ...
 
 
+class KVCodec(Protocol):
+    """A faster write and gather of a quantized pool's layer (kvreuse.models.kv_codec's C++ kernels on CPU),
+    equal value for value to kv_quant's PyTorch reference; the engine hands one in where it runs."""
+
+    def handles(self, dtype: torch.dtype) -> bool: ...
+
+    def write(self, codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
+              slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: KVQuantScheme) -> None: ...
+
+    def gather(self, codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
+               slots: torch.Tensor, scheme: KVQuantScheme, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class KVCache:
     def __init__(
         self,
@@ -39,6 +59,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         feature_size: int = 0,
+        kv_cache_dtype: str = "auto",
+        codec: KVCodec | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
@@ -51,16 +73,21 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the model's: what attention computes in and what `gather` returns
         self.device = torch.device(device)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.scheme: KVQuantScheme | None = resolve_kv_cache_dtype(kv_cache_dtype)
+        storage = dtype if self.scheme is None else self.scheme.storage_dtype
         # Zeros rather than empty: padded attention reads unused slots (masked out), and NaN
         # garbage times a zero weight would still be NaN.
         self.kv = torch.zeros(
-            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=storage, device=self.device
         )
-        # Per-layer views, so the attention code indexes a plain [num_slots, heads, head_dim] tensor.
-        self.key_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(num_layers)]
-        self.value_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(num_layers)]
+        self.scales: torch.Tensor | None = None
+        self.codec = codec if self.scheme is not None else None
+        if self.scheme is not None:
+            self.scales = torch.zeros((num_layers, 2, num_blocks * block_size, num_kv_heads), dtype=SCALE_DTYPE,
+                                      device=self.device)
         # Speculative decoding: one feature vector per slot (what an EAGLE draft reads for the position
         # before its token), so a prefix hit brings the draft's input along with the K/V. One extra row,
         # always zero, stands for "position -1" (the first token has no predecessor).
@@ -72,12 +99,12 @@ class KVCache:
     @classmethod
     def for_model(
         cls, model_config: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device | str,
+        device: torch.device | str, kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """A cache shaped for ``model_config``."""
         return cls(
             model_config.num_hidden_layers, num_blocks, block_size, model_config.num_key_value_heads,
-            model_config.head_dim, dtype, device,
+            model_config.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
@@ -92,7 +119,8 @@ class KVCache:
     @property
     def memory_bytes(self) -> int:
         features = self.features.numel() * self.features.element_size() if self.features is not None else 0
-        return self.kv.numel() * self.kv.element_size() + features
+        scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
+        return self.kv.numel() * self.kv.element_size() + scales + features
 
     def write_features(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         """Store one feature row [num_tokens, feature_size] per slot."""
@@ -101,8 +129,35 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [num_tokens, kv_heads, head_dim] of ``layer`` at ``slot_mapping`` [num_tokens]."""
-        self.key_caches[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.value_caches[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+        if self.scheme is None:
+            self.kv[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
+            self.kv[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
+            return
+        assert self.scales is not None
+        if self.codec is not None and self.codec.handles(k.dtype) and k.dtype == v.dtype:
+            self.codec.write((self.kv[layer, 0], self.kv[layer, 1]), (self.scales[layer, 0], self.scales[layer, 1]),
+                             slot_mapping, k, v, self.scheme)
+            return
+        for which, values in ((0, k), (1, v)):
+            codes, scales = quantize(values, self.scheme)
+            self.kv[layer, which].index_copy_(0, slot_mapping, codes)
+            self.scales[layer, which].index_copy_(0, slot_mapping, scales)
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots`` [n] -> two [n, kv_heads, head_dim] in ``dtype`` (default: the
+        model's), dequantized when the pool is quantized."""
+        dtype = dtype or self.dtype
+        if self.scheme is None:
+            return (self.kv[layer, 0].index_select(0, slots).to(dtype),
+                    self.kv[layer, 1].index_select(0, slots).to(dtype))
+        assert self.scales is not None
+        if self.codec is not None and self.codec.handles(dtype):
+            return self.codec.gather((self.kv[layer, 0], self.kv[layer, 1]), (self.scales[layer, 0], self.scales[layer, 1]),
+                                     slots, self.scheme, dtype)
+        keys, values = (dequantize(self.kv[layer, which].index_select(0, slots),
+                                   self.scales[layer, which].index_select(0, slots), self.scheme, dtype)
+                        for which in (0, 1))
+        return keys, values
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy the first ``num_tokens`` slots of each source block into its destination, all layers."""
@@ -128,6 +183,8 @@ class KVCache:
         dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
         # Gather first (a copy), then scatter: correct even if a destination is another copy's source.
         self.kv[:, :, dst] = self.kv[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]
         if self.features is not None:
             self.features[dst] = self.features[src]
 
@@ -139,45 +196,57 @@ class KVCache:
 
     @property
     def block_bytes(self) -> int:
-        element = self.kv.element_size()
-        features = self.block_size * self.feature_size * element
-        return element * self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim + features
+        features = self.block_size * self.feature_size * torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                                                    self.scheme) + features
+
+    def _block_parts(self, block_id: int) -> list[torch.Tensor]:
+        """Views of one block's K/V codes, their scales (quantized pools) and its features, in record order."""
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        parts = [self.kv[:, :, rows]]
+        if self.scales is not None:
+            parts.append(self.scales[:, :, rows])
+        if self.features is not None:
+            parts.append(self.features[rows])
+        return parts
 
     def read_block(self, block_id: int) -> bytes:
-        """One block's K/V of every layer (then its features, if any) as bytes."""
-        start = block_id * self.block_size
-        parts = [self.kv[:, :, start:start + self.block_size].contiguous()]
-        if self.features is not None:
-            parts.append(self.features[start:start + self.block_size].contiguous())
-        return b"".join(part.view(-1).view(torch.uint8).cpu().numpy().tobytes() for part in parts)
+        """One block's K/V of every layer (then its scales and its features, if any) as bytes."""
+        return b"".join(part.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+                        for part in self._block_parts(block_id))
 
     def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
         """Fill one block from ``read_block``'s bytes."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block payload has {self.block_bytes} bytes, got {len(payload)}")
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        start = block_id * self.block_size
-        kv_part = self.kv[:, :, start:start + self.block_size]
-        kv_bytes = kv_part.numel() * self.kv.element_size()
-        kv_part.copy_(raw[:kv_bytes].view(self.dtype).view(kv_part.shape).to(self.device))
-        if self.features is not None:
-            rows = self.features[start:start + self.block_size]
-            rows.copy_(raw[kv_bytes:].view(self.dtype).view(rows.shape).to(self.device))
+        offset = 0
+        for part in self._block_parts(block_id):
+            size = part.numel() * part.element_size()
+            part.copy_(raw[offset:offset + size].view(part.dtype).view(part.shape).to(self.device))
+            offset += size
+
+    @staticmethod
+    def bytes_per_token(model_config: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one token's K and V across the model's layers, in ``kv_cache_dtype``."""
+        return kv_bytes_per_token(model_config.num_hidden_layers, model_config.num_key_value_heads,
+                                  model_config.head_dim, dtype, resolve_kv_cache_dtype(kv_cache_dtype))
 
     @staticmethod
     def num_blocks_for_memory(
         memory_bytes: int, block_size: int, model_config: KVShape, dtype: torch.dtype,
-        extra_bytes_per_token: int = 0,
+        extra_bytes_per_token: int = 0, kv_cache_dtype: str = "auto",
     ) -> int:
         """How many blocks of ``block_size`` tokens fit in ``memory_bytes``; at least one or ValueError.
         ``extra_bytes_per_token``: what a token needs beyond the model's K/V (a draft's K/V and feature)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        bytes_per_block = block_size * (model_config.kv_bytes_per_token(dtype) + extra_bytes_per_token)
+        bytes_per_block = block_size * (KVCache.bytes_per_token(model_config, dtype, kv_cache_dtype)
+                                        + extra_bytes_per_token)
         num_blocks = memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory of {memory_bytes} bytes holds no KV block: one block of {block_size} "
-                f"tokens needs {bytes_per_block} bytes for this model in {dtype}"
+                f"tokens needs {bytes_per_block} bytes for this model in {dtype} (kv_cache_dtype {kv_cache_dtype})"
             )
         return int(num_blocks)

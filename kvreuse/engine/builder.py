@@ -22,6 +22,8 @@ import torch
 
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
+from kvreuse.cache.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
+from kvreuse.models.kv_codec import cpu_kv_codec
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -99,7 +101,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if device.type == "cpu":
             draft.choose_cpu_kernels()
         element = torch.empty((), dtype=dtype).element_size()
-        extra_bytes_per_token = (2 * model_config.kv_size + model_config.hidden_size) * element
+        # The draft's one layer of K/V (stored like the target's) and its feature (in the model's dtype).
+        extra_bytes_per_token = (kv_bytes_per_token(1, model_config.num_key_value_heads, model_config.head_dim, dtype,
+                                                    resolve_kv_cache_dtype(config.cache.kv_cache_dtype))
+                                 + model_config.hidden_size * element)
         logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step", config.speculative.method,
                     config.speculative.model, draft.digest[:12], config.speculative.num_speculative_tokens)
 
@@ -113,6 +118,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         dtype=dtype,
         device=device,
         feature_size=model_config.hidden_size if draft is not None else 0,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        # A quantized pool on CPU writes and gathers with C++ kernels (PyTorch ops where they cannot be built).
+        codec=cpu_kv_codec() if device.type == "cpu" and config.cache.kv_cache_dtype != "auto" else None,
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
                          max_num_seqs=config.scheduler.max_num_seqs)
@@ -179,9 +187,9 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     context and the pool, or the longest both allow."""
     cache_config = config.cache
     block_size = cache_config.block_size
-    bytes_per_token = model_config.kv_bytes_per_token(dtype) + extra_bytes_per_token
+    bytes_per_token = KVCache.bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype) + extra_bytes_per_token
     num_blocks = KVCache.num_blocks_for_memory(cache_config.kv_cache_memory, block_size, model_config, dtype,
-                                               extra_bytes_per_token)
+                                               extra_bytes_per_token, cache_config.kv_cache_dtype)
     capacity = num_blocks * block_size
     context_limit = model_config.max_position_embeddings
     if model_config.sliding_window:
@@ -204,10 +212,12 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
         if max_model_len < 2:
             raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds {capacity} tokens: "
                              f"raise it (each token needs {bytes_per_token} bytes)")
+    scheme = resolve_kv_cache_dtype(cache_config.kv_cache_dtype)
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token (%.1f MiB); max_model_len %d; "
-        "prefix caching %s",
+        "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token (%.1f MiB; %d tokens per GiB; K/V stored "
+        "as %s); max_model_len %d; prefix caching %s",
         num_blocks, block_size, capacity, bytes_per_token, num_blocks * block_size * bytes_per_token / 2**20,
+        2**30 // bytes_per_token, scheme.describe() if scheme is not None else str(dtype).removeprefix("torch."),
         max_model_len, "on" if cache_config.enable_prefix_caching else "off",
     )
     return num_blocks, max_model_len
@@ -250,6 +260,7 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     return model_fingerprint({
         "config": model_json, **fields,
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
+        **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
         "dtype": str(dtype), "kv_dtype": str(kv_cache.dtype), "block_size": kv_cache.block_size,
         "kv_layers": kv_cache.num_layers, "kv_heads": kv_cache.num_kv_heads, "head_dim": kv_cache.head_dim,
         "feature_size": kv_cache.feature_size, "draft": draft.digest if draft is not None else None,
@@ -260,7 +271,8 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     """The host / disk / remote tiers, all keyed to the engine's model fingerprint."""
     cache_config = config.cache
     layout = BlockLayout(shape=(*kv_cache.block_shape, kv_cache.feature_size),
-                         dtype=str(kv_cache.dtype).removeprefix("torch."), num_bytes=kv_cache.block_bytes)
+                         dtype=kv_cache.scheme.name if kv_cache.scheme is not None
+                         else str(kv_cache.dtype).removeprefix("torch."), num_bytes=kv_cache.block_bytes)
     tiers: list = []
     if cache_config.kv_host_memory:
         tiers.append(HostTier(cache_config.kv_host_memory))

@@ -203,7 +203,7 @@ def cache_config_labels(config: EngineConfig, num_blocks: int) -> dict[str, str]
     vLLM renders them: ``str`` of each; ``num_gpu_blocks`` is the pool's block count on any device),
     plus kvreuse's byte budget."""
     cache = config.cache
-    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+    return {"block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": str(cache.enable_prefix_caching), "num_gpu_blocks": str(num_blocks),
             "kv_cache_memory": str(cache.kv_cache_memory)}
 
