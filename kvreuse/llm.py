@@ -239,8 +239,10 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """Prefix-cache queries and hits (tokens), hit rate, evictions, blocks used / idle / free; with
         speculative decoding also drafts, draft tokens, accepted tokens (total and per position) and
-        the acceptance rate (``spec_decode_*``)."""
-        return self.engine.stats().as_dict()
+        the acceptance rate (``spec_decode_*``); the pool's ``kv_cache_dtype`` and ``kv_tokens_per_gib``."""
+        kv_cache = self.engine.kv_cache
+        return {**self.engine.stats().as_dict(), "kv_cache_dtype": kv_cache.kv_cache_dtype,
+                "kv_tokens_per_gib": kv_cache.tokens_per_gib}
 
     def drift_report(self, top: int = 10) -> dict[str, Any]:
         """Why recent prompts missed the cache: misses grouped by (namespace, template start, divergence

@@ -139,6 +139,7 @@ def test_a_quantized_pool_holds_twice_the_tokens(tiny_model: Path):
         ratio = pools[name].num_blocks / pools["auto"].num_blocks
         assert ratio >= 2 * head_dim / (head_dim + 2) - 0.01, (name, ratio)
         assert pools[name].memory_bytes <= 4 * 2**20
+        assert pools[name].tokens_per_gib / pools["auto"].tokens_per_gib == pytest.approx(2 * head_dim / (head_dim + 2))
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -205,6 +206,14 @@ def test_the_disk_tier_stores_the_quantized_bytes_and_never_crosses_kv_dtypes(ti
     head_dim = sizes["auto"][1]
     # A record holds the quantized bytes: float32 values (4 bytes) become 1 byte and a 2-byte scale per head.
     assert sizes["auto"][0] / sizes["int8"][0] == pytest.approx(4 * head_dim / (head_dim + 2))
+
+
+def test_the_capacity_report_names_the_kv_dtype(tiny_model: Path):
+    llm = LLM(str(tiny_model), dtype="bfloat16", device="cpu", kv_cache_memory="4MiB", kv_cache_dtype="fp8")
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == "fp8" and stats["kv_tokens_per_gib"] == llm.engine.kv_cache.tokens_per_gib
+    capacity = stats["kv_tokens_per_gib"] * 4 // 1024  # tokens in the 4 MiB asked for
+    assert llm.engine.kv_cache.num_slots <= capacity < llm.engine.kv_cache.num_slots + llm.engine.kv_cache.block_size
 
 
 def test_bad_kv_cache_dtype_is_named(tiny_model: Path):

@@ -188,6 +188,11 @@ class KVCache:
         if self.features is not None:
             self.features[dst] = self.features[src]
 
+    @property
+    def tokens_per_gib(self) -> int:
+        """Tokens one GiB of this pool holds (its K/V in ``kv_cache_dtype``, scales and features included)."""
+        return 2**30 * self.block_size // self.block_bytes
+
     # --- one block as bytes (KV tiers) ------------------------------------------------------------------
     @property
     def block_shape(self) -> tuple[int, ...]:

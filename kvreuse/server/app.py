@@ -108,6 +108,9 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     kv_cache = state.llm_engine.kv_cache
     card = model_card(state.model_name, state.config.model_root or state.model_name, state.created,
                       state.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+    # The pool's capacity per byte: what a quantized KV dtype (--kv-cache-dtype) changes.
+    card["kv_cache_dtype"] = kv_cache.kv_cache_dtype
+    card["kv_tokens_per_gib"] = kv_cache.tokens_per_gib
     draft_digest = state.llm_engine.draft_digest
     if draft_digest is not None:  # speculative decoding: part of every cache namespace (kvreuse route keys with it)
         card["draft_digest"] = draft_digest
