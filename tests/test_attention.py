@@ -180,9 +180,9 @@ def test_kv_cache_block_copy_touches_only_the_copied_slots_of_every_layer():
     before = cache.kv.clone()
     cache.copy_blocks([BlockCopy(4, 1, 3), BlockCopy(2, 5, BLOCK_SIZE)])
     for layer in range(3):
-        for caches in (cache.key_caches, cache.value_caches):
-            tensor = caches[layer]
-            original = before[layer, 0 if caches is cache.key_caches else 1]
+        for which in (0, 1):  # K, V
+            tensor = cache.kv[layer, which]
+            original = before[layer, which]
             torch.testing.assert_close(tensor[4:7], original[16:19])  # block 4 -> block 1, 3 slots
             torch.testing.assert_close(tensor[7], original[7])  # 4th slot of block 1 untouched
             torch.testing.assert_close(tensor[20:24], original[8:12])  # block 2 -> block 5, whole
