@@ -384,9 +384,16 @@ def test_vllm_named_gauges_follow_a_request(server: RunningServer):
     assert metric(idle, "vllm:lora_requests_info", max_lora="0", running_lora_adapters="") > 0  # a timestamp
     body = {"model": MODEL_NAME, "prompt": "A very long story:", "temperature": 0, "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
+    busy: dict[str, float] | None = None
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
-        assert next(line for line in r.iter_lines() if line.startswith("data: "))
-        busy = scrape(server)
+        # Scrape as the tokens stream until a scrape sees the request running (the first one does unless this
+        # client fell seconds behind the engine's 2,000 tokens on a loaded machine).
+        for line in r.iter_lines():
+            if line.startswith("data: ") and busy is None:
+                values = scrape(server)
+                if metric(values, "kvreuse:num_requests_running") == 1:
+                    busy = values
+    assert busy is not None, "no scrape saw the streaming request running"
     assert metric(busy, "vllm:num_requests_running", **labels) == 1
     assert metric(busy, "vllm:kv_cache_usage_perc", **labels) == metric(busy, "kvreuse:kv_cache_usage_perc") > 0
     wait_until_idle(server)

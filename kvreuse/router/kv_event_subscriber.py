@@ -24,7 +24,7 @@ import logging
 import queue
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -65,7 +65,6 @@ class SourceState:
     batches: int = 0
     replayed: int = 0
     resyncs: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
 
 
 def decode_batch(payload: bytes) -> list[tuple[str, tuple[bytes, ...]]]:
