@@ -88,6 +88,11 @@ class KVCache:
         if self.scheme is not None:
             self.scales = torch.zeros((num_layers, 2, num_blocks * block_size, num_kv_heads), dtype=SCALE_DTYPE,
                                       device=self.device)
+        # Per-layer (K, V) views of codes and scales, made once: write and gather run for every layer of
+        # every step.
+        self._codes = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(num_layers)]
+        self._scales = ([(self.scales[layer, 0], self.scales[layer, 1]) for layer in range(num_layers)]
+                        if self.scales is not None else [])
         # Speculative decoding: one feature vector per slot (what an EAGLE draft reads for the position
         # before its token), so a prefix hit brings the draft's input along with the K/V. One extra row,
         # always zero, stands for "position -1" (the first token has no predecessor).
@@ -129,34 +134,32 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [num_tokens, kv_heads, head_dim] of ``layer`` at ``slot_mapping`` [num_tokens]."""
+        codes = self._codes[layer]
         if self.scheme is None:
-            self.kv[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
-            self.kv[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
+            codes[0].index_copy_(0, slot_mapping, k.to(self.dtype))
+            codes[1].index_copy_(0, slot_mapping, v.to(self.dtype))
             return
-        assert self.scales is not None
+        scales = self._scales[layer]
         if self.codec is not None and self.codec.handles(k.dtype) and k.dtype == v.dtype:
-            self.codec.write((self.kv[layer, 0], self.kv[layer, 1]), (self.scales[layer, 0], self.scales[layer, 1]),
-                             slot_mapping, k, v, self.scheme)
+            self.codec.write(codes, scales, slot_mapping, k, v, self.scheme)
             return
         for which, values in ((0, k), (1, v)):
-            codes, scales = quantize(values, self.scheme)
-            self.kv[layer, which].index_copy_(0, slot_mapping, codes)
-            self.scales[layer, which].index_copy_(0, slot_mapping, scales)
+            quantized, value_scales = quantize(values, self.scheme)
+            codes[which].index_copy_(0, slot_mapping, quantized)
+            scales[which].index_copy_(0, slot_mapping, value_scales)
 
     def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` at ``slots`` [n] -> two [n, kv_heads, head_dim] in ``dtype`` (default: the
         model's), dequantized when the pool is quantized."""
         dtype = dtype or self.dtype
+        codes = self._codes[layer]
         if self.scheme is None:
-            return (self.kv[layer, 0].index_select(0, slots).to(dtype),
-                    self.kv[layer, 1].index_select(0, slots).to(dtype))
-        assert self.scales is not None
+            return codes[0].index_select(0, slots).to(dtype), codes[1].index_select(0, slots).to(dtype)
+        scales = self._scales[layer]
         if self.codec is not None and self.codec.handles(dtype):
-            return self.codec.gather((self.kv[layer, 0], self.kv[layer, 1]), (self.scales[layer, 0], self.scales[layer, 1]),
-                                     slots, self.scheme, dtype)
-        keys, values = (dequantize(self.kv[layer, which].index_select(0, slots),
-                                   self.scales[layer, which].index_select(0, slots), self.scheme, dtype)
-                        for which in (0, 1))
+            return self.codec.gather(codes, scales, slots, self.scheme, dtype)
+        keys, values = (dequantize(codes[which].index_select(0, slots), scales[which].index_select(0, slots),
+                                   self.scheme, dtype) for which in (0, 1))
         return keys, values
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:

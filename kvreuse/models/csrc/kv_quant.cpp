@@ -108,18 +108,24 @@ void check_layer(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1), "scales do not match codes");
 }
 
+const int64_t* checked_slots(const at::Tensor& slots, int64_t num_slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots: contiguous int64 [tokens]");
+  const int64_t* data = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.size(0); ++t) {
+    TORCH_CHECK(data[t] >= 0 && data[t] < num_slots, "slot ", data[t], " is outside the pool");
+  }
+  return data;
+}
+
 void kv_quant_write(at::Tensor codes_k, at::Tensor codes_v, at::Tensor scales_k, at::Tensor scales_v,
                     const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v, int64_t scheme) {
   TORCH_CHECK(scheme >= 0 && scheme <= 2, "scheme must be 0 (int8), 1 (fp8_e4m3) or 2 (fp8_e5m2)");
   check_layer(codes_k, scales_k);
   check_layer(codes_v, scales_v);
   const auto slot_index = slots.contiguous();
-  TORCH_CHECK(slot_index.scalar_type() == at::kLong && slot_index.dim() == 1, "slots: int64 [tokens]");
+  const int64_t* slot_data = checked_slots(slot_index, codes_k.size(0));
   const int64_t heads = codes_k.size(1), dim = codes_k.size(2), tokens = slot_index.size(0);
-  const int64_t* slot_data = slot_index.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < codes_k.size(0), "slot ", slot_data[t], " is outside the pool");
-  }
   for (auto pair : {std::make_tuple(&k, &codes_k, &scales_k), std::make_tuple(&v, &codes_v, &scales_v)}) {
     const at::Tensor values = std::get<0>(pair)->contiguous();
     TORCH_CHECK(values.dim() == 3 && values.size(0) == tokens && values.size(1) == heads && values.size(2) == dim,
@@ -143,12 +149,8 @@ std::tuple<at::Tensor, at::Tensor> kv_quant_gather(const at::Tensor& codes_k, co
   check_layer(codes_k, scales_k);
   check_layer(codes_v, scales_v);
   const auto slot_index = slots.contiguous();
-  TORCH_CHECK(slot_index.scalar_type() == at::kLong && slot_index.dim() == 1, "slots: int64 [tokens]");
+  const int64_t* slot_data = checked_slots(slot_index, codes_k.size(0));
   const int64_t heads = codes_k.size(1), dim = codes_k.size(2), tokens = slot_index.size(0);
-  const int64_t* slot_data = slot_index.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < codes_k.size(0), "slot ", slot_data[t], " is outside the pool");
-  }
   auto out_k = at::empty({tokens, heads, dim}, codes_k.options().dtype(dtype));
   auto out_v = at::empty({tokens, heads, dim}, codes_k.options().dtype(dtype));
   TORCH_CHECK(dim <= 512, "head_dim must be at most 512");
