@@ -198,6 +198,10 @@ class SpeculativeConfig:
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is gguf
 QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as models/loader.py's
+# Which paged attention the model runs (vLLM's option name): auto picks the in-place C++ kernel on CPU
+# (models/paged_attention.py) where it builds, else torch (gather + SDPA, attention/torch_paged.py: the
+# reference, and the only one on CUDA or with enable_torch_compile).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
 
 
 @dataclass(frozen=True)
@@ -217,8 +221,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
     speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
     enable_torch_compile: bool = False  # decode steps through torch.compile (runner/compiled_decode.py)
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):

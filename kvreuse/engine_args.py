@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from kvreuse.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS, SCHEDULING_POLICIES, parse_memory_size
+from kvreuse.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
+                            parse_memory_size)
 from kvreuse.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--enable-torch-compile", action="store_true",
                         help="run decode steps through torch.compile (as SGLang's flag): compiled at start-up, "
                              "minutes the first time on a machine, seconds once inductor's disk cache has them")
+    parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                        help="paged attention: auto (the in-place C++ kernel on CPU where it builds, else torch), "
+                             "cpu_paged (that kernel, or fail), torch (gather + SDPA: the reference)")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                         help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
                              'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
@@ -162,4 +166,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         kv_disk_size=getattr(args, "kv_disk_size", "20GiB"), kv_remote_url=getattr(args, "kv_remote_url", None),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )

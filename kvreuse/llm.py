@@ -56,6 +56,7 @@ class LLM:
         kv_remote_url: str | None = None,
         enable_torch_compile: bool = False,
         kv_cache_dtype: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
@@ -68,7 +69,9 @@ class LLM:
         (weight-only), "none" holds every weight in ``dtype``.
         ``kv_cache_dtype`` (vLLM's name): "auto" stores K and V in ``dtype``; "int8", "fp8" (= "fp8_e4m3") and
         "fp8_e5m2" store one byte per value with a scale per token and KV head (about 1.9x the tokens of
-        bfloat16 in the same ``kv_cache_memory``)."""
+        bfloat16 in the same ``kv_cache_memory``).
+        ``attention_backend`` (vLLM's name): "auto" attends in place with the C++ kernel on CPU
+        (models/paged_attention.py), "cpu_paged" insists on it, "torch" gathers and runs SDPA (the reference)."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -98,6 +101,7 @@ class LLM:
             max_model_len=max_model_len,
             speculative=SpeculativeConfig.from_value(speculative_config),
             enable_torch_compile=enable_torch_compile,
+            attention_backend=attention_backend,
         )
         self.engine = LLMEngine(config)
         # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer. Its outputs and

@@ -75,6 +75,24 @@ def _context_slots(
     return slots
 
 
+def context_chunk(token_start: int, query_len: int, context_len: int, table: list[int], block_size: int,
+                  device: torch.device) -> ContextChunk:
+    """A prefill chunk of ``query_len`` tokens whose sequence holds ``context_len`` tokens after it (the chunk
+    included): its context's slots and its offset causal mask."""
+    slots = _context_slots([table], [context_len], block_size, device)[0]
+    # Query i sits at absolute position context_len - query_len + i and sees keys 0..that.
+    key_positions = torch.arange(context_len, device=device)
+    query_positions = torch.arange(context_len - query_len, context_len, device=device)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    return ContextChunk(token_start, token_start + query_len, slots, mask)
+
+
+def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk) -> torch.Tensor:
+    """A context chunk's queries (``q``: the step's) over its gathered context -> [query_len, heads, head_dim]."""
+    keys, values = kv_cache.gather(layer_idx, chunk.context_slots, _compute_dtype(q))
+    return _chunk_attention(q[chunk.token_start:chunk.token_end], keys, values, chunk.mask)
+
+
 def validate_batch(batch: ForwardBatch, block_size: int) -> None:
     """Cheap shape checks (O(num_seqs) Python) so a malformed batch fails with a clear message."""
     num_seqs = batch.num_seqs
@@ -134,12 +152,7 @@ class TorchPagedAttention(AttentionBackend):
                 decode_tables.append(table)
                 decode_lens.append(context_len)
             else:
-                slots = _context_slots([table], [context_len], block_size, device)[0]
-                # Query i sits at absolute position context_len - query_len + i and sees keys 0..that.
-                key_positions = torch.arange(context_len, device=device)
-                query_positions = torch.arange(context_len - query_len, context_len, device=device)
-                mask = key_positions[None, :] <= query_positions[:, None]
-                context_chunks.append(ContextChunk(token_start, token_end, slots, mask))
+                context_chunks.append(context_chunk(token_start, query_len, context_len, table, block_size, device))
             token_start = token_end
 
         decodes = None
@@ -181,16 +194,14 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
         if metadata.covers_whole_batch:
-            return _causal_self_attention(q, k, v)
+            return causal_self_attention(q, k, v)
         if metadata.decodes_cover_whole_batch:  # a pure decode step: no output buffer to fill
             return _decode_attention(q, kv_cache, layer_idx, metadata.decodes)
         out = torch.empty_like(q)
         for start, end in metadata.fresh_prefills:
-            out[start:end] = _causal_self_attention(q[start:end], k[start:end], v[start:end])
+            out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end])
         for chunk in metadata.context_chunks:
-            keys, values = kv_cache.gather(layer_idx, chunk.context_slots, _compute_dtype(q))
-            out[chunk.token_start:chunk.token_end] = _chunk_attention(
-                q[chunk.token_start:chunk.token_end], keys, values, chunk.mask)
+            out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk)
         if metadata.decodes is not None:
             group = metadata.decodes
             batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
@@ -209,7 +220,7 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
-def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """A sequence attending over its own new tokens only: [Q, H, D] x [Q, KV, D] -> [Q, H, D]."""
     dtype = _compute_dtype(q)
     out = F.scaled_dot_product_attention(

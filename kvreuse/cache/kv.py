@@ -162,6 +162,16 @@ class KVCache:
                                    self.scheme, dtype) for which in (0, 1))
         return keys, values
 
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``layer``'s K and V as stored, [num_slots, kv_heads, head_dim] each (the model's dtype, or one-byte
+        codes), and their scales [num_slots, kv_heads] where the pool is quantized (else None): what a kernel
+        that reads the pool in place (models/paged_attention.py) is handed."""
+        codes = self._codes[layer]
+        if self.scheme is None:
+            return codes[0], codes[1], None, None
+        scales = self._scales[layer]
+        return codes[0], codes[1], scales[0], scales[1]
+
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy the first ``num_tokens`` slots of each source block into its destination, all layers."""
         if not copies:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from kvreuse.attention.backend import AttentionBackend
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
+from kvreuse.models import paged_attention
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -123,7 +125,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         codec=cpu_kv_codec() if device.type == "cpu" and config.cache.kv_cache_dtype != "auto" else None,
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
-                         max_num_seqs=config.scheduler.max_num_seqs)
+                         max_num_seqs=config.scheduler.max_num_seqs,
+                         attention_backend=choose_attention_backend(config, device, dtype))
     held = model.weight_memory_bytes()
     on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if gguf_file else ""
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
@@ -179,6 +182,32 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available")
     return resolved
+
+
+def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> AttentionBackend | None:
+    """The attention backend ``config.attention_backend`` asks for; None keeps the model's TorchPagedAttention.
+    auto: the in-place C++ kernel on CPU where it builds, except under enable_torch_compile (whose graphs
+    trace the torch backend). Logged once, with the reason where it is not the kernel."""
+    choice = config.attention_backend
+    if choice == "torch":
+        logger.info("attention: torch (gather + SDPA), as asked")
+        return None
+    backend = paged_attention.paged_attention_backend(device, dtype)
+    if choice == "cpu_paged":
+        if config.enable_torch_compile:
+            raise ValueError("attention_backend 'cpu_paged' cannot run under enable_torch_compile (its graphs "
+                             "trace the torch backend); use one or the other")
+        if backend is None:
+            raise ValueError(f"attention_backend 'cpu_paged' needs a CPU device, a float32 / bfloat16 / float16 "
+                             f"model and the kernel built (device {device}, dtype {dtype}; see the log)")
+    elif config.enable_torch_compile or backend is None:
+        reason = ("enable_torch_compile traces the torch backend" if config.enable_torch_compile
+                  else f"the in-place kernel does not run on {device} / {dtype} here")
+        logger.info("attention: torch (gather + SDPA): %s", reason)
+        return None
+    logger.info("attention: cpu_paged (the in-place C++ kernel; chunks over cached context of more than %d "
+                "tokens gather and run SDPA)", paged_attention.MAX_PAGED_QUERIES)
+    return backend
 
 
 def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,

@@ -1,0 +1,173 @@
+"""Paged attention in place on CPU (csrc/paged_attention.cpp), loaded as ``torch.ops.kvreuse_attn``.
+
+``TorchPagedAttention`` (kvreuse/attention/torch_paged.py) gathers every context a step attends over out
+of the paged pool and hands the copy to SDPA: for a decode row after a 4,000-token context that is a 4,000
+x kv_heads x head_dim copy per layer per token, plus a dequantizing one on a quantized pool. The kernel
+here reads each K/V row through the block table where it lies, converts it (bfloat16, float16, or one-byte
+codes times their scale) as it is read, and runs an online softmax split over the context
+(flash-decoding), with the query heads of a KV head folded into one tile. It serves:
+
+- decode rows (one query per sequence) and prefill chunks that continue cached context (a warm
+  request's suffix after a prefix hit): one call per layer for all of them;
+- not a sequence with no cached context: it attends over its own new K/V with SDPA's causal kernel,
+  as in the reference (no pool read at all, and a GEMM-shaped call this loop does not beat).
+
+``NativePagedAttention`` is the ``AttentionBackend`` that runs it; it is what a CPU engine runs when the
+kernel builds (``paged_attention_backend``), and ``TorchPagedAttention`` stays the reference (and the
+CUDA path). Built and cached like the other kernels (models/rowdot.py: ``-march=native``, named by a
+digest of source, flags, torch and CPU). The kernel equals the reference within float summation error
+(tests/test_paged_attention.py: block sizes, ragged and mid-block contexts, copied partial blocks,
+preemption, GQA ratios, head_dim 64 and 128, every KV dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.torch_paged import ContextChunk, attend_chunk, causal_self_attention, context_chunk, validate_batch
+from kvreuse.cache.kv import KVCache
+from kvreuse.models.rowdot import build_name, load_extension
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SCHEME_INDEX = {None: -1, "int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+# A chunk over cached context of more queries than this gathers its context and runs SDPA: past about 8
+# queries SDPA's GEMM-shaped product outruns this kernel's per-row loops, and the copy is shared by all the
+# chunk's queries (measured on a 2-core AVX2 EPYC, 9 heads over 3 KV heads of 64, 2,048-token context:
+# 2 queries 7-10x faster in place, 4 about 1.3x, 8 even, 16 and more slower). Decode rows and verified
+# drafts (a few queries) stay in place.
+MAX_PAGED_QUERIES = 8
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def library() -> Path | None:
+    built = load_extension(SOURCE, build_name(SOURCE, "kvreuse_paged_attention"), "the paged attention kernel",
+                           "attention gathers the context and runs SDPA (TorchPagedAttention)")
+    if built is not None:
+        @torch.library.register_fake("kvreuse_attn::paged_attention")
+        def _(out, q, k_pool, v_pool, k_scales, v_scales, block_tables, query_start, query_lens, context_lens,
+              block_size, scheme, scale, partition_size) -> None:
+            return None
+    return built
+
+
+def available() -> bool:
+    """Whether the kernel runs here (built now if this machine's cache has no build of it)."""
+    return library() is not None
+
+
+@dataclass
+class PagedRows:
+    """The sequences the kernel attends for, as the tensors it reads (int64, on the CPU)."""
+
+    block_tables: torch.Tensor  # [seqs, width]: block ids, padded with block 0 past a sequence's own
+    query_start: torch.Tensor  # [seqs]: each sequence's first row in the step's q
+    query_lens: torch.Tensor  # [seqs]
+    context_lens: torch.Tensor  # [seqs]: cached + new tokens
+
+
+@dataclass
+class NativeAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is stored
+    fresh_prefills: list[tuple[int, int]]  # (token_start, token_end) of sequences with no cached context
+    paged: PagedRows | None  # decode rows and short chunks over cached context: the kernel's
+    context_chunks: list[ContextChunk]  # longer chunks over cached context: gathered, then SDPA
+    covers_whole_batch: bool  # a single fresh prefill spans every token
+    paged_covers_whole_batch: bool  # every token is the kernel's
+
+
+def paged_rows(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], starts: list[int],
+               block_size: int) -> PagedRows:
+    """The kernel's view of the given sequences (their rows start at ``starts``); each table is cut to the
+    blocks its context uses and padded to the longest."""
+    used = [table[: -(-length // block_size)] for table, length in zip(block_tables, context_lens)]
+    width = max(len(table) for table in used)
+    tables = torch.zeros((len(used), width), dtype=torch.int64)
+    for index, table in enumerate(used):
+        tables[index, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    return PagedRows(tables, torch.tensor(starts, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
+                     torch.tensor(context_lens, dtype=torch.int64))
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer: int, rows: PagedRows,
+                    partition_size: int = 0) -> None:
+    """Fill ``out`` [T, heads, head_dim] at the rows of ``rows``' sequences with their queries' attention over
+    their paged context in ``kv_cache``'s ``layer`` (written before the call). ``partition_size`` 0: the kernel
+    splits long contexts to keep every thread busy; a positive value forces a split length (tests)."""
+    k_pool, v_pool, k_scales, v_scales = kv_cache.layer_pools(layer)
+    scheme = SCHEME_INDEX[kv_cache.scheme.name if kv_cache.scheme is not None else None]
+    torch.ops.kvreuse_attn.paged_attention(
+        out, q, k_pool, v_pool, k_scales, v_scales, rows.block_tables, rows.query_start, rows.query_lens,
+        rows.context_lens, kv_cache.block_size, scheme, 1.0 / math.sqrt(q.shape[-1]), partition_size)
+
+
+class NativePagedAttention(AttentionBackend):
+    """Paged attention on the C++ kernel (CPU): decode rows and chunks over cached context read the pool in
+    place; sequences with no cached context use SDPA's causal kernel. ``available()`` must be True."""
+
+    def __init__(self, validate: bool = True, max_paged_queries: int = MAX_PAGED_QUERIES) -> None:
+        if not available():
+            raise RuntimeError("the paged attention kernel could not be built on this machine (see the log); "
+                               "use TorchPagedAttention")
+        self.validate = validate
+        self.max_paged_queries = max_paged_queries  # longer chunks over cached context gather (tests: any)
+
+    def prepare(self, batch: ForwardBatch, block_size: int) -> NativeAttentionMetadata:
+        if self.validate:
+            validate_batch(batch, block_size)
+        fresh: list[tuple[int, int]] = []
+        chunks: list[ContextChunk] = []
+        paged_lens: list[int] = []
+        paged_contexts: list[int] = []
+        paged_tables: list[list[int]] = []
+        paged_starts: list[int] = []
+        token_start = 0
+        for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            if context_len == query_len:
+                fresh.append((token_start, token_start + query_len))
+            elif query_len > self.max_paged_queries:
+                chunks.append(context_chunk(token_start, query_len, context_len, table, block_size,
+                                            batch.input_ids.device))
+            else:
+                paged_lens.append(query_len)
+                paged_contexts.append(context_len)
+                paged_tables.append(table)
+                paged_starts.append(token_start)
+            token_start += query_len
+        paged = (paged_rows(paged_lens, paged_contexts, paged_tables, paged_starts, block_size)
+                 if paged_lens else None)
+        return NativeAttentionMetadata(
+            slot_mapping=batch.slot_mapping, fresh_prefills=fresh, paged=paged, context_chunks=chunks,
+            covers_whole_batch=len(fresh) == 1 and paged is None and not chunks,
+            paged_covers_whole_batch=not fresh and not chunks,
+        )
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: NativeAttentionMetadata) -> torch.Tensor:
+        kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
+        if metadata.covers_whole_batch:
+            return causal_self_attention(q, k, v)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        for start, end in metadata.fresh_prefills:
+            out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end])
+        for chunk in metadata.context_chunks:
+            out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk)
+        if metadata.paged is not None:
+            paged_attention(out, q, kv_cache, layer_idx, metadata.paged)
+        return out
+
+
+def paged_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend | None:
+    """The in-place kernel's backend where it runs (CPU, a dtype it reads, the kernel built); None otherwise
+    (the model keeps ``TorchPagedAttention``)."""
+    if device.type != "cpu" or dtype not in Q_DTYPES or not available():
+        return None
+    return NativePagedAttention()

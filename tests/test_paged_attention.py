@@ -1,0 +1,226 @@
+"""The in-place paged attention kernel (models/csrc/paged_attention.cpp) against its references.
+
+Each case writes K/V for a few sequences into scattered blocks of a ``KVCache``, then runs the kernel over
+the sequences' block tables and compares every output row with a float64 dense causal attention over the
+same K/V as the pool holds them (a quantized pool's values dequantized: the kernel applies the scales as
+it reads). Covered: block sizes 1, 16 and 32; ragged contexts, contexts ending mid-block and a context of
+one token; decode rows and chunks over cached context (many queries, offset causal mask), in one call;
+contexts split into partitions (flash-decoding's merge); GQA ratios 1 to 8; head_dim 64 and 128; K/V in
+float32, bfloat16 and every quantized scheme; a block copied in part (token-granular reuse); the backend
+beside SDPA's fresh prefills; and engine runs that must pick the kernel and keep greedy output equal to
+the torch backend's through prefix hits and preemption, with the cache invariants checked every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.cache.blocks import BlockCopy
+from kvreuse.cache.kv import KVCache
+from kvreuse.models import paged_attention
+from kvreuse.models.paged_attention import NativePagedAttention, paged_rows
+
+pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="the paged attention kernel did not build")
+
+
+def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """float64: q [Q, H, D], the last Q positions of a context keys/values [L, KV, D]."""
+    num_queries, heads, dim = q.shape
+    length, kv_heads, _ = keys.shape
+    keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    values = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.double(), keys) / math.sqrt(dim)
+    visible = torch.arange(length)[None, :] <= torch.arange(length - num_queries, length)[:, None]
+    return torch.einsum("hql,lhd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
+class Pool:
+    """A one-layer pool with sequences written into shuffled blocks."""
+
+    def __init__(self, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype, kv_cache_dtype: str,
+                 num_blocks: int, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache = KVCache(1, num_blocks, block_size, kv_heads, dim, dtype, "cpu", kv_cache_dtype=kv_cache_dtype)
+        self.free = torch.randperm(num_blocks, generator=self.generator).tolist()
+        self.block_size, self.kv_heads, self.dim, self.dtype = block_size, kv_heads, dim, dtype
+
+    def random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator).to(self.dtype)
+
+    def new_table(self, length: int) -> list[int]:
+        count = -(-length // self.block_size)
+        table, self.free = self.free[:count], self.free[count:]
+        return table
+
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        return torch.tensor(table, dtype=torch.int64)[positions // self.block_size] * self.block_size + (
+            positions % self.block_size)
+
+    def write(self, table: list[int], start: int, end: int) -> None:
+        shape = (end - start, self.kv_heads, self.dim)
+        self.cache.write(0, self.slots(table, start, end), self.random(*shape), self.random(*shape))
+
+    def held(self, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a sequence as the pool holds them, in float32 (dequantized)."""
+        return self.cache.gather(0, self.slots(table, 0, length), torch.float32)
+
+
+def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads: int,
+               partition_size: int = 0) -> None:
+    """Write every sequence's context, run the kernel once over all of them, compare each with the reference."""
+    tables = [pool.new_table(length) for length in context_lens]
+    for table, length in zip(tables, context_lens):
+        pool.write(table, 0, length)
+    starts = [sum(query_lens[:index]) for index in range(len(query_lens))]
+    q = pool.random(sum(query_lens), heads, pool.dim)
+    out = torch.full_like(q, float("nan"))
+    rows = paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
+    paged_attention.paged_attention(out, q, pool.cache, 0, rows, partition_size)
+    tolerance = 1e-5 if pool.dtype == torch.float32 else 2e-2  # bfloat16: the output's own rounding
+    for table, start, query_len, length in zip(tables, starts, query_lens, context_lens):
+        keys, values = pool.held(table, length)
+        expected = dense_reference(q[start:start + query_len].float(), keys, values)
+        torch.testing.assert_close(out[start:start + query_len].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_ragged_decodes_and_chunks_in_one_call(block_size, kv_cache_dtype):
+    pool = Pool(block_size, 2, 64, torch.float32, kv_cache_dtype, num_blocks=600 // block_size + 40)
+    # Decode rows (one query), chunks over cached context (5 and 23 queries), a context of one token,
+    # contexts ending mid-block and on a block boundary.
+    run_kernel(pool, query_lens=[1, 5, 1, 23, 1, 1], context_lens=[1, 37, 64, 100, 257, 130], heads=8)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (12, 3), (8, 1), (64, 8)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gqa_ratios_and_head_dims(heads, kv_heads, dim):
+    pool = Pool(16, kv_heads, dim, torch.float32, "auto", num_blocks=48)
+    run_kernel(pool, query_lens=[1, 3, 1], context_lens=[77, 40, 300], heads=heads)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_bfloat16_model(kv_cache_dtype):
+    pool = Pool(16, 3, 64, torch.bfloat16, kv_cache_dtype, num_blocks=80)
+    run_kernel(pool, query_lens=[1, 1, 7], context_lens=[500, 33, 90], heads=9)
+
+
+@pytest.mark.parametrize("partition_size", [16, 48, 512])
+def test_partitions_of_a_long_context_merge_exactly(partition_size):
+    # Split contexts: each partition keeps its own max and sum, merged at the end; chunk rows whose causal
+    # limit ends before a later partition see nothing there.
+    pool = Pool(16, 2, 64, torch.float32, "auto", num_blocks=120)
+    run_kernel(pool, query_lens=[1, 20, 1], context_lens=[1000, 200, 35], heads=4, partition_size=partition_size)
+
+
+def test_a_block_copied_in_part_reads_like_its_source():
+    # Token-granular reuse: a second sequence shares the first's full blocks and gets a copy of the first
+    # 5 tokens of its last one (BlockCopy), then attends in place over both kinds of block.
+    pool = Pool(16, 2, 64, torch.float32, "int8", num_blocks=16)
+    table = pool.new_table(40)
+    pool.write(table, 0, 40)
+    copy = pool.new_table(16)[0]
+    pool.cache.copy_blocks([BlockCopy(src_block=table[2], dst_block=copy, num_tokens=5)])
+    reuse_table = table[:2] + [copy]
+    pool.write(reuse_table, 37, 38)  # the new sequence's own next token after the 37 reused
+    q = pool.random(1, 4, 64)
+    out = torch.empty_like(q)
+    paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [38], [reuse_table], [0], 16))
+    keys, values = pool.held(reuse_table, 38)
+    source_keys, _ = pool.held(table, 37)
+    assert torch.equal(keys[:37], source_keys)  # the copy holds the source's bytes
+    torch.testing.assert_close(out.double(), dense_reference(q, keys, values), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_matches_the_torch_reference_beside_fresh_prefills():
+    # One step: a fresh prefill (SDPA), a long chunk over cached context (gathered), a short one and two
+    # decodes (the kernel), in rows that are not contiguous per kind.
+    pool = Pool(4, 2, 16, torch.float32, "auto", num_blocks=64)
+    specs = [(6, 6), (1, 20), (12, 30), (3, 9), (1, 5)]  # (query_len, context_len)
+    tables = [pool.new_table(length) for _, length in specs]
+    for table, (query_len, length) in zip(tables, specs):
+        pool.write(table, 0, length - query_len)
+    positions, slots = [], []
+    for table, (query_len, length) in zip(tables, specs):
+        positions.append(torch.arange(length - query_len, length))
+        slots.append(pool.slots(table, length - query_len, length))
+    tokens = sum(query_len for query_len, _ in specs)
+    batch = ForwardBatch(torch.zeros(tokens, dtype=torch.int64), torch.cat(positions), torch.cat(slots),
+                         [s[0] for s in specs], [s[1] for s in specs], tables, torch.zeros(0, dtype=torch.int64))
+    q, k, v = pool.random(tokens, 4, 16), pool.random(tokens, 2, 16), pool.random(tokens, 2, 16)
+    native = NativePagedAttention()
+    metadata = native.prepare(batch, 4)
+    assert [c.token_end - c.token_start for c in metadata.context_chunks] == [12]  # over MAX_PAGED_QUERIES
+    assert metadata.paged is not None and metadata.paged.query_lens.tolist() == [1, 3, 1]
+    out = native.forward(0, q, k, v, pool.cache, metadata)
+    reference = TorchPagedAttention()
+    expected = reference.forward(0, q, k, v, pool.cache, reference.prepare(batch, 4))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_tables_and_shapes_are_refused():
+    pool = Pool(4, 2, 16, torch.float32, "auto", num_blocks=8)
+    q = torch.zeros(1, 4, 16)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0, 8]], [0], 4))
+    with pytest.raises(RuntimeError, match="needs 2 blocks"):
+        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0]], [0], 4))
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        paged_attention.paged_attention(torch.empty(1, 3, 16), torch.zeros(1, 3, 16), pool.cache, 0,
+                                        paged_rows([1], [2], [[0]], [0], 4))
+
+
+# ---- in the engine --------------------------------------------------------------------------------------
+
+def _greedy_with_invariants(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    from kvreuse import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{id(prompts)}-{index}", {"prompt_token_ids": prompt}, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+        engine.check_integrity()
+    return [done[f"r{id(prompts)}-{index}"] for index in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_runs_the_kernel_and_equals_the_torch_backend(tiny_models, kv_cache_dtype):
+    from kvreuse import LLM
+
+    model_dir = tiny_models["qwen3"]
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 300, (45,), generator=generator).tolist()
+    # Cold prompts, then hits ending mid-block, a full hit and a long warm suffix (a chunk over cached context
+    # that gathers), all on a pool small enough to preempt.
+    rounds = [[shared + [7, 8, 9], shared[:30] + [5] * 3],
+              [shared[:43] + [11, 12], shared + [7, 8, 9], shared[:22] + list(range(40, 60))]]
+    outputs = {}
+    for backend in ("torch", "cpu_paged"):
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory="256KiB",
+                  max_num_batched_tokens=24, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
+        expected_type = TorchPagedAttention if backend == "torch" else NativePagedAttention
+        assert type(llm.engine.runner.attention_backend) is expected_type
+        outputs[backend] = [_greedy_with_invariants(llm, prompts) for prompts in rounds]
+        assert llm.engine.stats().cache.hit_tokens > 0
+    assert outputs["cpu_paged"] == outputs["torch"]
+
+
+def test_auto_picks_the_kernel_on_cpu_and_a_bad_name_is_refused(tiny_model):
+    from kvreuse import LLM
+
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="1MiB")
+    assert isinstance(llm.engine.runner.attention_backend, NativePagedAttention)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="1MiB", attention_backend="flash")
