@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.attention.forward_batch import ProjectionDeltas
-from kvreuse.models import qlinear
+from kvreuse.models import fused_ops, qlinear
 from kvreuse.models.config import Llama3RopeScaling
 from kvreuse.models.kernels import LinearKernel, PlanBook
 from kvreuse.models.qlinear import QuantizedLinearKernel
@@ -33,13 +33,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _empty_parameter((size,), dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Reduced precision: normalise in float32, round to the activation dtype, then scale by the
-        # weight in that dtype, the order transformers uses, so bf16 logits match it closely.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-        return normed.mul_(self.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * weight; with ``residual``, x += residual first (in place: x is the residual stream)."""
+        if x.is_contiguous() and fused_ops.applies(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        return fused_ops.reference_rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inverse_frequencies(
@@ -97,10 +95,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] by position (rotate-half layout, as in HF checkpoints)."""
-    half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return fused_ops.reference_rotary(x, cos, sin)
 
 
 class Linear(nn.Module):
@@ -208,10 +203,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        # In place: the [T, intermediate] activations are the largest tensors of a prefill, and
-        # not allocating a second one is measurably faster on CPU.
-        return self.down_proj(F.silu(gate).mul_(up), lora)
+        if gate_up.is_contiguous() and fused_ops.applies(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up), lora)
+        return self.down_proj(fused_ops.reference_silu_mul(gate_up), lora)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -25,13 +25,31 @@ from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models import qlinear
+from kvreuse.models import fused_ops, qlinear
 from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.models.qlinear import QuantizedLinearKernel
 from kvreuse.models.quant import QuantizedTensor, quantize_int8
 
 logger = logging.getLogger(__name__)
+
+class RopeInputs:
+    """What every layer's rotary needs, made once per forward: the positions, and either the fused kernel's
+    float32 tables (``fused``: models/fused_ops.py rotates in place) or cos / sin in the activation dtype,
+    gathered on first use and shared by every layer."""
+
+    def __init__(self, positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype, fused: bool) -> None:
+        self.positions = positions
+        self.rotary = rotary
+        self.dtype = dtype
+        self.fused: RotaryEmbedding | None = rotary if fused else None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return self._cos_sin
+
 
 class LlamaFamilyAttention(nn.Module):
     def __init__(
@@ -60,11 +78,27 @@ class LlamaFamilyAttention(nn.Module):
             self.k_norm = None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
+        self, hidden: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, attn_metadata: Any,
         lora: ProjectionDeltas | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden, lora)
+        if rope.fused is not None and qkv.stride(-1) == 1:
+            # q/k norms and rotary in one pass over the fused rows, in place (models/fused_ops.py).
+            table = rope.fused
+            fused_ops.rotary_(qkv, table.cos_cache, table.sin_cache, rope.positions, self.num_heads,
+                              self.num_kv_heads, self.head_dim,
+                              self.q_norm.weight if self.q_norm is not None else None,
+                              self.k_norm.weight if self.k_norm is not None else None,
+                              self.q_norm.eps if self.q_norm is not None else 0.0)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            out = self.attention_backend.forward(
+                self.layer_idx, q.view(num_tokens, self.num_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, attn_metadata)
+            return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
+        cos, sin = rope.cos_sin()
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -91,12 +125,13 @@ class LlamaFamilyDecoderLayer(nn.Module):
         self.mlp.down_proj.lora_layer, self.mlp.down_proj.lora_modules = layer_idx, ("down_proj",)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, attn_metadata: Any,
+        self, hidden: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, attn_metadata: Any,
         lora: ProjectionDeltas | None = None,
     ) -> torch.Tensor:
-        # The residual stream is owned by the model forward, so it is updated in place.
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata, lora))
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden), lora))
+        # The residual stream is owned by the model forward, so it is updated in place: the attention's output
+        # is added by the post-attention norm (one pass), the MLP's here.
+        attention = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn_metadata, lora)
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=attention), lora))
 
 
 class LlamaFamilyModel(nn.Module):
@@ -180,12 +215,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        rope = RopeInputs(positions, self.rotary, hidden.dtype, fused_ops.applies(hidden))  # shared by every layer
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             if index in aux_layers:
                 captured[index] = hidden.clone()  # the layers update the residual stream in place
-            hidden = layer(hidden, cos, sin, kv_caches, attn_metadata, lora)
+            hidden = layer(hidden, rope, kv_caches, attn_metadata, lora)
         if aux_out is not None:
             aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)

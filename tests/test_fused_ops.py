@@ -1,0 +1,70 @@
+"""The fused decoder-layer kernels (models/csrc/fused_ops.cpp) against the PyTorch code they replace.
+
+float32 within float rounding; bfloat16 and float16 within one rounding of the dtype (PyTorch rounds after
+every op, the kernels once or twice). Covered: the RMSNorm with and without the residual add (which must
+update the residual stream in place exactly as ``add_`` does), rotary with and without Qwen3's q/k norms
+on fused q|k|v rows (v untouched, positions anywhere in the table), SiLU-and-multiply, and a position
+outside the rotary table refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.models import fused_ops
+from kvreuse.models.layers import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="the fused kernels did not build")
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(dtype)
+    residual = torch.randn(5, 96, generator=generator).to(dtype) if with_residual else None
+    x_reference = x.clone()
+    expected = fused_ops.reference_rms_norm(x_reference, weight, 1e-6, residual)
+    out = fused_ops.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(x, x_reference, atol=0, rtol=0)  # the residual stream, added as add_ does
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_on_fused_rows(dtype, qk_norm):
+    generator = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 6, 2, 32
+    rotary = RotaryEmbedding(dim, 4096, 10000.0, None, torch.device("cpu"))
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    positions = torch.tensor([0, 1, 17, 1000, 4095, 3, 3])
+    q_norm = (1 + 0.1 * torch.randn(dim, generator=generator)).to(dtype) if qk_norm else None
+    k_norm = (1 + 0.1 * torch.randn(dim, generator=generator)).to(dtype) if qk_norm else None
+    q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(7, heads, dim), k.reshape(7, kv_heads, dim)
+    if qk_norm:
+        q = fused_ops.reference_rms_norm(q.contiguous(), q_norm, 1e-6)
+        k = fused_ops.reference_rms_norm(k.contiguous(), k_norm, 1e-6)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    expected_q = fused_ops.reference_rotary(q, cos, sin)
+    expected_k = fused_ops.reference_rotary(k, cos, sin)
+    fused_ops.rotary_(qkv, rotary.cos_cache, rotary.sin_cache, positions, heads, kv_heads, dim, q_norm, k_norm, 1e-6)
+    out_q, out_k, out_v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    tolerance = 2 * TOLERANCE[dtype]  # two roundings apart at most: the norm's and the rotation's
+    torch.testing.assert_close(out_q.reshape(7, heads, dim), expected_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out_k.reshape(7, kv_heads, dim), expected_k, atol=tolerance, rtol=tolerance)
+    assert torch.equal(out_v, v)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        fused_ops.rotary_(qkv, rotary.cos_cache, rotary.sin_cache, torch.tensor([0, 1, 2, 3, 4, 5, 4096]), heads,
+                          kv_heads, dim, None, None, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gate_up = (3 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(2))).to(dtype)
+    expected = fused_ops.reference_silu_mul(gate_up.clone())
+    torch.testing.assert_close(fused_ops.silu_mul(gate_up), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
