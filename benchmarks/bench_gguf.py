@@ -9,7 +9,8 @@ bytes: bf16 against llama.cpp's f16 cache). One HTTP client measures
 both the same way, with token-id prompts (random ids of the file's vocabulary) on /v1/completions,
 ``ignore_eos`` and greedy sampling:
   1. decode tokens/s, one stream: a --decode-prompt-token prompt, --decode-tokens streamed tokens; the
-     tokens after the first over the time after the first (median of --repeats);
+     tokens after the first over the time after the first (median of --repeats); the same after a
+     --long-context-tokens prompt (4,000: attention's share of a step grows with the context);
   2. decode tokens/s, --concurrency streams at once: the sum of each stream's rate (median of --repeats);
   3. cold prefill: time to the first token of a new --prefill-len-token prompt (median of --repeats);
      prefill tokens/s = its length over that time;
@@ -60,7 +61,8 @@ def vm_status(pid: int) -> dict[str, int]:
     return fields
 
 
-SYSTEMS = ("kvreuse", "kvreuse-compiled", "llama-server")
+# kvreuse-torch-attention: kvreuse with --attention-backend torch (gather + SDPA), the in-place kernel's "off".
+SYSTEMS = ("kvreuse", "kvreuse-torch-attention", "kvreuse-compiled", "llama-server")
 
 
 def kv_bytes(gguf: str, tokens: int, dtype: str) -> int:
@@ -87,6 +89,8 @@ def server_command(system: str, gguf: str, port: int, args: argparse.Namespace) 
     command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", gguf, "--port", str(port), "--dtype", args.dtype,
                "--kv-cache-memory", str(kv_bytes(gguf, args.ctx_size, args.dtype)), "--served-model-name", SERVED,
                "--stats-log-interval", "0"]
+    if system == "kvreuse-torch-attention":
+        command += ["--attention-backend", "torch"]
     return command + (["--enable-torch-compile"] if system == "kvreuse-compiled" else [])
 
 
@@ -159,10 +163,12 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
         # First requests, one and --concurrency at once: lazy set-up (and a compiled batch size) out of the figures.
         asyncio.run(client.decode_rate([tokens(16)], 8))
         asyncio.run(client.decode_rate([tokens(16) for _ in range(args.concurrency)], 8))
-        one, many, cold, warm = [], [], [], []
+        one, long_context, many, cold, warm = [], [], [], [], []
         for _ in range(args.repeats):
             time.sleep(args.settle_s)
             one.append(asyncio.run(client.decode_rate([tokens(args.decode_prompt_tokens)], args.decode_tokens)))
+            time.sleep(args.settle_s)
+            long_context.append(asyncio.run(client.decode_rate([tokens(args.long_context_tokens)], args.decode_tokens)))
             time.sleep(args.settle_s)
             many.append(asyncio.run(client.decode_rate(
                 [tokens(args.decode_prompt_tokens) for _ in range(args.concurrency)], args.decode_tokens)))
@@ -173,6 +179,7 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
             warm.append(asyncio.run(client.ttft(prefix + tokens(16))))
         result |= {
             "decode_tok_s_one_stream": statistics.median(one),
+            "decode_tok_s_one_stream_long_context": statistics.median(long_context),
             f"decode_tok_s_{args.concurrency}_streams": statistics.median(many),
             "cold_ttft_s": statistics.median(cold),
             "prefill_tok_s": args.prefill_len / statistics.median(cold),
@@ -196,6 +203,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--decode-prompt-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--long-context-tokens", type=int, default=4000,
+                        help="the prompt of the one-stream decode after a long context")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -207,6 +216,7 @@ def main() -> int:
         parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
         args.concurrency, args.decode_prompt_tokens, args.decode_tokens, args.prefill_len, args.repeats = 2, 8, 4, 32, 1
+        args.long_context_tokens = 48
         args.ctx_size = 512
         systems = ["kvreuse"]
         args.settle_s = 0.0  # no llama-server whose threads to wait for
@@ -216,7 +226,8 @@ def main() -> int:
     print(f"machine: {machine_description()}")
     flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
                      "").split())
-    print("CPU flags: " + ", ".join(flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags))
+    print("CPU flags: " + ", ".join(flag for flag in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+                                    if flag in flags))
     rng = random.Random(args.seed)
     all_results: dict[str, dict] = {}
     import tempfile
@@ -237,6 +248,7 @@ def main() -> int:
 def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> None:
     print(f"\n{name} ({size / 2**20:.1f} MiB)")
     rows = [("decode tok/s, 1 stream", "decode_tok_s_one_stream", "{:.1f}", True),
+            ("decode tok/s, 1 stream, long", "decode_tok_s_one_stream_long_context", "{:.1f}", True),
             (f"decode tok/s, {concurrency} streams", f"decode_tok_s_{concurrency}_streams", "{:.1f}", True),
             ("cold TTFT s (prefill)", "cold_ttft_s", "{:.3f}", False),
             ("prefill tok/s", "prefill_tok_s", "{:.0f}", True),
@@ -247,16 +259,16 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
     systems = list(figures)
     ours = [system for system in systems if system.startswith("kvreuse")]
     peer = "llama-server" if "llama-server" in figures else None
-    header = "".join(f"{system:>18}" for system in systems)
-    header += "".join(f"{system + '/llama':>24}" for system in ours) if peer else ""
+    header = "".join(f"{system:>24}" for system in systems)
+    header += "".join(f"{system + '/llama':>30}" for system in ours) if peer else ""
     print(f"{'':28}{header}")
     for label, key, fmt, _ in rows:
         values = [figures[system].get(key) for system in systems]
         scale = 2**20 if key.endswith("bytes") else 1
-        cells = "".join(f"{'-' if v is None else fmt.format(v / scale):>18}" for v in values)
+        cells = "".join(f"{'-' if v is None else fmt.format(v / scale):>24}" for v in values)
         if peer:
             base = figures[peer].get(key)
-            cells += "".join(f"{'-' if figures[s].get(key) is None or not base else f'{figures[s][key] / base:.2f}':>24}"
+            cells += "".join(f"{'-' if figures[s].get(key) is None or not base else f'{figures[s][key] / base:.2f}':>30}"
                              for s in ours)
         print(f"{label:28}{cells}")
 
