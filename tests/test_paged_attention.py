@@ -224,3 +224,28 @@ def test_auto_picks_the_kernel_on_cpu_and_a_bad_name_is_refused(tiny_model):
     assert isinstance(llm.engine.runner.attention_backend, NativePagedAttention)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="1MiB", attention_backend="flash")
+
+
+def test_a_decode_step_stores_its_kv_and_reads_q_from_the_fused_rows():
+    # The hot path: every row a decode, a pool in the model's dtype. The kernel stores the step's K/V itself
+    # and reads q, k and v as views of one q|k|v product (rows wider than the heads); a quantized pool takes
+    # the separate write.
+    for kv_cache_dtype in ("auto", "int8"):
+        pool = Pool(4, 2, 16, torch.float32, kv_cache_dtype, num_blocks=40)
+        lengths = [9, 14, 1]
+        tables = [pool.new_table(length) for length in lengths]
+        for table, length in zip(tables, lengths):
+            pool.write(table, 0, length - 1)
+        slots = torch.cat([pool.slots(table, length - 1, length) for table, length in zip(tables, lengths)])
+        batch = ForwardBatch(torch.zeros(3, dtype=torch.int64), torch.tensor([n - 1 for n in lengths]), slots,
+                             [1, 1, 1], lengths, tables, torch.zeros(3, dtype=torch.int64))
+        qkv = pool.random(3, (4 + 2 + 2) * 16)
+        q, k, v = (part.view(3, -1, 16) for part in qkv.split([64, 32, 32], dim=-1))
+        native = NativePagedAttention()
+        out = native.forward(0, q, k, v, pool.cache, native.prepare(batch, 4))
+        for index, (table, length) in enumerate(zip(tables, lengths)):
+            keys, values = pool.held(table, length)
+            if kv_cache_dtype == "auto":
+                assert torch.equal(keys[-1], k[index]) and torch.equal(values[-1], v[index])  # stored as given
+            torch.testing.assert_close(out[index:index + 1].double(), dense_reference(q[index:index + 1], keys, values),
+                                       atol=1e-5, rtol=1e-5)

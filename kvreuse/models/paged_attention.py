@@ -53,7 +53,7 @@ def library() -> Path | None:
     if built is not None:
         @torch.library.register_fake("kvreuse_attn::paged_attention")
         def _(out, q, k_pool, v_pool, k_scales, v_scales, block_tables, query_start, query_lens, context_lens,
-              block_size, scheme, scale, partition_size) -> None:
+              block_size, scheme, scale, partition_size, k_new, v_new, slot_mapping) -> None:
             return None
     return built
 
@@ -97,15 +97,20 @@ def paged_rows(query_lens: list[int], context_lens: list[int], block_tables: lis
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer: int, rows: PagedRows,
-                    partition_size: int = 0) -> None:
-    """Fill ``out`` [T, heads, head_dim] at the rows of ``rows``' sequences with their queries' attention over
-    their paged context in ``kv_cache``'s ``layer`` (written before the call). ``partition_size`` 0: the kernel
-    splits long contexts to keep every thread busy; a positive value forces a split length (tests)."""
+                    partition_size: int = 0, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Fill ``out`` [T, heads, head_dim] (contiguous) at the rows of ``rows``' sequences with their queries'
+    attention over their paged context in ``kv_cache``'s ``layer``. ``q`` may be a view whose tokens are
+    rows of the fused q|k|v product. The step's K/V must be in the pool first: written before the call, or
+    handed in as ``new_kv`` = (k, v, slot_mapping) for the kernel to store first (a pool in the model's
+    dtype only). ``partition_size`` 0: the kernel splits long contexts to keep every thread busy; a positive
+    value forces a split length (tests)."""
     k_pool, v_pool, k_scales, v_scales = kv_cache.layer_pools(layer)
     scheme = SCHEME_INDEX[kv_cache.scheme.name if kv_cache.scheme is not None else None]
+    k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
     torch.ops.kvreuse_attn.paged_attention(
         out, q, k_pool, v_pool, k_scales, v_scales, rows.block_tables, rows.query_start, rows.query_lens,
-        rows.context_lens, kv_cache.block_size, scheme, 1.0 / math.sqrt(q.shape[-1]), partition_size)
+        rows.context_lens, kv_cache.block_size, scheme, 1.0 / math.sqrt(q.shape[-1]), partition_size,
+        k_new, v_new, slots)
 
 
 class NativePagedAttention(AttentionBackend):
@@ -151,17 +156,25 @@ class NativePagedAttention(AttentionBackend):
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: NativeAttentionMetadata) -> torch.Tensor:
+        if (metadata.paged_covers_whole_batch and kv_cache.scheme is None and k.dtype == kv_cache.dtype
+                and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
+            # A step of decode rows and short chunks (the common one): the kernel stores the new K/V and
+            # attends in one call, reading q where the q|k|v product left it.
+            out = q.new_empty(q.shape)
+            paged_attention(out, q, kv_cache, layer_idx, metadata.paged,
+                            new_kv=(k, v, metadata.slot_mapping))
+            return out
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
         if metadata.covers_whole_batch:
             return causal_self_attention(q, k, v)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         for start, end in metadata.fresh_prefills:
             out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end])
         for chunk in metadata.context_chunks:
             out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk)
         if metadata.paged is not None:
-            paged_attention(out, q, kv_cache, layer_idx, metadata.paged)
+            paged_attention(out, q if q.stride(1) == q.shape[2] else q.contiguous(), kv_cache, layer_idx,
+                            metadata.paged)
         return out
 
 

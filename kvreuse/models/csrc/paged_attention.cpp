@@ -248,13 +248,13 @@ inline void store_row(const float* acc, float inv_sum, int64_t dim, Out* out) {
 }
 
 struct Problem {
-  const at::Tensor* q;  // [tokens, heads, dim]
+  const at::Tensor* q;  // [tokens, heads, dim], rows q_stride apart (a view of the fused q|k|v rows)
   at::Tensor* out;
   const int64_t* query_start;
   const int64_t* query_lens;
   const int64_t* context_lens;
   const int64_t* tables;  // [seqs, table_width]
-  int64_t table_width, block_size, heads, kv_heads, group, dim;
+  int64_t table_width, block_size, heads, kv_heads, group, dim, q_stride;
   float scale;
   RowReader keys, values;
 };
@@ -281,7 +281,7 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   const int64_t first_head = tile.kv_begin * group;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = q + r * dim;
-    const int64_t offset = ((token0 + r / rows_per_query) * p.heads + first_head + r % rows_per_query) * dim;
+    const int64_t offset = (token0 + r / rows_per_query) * p.q_stride + (first_head + r % rows_per_query) * dim;
     switch (p.q->scalar_type()) {
       case at::kFloat: {
         const float* src = p.q->data_ptr<float>() + offset;
@@ -402,14 +402,30 @@ Storage storage_of(const at::Tensor& pool, int64_t scheme) {
 }
 
 // out[rows of the given sequences] = attention of q over each sequence's paged context.
-void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+// Stores the step's new K and V rows (k_new / v_new [tokens, kv_heads, head_dim], in the pool's dtype) at
+// their slots: a float pool's write, done here so a decode layer makes one call, not three.
+void write_new_rows(at::Tensor& pool, const at::Tensor& rows, const int64_t* slots, int64_t tokens) {
+  TORCH_CHECK(rows.dim() == 3 && rows.size(0) == tokens && rows.size(1) == pool.size(1) &&
+              rows.size(2) == pool.size(2) && rows.stride(2) == 1 && rows.stride(1) == pool.size(2) &&
+              rows.scalar_type() == pool.scalar_type(), "k_new / v_new: [tokens, kv_heads, head_dim] rows in the pool's dtype");
+  const int64_t row_bytes = pool.size(1) * pool.size(2) * pool.element_size();
+  const auto* src = static_cast<const uint8_t*>(rows.data_ptr());
+  auto* dst = static_cast<uint8_t*>(pool.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(dst + slots[t] * row_bytes, src + t * rows.stride(0) * pool.element_size(), row_bytes);
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at::Tensor v_pool,
                      const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                      const at::Tensor& context_lens, int64_t block_size, int64_t scheme, double scale,
-                     int64_t partition_size) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q: contiguous [tokens, heads, head_dim]");
+                     int64_t partition_size, const c10::optional<at::Tensor>& k_new,
+                     const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& slot_mapping) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: [tokens, heads, head_dim] with each token's heads contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out: like q");
+              "out: contiguous, shaped like q");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "q must be float32, bfloat16 or float16");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes() &&
@@ -445,6 +461,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   const int64_t* clens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1), tokens = q.size(0);
+  if (slot_mapping.has_value()) {
+    TORCH_CHECK(scheme == -1 && k_new.has_value() && v_new.has_value(),
+                "k_new, v_new and slot_mapping go together, into a pool in a float dtype");
+    TORCH_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->dim() == 1 && slot_mapping->is_contiguous() &&
+                slot_mapping->size(0) == tokens, "slot_mapping: contiguous int64 [tokens]");
+    const int64_t* slots = slot_mapping->data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the pool");
+    }
+    write_new_rows(k_pool, *k_new, slots, tokens);
+    write_new_rows(v_pool, *v_new, slots, tokens);
+  }
   // Every index the loops will follow is checked here, once: no read outside the pool or the batch.
   for (int64_t s = 0; s < seqs; ++s) {
     TORCH_CHECK(qlens[s] >= 1 && clens[s] >= qlens[s], "sequence ", s, ": query_len ", qlens[s],
@@ -460,7 +488,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   }
 
   Problem problem{&q, &out, starts, qlens, clens, tables, width, block_size, heads, kv_heads, group, dim,
-                  static_cast<float>(scale),
+                  q.stride(0), static_cast<float>(scale),
                   RowReader{storage, static_cast<const uint8_t*>(k_pool.data_ptr()),
                             coded ? (*k_scales).data_ptr<c10::BFloat16>() : nullptr, kv_heads, dim,
                             k_pool.element_size(), {}},
@@ -510,8 +538,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   std::vector<float> partial_store(static_cast<size_t>(partials * row_floats));
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> local(static_cast<size_t>(row_floats));
-    Scratch scratch;
+    // Per thread, kept across calls: a decode step calls this once per layer, and fresh buffers would be
+    // zeroed every time.
+    thread_local std::vector<float> local(static_cast<size_t>(MAX_TILE_ROWS * (MAX_HEAD_DIM + 2)));
+    thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = items[i];
       const Tile& tile = tiles[item.tile];
@@ -557,9 +587,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_attn, m) {
-  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_scales, "
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor? k_scales, "
         "Tensor? v_scales, Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, "
-        "int block_size, int scheme, float scale, int partition_size) -> ()");
+        "int block_size, int scheme, float scale, int partition_size, Tensor? k_new, Tensor? v_new, "
+        "Tensor? slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_attn, CPU, m) {
