@@ -232,7 +232,7 @@ def test_a_decode_step_stores_its_kv_and_reads_q_from_the_fused_rows():
     # the separate write.
     for kv_cache_dtype in ("auto", "int8"):
         pool = Pool(4, 2, 16, torch.float32, kv_cache_dtype, num_blocks=40)
-        lengths = [9, 14, 1]
+        lengths = [9, 14, 2]
         tables = [pool.new_table(length) for length in lengths]
         for table, length in zip(tables, lengths):
             pool.write(table, 0, length - 1)
