@@ -61,8 +61,10 @@ def vm_status(pid: int) -> dict[str, int]:
     return fields
 
 
-# kvreuse-torch-attention: kvreuse with --attention-backend torch (gather + SDPA), the in-place kernel's "off".
-SYSTEMS = ("kvreuse", "kvreuse-torch-attention", "kvreuse-compiled", "llama-server")
+# kvreuse-torch-attention: kvreuse with --attention-backend torch (gather + SDPA), the in-place kernel's "off";
+# kvreuse-kv-int8: kvreuse with --kv-cache-dtype int8 (a float32 engine's KV is twice llama.cpp's f16 bytes,
+# int8 half of them), the pool in the same bytes.
+SYSTEMS = ("kvreuse", "kvreuse-torch-attention", "kvreuse-kv-int8", "kvreuse-compiled", "llama-server")
 
 
 def kv_bytes(gguf: str, tokens: int, dtype: str) -> int:
@@ -91,6 +93,8 @@ def server_command(system: str, gguf: str, port: int, args: argparse.Namespace) 
                "--stats-log-interval", "0"]
     if system == "kvreuse-torch-attention":
         command += ["--attention-backend", "torch"]
+    if system == "kvreuse-kv-int8":
+        command += ["--kv-cache-dtype", "int8"]
     return command + (["--enable-torch-compile"] if system == "kvreuse-compiled" else [])
 
 
