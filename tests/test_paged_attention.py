@@ -13,8 +13,6 @@ the torch backend's through prefix hits and preemption, with the cache invariant
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -24,19 +22,9 @@ from kvreuse.cache.blocks import BlockCopy
 from kvreuse.cache.kv import KVCache
 from kvreuse.models import paged_attention
 from kvreuse.models.paged_attention import NativePagedAttention, paged_rows
+from test_attention import dense_causal_attention as dense_reference  # float64, the last Q positions of a context
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="the paged attention kernel did not build")
-
-
-def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """float64: q [Q, H, D], the last Q positions of a context keys/values [L, KV, D]."""
-    num_queries, heads, dim = q.shape
-    length, kv_heads, _ = keys.shape
-    keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
-    values = values.double().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("qhd,lhd->hql", q.double(), keys) / math.sqrt(dim)
-    visible = torch.arange(length)[None, :] <= torch.arange(length - num_queries, length)[:, None]
-    return torch.einsum("hql,lhd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
 
 
 class Pool:
