@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x) * weight; with ``residual``, x += residual first (in place: x is the residual stream)."""
-        if x.is_contiguous() and fused_ops.applies(x):
+        if (x.is_contiguous() and fused_ops.applies(x)
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         return fused_ops.reference_rms_norm(x, self.weight, self.eps, residual)
 
