@@ -89,9 +89,7 @@ def paged_rows(query_lens: list[int], context_lens: list[int], block_tables: lis
     blocks its context uses and padded to the longest."""
     used = [table[: -(-length // block_size)] for table, length in zip(block_tables, context_lens)]
     width = max(len(table) for table in used)
-    tables = torch.zeros((len(used), width), dtype=torch.int64)
-    for index, table in enumerate(used):
-        tables[index, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    tables = torch.tensor([table + [0] * (width - len(table)) for table in used], dtype=torch.int64)
     return PagedRows(tables, torch.tensor(starts, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
                      torch.tensor(context_lens, dtype=torch.int64))
 
