@@ -158,11 +158,15 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
 
 @needs_compiler
 def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, monkeypatch):
-    """qdot8 rounds the inputs: offered for bfloat16 activations only (float32 engines keep exact
-    products), for the formats this CPU runs on int8 inputs; asked for another format it names it, and
-    a fused weight's later part in such a format falls back to qdot."""
-    assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float32)
-    assert ("qdot8" in qlinear.kernels_for("q8_0", torch.bfloat16)) == ("q8_0" in qlinear.int8_formats())
+    """qdot8 rounds the inputs as llama.cpp does: offered under float32 and bfloat16 activations, for the
+    formats this CPU runs on int8 inputs (AVX2 or AVX512-VNNI: every x86-64 machine this suite runs on),
+    never for float16; asked for another format it names it, and a fused weight's later part in such a
+    format falls back to qdot."""
+    assert qlinear.int8_formats(), "AVX2 machines run q8_0 / q4_0 / q4_1 / q4_k on int8 inputs"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert ("qdot8" in qlinear.kernels_for("q8_0", dtype)) == ("q8_0" in qlinear.int8_formats())
+    assert "qdot8" not in qlinear.kernels_for("q6_k", torch.float32)
+    assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float16)
     assert qlinear.int8_formats() <= {"q8_0", "q4_0", "q4_1", "q4_k"}
     q6 = quant.random_quantized("q6_k", 16, 256)
     x = torch.randn(2, 256).bfloat16()
@@ -176,9 +180,10 @@ def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, 
     book = kernels.PlanBook(Path(os.devnull))
     q8 = quant.random_quantized("q8_0", 16, 256)
     monkeypatch.setenv(kernels.KERNEL_ENV, "qdot8")
-    assert qlinear.plan_for(book, q8, torch.float32) == kernels.LinearPlan.single("qdot")
     expected = "qdot8" if "q8_0" in qlinear.int8_formats() else "qdot"
+    assert qlinear.plan_for(book, q8, torch.float32) == kernels.LinearPlan.single(expected)
     assert qlinear.plan_for(book, q8, torch.bfloat16) == kernels.LinearPlan.single(expected)
+    assert qlinear.plan_for(book, q6, torch.float32) == kernels.LinearPlan.single("qdot")
 
 
 @needs_compiler
@@ -294,7 +299,7 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     qt = quant.random_quantized("q4_0", 1024, 512)
     plan = qlinear.plan_for(book, qt, torch.bfloat16)
     assert book.measured == 1 and set(plan.times_us) == set(qlinear.kernels_for("q4_0", torch.bfloat16))
-    assert set(plan.times_us) >= {"qdot", "qtile"} and "qdot8" not in qlinear.kernels_for("q4_0", torch.float32)
+    assert set(plan.times_us) >= {"qdot", "qtile"}
     assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
     assert plan.kernel_for(1) in ("qdot", "qdot8") and plan.kernel_for(10**6) in ("qtile", "qdot8")
     book.save()
@@ -306,6 +311,28 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     assert qlinear.plan_for(book, qt, torch.bfloat16) == kernels.LinearPlan.single("qtile")
     monkeypatch.setenv(kernels.KERNEL_ENV, "transposed")  # a float kernel forced: quantized weights unmeasured
     assert qlinear.plan_for(book, qt, torch.bfloat16) == qlinear.DEFAULT_PLAN
+
+
+@needs_compiler
+def test_stored_timings_without_a_kernel_now_offered_are_measured_again(built, tmp_path, monkeypatch):
+    """A plan book written before qdot8 ran here (timings of qdot and qtile only) is not read as if qdot8
+    had lost: the entry is measured again with every kernel offered, in one run."""
+    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
+    monkeypatch.setattr(kernels, "PROBE_ROWS", (1, 16))
+    monkeypatch.setattr(kernels, "MAX_COPIES", 1)
+    path = tmp_path / "linear-kernels.json"
+    qt = quant.random_quantized("q4_0", 1024, 512)
+    book = kernels.PlanBook(path)
+    qlinear.plan_for(book, qt, torch.float32)
+    book.save()
+    stored = json.loads(path.read_text())
+    (entry,) = stored["plans"].values()
+    assert set(entry["times_us"]) == set(qlinear.kernels_for("q4_0", torch.float32)) >= {"qdot", "qdot8", "qtile"}
+    del entry["times_us"]["qdot8"]  # as an older build's measurement left it
+    path.write_text(json.dumps(stored))
+    older = kernels.PlanBook(path)
+    plan = qlinear.plan_for(older, qt, torch.float32)
+    assert older.measured == 1 and "qdot8" in plan.times_us
 
 
 def _quantized_weights(folder, ggml_type: str) -> tuple[list, list]:

@@ -54,7 +54,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -431,11 +431,16 @@ class PlanBook:
                                   lambda name: kernel_runs(name, dtype, shape))
 
     def plan_measured(self, label: str, shape: tuple[int, int], max_layouts: int,
-                      measure_now: Callable[[], dict[str, dict[int, float]]], runs: Callable[[str], bool]) -> LinearPlan:
+                      measure_now: Callable[[], dict[str, dict[int, float]]], runs: Callable[[str], bool],
+                      expected: Collection[str] = ()) -> LinearPlan:
         """The plan decided from the timings stored under (this machine, ``label``, ``shape``), or from
-        ``measure_now()``'s, kept for the next start. ``runs(name)``: whether a kernel runs here now."""
+        ``measure_now()``'s, kept for the next start. ``runs(name)``: whether a kernel runs here now;
+        ``expected``: kernels the stored timings must include (one offered since they were taken is
+        measured: the whole entry again, so the kernels are compared in one run)."""
         key = f"{self.machine} | {label} | {shape[0]}x{shape[1]}"
         times = self._stored_times(key)
+        if times is not None and not set(expected) <= set(times):
+            times = None
         if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
             # A kernel measured once but not runnable now (the row-dot build failed here) drops out.

@@ -7,18 +7,21 @@ flags, loaded directly once built):
 - ``qlinear(x, weight, format, in_features)``: y = x W^T for a few rows of x (decode), reading the
   quantized groups directly: the weight streams at its stored 4.5-8.5 bits per value;
 - ``qdequant(weight, format, in_features)``: the float32 values of weight rows (gguf's, bit for bit);
-- ``qlinear_int8(x, weight, format, in_features)``: as qlinear over x rounded to int8 per 32 values (one
-  float32 scale each, amax / 127), multiplied by AVX512-VNNI's integer dot products: what llama.cpp
-  does with its quantized files. Formats q8_0, q4_0, q4_1 and q4_k, on CPUs with AVX512-VNNI
-  (``int8_formats()``; empty elsewhere).
+- ``qlinear_int8(x, weight, format, in_features)``: as qlinear over x rounded to int8 per 32 values
+  (one float32 scale each, amax / 127), multiplied by integer dot products (AVX512-VNNI's ``vpdpbusd``,
+  or AVX2's ``vpmaddubsw``): what llama.cpp and vLLM's GGUF kernels do with quantized files. Formats
+  q8_0, q4_0, q4_1 and q4_k (``int8_formats()``; empty on CPUs with neither).
 
 Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
 multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept.
 Which runs a row count is measured per CPU, format, activation dtype and shape, as for float weights
 (models/kernels.py's ``qdot``, ``qdot8`` and ``qtile``; ``QuantizedLinearKernel`` follows the plan).
-``qdot8`` is offered for bfloat16 activations only: it rounds the inputs to 7 bits and a sign against
-each group's largest value, about the precision bfloat16 already keeps (8 bits), while float32 engines
-stay on the exact kernels (greedy output equal to transformers' on the dequantized file).
+``qdot8`` is offered under float32 and bfloat16 activations alike: llama.cpp and vLLM multiply their
+quantized files' weights by activations rounded this way, and only the inputs round (7 bits and a sign
+against each group's largest value, finer than the 4-8-bit weights they meet); where the plan book
+measures it faster it runs. Its outputs then differ from transformers' on the dequantized file by that
+rounding; ``KVREUSE_LINEAR_KERNEL=qdot`` keeps the exact products (the tests' greedy comparisons run on
+them).
 Both operators have fake implementations, so ``torch.compile`` traces them. Where the build fails,
 ``available()`` says False once in the log and the model holds its weights dequantized in its dtype
 (quant.dequantize, plain torch), as without quantization.
@@ -104,7 +107,7 @@ def qlinear_int8(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 def kernels_for(fmt: str, dtype: torch.dtype) -> tuple[str, ...]:
     """The quantized kernels offered for a weight of format ``fmt`` under ``dtype`` activations."""
-    offered = ("qdot", "qdot8", "qtile") if dtype == torch.bfloat16 and fmt in int8_formats() else ("qdot", "qtile")
+    offered = ("qdot", "qdot8", "qtile") if dtype in DTYPES and fmt in int8_formats() else ("qdot", "qtile")
     return tuple(name for name in kernels.QUANTIZED_KERNELS if name in offered)
 
 
@@ -222,7 +225,7 @@ def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> Lin
         return DEFAULT_PLAN
     label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}"
     return book.plan_measured(label, shape, 1, lambda: measure(weight.format.name, shape, dtype),
-                              lambda name: name in offered)
+                              lambda name: name in offered, expected=offered)
 
 
 def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,

@@ -313,7 +313,7 @@ void dot_rows(const float* x, int64_t in, const uint8_t* w, const Layout& l, flo
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The offsets of R rows: sum over groups of b * (the inputs' sum over the group), per span of 8 groups in
 // 8 float32 lanes, a short last span in scalars.
 template <int R>
@@ -628,6 +628,126 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 over int8 activations, for CPUs without VNNI (llama.cpp's AVX2 arithmetic): the inputs are rounded
+// as on VNNI (per chunk of 32 values, one float32 scale amax / 127, codes -127..127), kept in value order,
+// and one chunk is a step: vpmaddubsw multiplies 32 unsigned bytes by 32 signed bytes into 16 int16 sums
+// of pairs, exactly (at most 2 * 128 * 127 = 32,512 in magnitude), and vpmaddwd by ones widens them to 8
+// int32 lanes, which become float32 once per chunk, times the weight's and the input's scales. 8-bit
+// weights go as |w| against x * sign(w) (vpsignb); 4-bit codes are unsigned as stored, their offsets
+// b * sum(x) per group from the rounded inputs' group sums. Same formats, same numbers (the int32 sums
+// are exact either way; only the float32 additions' order differs).
+#define KVREUSE_INT8_DOT 1
+
+template <class F>
+constexpr bool int8_dot_format() {
+  return F::bits == 8 || (F::bits == 4 && F::group == 32);
+}
+
+inline float sum8(__m256 v) {  // (vsum is the 16-lane one where AVX-512 without VNNI is built)
+  __m128 o = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+  o = _mm_add_ss(o, _mm_movehdup_ps(o));
+  return _mm_cvtss_f32(o);
+}
+
+struct QuantizedRows {
+  std::vector<int8_t> codes;        // [rows, in]: the inputs' int8 codes, in value order
+  std::vector<float> scales, sums;  // [rows, chunks]: each chunk's scale, and its values' sum as rounded
+};
+
+template <class F>
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
+  QuantizedRows q;
+  const int64_t chunks = in / kChunk;
+  q.codes.resize(rows * in);
+  q.scales.resize(rows * chunks);
+  q.sums.resize(rows * chunks);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.const_data_ptr<float>();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // vpackssdw / vpacksswb interleave the two 128-bit halves; this puts the 4-byte groups back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* v = xp + r * in + c * kChunk;
+      __m256 vs[4];
+      for (int k = 0; k < 4; ++k) vs[k] = _mm256_loadu_ps(v + 8 * k);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(vs[0], magnitude), _mm256_and_ps(vs[1], magnitude)),
+                                     _mm256_max_ps(_mm256_and_ps(vs[2], magnitude), _mm256_and_ps(vs[3], magnitude)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      __m256i i[4];
+      // Rounded to nearest even (the default MXCSR mode), as std::nearbyint would.
+      for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(vs[k], _mm256_set1_ps(id)));
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const int32_t total = _mm_cvtsi128_si32(s4);
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + r * in + c * kChunk),
+                          _mm256_permutevar8x32_epi32(packed, order));  // |code| <= 127: packing is exact
+      q.scales[r * chunks + c] = d;
+      q.sums[r * chunks + c] = d * static_cast<float>(total);
+    }
+  }
+  return q;
+}
+
+template <class F, int R>
+void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
+                   int64_t out_features, int64_t begin, int64_t end) {
+  const int64_t chunks = in / kChunk;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const int8_t* codes = q.codes.data() + r0 * in;
+  const float* scales = q.scales.data() + r0 * chunks;
+  const float* sums = q.sums.data() + r0 * chunks;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    __m256 acc[R];
+    GroupOffsets<R> offsets;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const bool last = c0 / 8 == l.full;  // the short last span
+      const SpanLayout& sl = last ? l.last : l.span;
+      const uint8_t* sp = row + c0 / 8 * l.span.bytes;
+      const int n = last ? static_cast<int>(l.tail) : 8;
+      Span s;
+      span_params<F>(sp, sl, n, s);
+      for (int c = 0; c < n; ++c) {
+        __m256i wv;
+        if constexpr (F::bits == 8) {
+          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + kChunk * c));
+        } else {  // byte i holds value i low and value i + 16 high
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.values + kChunk / 2 * c));
+          wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), nibble);
+        }
+        const __m256i unsigned_w = F::bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;  // |-128| reads as 128
+        const int64_t chunk = c0 + c;
+        for (int r = 0; r < R; ++r) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * in + chunk * kChunk));
+          if constexpr (F::bits == 8) xv = _mm256_sign_epi8(xv, wv);
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, xv), ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s.a[c] * scales[r * chunks + chunk]), acc[r]);
+        }
+      }
+      if constexpr (F::bits == 4) offsets.add(s, sums, chunks, c0, n);  // 4-bit codes: b * sum(x) per group
+    }
+    for (int r = 0; r < R; ++r) {
+      float total = sum8(acc[r]);
+      if constexpr (F::bits == 4) total += offsets.total(r);
+      out[r * out_features + j] = total;
+    }
+  }
+}
+#endif
+
+#if defined(KVREUSE_INT8_DOT)
 template <class F>
 void dot_range_int8(const QuantizedRows& q, int64_t rows, int64_t in, const uint8_t* w, const Layout& l, float* out,
                     int64_t out_features, int64_t begin, int64_t end) {
@@ -791,7 +911,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The formats qlinear_int8 runs here (none without AVX512-VNNI).
+// The formats qlinear_int8 runs here (none without AVX2 or AVX512-VNNI).
 std::vector<int64_t> int8_formats() {
   std::vector<int64_t> codes;
 #if defined(KVREUSE_INT8_DOT)
@@ -813,7 +933,7 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t f
   TORCH_CHECK(x.size(1) == in, "qlinear_int8: x has ", x.size(1), " features, weight expects ", in);
   const std::vector<int64_t> formats = int8_formats();
   TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), "qlinear_int8: ", kNames[format],
-              formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX512-VNNI"
+              formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX2 and AVX512-VNNI"
                               : " is not run on int8 inputs (q8_0, q4_0, q4_1, q4_k are)");
   const at::Tensor wc = weight.contiguous();
   const int64_t rows = x.size(0), out_features = wc.size(0);
