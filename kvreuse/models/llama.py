@@ -26,6 +26,7 @@ from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models import fused_ops, qlinear
+from kvreuse.models.native_step import NativeDecodeStep
 from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
 from kvreuse.models.layers import GatedMLP, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
 from kvreuse.models.qlinear import QuantizedLinearKernel
@@ -187,6 +188,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
         self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
+        # Decode steps' layers as one native call each, where set (the runner does: models/native_step.py).
+        self.native_step: NativeDecodeStep | None = None
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
@@ -216,11 +219,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         rope = RopeInputs(positions, self.rotary, hidden.dtype, fused_ops.applies(hidden))  # shared by every layer
+        native = self.native_step
+        native_args = native.layers_for(hidden, kv_caches, attn_metadata, lora) if native is not None else None
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             if index in aux_layers:
                 captured[index] = hidden.clone()  # the layers update the residual stream in place
-            hidden = layer(hidden, rope, kv_caches, attn_metadata, lora)
+            if native_args is not None:
+                native.run(native_args[index], hidden, rope, kv_caches, index, attn_metadata)
+            else:
+                hidden = layer(hidden, rope, kv_caches, attn_metadata, lora)
         if aux_out is not None:
             aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)

@@ -17,6 +17,7 @@ import torch
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
+from kvreuse.models import native_step
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.runner.compiled_decode import CompiledDecode
@@ -64,6 +65,7 @@ class ModelRunner:
             model.choose_cpu_kernels()
             self.activations_in_heap = keep_activations_in_heap()
         self.attention_backend = model.attention_backend
+        model.native_step = native_step.for_model(model, self.device, compile_decode)
         # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
         # Exact on CPU (synchronous); on CUDA it is launch time unless something synchronizes.
         self.last_forward_seconds = 0.0

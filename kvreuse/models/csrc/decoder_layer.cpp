@@ -1,0 +1,158 @@
+// A decode step's decoder layer in one call (models/native_step.py), over the kernels that already exist.
+//
+// Run from Python, one decode row's layer is about ten operator calls (norm, products, rotary, attention,
+// norm, products, SiLU, product, residual adds), each paying the interpreter, the module and argument
+// handling and torch's Python binding: for a 135M model that overhead is as large as the arithmetic.
+// This op makes the same calls from C++ through torch's dispatcher, in the same order, with the same
+// kernels, so its numbers are the Python path's bit for bit:
+//
+//   normed = rms_norm(hidden)                           kvreuse_fused::rms_norm
+//   qkv    = normed @ Wqkv^T (+ bias)                   per part: kvreuse_cpu::qlinear / qlinear_int8 /
+//                                                       rowdot, or at::linear on a float weight
+//   q/k norms and rotary, in place on qkv               kvreuse_fused::rotary_
+//   K/V stored, attention over the paged context        kvreuse_attn::paged_attention (fused store)
+//   hidden += o_proj(attention); normed = rms_norm      kvreuse_fused::rms_norm with its residual
+//   hidden += down(silu(gate) * up)                     kvreuse_fused::silu_mul, products as above
+//
+// The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
+// first, and this one finds them by name in the dispatcher once per process.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// The kernels' signatures exactly as their libraries implement them (the dispatcher checks).
+struct Kernels {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> rowdot;
+  c10::TypedOperatorHandle<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)> rms_norm;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                int64_t, const OptTensor&, const OptTensor&, double)> rotary;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&,
+                                const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t, int64_t, double, int64_t, const OptTensor&,
+                                const OptTensor&, const OptTensor&)> paged_attention;
+};
+
+template <class Fn>
+c10::TypedOperatorHandle<Fn> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+const Kernels& kernels() {
+  static const Kernels k{
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear"),
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear_int8"),
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("kvreuse_cpu::rowdot"),
+      find<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)>("kvreuse_fused::rms_norm"),
+      find<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                const OptTensor&, const OptTensor&, double)>("kvreuse_fused::rotary_"),
+      find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
+      find<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&, const OptTensor&,
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                int64_t, const OptTensor&, const OptTensor&, const OptTensor&)>("kvreuse_attn::paged_attention"),
+  };
+  return k;
+}
+
+// How a weight part is multiplied (models/native_step.py's KERNEL_CODES).
+// kPlain: a float weight's F.linear (its bias inside, where it is the projection's one part); kFloatPart:
+// a float part of a quantized weight (F.linear, the bias added after, as QuantizedLinearKernel does).
+enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5 };
+constexpr int kProjections = 4;  // qkv, o, gate_up, down
+
+// One projection's parts, side by side in its output (a fused weight whose parts differ in format).
+struct Projection {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> kernels, formats;
+};
+
+// x @ W^T (+ bias) as the Python path computes it: F.linear(x, w, bias) for one plain float weight (the
+// bias inside the GEMM, as there), otherwise the product and then the bias added.
+at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, const OptTensor& bias = c10::nullopt) {
+  if (p.weights.size() == 1 && p.kernels[0] == kPlain) return at::linear(x, p.weights[0], bias);
+  const int64_t in = x.size(1);
+  std::vector<at::Tensor> outs;
+  outs.reserve(p.weights.size());
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    const at::Tensor& w = p.weights[i];
+    switch (p.kernels[i]) {
+      case kQdot: outs.push_back(k.qlinear.call(x, w, p.formats[i], in)); break;
+      case kQdot8: outs.push_back(k.qlinear_int8.call(x, w, p.formats[i], in)); break;
+      case kPlain:
+      case kFloatPart: outs.push_back(at::linear(x, w)); break;
+      case kRowdot: outs.push_back(k.rowdot.call(x, w, 1)); break;
+      case kRowdot8: outs.push_back(k.rowdot.call(x, w, 8)); break;
+      default: TORCH_CHECK(false, "decoder_layer: unknown kernel code ", p.kernels[i]);
+    }
+  }
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+void decoder_layer(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                   const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                   c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& positions, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                   const OptTensor& q_norm, const OptTensor& k_norm, at::Tensor k_pool, at::Tensor v_pool,
+                   const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                   const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t block_size, double scale) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
+  TORCH_CHECK(parts.size() == kProjections, "decoder_layer: parts must count the parts of qkv, o, gate_up and down");
+  TORCH_CHECK(weights.size() == kernel_codes.size() && weights.size() == formats.size(),
+              "decoder_layer: one kernel code and one format per weight part");
+  Projection p[kProjections];
+  size_t at = 0;
+  for (int j = 0; j < kProjections; ++j) {
+    TORCH_CHECK(parts[j] > 0 && at + parts[j] <= weights.size(), "decoder_layer: parts do not add up to the weights");
+    for (int64_t i = 0; i < parts[j]; ++i, ++at) {
+      p[j].weights.push_back(weights[at]);
+      p[j].kernels.push_back(kernel_codes[at]);
+      p[j].formats.push_back(formats[at]);
+    }
+  }
+  TORCH_CHECK(at == weights.size(), "decoder_layer: parts do not add up to the weights");
+  const Kernels& k = kernels();
+  const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+
+  at::Tensor qkv = project(k, p[0], k.rms_norm.call(hidden, input_norm, eps, c10::nullopt), qkv_bias);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1), " columns, heads make ",
+              q_size + 2 * kv_size);
+  k.rotary.call(qkv, cos, sin, positions, heads, kv_heads, head_dim, q_norm, k_norm, eps);
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+  const at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+  const at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+  at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
+  k.paged_attention.call(attention, q, k_pool, v_pool, c10::nullopt, c10::nullopt, block_tables, query_start,
+                         query_lens, context_lens, block_size, -1, scale, 0, k_new, v_new, slot_mapping);
+  const at::Tensor attended = project(k, p[1], attention.view({tokens, q_size}));
+  // hidden += attended, then the post-attention norm of the sum (one pass).
+  const at::Tensor normed = k.rms_norm.call(hidden, post_norm, eps, attended);
+  hidden.add_(project(k, p[3], k.silu_mul.call(project(k, p[2], normed))));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvreuse_step, m) {
+  m.def("decoder_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, "
+        "int[] kernels, int[] formats, int[] parts, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor positions, "
+        "int heads, int kv_heads, int head_dim, Tensor? q_norm, Tensor? k_norm, Tensor(b!) k_pool, Tensor(c!) v_pool, "
+        "Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, Tensor slot_mapping, "
+        "int block_size, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvreuse_step, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+}

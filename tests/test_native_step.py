@@ -1,0 +1,147 @@
+"""The native decode step (models/native_step.py, csrc/decoder_layer.cpp): a decoder layer in one call that
+makes the op-by-op path's kernel calls from C++, so its outputs are that path's bit for bit.
+
+Compared in the engine, on the same prompts (cold, hits ending mid-block, batched decode rows, a pool small
+enough to preempt), with the cache invariants checked after every step: the tiny float32 folder of every
+architecture (q/k/v biases, q/k norms, rope scaling, tied embeddings) and GGUF files of quantized
+formats on both quantized kernels, against ``KVREUSE_NATIVE_STEP=0``. That the native step is what ran
+is checked too, and what it does not cover (quantized KV, LoRA rows, products on dequantized tiles) is
+said and runs op by op.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.models import native_step
+from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
+
+pytestmark = pytest.mark.skipif(native_step.library() is None, reason="the native decoder layer does not build here")
+
+
+def _runs(llm: LLM, rounds: list[list[list[int]]], max_tokens: int = 6) -> list:
+    """Greedy token ids and logprobs of each round's prompts, run together, invariants checked every step."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    results = []
+    for number, prompts in enumerate(rounds):
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"{number}-{index}", {"prompt_token_ids": prompt}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = (output.outputs[0].token_ids, repr(output.outputs[0].logprobs))
+            engine.check_integrity()
+        results.append([done[f"{number}-{index}"] for index in range(len(prompts))])
+    return results
+
+
+def _rounds(seed: int = 5) -> list[list[list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 300, (45,), generator=generator).tolist()
+    return [[shared + [7, 8, 9], shared[:30] + [5] * 3],
+            [shared[:43] + [11, 12], shared + [7, 8, 9], shared[:22] + [4, 5, 6]]]
+
+
+def _both(monkeypatch, path: str, **kwargs) -> tuple[LLM, LLM]:
+    monkeypatch.setenv(native_step.ENV, "0")
+    op_by_op = LLM(path, **kwargs)
+    monkeypatch.delenv(native_step.ENV)
+    return LLM(path, **kwargs), op_by_op
+
+
+def _native_rows(llm: LLM) -> set[int]:
+    """The row counts whose steps ran the native layers."""
+    step = llm.engine.runner.model.native_step
+    assert step is not None
+    return {rows for rows, args in step._args.items() if not isinstance(args, str)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, arch):
+    native, op_by_op = _both(monkeypatch, str(tiny_models[arch]), dtype="float32", device="cpu", block_size=4,
+                             kv_cache_memory="256KiB", max_num_batched_tokens=24)
+    assert op_by_op.engine.runner.model.native_step is None
+    rounds = _rounds()
+    assert _runs(native, rounds) == _runs(op_by_op, rounds)
+    assert {1, 2, 3} <= _native_rows(native)
+    assert native.engine.stats().cache.hit_tokens > 0
+
+
+@pytest.mark.parametrize("arch,kind,kernel", [("llama-plain", "Q4_1", "qdot"), ("llama-plain", "Q4_1", "qdot8"),
+                                              ("qwen2", "Q8_0", "qdot8"), ("qwen2", "Q5_0", "qdot")])
+def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, monkeypatch, arch, kind, kernel):
+    """Both quantized kernels (qdot8 where this CPU runs the format on int8 inputs, else its qdot fallback,
+    as op by op), a file whose q/k/v have a bias and Q5_0 parts."""
+    path = made_gguf(tiny_models, gguf_dir, arch, kind)
+    monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", kernel)
+    native, op_by_op = _both(monkeypatch, str(path), dtype="float32", block_size=4, kv_cache_memory="256KiB",
+                             max_num_batched_tokens=24)
+    rounds = _rounds(seed=6)
+    assert _runs(native, rounds) == _runs(op_by_op, rounds)
+    assert 1 in _native_rows(native)
+    qkv = native.engine.runner.model.native_step._args[1][0]
+    expected = native_step.KERNEL_CODES[kernel if kind.lower() in native_step.qlinear.int8_formats() else "qdot"]
+    assert set(qkv.kernels) == {expected}
+
+
+def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir, monkeypatch, caplog):
+    # A quantized KV pool: the layers' store is the codec's; every step runs op by op.
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", device="cpu", kv_cache_memory="256KiB",
+              kv_cache_dtype="int8")
+    _runs(llm, _rounds()[:1])
+    assert _native_rows(llm) == set()
+    # More decode rows than the quantized kernel's plan runs on qdot (DEFAULT_PLAN: dequantized tiles above 8).
+    path = made_gguf(tiny_models, gguf_dir, "llama-plain", "Q4_1")
+    monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", "plain")
+    with caplog.at_level(logging.INFO, logger="kvreuse"):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="1MiB")
+        _runs(llm, [[[3 + index, 40, 41] for index in range(10)]], max_tokens=3)
+    assert "decode step: one native call per decoder layer" in caplog.text
+    assert "10-row steps run op by op (qtile products at 10 rows)" in caplog.text
+    assert 10 not in _native_rows(llm)
+    # Off by its variable, said at start.
+    caplog.clear()
+    monkeypatch.setenv(native_step.ENV, "0")
+    with caplog.at_level(logging.INFO, logger="kvreuse"):
+        LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
+    assert f"decode step: op by op ({native_step.ENV}=0)" in caplog.text
+
+
+def test_lora_rows_run_op_by_op(tiny_models):
+    """A batch with an adapter's rows runs op by op (the deltas are added per projection in Python)."""
+    from kvreuse.attention.forward_batch import ProjectionDeltas
+    from kvreuse.models.paged_attention import NativeAttentionMetadata
+
+    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
+    step, kv_cache = llm.engine.runner.model.native_step, llm.engine.runner.kv_cache
+    hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
+    decode_rows = NativeAttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.int64), fresh_prefills=[], paged=None,
+                                          context_chunks=[], covers_whole_batch=False, paged_covers_whole_batch=True)
+    assert step.layers_for(hidden, kv_cache, decode_rows, None) is not None
+    lora = ProjectionDeltas.__new__(ProjectionDeltas)
+    assert step.layers_for(hidden, kv_cache, decode_rows, lora) is None
+    assert step.layers_for(hidden, kv_cache, object(), None) is None  # another backend's metadata
+
+
+def test_bad_arguments_are_refused_by_name(tiny_models):
+    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
+    layer = llm.engine.runner.model.model.layers[0]
+    args = native_step.layer_args(layer, 1, torch.float32)
+    hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
+    empty = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="parts must count the parts of qkv, o, gate_up and down"):
+        torch.ops.kvreuse_step.decoder_layer(
+            hidden, args.input_norm, args.post_norm, args.eps, args.weights, args.kernels, args.formats, [1, 1, 1],
+            args.qkv_bias, torch.zeros(1), torch.zeros(1), empty, 1, 1, 1, None, None, torch.zeros(1), torch.zeros(1),
+            empty, empty, empty, empty, empty, 4, 1.0)
+    with pytest.raises(RuntimeError, match="hidden must be contiguous"):
+        torch.ops.kvreuse_step.decoder_layer(
+            torch.zeros(4, hidden.shape[1]).t(), args.input_norm, args.post_norm, args.eps, args.weights, args.kernels,
+            args.formats, args.parts, args.qkv_bias, torch.zeros(1), torch.zeros(1), empty, 1, 1, 1, None, None,
+            torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, 4, 1.0)
