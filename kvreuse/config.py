@@ -31,8 +31,9 @@ _UNITS = {
 }
 
 
-# kv_cache_dtype's values (vLLM's, plus int8); kvreuse.cache.kv_quant holds the schemes.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# kv_cache_dtype's values (vLLM's, plus int8); kvreuse.cache.kv_quant holds the schemes (bfloat16: an unquantized
+# pool in bfloat16 under a float32 model).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def parse_memory_size(value: int | str, field_name: str = "kv_cache_memory") -> int:

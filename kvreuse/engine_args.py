@@ -50,7 +50,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 2GiB or 512MiB")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="how the KV pool stores K and V: auto (the model's dtype), int8, fp8 (= fp8_e4m3), "
+                        help="how the KV pool stores K and V: auto (the model's dtype), bfloat16 (under a float32 "
+                             "model too: half the bytes), int8, fp8 (= fp8_e4m3), "
                              "fp8_e5m2: one byte per value and a scale per token and head, ~1.9x the tokens of "
                              "bfloat16 in the same --kv-cache-memory")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -67,7 +67,8 @@ class LLM:
         ``quantization`` (vLLM's name): "gguf" keeps a GGUF file's quantized weights in memory and runs on
         them (the default for a .gguf model on CPU), "int8" quantizes a folder's linear layers at load
         (weight-only), "none" holds every weight in ``dtype``.
-        ``kv_cache_dtype`` (vLLM's name): "auto" stores K and V in ``dtype``; "int8", "fp8" (= "fp8_e4m3") and
+        ``kv_cache_dtype`` (vLLM's name): "auto" stores K and V in ``dtype``; "bfloat16" in bfloat16 under a
+        float32 model (half the bytes to read per decode step); "int8", "fp8" (= "fp8_e4m3") and
         "fp8_e5m2" store one byte per value with a scale per token and KV head (about 1.9x the tokens of
         bfloat16 in the same ``kv_cache_memory``).
         ``attention_backend`` (vLLM's name): "auto" attends in place with the C++ kernel on CPU

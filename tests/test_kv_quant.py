@@ -185,7 +185,7 @@ def test_the_disk_tier_stores_the_quantized_bytes_and_never_crosses_kv_dtypes(ti
     prompts = [[(3 * i + 2) % 180 + 5 for i in range(40)], [(11 * i + 7) % 180 + 5 for i in range(40)]]
     disk = tmp_path / "disk"
     sizes = {}
-    for name in ("auto", "int8"):
+    for name in ("auto", "int8", "bfloat16"):
         llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="8MiB", block_size=4,
                   kv_disk_dir=str(disk), kv_cache_dtype=name)
         first = run_checked(llm.engine, prompts)
@@ -202,10 +202,47 @@ def test_the_disk_tier_stores_the_quantized_bytes_and_never_crosses_kv_dtypes(ti
         sizes[name] = (llm.engine.kv_cache.block_bytes, llm.engine.kv_cache.head_dim)
         del llm
     fingerprints = sorted(path.name for path in disk.iterdir())
-    assert len(fingerprints) == 2  # one folder per fingerprint: the KV dtype is part of it
+    assert len(fingerprints) == 3  # one folder per fingerprint: the KV dtype is part of it
     head_dim = sizes["auto"][1]
     # A record holds the quantized bytes: float32 values (4 bytes) become 1 byte and a 2-byte scale per head.
     assert sizes["auto"][0] / sizes["int8"][0] == pytest.approx(4 * head_dim / (head_dim + 2))
+    assert sizes["auto"][0] == 2 * sizes["bfloat16"][0]  # float32 values stored as bfloat16
+
+
+def test_a_bfloat16_pool_under_a_float32_model(tiny_models: dict[str, Path], monkeypatch):
+    """kv_cache_dtype bfloat16 (vLLM's value): the model computes in float32, the pool stores bfloat16, so
+    twice the tokens fit and a decode step reads half the bytes. K/V come back as their bfloat16 rounding;
+    the in-place kernel and the native step read the same values as the gathering torch backend (greedy
+    equal, cold and warm), and the native step equals op by op bit for bit."""
+    from kvreuse.models import native_step
+
+    model = tiny_models["qwen3"]
+    kwargs = dict(dtype="float32", device="cpu", kv_cache_memory="512KiB", block_size=4)
+    auto = LLM(str(model), **kwargs).engine.kv_cache
+    llm = LLM(str(model), kv_cache_dtype="bfloat16", **kwargs)
+    cache = llm.engine.kv_cache
+    assert (cache.dtype, cache.storage_dtype, cache.scheme) == (torch.float32, torch.bfloat16, None)
+    assert cache.num_blocks == 2 * auto.num_blocks and cache.block_bytes * 2 == auto.block_bytes
+    k = torch.randn(3, cache.num_kv_heads, cache.head_dim)
+    slots = torch.tensor([5, 0, 9])
+    cache.write(1, slots, k, -k)
+    keys, values = cache.gather(1, slots)
+    assert keys.dtype == torch.float32 and torch.equal(keys, k.bfloat16().float()) and torch.equal(values, -keys)
+    prompts = [[(7 * i + 3) % 200 + 5 for i in range(n)] for n in (9, 30)]
+    branch = prompts[1][:21] + [11, 12, 13]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outputs = {}
+    for name, backend, native in (("torch", "torch", "1"), ("kernel", "cpu_paged", "0"), ("native", "cpu_paged", "1")):
+        monkeypatch.setenv(native_step.ENV, native)
+        engine = LLM(str(model), kv_cache_dtype="bfloat16", attention_backend=backend, **kwargs).engine
+        runs = [run_checked(engine, prompts, params), run_checked(engine, [branch], params),
+                run_checked(engine, prompts, params)]
+        outputs[name] = [[(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in run] for run in runs]
+        assert runs[1][0].num_cached_tokens == 21
+        if name == "native":
+            assert 1 in {rows for rows, args in engine.runner.model.native_step._args.items() if not isinstance(args, str)}
+    assert outputs["native"] == outputs["kernel"]  # bit for bit
+    assert [[ids for ids, _ in run] for run in outputs["kernel"]] == [[ids for ids, _ in run] for run in outputs["torch"]]
 
 
 def test_the_capacity_report_names_the_kv_dtype(tiny_model: Path):

@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
-from kvreuse.cache.kv_quant import (SCALE_DTYPE, KVQuantScheme, dequantize, kv_bytes_per_token, quantize,
-                                    resolve_kv_cache_dtype)
+from kvreuse.cache.kv_quant import (SCALE_DTYPE, KVQuantScheme, dequantize, kv_bytes_per_token, kv_float_dtype,
+                                    quantize, resolve_kv_cache_dtype)
 
 
 class KVShape(Protocol):
@@ -77,7 +77,8 @@ class KVCache:
         self.device = torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype
         self.scheme: KVQuantScheme | None = resolve_kv_cache_dtype(kv_cache_dtype)
-        storage = dtype if self.scheme is None else self.scheme.storage_dtype
+        # What the pool's tensor holds: floats (the model's dtype, or bfloat16), or one-byte codes.
+        storage = kv_float_dtype(kv_cache_dtype, dtype) if self.scheme is None else self.scheme.storage_dtype
         # Zeros rather than empty: padded attention reads unused slots (masked out), and NaN
         # garbage times a zero weight would still be NaN.
         self.kv = torch.zeros(
@@ -113,6 +114,11 @@ class KVCache:
         )
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the pool's tensor holds (the model's, bfloat16, or a quantized scheme's codes)."""
+        return self.kv.dtype
+
+    @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
@@ -136,8 +142,8 @@ class KVCache:
         """Store k, v [num_tokens, kv_heads, head_dim] of ``layer`` at ``slot_mapping`` [num_tokens]."""
         codes = self._codes[layer]
         if self.scheme is None:
-            codes[0].index_copy_(0, slot_mapping, k.to(self.dtype))
-            codes[1].index_copy_(0, slot_mapping, v.to(self.dtype))
+            codes[0].index_copy_(0, slot_mapping, k.to(self.kv.dtype))
+            codes[1].index_copy_(0, slot_mapping, v.to(self.kv.dtype))
             return
         scales = self._scales[layer]
         if self.codec is not None and self.codec.handles(k.dtype) and k.dtype == v.dtype:
@@ -163,8 +169,8 @@ class KVCache:
         return keys, values
 
     def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``layer``'s K and V as stored, [num_slots, kv_heads, head_dim] each (the model's dtype, or one-byte
-        codes), and their scales [num_slots, kv_heads] where the pool is quantized (else None): what a kernel
+        """``layer``'s K and V as stored, [num_slots, kv_heads, head_dim] each (floats in ``storage_dtype``, or
+        one-byte codes), and their scales [num_slots, kv_heads] where the pool is quantized (else None): what a kernel
         that reads the pool in place (models/paged_attention.py) is handed."""
         codes = self._codes[layer]
         if self.scheme is None:
@@ -215,8 +221,8 @@ class KVCache:
     @property
     def block_bytes(self) -> int:
         features = self.block_size * self.feature_size * torch.empty((), dtype=self.dtype).element_size()
-        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                                                    self.scheme) + features
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                                    kv_float_dtype(self.kv_cache_dtype, self.dtype), self.scheme) + features
 
     def _block_parts(self, block_id: int) -> list[torch.Tensor]:
         """Views of one block's K/V codes, their scales (quantized pools) and its features, in record order."""
@@ -248,7 +254,8 @@ class KVCache:
     def bytes_per_token(model_config: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """Bytes of one token's K and V across the model's layers, in ``kv_cache_dtype``."""
         return kv_bytes_per_token(model_config.num_hidden_layers, model_config.num_key_value_heads,
-                                  model_config.head_dim, dtype, resolve_kv_cache_dtype(kv_cache_dtype))
+                                  model_config.head_dim, kv_float_dtype(kv_cache_dtype, dtype),
+                                  resolve_kv_cache_dtype(kv_cache_dtype))
 
     @staticmethod
     def num_blocks_for_memory(

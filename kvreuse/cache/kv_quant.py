@@ -1,7 +1,7 @@
 """Quantized KV: K and V stored as one byte per value with a bfloat16 scale per token and KV head.
 
-``kv_cache_dtype`` (vLLM's option and values) picks the scheme: ``auto`` stores the model's dtype (no
-scheme), ``int8`` rounds each token's head vector to integers in [-127, 127] times ``amax / 127``,
+``kv_cache_dtype`` (vLLM's option and values) picks the scheme: ``auto`` stores the model's dtype and
+``bfloat16`` stores bfloat16 under any model dtype (no scheme: ``kv_float_dtype``), ``int8`` rounds each token's head vector to integers in [-127, 127] times ``amax / 127``,
 ``fp8`` / ``fp8_e4m3`` and ``fp8_e5m2`` cast ``x / (amax / max)`` to that 8-bit float (max 448 and
 57344). The scale is per (token, KV head) because K and V are written a token at a time (decode
 appends one): a token's bytes never change once written, so a block can be copied, stored in a tier
@@ -43,6 +43,7 @@ class KVQuantScheme:
         return f"{self.name} (one byte per value, a bfloat16 scale per token and KV head)"
 
 
+UNQUANTIZED = ("auto", "bfloat16")
 _SCHEMES = {
     "int8": KVQuantScheme("int8", torch.int8, torch.int8, 127.0),
     "fp8_e4m3": KVQuantScheme("fp8_e4m3", torch.uint8, torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max)),
@@ -51,12 +52,20 @@ _SCHEMES = {
 
 
 def resolve_kv_cache_dtype(name: str) -> KVQuantScheme | None:
-    """The scheme of a ``kv_cache_dtype`` value (None for ``auto``); an unknown value raises ValueError."""
+    """The scheme of a ``kv_cache_dtype`` value (None for ``auto`` and ``bfloat16``, which store floats);
+    an unknown value raises ValueError."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
-    if name == "auto":
+    if name in UNQUANTIZED:
         return None
     return _SCHEMES["fp8_e4m3" if name == "fp8" else name]
+
+
+def kv_float_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The float dtype an unquantized pool stores under a ``dtype`` model: ``dtype`` for ``auto``, bfloat16 for
+    ``bfloat16`` (half a float32 pool's bytes, what llama.cpp's default f16 cache reads; attention widens each
+    value as it reads it). Quantized values: ``dtype`` (their codes' dtype is the scheme's)."""
+    return torch.bfloat16 if name == "bfloat16" else dtype
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -23,7 +23,7 @@ import torch
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
-from kvreuse.cache.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
+from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
 from kvreuse.models import paged_attention
 from kvreuse.cache.manager import KVCacheManager
@@ -104,7 +104,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             draft.choose_cpu_kernels()
         element = torch.empty((), dtype=dtype).element_size()
         # The draft's one layer of K/V (stored like the target's) and its feature (in the model's dtype).
-        extra_bytes_per_token = (kv_bytes_per_token(1, model_config.num_key_value_heads, model_config.head_dim, dtype,
+        extra_bytes_per_token = (kv_bytes_per_token(1, model_config.num_key_value_heads, model_config.head_dim,
+                                                    kv_float_dtype(config.cache.kv_cache_dtype, dtype),
                                                     resolve_kv_cache_dtype(config.cache.kv_cache_dtype))
                                  + model_config.hidden_size * element)
         logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step", config.speculative.method,
@@ -246,7 +247,8 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
         "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token (%.1f MiB; %d tokens per GiB; K/V stored "
         "as %s); max_model_len %d; prefix caching %s",
         num_blocks, block_size, capacity, bytes_per_token, num_blocks * block_size * bytes_per_token / 2**20,
-        2**30 // bytes_per_token, scheme.describe() if scheme is not None else str(dtype).removeprefix("torch."),
+        2**30 // bytes_per_token, scheme.describe() if scheme is not None
+        else str(kv_float_dtype(cache_config.kv_cache_dtype, dtype)).removeprefix("torch."),
         max_model_len, "on" if cache_config.enable_prefix_caching else "off",
     )
     return num_blocks, max_model_len
@@ -290,6 +292,9 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         "config": model_json, **fields,
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
+        # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
+        **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
+           and kv_cache.storage_dtype != kv_cache.dtype else {}),
         "dtype": str(dtype), "kv_dtype": str(kv_cache.dtype), "block_size": kv_cache.block_size,
         "kv_layers": kv_cache.num_layers, "kv_heads": kv_cache.num_kv_heads, "head_dim": kv_cache.head_dim,
         "feature_size": kv_cache.feature_size, "draft": draft.digest if draft is not None else None,

@@ -8,7 +8,7 @@ kernels over float ones; the fused norm, rotary and SiLU kernels; the paged atte
 fused K/V store), so its outputs are the op-by-op path's bit for bit (tests/test_native_step.py).
 
 It runs a step when every token is the paged kernel's (decode rows and short chunks over cached
-context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool holds the model's dtype,
+context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool holds floats (the model's dtype or bfloat16),
 no LoRA adapter is in the batch, and each projection's plan for the step's row count is one of those
 kernels. Anything else runs op by op for that step: prefills, quantized KV pools, LoRA rows, products
 on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).

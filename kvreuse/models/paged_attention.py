@@ -154,7 +154,7 @@ class NativePagedAttention(AttentionBackend):
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: NativeAttentionMetadata) -> torch.Tensor:
-        if (metadata.paged_covers_whole_batch and kv_cache.scheme is None and k.dtype == kv_cache.dtype
+        if (metadata.paged_covers_whole_batch and kv_cache.scheme is None and k.dtype == kv_cache.storage_dtype
                 and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
             # A step of decode rows and short chunks (the common one): the kernel stores the new K/V and
             # attends in one call, reading q where the q|k|v product left it.

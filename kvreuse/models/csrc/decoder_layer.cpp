@@ -132,8 +132,12 @@ void decoder_layer(at::Tensor hidden, const at::Tensor& input_norm, const at::Te
               q_size + 2 * kv_size);
   k.rotary.call(qkv, cos, sin, positions, heads, kv_heads, head_dim, q_norm, k_norm, eps);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
-  const at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
-  const at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+  at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+  at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+  if (k_pool.scalar_type() != qkv.scalar_type()) {  // a bfloat16 pool under a float32 model: rounded as stored
+    k_new = k_new.to(k_pool.scalar_type());
+    v_new = v_new.to(k_pool.scalar_type());
+  }
   at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
   k.paged_attention.call(attention, q, k_pool, v_pool, c10::nullopt, c10::nullopt, block_tables, query_start,
                          query_lens, context_lens, block_size, -1, scale, 0, k_new, v_new, slot_mapping);
