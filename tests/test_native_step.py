@@ -145,3 +145,17 @@ def test_bad_arguments_are_refused_by_name(tiny_models):
             torch.zeros(4, hidden.shape[1]).t(), args.input_norm, args.post_norm, args.eps, args.weights, args.kernels,
             args.formats, args.parts, args.qkv_bias, torch.zeros(1), torch.zeros(1), empty, 1, 1, 1, None, None,
             torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, 4, 1.0)
+
+
+def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, monkeypatch, tmp_path):
+    """K/V computed by products over int8-rounded inputs (qdot8) differ from the exact products': engines
+    on the same file with and without it never share a tier's records."""
+    path = made_gguf(tiny_models, gguf_dir, "llama-plain", "Q4_1")
+    disk = tmp_path / "disk"
+    for kernel in ("qdot", "qdot8"):
+        monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", kernel)
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
+        assert llm.engine.runner.model.runs_int8_activations() == (kernel == "qdot8")
+        llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
+        llm.engine.flush_tiers()
+    assert len(list(disk.iterdir())) == 2

@@ -271,6 +271,13 @@ class LlamaFamilyForCausalLM(nn.Module):
                     changed, extra / 2**20)
         return changed
 
+    def runs_int8_activations(self) -> bool:
+        """Whether a quantized product's plan picks qdot8 (inputs rounded to int8) for some row count: the
+        K/V it computes then differ from the exact products' (the engine's fingerprint says so)."""
+        kernels = [module.kernel for module in self.modules() if isinstance(module, Linear)]
+        return any(isinstance(kernel, QuantizedLinearKernel) and any("qdot8" in plan.kernels for plan in kernel.plans)
+                   for kernel in kernels)
+
     def weight_memory_bytes(self) -> int:
         """Bytes the weights take as held: each linear layer in its kernel layouts (quantized blocks or
         float), the embedding table (quantized or float), norms and biases, and a tied head's own layouts."""
