@@ -132,7 +132,7 @@ def test_lora_rows_run_op_by_op(tiny_models):
 def test_bad_arguments_are_refused_by_name(tiny_models):
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
     layer = llm.engine.runner.model.model.layers[0]
-    args = native_step.layer_args(layer, 1, torch.float32)
+    args = native_step.layer_args(layer, 1)
     hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
     empty = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="parts must count the parts of qkv, o, gate_up and down"):

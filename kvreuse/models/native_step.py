@@ -68,7 +68,7 @@ class LayerArgs:
     k_norm: torch.Tensor | None
 
 
-def projection(linear: Linear, rows: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
+def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
     """The parts, kernel codes and format codes ``linear`` runs for a step of ``rows`` rows, or why the
     native layer does not run them."""
     kernel = linear.kernel
@@ -76,7 +76,7 @@ def projection(linear: Linear, rows: int, dtype: torch.dtype) -> tuple[list[torc
         weights, codes, formats = [], [], []
         for part, plan in zip(kernel.parts, kernel.plans):
             if not isinstance(part, QuantizedTensor):
-                weights.append(part.to(dtype)), codes.append(FLOAT_PART), formats.append(-1)
+                weights.append(part), codes.append(FLOAT_PART), formats.append(-1)
                 continue
             name = plan.kernel_for(rows)
             if name == "qdot8" and part.format.name not in qlinear.int8_formats():
@@ -95,14 +95,14 @@ def projection(linear: Linear, rows: int, dtype: torch.dtype) -> tuple[list[torc
     return [kernel.layouts[LAYOUT[name]]], [KERNEL_CODES[name]], [-1]
 
 
-def layer_args(layer: Any, rows: int, dtype: torch.dtype) -> LayerArgs | str:
+def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     attention, mlp = layer.self_attn, layer.mlp
     for linear in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
             return "a bias outside q/k/v"
     weights, kernels, formats, parts = [], [], [], []
     for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        found = projection(linear, rows, dtype)
+        found = projection(linear, rows)
         if isinstance(found, str):
             return found
         weights += found[0]
@@ -135,7 +135,7 @@ class NativeDecodeStep:
         rows = hidden.shape[0]
         args = self._args.get(rows)
         if args is None:
-            args = self._args[rows] = self._make(rows, hidden.dtype)
+            args = self._args[rows] = self._make(rows)
         if isinstance(args, str):
             if args not in self._said:
                 self._said.add(args)
@@ -143,10 +143,10 @@ class NativeDecodeStep:
             return None
         return args
 
-    def _make(self, rows: int, dtype: torch.dtype) -> list[LayerArgs] | str:
+    def _make(self, rows: int) -> list[LayerArgs] | str:
         made = []
         for layer in self.model.model.layers:
-            args = layer_args(layer, rows, dtype)
+            args = layer_args(layer, rows)
             if isinstance(args, str):
                 return args
             made.append(args)
@@ -180,7 +180,7 @@ def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecode
     elif library() is None:
         reason = "the native decoder layer could not be built (see the log)"
     else:
-        logger.info("decode step: one native call per decoder layer (decode rows with the model's KV dtype, "
+        logger.info("decode step: one native call per decoder layer (decode rows over a float KV pool, "
                     "no LoRA rows; other steps op by op)")
         return NativeDecodeStep(model)
     logger.info("decode step: op by op (%s)", reason)

@@ -90,8 +90,8 @@ at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, c
     switch (p.kernels[i]) {
       case kQdot: outs.push_back(k.qlinear.call(x, w, p.formats[i], in)); break;
       case kQdot8: outs.push_back(k.qlinear_int8.call(x, w, p.formats[i], in)); break;
-      case kPlain:
-      case kFloatPart: outs.push_back(at::linear(x, w)); break;
+      case kPlain: outs.push_back(at::linear(x, w)); break;
+      case kFloatPart: outs.push_back(at::linear(x, w.to(x.scalar_type()))); break;  // as held (no copy kept)
       case kRowdot: outs.push_back(k.rowdot.call(x, w, 1)); break;
       case kRowdot8: outs.push_back(k.rowdot.call(x, w, 8)); break;
       default: TORCH_CHECK(false, "decoder_layer: unknown kernel code ", p.kernels[i]);
