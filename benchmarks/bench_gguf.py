@@ -62,9 +62,12 @@ def vm_status(pid: int) -> dict[str, int]:
 
 
 # kvreuse-torch-attention: kvreuse with --attention-backend torch (gather + SDPA), the in-place kernel's "off";
-# kvreuse-kv-int8: kvreuse with --kv-cache-dtype int8 (a float32 engine's KV is twice llama.cpp's f16 bytes,
-# int8 half of them), the pool in the same bytes.
-SYSTEMS = ("kvreuse", "kvreuse-torch-attention", "kvreuse-kv-int8", "kvreuse-compiled", "llama-server")
+# kvreuse-op-by-op: kvreuse with KVREUSE_NATIVE_STEP=0 (decode layers op by op: the native step's "off");
+# kvreuse-kv-bf16: kvreuse with --kv-cache-dtype bfloat16 (llama.cpp's f16 cache bytes under a float32 engine),
+# the pool holding the same tokens; kvreuse-kv-int8: --kv-cache-dtype int8 (a float32 engine's KV is twice
+# llama.cpp's f16 bytes, int8 half of them), the pool in the model-dtype pool's bytes.
+SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
+           "kvreuse-compiled", "llama-server")
 
 
 def kv_bytes(gguf: str, tokens: int, dtype: str) -> int:
@@ -88,13 +91,18 @@ def server_command(system: str, gguf: str, port: int, args: argparse.Namespace) 
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
         return [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),
                 "-c", str(args.ctx_size), "--kv-unified", "-t", str(threads), "--alias", SERVED, "--no-webui"]
-    command = [sys.executable, "-m", "kvreuse.cli", "serve", "--model", gguf, "--port", str(port), "--dtype", args.dtype,
-               "--kv-cache-memory", str(kv_bytes(gguf, args.ctx_size, args.dtype)), "--served-model-name", SERVED,
-               "--stats-log-interval", "0"]
+    kv_dtype = "bfloat16" if system == "kvreuse-kv-bf16" else args.dtype
+    # `env` execs the server, so the pid measured is the server's.
+    command = (["env", "KVREUSE_NATIVE_STEP=0"] if system == "kvreuse-op-by-op" else []) + [
+        sys.executable, "-m", "kvreuse.cli", "serve", "--model", gguf, "--port", str(port), "--dtype", args.dtype,
+        "--kv-cache-memory", str(kv_bytes(gguf, args.ctx_size, kv_dtype)), "--served-model-name", SERVED,
+        "--stats-log-interval", "0"]
     if system == "kvreuse-torch-attention":
         command += ["--attention-backend", "torch"]
     if system == "kvreuse-kv-int8":
         command += ["--kv-cache-dtype", "int8"]
+    if system == "kvreuse-kv-bf16":
+        command += ["--kv-cache-dtype", "bfloat16"]
     return command + (["--enable-torch-compile"] if system == "kvreuse-compiled" else [])
 
 
@@ -211,6 +219,9 @@ def main() -> int:
                         help="the prompt of the one-stream decode after a long context")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every system this many times, taking turns (a machine whose speed drifts "
+                             "drifts for all of them), and report each figure's median over the rounds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -240,13 +251,29 @@ def main() -> int:
         for gguf in args.gguf:
             vocab = vocabulary(gguf)
             size = Path(gguf).stat().st_size
-            figures = {system: measure(system, gguf, args, rng, vocab, Path(tmp)) for system in systems}
+            rounds = [{system: measure(system, gguf, args, rng, vocab, Path(tmp)) for system in systems}
+                      for _ in range(args.rounds)]
+            figures = {system: median_of_rounds([one[system] for one in rounds]) for system in systems}
+            if args.rounds > 1:
+                for number, one in enumerate(rounds, 1):
+                    print(f"round {number}: " + "; ".join(
+                        f"{system} 1 stream {one[system]['decode_tok_s_one_stream']:.1f}, long context "
+                        f"{one[system]['decode_tok_s_one_stream_long_context']:.1f} tok/s" for system in systems))
             all_results[Path(gguf).name] = {"file_bytes": size, **figures}
             report(Path(gguf).name, size, figures, args.concurrency)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine_description(), "args": vars(args),
                                               "results": all_results}, indent=2))
     return 0
+
+
+def median_of_rounds(results: list[dict]) -> dict:
+    """Each figure's median over the rounds (a field that is not a number is the first round's)."""
+    merged = {}
+    for key, first in results[0].items():
+        values = [result[key] for result in results]
+        merged[key] = statistics.median(values) if all(isinstance(v, (int, float)) for v in values) else first
+    return merged
 
 
 def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> None:
