@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,46 @@ def _offline_and_private_cache(tmp_path_factory: pytest.TempPathFactory):
     # core (the suite's CPU time fell by a third). This process keeps its threads: torch read the
     # variable when it was imported, and tests/test_linear_kernels.py needs two for the split kernels.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _build_cpu_kernels()
     yield
+
+
+def _build_cpu_kernels() -> None:
+    """Every C++ kernel built into the session's cache now, once, before any test or process it starts needs
+    one: otherwise the first engines to start build them side by side (each waiting on the others' locks), and
+    a cache made fresh for a test rebuilds them all (minutes of the suite on 2 cores). A cache made fresh
+    links its ``kernels`` here instead (``fresh_cache_dir``)."""
+    from kvreuse.models import fused_ops, kv_codec, native_step, paged_attention, qlinear, rowdot
+
+    for module in (qlinear, rowdot, fused_ops, paged_attention, kv_codec, native_step):
+        module.library()
+
+
+def fresh_cache_dir(cache: Path) -> Path:
+    """``cache`` as a cold kvreuse cache (no tokenizers, models or plans) that shares the session's built C++
+    kernels: tests of what a cold cache does are not about building kernels (test_quant_kernels.py,
+    test_rowdot.py and test_linear_kernels.py build them in their own folders on purpose)."""
+    from kvreuse.config import cache_dir
+
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
+    return cache
+
+
+@contextmanager
+def cold_cache_env(cache: Path) -> Iterator[Path]:
+    """KVREUSE_CACHE_DIR set to a fresh cache (``fresh_cache_dir``) and no network, restored after."""
+    fresh_cache_dir(cache)
+    saved = {key: os.environ.get(key) for key in ("KVREUSE_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update({"KVREUSE_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    try:
+        yield cache
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import fresh_cache_dir
 from gguf_files import (gguf_name, llama3_rope_divisors, plant_distribution, wide_model_folder, without_rope_scaling,
                         write_gguf)
 from server_process import MODEL_NAME, start_server, stop_server
@@ -411,7 +412,7 @@ def test_packaged_gguf_is_found_through_the_metadata_or_says_why_not(tiny_models
 def test_demo_falls_back_to_random_weights_saying_why(tiny_model, tmp_path):
     from kvreuse.models import make
 
-    cache = tmp_path / "cache"
+    cache = fresh_cache_dir(tmp_path / "cache")
     slot = cache / make.default_model_dir("smollm2-135m").relative_to(make.cache_dir())
     slot.parent.mkdir(parents=True)
     shutil.copytree(tiny_model, slot)  # the preset's folder, already made (a tiny stand-in)

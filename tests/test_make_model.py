@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import cold_cache_env
 from kvreuse.models.make import (
     IM_END,
     IM_START,
@@ -28,18 +28,12 @@ from kvreuse.models.make import (
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def kvreuse_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh (cold) kvreuse cache for the session, and no network for transformers."""
-    cache = tmp_path_factory.mktemp("kvreuse-cache")
-    saved = {key: os.environ.get(key) for key in ("KVREUSE_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update({"KVREUSE_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    yield cache
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """A fresh (cold) kvreuse cache for this module's tests (the session's built kernels linked in), and no
+    network for transformers; the session's cache again after them."""
+    with cold_cache_env(tmp_path_factory.mktemp("kvreuse-cache")) as cache:
+        yield cache
 
 
 @pytest.fixture(scope="module")

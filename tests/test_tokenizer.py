@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import unicodedata
 from collections.abc import Iterator, Sequence
@@ -13,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import cold_cache_env
 from kvreuse.models.make import ENDOFTEXT, IM_END, IM_START, make_model
 import kvreuse.inputs
 from kvreuse.messages import validate_messages
@@ -28,18 +28,12 @@ PIECES = ["🙂", "👍🏽", "🇯🇵", "é", "e\u0301", "ß", "東京", "Пр
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def kvreuse_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh (cold) kvreuse cache for the session, and no network for transformers."""
-    cache = tmp_path_factory.mktemp("kvreuse-cache")
-    saved = {key: os.environ.get(key) for key in ("KVREUSE_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update({"KVREUSE_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    yield cache
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """A fresh (cold) kvreuse cache for this module's tests (the session's built kernels linked in), and no
+    network for transformers; the session's cache again after them."""
+    with cold_cache_env(tmp_path_factory.mktemp("kvreuse-cache")) as cache:
+        yield cache
 
 
 @pytest.fixture(scope="module")
