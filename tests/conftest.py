@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,23 +14,40 @@ import pytest
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _offline_and_private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Tests never reach a hub, and trained tokenizers / models go to a throwaway cache."""
+_PRIVATE_CACHE: str | None = None  # the throwaway cache this session made (removed at its end)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before collection (test modules ask at import whether a kernel builds, and a kernel library, once
+    loaded, stays where it was loaded from): tests never reach a hub, trained tokenizers, models and the
+    C++ kernels go to a throwaway cache, and every kernel is built there once (``_build_cpu_kernels``)."""
+    global _PRIVATE_CACHE
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    os.environ.setdefault("KVREUSE_CACHE_DIR", str(tmp_path_factory.mktemp("kvreuse-cache")))
+    if "KVREUSE_CACHE_DIR" not in os.environ:
+        _PRIVATE_CACHE = tempfile.mkdtemp(prefix="kvreuse-cache-")
+        os.environ["KVREUSE_CACHE_DIR"] = _PRIVATE_CACHE
     # Every engine the suite starts (servers and CLI runs included) stays on plain F.linear: measuring
     # the CPU kernels of real-shaped models in each fresh cache dir would cost the suite minutes on a
     # busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py
     # tests the measured choice and the other kernels against plain.
     os.environ.setdefault("KVREUSE_LINEAR_KERNEL", "plain")
+    _build_cpu_kernels()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _PRIVATE_CACHE is not None:
+        shutil.rmtree(_PRIVATE_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_and_private_cache():
+    """What pytest_configure set, and one OpenMP thread for the processes the tests start."""
     # Processes the tests start (servers, CLI runs) use one OpenMP thread: they run beside this process
     # and the documented-command runs on 2 cores, where torch's second thread mostly spins waiting for a
     # core (the suite's CPU time fell by a third). This process keeps its threads: torch read the
     # variable when it was imported, and tests/test_linear_kernels.py needs two for the split kernels.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _build_cpu_kernels()
     yield
 
 
