@@ -125,3 +125,25 @@ def test_the_command_line_flag_compiles_only_what_max_num_seqs_allows(tiny_model
     assert out[0].outputs[0].token_ids == reference_greedy(folder, prompt)
     assert llm.engine.runner.compiled_decode.steps == GREEDY.max_tokens - 1
     assert counters["stats"]["unique_graphs"] == graphs_before + 1
+
+
+def test_compiled_decode_runs_int8_rounded_products_on_a_quantized_file(tiny_models, monkeypatch, tmp_path):
+    """qdot8 (offered to float32 engines since it runs on AVX2) traces under torch.compile: the compiled
+    decode of a Q4_1 file on it gives the eager engine's tokens."""
+    from gguf_files import without_rope_scaling, write_gguf
+
+    from kvreuse.models import qlinear
+
+    if "q4_1" not in qlinear.int8_formats():
+        pytest.skip("no int8 dot products on this CPU")
+    path = write_gguf(without_rope_scaling(tiny_models["llama"], tmp_path / "plain"), tmp_path / "q4_1.gguf", "Q4_1")
+    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot8")
+    compiled = LLM(str(path), dtype="float32", kv_cache_memory="1MiB", max_num_seqs=2, enable_torch_compile=True)
+    eager = LLM(str(path), dtype="float32", kv_cache_memory="1MiB", max_num_seqs=2)
+    assert compiled.engine.runner.model.runs_int8_activations()
+    prompts = [{"prompt_token_ids": prompt_ids(seed, length)} for seed, length in ((1, 7), (2, 12))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert compiled.engine.runner.compiled_decode.steps > 0

@@ -155,7 +155,10 @@ def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Te
     if not isinstance(weight, QuantizedTensor):
         return F.linear(x, weight.to(x.dtype))
     if name == "qdot8":
-        return qlinear_int8(x, weight) if weight.format.name in int8_formats() else qlinear(x, weight)
+        # A part's plan offers qdot8 only where its format runs it (plan_for), which the compiled decode
+        # trusts: int8_formats() (a cached build check) is not traced.
+        runs = torch.compiler.is_compiling() or weight.format.name in int8_formats()
+        return qlinear_int8(x, weight) if runs else qlinear(x, weight)
     return qlinear(x, weight) if name == "qdot" else tiled_linear(x, weight)
 
 
