@@ -222,7 +222,7 @@ class KVCache:
     def block_bytes(self) -> int:
         features = self.block_size * self.feature_size * torch.empty((), dtype=self.dtype).element_size()
         return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                                    kv_float_dtype(self.kv_cache_dtype, self.dtype), self.scheme) + features
+                                                    self.storage_dtype, self.scheme) + features
 
     def _block_parts(self, block_id: int) -> list[torch.Tensor]:
         """Views of one block's K/V codes, their scales (quantized pools) and its features, in record order."""
