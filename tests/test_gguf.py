@@ -378,17 +378,31 @@ def test_fingerprint_keeps_a_q4_files_kv_from_a_q8_file(tiny_models, gguf_dir, t
     assert dense.engine.tier_store.fingerprint != fingerprint
 
 
-def test_the_engine_keeps_no_parsed_gguf_header(tiny_models, gguf_dir):
+def test_the_engine_keeps_no_parsed_gguf_header(tiny_models, gguf_dir, monkeypatch):
     """Once the engine holds its weights, the parsed header and file mapping kept for reuse while loading
-    are released (they would cost more memory than the weights of a small quantized model)."""
+    are released (they would cost more memory than the weights of a small quantized model), before the KV
+    pool is allocated (so they never sit beside it at start-up's peak), and nothing parses them again."""
+    from kvreuse.engine import builder
     from kvreuse.models import gguf
 
     path = made_gguf(tiny_models, gguf_dir, "qwen2", "Q8_0")
-    read_gguf(path)
+    dict(gguf.iterate_gguf_tensors(path))
     assert gguf._open_reader.cache_info().currsize >= 1
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    readers_at_pool = []
+
+    class WatchedKVCache(builder.KVCache):
+        def __init__(self, *args, **kwargs):
+            readers_at_pool.append(gguf._open_reader.cache_info().currsize)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(builder, "KVCache", WatchedKVCache)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="bfloat16")
+    assert readers_at_pool == [0]
     assert gguf._open_reader.cache_info().currsize == 0
     assert 0 < llm.engine.model.weight_memory_bytes()
+    # The fingerprint and the tokenizer folder still read the header's facts, from read_gguf's small record.
+    assert read_gguf(path).hf_config["model_type"] == "qwen2"
+    assert gguf._open_reader.cache_info().currsize == 0
 
 
 # --- the demo's real model --------------------------------------------------------------------------------------

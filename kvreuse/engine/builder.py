@@ -111,6 +111,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step", config.speculative.method,
                     config.speculative.model, draft.digest[:12], config.speculative.num_speculative_tokens)
 
+    if gguf_file:
+        # The file's parsed header and mapping: nothing reads them from here on (read_gguf keeps its small
+        # result), and dropping them before the pool is allocated keeps them out of the start-up's peak.
+        release_gguf_readers()
+    if device.type == "cpu":
+        gc.collect()
+        return_free_heap()  # what loading freed (a GGUF header, repacking's intermediates) back to the system
     num_blocks, max_model_len = size_kv_pool(config, model_config, dtype, extra_bytes_per_token)
     kv_cache = KVCache(
         num_layers=model_config.num_hidden_layers + (1 if draft is not None else 0),
@@ -162,11 +169,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec is not None:
         spec.proposer.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
             [id(request) for request in requests], drafted, logits)
-    if gguf_file:
-        release_gguf_readers()  # the file's parsed header and mapping: nothing reads them from here on
     if device.type == "cpu":
-        gc.collect()
-        return_free_heap()  # what loading freed (a GGUF header, repacking's intermediates) back to the system
+        return_free_heap()  # what building the rest freed
     return EngineParts(
         config=config, device=device, dtype=dtype, dtype_reason=dtype_reason,
         model_name=config.served_model_name or config.model, model=model, model_config=model_config,

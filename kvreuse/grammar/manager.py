@@ -25,7 +25,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from kvreuse.errors import InvalidRequestError
@@ -129,7 +129,7 @@ class StructuredOutputManager:
         for row, matcher, tokens in rows:
             consumed = matcher.try_consume_tokens(list(tokens)) if tokens else 0
             if consumed == len(tokens):
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask.numpy(), row)
             if consumed:
                 matcher.rollback(consumed)
         self._mask(logits, bitmask, [row for row, _, _ in rows])

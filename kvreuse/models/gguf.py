@@ -32,6 +32,8 @@ cannot run, a truncated or corrupt file, a tensor that has no place in the model
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -235,7 +237,20 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
     architecture kvreuse does not run, settings it does not support (rope scaling other than none, a
     partial rotary dimension), a tensor type it cannot load or a tensor with no place in the model."""
     path = Path(path)
-    reader = _reader(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    info = _read_info(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return dataclasses.replace(info, path=path, hf_config=copy.deepcopy(info.hf_config),
+                               tensor_types=dict(info.tensor_types))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
+    """``read_gguf`` per file version, kept after ``release_gguf_readers`` (a few kB: the fingerprint and the
+    tokenizer folder ask again after the engine has dropped the parsed header)."""
+    path = Path(resolved)
+    reader = _open_reader(resolved, size, mtime_ns)
     architecture = _field(reader, "general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "

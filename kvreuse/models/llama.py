@@ -142,8 +142,12 @@ class LlamaFamilyModel(nn.Module):
         self, config: ModelConfig, attention_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Allocated, not initialised (as every layer's weights): the loader fills it, or replaces it with a
+        # quantized table, so nothing touches its pages before then (nn.Embedding's own init would: a
+        # transient ~110 MB for a 49k x 576 float32 table that a GGUF load then drops).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), _freeze=True)
         self.layers = nn.ModuleList(
             LlamaFamilyDecoderLayer(config, index, attention_backend, dtype, device)
             for index in range(config.num_hidden_layers)
