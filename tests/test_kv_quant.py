@@ -256,3 +256,37 @@ def test_the_capacity_report_names_the_kv_dtype(tiny_model: Path):
 def test_bad_kv_cache_dtype_is_named(tiny_model: Path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(str(tiny_model), device="cpu", kv_cache_dtype="int4")
+
+
+def resident_pages(tensor: torch.Tensor) -> int:
+    """Pages of ``tensor``'s memory the process has resident (mincore over its page-aligned span)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // mmap.PAGESIZE)))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vec)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_cpu_pool_is_resident_only_where_written(kv_cache_dtype):
+    """A CPU pool costs resident memory as its blocks fill, not at start-up: its zeros are pages the kernel
+    has not handed out yet. They still read as zeros, and a written block costs about its own pages."""
+    import mmap
+
+    cache = KVCache(num_layers=4, num_blocks=512, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32,
+                    device="cpu", kv_cache_dtype=kv_cache_dtype)
+    pool_pages = cache.kv.numel() * cache.kv.element_size() // mmap.PAGESIZE
+    assert pool_pages >= 512 and resident_pages(cache.kv) == 0
+    slots = torch.arange(32, 48)
+    for layer in range(cache.num_layers):
+        cache.write(layer, slots, torch.randn(16, 4, 64), torch.randn(16, 4, 64))
+    written = resident_pages(cache.kv)
+    # One block in every layer, K and V: 4 x 2 x 16 slots x 4 heads x 64 values, plus the pages they straddle.
+    block_pages = 4 * 2 * (16 * 4 * 64 * cache.kv.element_size() // mmap.PAGESIZE + 2)
+    assert 0 < written <= block_pages < pool_pages // 8
+    # (reading untouched pages maps the kernel's zero page, so this comes after counting)
+    assert not cache.kv[:, :, :32].any() and not cache.kv[:, :, 48:].any() and cache.kv[:, :, 32:48].any()

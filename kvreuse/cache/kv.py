@@ -15,6 +15,8 @@ its scales, then its features.
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Protocol
 
 import torch
@@ -22,6 +24,20 @@ import torch
 from kvreuse.cache.blocks import BlockCopy
 from kvreuse.cache.kv_quant import (SCALE_DTYPE, KVQuantScheme, dequantize, kv_bytes_per_token, kv_float_dtype,
                                     quantize, resolve_kv_cache_dtype)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory costs only what is written to it, on CPU: an anonymous mapping, whose pages
+    the kernel provides as zeros when first touched (POSIX guarantees the zeros), so a pool sized for
+    16,384 tokens is resident as its blocks fill rather than at start-up (``torch.zeros`` writes every page
+    at once). Elsewhere ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive (frombuffer holds a reference to the buffer it views).
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVShape(Protocol):
@@ -80,15 +96,12 @@ class KVCache:
         # What the pool's tensor holds: floats (the model's dtype, or bfloat16), or one-byte codes.
         storage = kv_float_dtype(kv_cache_dtype, dtype) if self.scheme is None else self.scheme.storage_dtype
         # Zeros rather than empty: padded attention reads unused slots (masked out), and NaN
-        # garbage times a zero weight would still be NaN.
-        self.kv = torch.zeros(
-            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=storage, device=self.device
-        )
+        # garbage times a zero weight would still be NaN. On CPU the zeros are pages not yet touched.
+        self.kv = zeroed((num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), storage, self.device)
         self.scales: torch.Tensor | None = None
         self.codec = codec if self.scheme is not None else None
         if self.scheme is not None:
-            self.scales = torch.zeros((num_layers, 2, num_blocks * block_size, num_kv_heads), dtype=SCALE_DTYPE,
-                                      device=self.device)
+            self.scales = zeroed((num_layers, 2, num_blocks * block_size, num_kv_heads), SCALE_DTYPE, self.device)
         # Per-layer (K, V) views of codes and scales, made once: write and gather run for every layer of
         # every step.
         self._codes = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(num_layers)]
@@ -100,7 +113,7 @@ class KVCache:
         self.feature_size = feature_size
         self.features: torch.Tensor | None = None
         if feature_size > 0:
-            self.features = torch.zeros((num_blocks * block_size + 1, feature_size), dtype=dtype, device=self.device)
+            self.features = zeroed((num_blocks * block_size + 1, feature_size), dtype, self.device)
 
     @classmethod
     def for_model(
