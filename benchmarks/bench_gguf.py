@@ -17,6 +17,9 @@ both the same way, with token-id prompts (random ids of the file's vocabulary) o
   4. warm TTFT: the same prompt with a new 16-token end (the prefix cached by both systems);
   5. resident memory: the server's VmRSS after start-up (idle, before any request) and its peak
      (VmHWM) at the end, beside the file's size; kvreuse's log line says how many bytes its weights hold.
+     kvreuse's CPU pool is resident as it fills (llama-server writes its whole cache at start), so the
+     table adds the pool's resident part at the end and the peak with the pool full (the untouched pages
+     added to the peak).
 Ratios are kvreuse / llama-server (higher is better for rates, lower for times and memory).
 
     python benchmarks/bench_gguf.py --llama-server BIN --gguf FILE [--gguf FILE ...]
@@ -59,6 +62,30 @@ def vm_status(pid: int) -> dict[str, int]:
         if name in ("VmRSS", "VmHWM"):
             fields[name] = int(value.split()[0]) * 1024
     return fields
+
+
+def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
+    """(Size, Rss) in bytes of the process's anonymous mapping closest in size to ``size`` bytes, within 5%:
+    kvreuse's CPU KV pool, one mapping whose pages become resident as they are first written."""
+    best = None
+    current: dict[str, int] = {}
+    anonymous = False
+
+    def close() -> None:
+        nonlocal best
+        if anonymous and "Size" in current and abs(current["Size"] - size) <= 0.05 * size:
+            if best is None or abs(current["Size"] - size) < abs(best[0] - size):
+                best = (current["Size"], current.get("Rss", 0))
+
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line: range perms offset dev inode [path]
+            close()
+            current, anonymous = {}, len(head) == 5
+        elif len(head) == 3 and head[2] == "kB" and head[0] in ("Size:", "Rss:"):
+            current[head[0][:-1]] = int(head[1]) * 1024
+    close()
+    return best
 
 
 # kvreuse-torch-attention: kvreuse with --attention-backend torch (gather + SDPA), the in-place kernel's "off";
@@ -201,6 +228,16 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
         if system.startswith("kvreuse"):
             held = re.search(r"weights: ([0-9.]+) MiB as held", server.log_tail(10**6))
             result["weights_held_bytes"] = float(held.group(1)) * 2**20 if held else None
+            # A CPU pool is resident as it fills; llama-server clears (writes) its whole cache at start. The
+            # peak with a full pool adds the pool's pages still untouched at the end (they would have been
+            # resident at the peak too; pages first written after the peak make this a slight underestimate).
+            kv_dtype = "bfloat16" if system == "kvreuse-kv-bf16" else args.dtype
+            pool = anonymous_mapping(server.process.pid, kv_bytes(gguf, args.ctx_size, kv_dtype))
+            if pool is not None:
+                result["kv_pool_bytes"], result["kv_pool_resident_bytes"] = pool
+                result["rss_peak_full_pool_bytes"] = result["rss_peak_bytes"] + pool[0] - pool[1]
+        else:
+            result["rss_peak_full_pool_bytes"] = result["rss_peak_bytes"]
     return result
 
 
@@ -286,6 +323,8 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("warm TTFT s", "warm_ttft_s", "{:.3f}", False),
             ("RSS idle MiB", "rss_idle_bytes", "{:.0f}", False),
             ("RSS peak MiB", "rss_peak_bytes", "{:.0f}", False),
+            ("KV pool resident MiB", "kv_pool_resident_bytes", "{:.0f}", False),
+            ("RSS peak, pool full MiB", "rss_peak_full_pool_bytes", "{:.0f}", False),
             ("weights held MiB", "weights_held_bytes", "{:.1f}", False)]
     systems = list(figures)
     ours = [system for system in systems if system.startswith("kvreuse")]

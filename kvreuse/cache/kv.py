@@ -36,8 +36,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # The tensor keeps the mapping alive (frombuffer holds a reference to the buffer it views).
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # Private: a forked child's writes stay its own. The tensor keeps the mapping alive (frombuffer holds a
+    # reference to the buffer it views).
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class KVShape(Protocol):
