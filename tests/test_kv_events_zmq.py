@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import struct
@@ -205,3 +206,8 @@ def test_bad_kv_events_config_names_the_field(tiny_model: Path):
                                  "--device", "cpu", "--kv-events-config", config],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and message in result.stderr, (config, result.stderr[-2000:])
+    # The server's own options are checked before torch is imported (the error comes in a fraction of a second).
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvreuse.cli", "serve", "--model",
+                             str(tiny_model), "--kv-events-config", "[1]"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "kv_events_config must be a JSON object" in result.stderr
+    assert not re.search(r"\|\s+torch$", result.stderr, re.MULTILINE), result.stderr[-2000:]

@@ -107,26 +107,28 @@ class ServerParts:
 def build_server(args: argparse.Namespace) -> ServerParts:
     """Load the model and build the app from ``kvreuse serve``'s options; a bad option raises ValueError
     naming it. Start ``parts.engine`` (and the KV event publisher, if any) before serving."""
+    # The options are checked before anything imports torch: a mistake is reported in a fraction of a second.
     from kvreuse.engine_args import llm_from_args
-    from kvreuse.server.app import build_app
-    from kvreuse.server.async_engine import AsyncEngine
     from kvreuse.server.auth import load_api_keys
     from kvreuse.server.kv_event_publisher import KVEventsConfig
-    from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
 
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     admin_keys = load_api_keys(args.admin_key, args.admin_keys_file, what="admin_key")
     lora_modules = parse_lora_modules(args.lora_modules or [])
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    config = ServerConfig(api_keys=tuple(api_keys), admin_keys=tuple(admin_keys), isolate_tenants=args.isolate_tenants,
-                          lora_dirs=tuple(args.lora_dir or ()), tool_call_parser=args.tool_call_parser,
-                          max_waiting_requests=args.max_waiting_requests, model_root=args.model)
     if args.isolate_tenants and not (api_keys or admin_keys):
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
     kv_events_config = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    from kvreuse.server.app import build_app
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
+
+    config = ServerConfig(api_keys=tuple(api_keys), admin_keys=tuple(admin_keys), isolate_tenants=args.isolate_tenants,
+                          lora_dirs=tuple(args.lora_dir or ()), tool_call_parser=args.tool_call_parser,
+                          max_waiting_requests=args.max_waiting_requests, model_root=args.model)
     started = time.monotonic()
     llm = llm_from_args(args)
     if args.warm_prompts:
