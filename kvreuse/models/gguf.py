@@ -119,8 +119,8 @@ class GGUFTensor:
     ``row_order`` is None when the file's rows are ours as stored. For the q / k projections of llama
     files it is the permutation llama.cpp's converter applied, already undone in ``raw``: our row ``i`` is
     the file's row ``row_order[i]`` (for a q / k bias vector, element ``i`` is the file's element
-    ``row_order[i]``). Without a permutation ``raw`` may be a read-only view of the memory-mapped file;
-    copy it to keep it past the file's life or to write to it.
+    ``row_order[i]``). ``raw`` is the tensor's own memory, read from the file (not a view of a mapping of
+    it, whose pages would stay resident beside what is made from them).
     """
 
     raw: np.ndarray
@@ -397,28 +397,41 @@ def iterate_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, GG
     reader = _reader(path)
     config = info.hf_config
     permuted = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            continue  # in the config as rope scaling (read_gguf)
-        ours = _our_name(tensor.name)
-        assert ours is not None  # read_gguf refused the others
-        shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
-        raw = tensor.data.view(np.uint8)
-        raw = raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(-1)
-        row_order = None
-        match = _OUR_LAYER_NAME.match(ours)
-        module = match.group(1) if match is not None else ""
-        if info.architecture == "llama" and module in permuted:
-            row_order = _llama_rope_row_order(shape[0], permuted[module])
-            if raw.ndim == 2:
-                raw = raw[row_order]
-            else:  # a bias vector: whole values move, so its type must have one value per block
-                if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
-                    raise ValueError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot "
-                                     "be un-permuted")
-                width = raw.size // shape[0]
-                raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
-        yield ours, GGUFTensor(raw=raw, ggml_type=tensor.tensor_type.name, shape=shape, row_order=row_order)
+    # Each tensor's bytes are read into memory of its own rather than viewed through the reader's mapping of
+    # the file: mapped pages that were read count in the process's resident memory until the mapping goes,
+    # so loading held the whole file beside the weights made from it (a 0.5B model's peak: +400-500 MB).
+    with open(path, "rb") as file:
+        for tensor in reader.tensors:
+            if tensor.name == ROPE_FREQS:
+                continue  # in the config as rope scaling (read_gguf)
+            ours = _our_name(tensor.name)
+            assert ours is not None  # read_gguf refused the others
+            file.seek(int(tensor.data_offset))
+            raw = np.fromfile(file, dtype=np.uint8, count=int(tensor.n_bytes))
+            if raw.size != int(tensor.n_bytes):
+                raise ValueError(f"{path} is truncated: tensor {tensor.name!r} ends past the end of the file")
+            yield ours, _placed(path, info, tensor, ours, raw, permuted)
+
+
+def _placed(path: Path, info: GGUFModelInfo, tensor: Any, ours: str, raw: np.ndarray,
+            permuted: dict[str, int]) -> GGUFTensor:
+    """A tensor's bytes shaped as our layout expects, the llama q / k row permutation undone."""
+    shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+    raw = raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(-1)
+    row_order = None
+    match = _OUR_LAYER_NAME.match(ours)
+    module = match.group(1) if match is not None else ""
+    if info.architecture == "llama" and module in permuted:
+        row_order = _llama_rope_row_order(shape[0], permuted[module])
+        if raw.ndim == 2:
+            raw = raw[row_order]
+        else:  # a bias vector: whole values move, so its type must have one value per block
+            if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot "
+                                 "be un-permuted")
+            width = raw.size // shape[0]
+            raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
+    return GGUFTensor(raw=raw, ggml_type=tensor.tensor_type.name, shape=shape, row_order=row_order)
 
 
 def iterate_gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
