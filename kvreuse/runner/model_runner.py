@@ -102,7 +102,7 @@ class ModelRunner:
         threads = None
         if policy is not None:
             # Per thread in OpenMP (the calling thread's team size), so only the engine thread is affected.
-            threads = policy.for_step(batch.num_tokens)
+            threads = policy.for_step(batch.num_tokens, longest)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         batch = self._to_device(batch)
@@ -119,7 +119,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         self.last_forward_seconds = time.perf_counter() - start
         if policy is not None and threads is not None:
-            policy.record(batch.num_tokens, threads, self.last_forward_seconds)
+            policy.record(batch.num_tokens, threads, self.last_forward_seconds, longest)
         return StepOutput(logits, hidden, aux)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:

@@ -9,7 +9,10 @@ SmolLM2-135M Q4_1 36 vs 56, qwen2.5-0.5b Q4_K_M 28.8 vs 26.3. Steps of many toke
 streams) need every core: SmolLM2's 16-stream decode is 172 on 2 threads, 125 on 1.
 
 So a step of more than ``small_step_tokens`` tokens runs on every thread, and a smaller one on whichever
-of ``threads`` and ``threads - 1`` has recently given the shorter step for its token count: the policy
+of ``threads`` and ``threads - 1`` has recently given the shorter step for its token count and context
+band (the longest context in the step: under 512 tokens, under 2,048, under 8,192, longer; a step's time
+and which count wins change with the context, and one set of medians for all contexts mixed them, so the
+choice flipped back and forth as a long conversation grew): the policy
 runs small steps on ``threads - 1`` first, tries the other count for ``probe_steps`` steps once each count
 has ``probe_steps`` measurements and then every ``reprobe_every`` small steps, and compares the medians
 of the latest ``window`` step times per (token count, thread count): medians, because a step that meets
@@ -41,12 +44,12 @@ class StepThreads:
     probe_steps: int = 8
     reprobe_every: int = 256
     window: int = 16
-    # (token count, thread count) -> the latest step seconds
-    step_seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    # (token count, context band, thread count) -> the latest step seconds
+    step_seconds: dict[tuple[int, int, int], deque[float]] = field(default_factory=dict)
     _small_steps: int = 0
     _probe_left: int = 0
     _probing: int | None = None  # the thread count a probe is measuring, while one runs
-    _chosen: dict[int, int] = field(default_factory=dict)  # token count -> the count last chosen (for the log)
+    _chosen: dict[tuple[int, int], int] = field(default_factory=dict)  # (tokens, band) -> the count last chosen
 
     def __post_init__(self) -> None:
         if self.threads < 2:
@@ -56,7 +59,7 @@ class StepThreads:
     def small_step_threads(self) -> int:
         return self.threads - 1
 
-    def for_step(self, num_tokens: int) -> int:
+    def for_step(self, num_tokens: int, context_len: int = 0) -> int:
         if num_tokens > self.small_step_tokens:
             return self.threads
         self._small_steps += 1
@@ -64,33 +67,47 @@ class StepThreads:
             self._probe_left -= 1
             return self._probing  # type: ignore[return-value]
         self._probing = None
-        best = self.best(num_tokens)
-        if self._chosen.get(num_tokens, self.small_step_threads) != best:
-            logger.info("CPU steps of %d token(s) now run on %d of %d threads (median step %s)", num_tokens, best,
-                        self.threads, self.describe(num_tokens))
-        self._chosen[num_tokens] = best
+        kind = (num_tokens, context_band(context_len))
+        best = self.best(*kind)
+        if self._chosen.get(kind, self.small_step_threads) != best:
+            logger.info("CPU steps of %d token(s) over %s now run on %d of %d threads (median step %s)", num_tokens,
+                        BAND_NAMES[kind[1]], best, self.threads, self.describe(*kind))
+        self._chosen[kind] = best
         other = self.threads if best == self.small_step_threads else self.small_step_threads
-        unmeasured = (num_tokens, other) not in self.step_seconds
+        unmeasured = (*kind, other) not in self.step_seconds
         if (unmeasured and self._small_steps > self.probe_steps) or self._small_steps % self.reprobe_every == 0:
             self._probing, self._probe_left = other, self.probe_steps - 1
             return other
         return best
 
-    def best(self, num_tokens: int) -> int:
-        """The count with the shorter median step for this token count (``threads - 1`` until both are known)."""
-        small = self.step_seconds.get((num_tokens, self.small_step_threads))
-        full = self.step_seconds.get((num_tokens, self.threads))
+    def best(self, num_tokens: int, band: int = 0) -> int:
+        """The count with the shorter median step for this token count and context band (``threads - 1``
+        until both are known)."""
+        small = self.step_seconds.get((num_tokens, band, self.small_step_threads))
+        full = self.step_seconds.get((num_tokens, band, self.threads))
         if not small or not full:
             return self.small_step_threads
         return self.threads if statistics.median(full) < statistics.median(small) else self.small_step_threads
 
-    def describe(self, num_tokens: int) -> str:
-        """The median step per thread count for this token count, e.g. "1 thread 18.2 ms, 2 threads 27.9 ms"."""
+    def describe(self, num_tokens: int, band: int = 0) -> str:
+        """The median step per thread count for this token count and band, e.g. "1 thread 18.2 ms, 2 threads 27.9 ms"."""
         parts = [f"{threads} thread{'s' if threads > 1 else ''} {statistics.median(times) * 1e3:.1f} ms"
-                 for (tokens, threads), times in sorted(self.step_seconds.items()) if tokens == num_tokens and times]
+                 for (tokens, kind, threads), times in sorted(self.step_seconds.items())
+                 if (tokens, kind) == (num_tokens, band) and times]
         return ", ".join(parts) or "not measured"
 
-    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+    def record(self, num_tokens: int, threads: int, seconds: float, context_len: int = 0) -> None:
         if num_tokens > self.small_step_tokens:
             return
-        self.step_seconds.setdefault((num_tokens, threads), deque(maxlen=self.window)).append(seconds)
+        key = (num_tokens, context_band(context_len), threads)
+        self.step_seconds.setdefault(key, deque(maxlen=self.window)).append(seconds)
+
+
+# Context bands, by the step's longest context: [0, 512), [512, 2048), [2048, 8192), [8192, ...).
+BAND_EDGES = (512, 2048, 8192)
+BAND_NAMES = ("contexts under 512 tokens", "contexts of 512-2,047 tokens", "contexts of 2,048-8,191 tokens",
+              "contexts of 8,192 tokens or more")
+
+
+def context_band(context_len: int) -> int:
+    return sum(context_len >= edge for edge in BAND_EDGES)
