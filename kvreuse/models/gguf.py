@@ -215,11 +215,16 @@ def release_gguf_readers() -> None:
     _open_reader.cache_clear()
 
 
-def _reader(path: Path) -> Any:
+def _version(path: Path) -> tuple[str, int, int]:
+    """(resolved path, size, mtime): what the per-file caches are keyed by."""
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
-    return _open_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _reader(path: Path) -> Any:
+    return _open_reader(*_version(path))
 
 
 def _our_name(gguf_name: str) -> str | None:
@@ -237,10 +242,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
     architecture kvreuse does not run, settings it does not support (rope scaling other than none, a
     partial rotary dimension), a tensor type it cannot load or a tensor with no place in the model."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    stat = path.stat()
-    info = _read_info(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    info = _read_info(*_version(path))
     return dataclasses.replace(info, path=path, hf_config=copy.deepcopy(info.hf_config),
                                tensor_types=dict(info.tensor_types))
 
