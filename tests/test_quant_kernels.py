@@ -159,19 +159,22 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
 @needs_compiler
 def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, monkeypatch):
     """qdot8 rounds the inputs as llama.cpp does: offered under float32 and bfloat16 activations, for the
-    formats this CPU runs on int8 inputs (AVX2 or AVX512-VNNI: every x86-64 machine this suite runs on),
-    never for float16; asked for another format it names it, and a fused weight's later part in such a
-    format falls back to qdot."""
-    assert qlinear.int8_formats(), "AVX2 machines run q8_0 / q4_0 / q4_1 / q4_k on int8 inputs"
+    formats this CPU runs on int8 inputs (every format on AVX2, q8_0 / q4_0 / q4_1 / q4_k on
+    AVX512-VNNI: every x86-64 machine this suite runs on has one of them), never for float16; asked for
+    another format it names it, and a fused weight's later part in such a format falls back to qdot."""
+    offered = qlinear.int8_formats()
+    assert offered in ({"q8_0", "q4_0", "q4_1", "q4_k"}, set(quant.FORMATS)), offered
     for dtype in (torch.float32, torch.bfloat16):
-        assert ("qdot8" in qlinear.kernels_for("q8_0", dtype)) == ("q8_0" in qlinear.int8_formats())
-    assert "qdot8" not in qlinear.kernels_for("q6_k", torch.float32)
+        assert ("qdot8" in qlinear.kernels_for("q8_0", dtype)) == ("q8_0" in offered)
     assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float16)
-    assert qlinear.int8_formats() <= {"q8_0", "q4_0", "q4_1", "q4_k"}
     q6 = quant.random_quantized("q6_k", 16, 256)
     x = torch.randn(2, 256).bfloat16()
-    with pytest.raises(RuntimeError, match="q6_k is not run on int8 inputs"):
-        qlinear.qlinear_int8(x, q6)
+    for missing in sorted(set(quant.FORMATS) - offered):  # VNNI builds: the 5- and 6-bit formats
+        with pytest.raises(RuntimeError, match=f"{missing} is not run on int8 inputs"):
+            qlinear.qlinear_int8(x, quant.random_quantized(missing, 16, 256))
+    # Where q6_k is not offered (as on VNNI builds), a plan asking for qdot8 runs qdot on it.
+    monkeypatch.setattr(qlinear, "int8_formats", lambda: offered - {"q6_k"})
+    assert "qdot8" not in qlinear.kernels_for("q6_k", torch.float32)
     assert torch.equal(qlinear.run_quantized("qdot8", x, q6), qlinear.qlinear(x, q6))
     with pytest.raises(RuntimeError, match="x has 128 features, weight expects 256"):
         qlinear.qlinear_int8(torch.randn(1, 128), quant.random_quantized("q8_0", 16, 256))

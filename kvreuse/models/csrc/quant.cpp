@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -635,13 +636,51 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
 // of pairs, exactly (at most 2 * 128 * 127 = 32,512 in magnitude), and vpmaddwd by ones widens them to 8
 // int32 lanes, which become float32 once per chunk, times the weight's and the input's scales. 8-bit
 // weights go as |w| against x * sign(w) (vpsignb); 4-bit codes are unsigned as stored, their offsets
-// b * sum(x) per group from the rounded inputs' group sums. Same formats, same numbers (the int32 sums
-// are exact either way; only the float32 additions' order differs).
+// b * sum(x) per group from the rounded inputs' group sums. 5- and 6-bit codes get their high bits from
+// the planes, one byte per bit (a shuffle, an and, a compare); Q6_K's groups of 16 values go signed
+// (q - 32, as 8-bit weights go) with each group's scale in the four int32 lanes that sum it, so every
+// format runs here, not only VNNI's four (the int32 sums are exact either way; only the float32
+// additions' order differs).
 #define KVREUSE_INT8_DOT 1
 
 template <class F>
 constexpr bool int8_dot_format() {
-  return F::bits == 8 || (F::bits == 4 && F::group == 32);
+  return F::group == 32 || (F::bits == 6 && F::group == 16 && !F::has_min);
+}
+
+// Weights multiplied as signed bytes (|w| against x * sign(w)): 8-bit codes, and Q6_K's q - 32, whose
+// 16-value groups the per-group offsets below cannot express.
+template <class F>
+constexpr bool signed_weights() {
+  return F::bits == 8 || F::group == 16;
+}
+
+// 32 bytes, byte i 0xFF where bit i of word is set (else 0).
+inline __m256i bytes_of_bits(uint32_t word) {
+  const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(word)), which);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+}
+
+// Chunk c of a span as 32 bytes in value order: 8-bit codes as stored (signed), 4- to 6-bit codes
+// unsigned 0..2^bits - 1, or q - zero for signed_weights.
+template <class F>
+inline __m256i chunk_bytes(const uint8_t* sp, const SpanLayout& sl, int c) {
+  if constexpr (F::bits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + kChunk * c));
+  } else {  // byte i holds value i low and value i + 16 high
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.values + kChunk / 2 * c));
+    __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+    if constexpr (F::bits > 4) {
+      uint32_t words[F::bits - 4];
+      std::memcpy(words, sp + sl.planes + 4 * (F::bits - 4) * c, sizeof(words));
+      wv = _mm256_or_si256(wv, _mm256_and_si256(bytes_of_bits(words[0]), _mm256_set1_epi8(16)));
+      if constexpr (F::bits > 5) wv = _mm256_or_si256(wv, _mm256_and_si256(bytes_of_bits(words[1]), _mm256_set1_epi8(32)));
+    }
+    if constexpr (signed_weights<F>()) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(static_cast<char>(F::zero)));
+    return wv;
+  }
 }
 
 inline float sum8(__m256 v) {  // (vsum is the 16-lane one where AVX-512 without VNNI is built)
@@ -701,17 +740,20 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
 template <class F, int R>
 void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
                    int64_t out_features, int64_t begin, int64_t end) {
+  // Two accumulators per row where registers allow, so one row's chunks are not one chain of FMAs (each
+  // waiting ~4 cycles for the last): a decode step's products are one or two rows.
+  constexpr int A = R <= 2 ? 2 : 1;
   const int64_t chunks = in / kChunk;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i nibble = _mm256_set1_epi8(15);
   const int8_t* codes = q.codes.data() + r0 * in;
   const float* scales = q.scales.data() + r0 * chunks;
   const float* sums = q.sums.data() + r0 * chunks;
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
-    __m256 acc[R];
+    __m256 acc[A][R];
     GroupOffsets<R> offsets;
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
       const bool last = c0 / 8 == l.full;  // the short last span
       const SpanLayout& sl = last ? l.last : l.span;
@@ -720,27 +762,31 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
       Span s;
       span_params<F>(sp, sl, n, s);
       for (int c = 0; c < n; ++c) {
-        __m256i wv;
-        if constexpr (F::bits == 8) {
-          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + kChunk * c));
-        } else {  // byte i holds value i low and value i + 16 high
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.values + kChunk / 2 * c));
-          wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), nibble);
-        }
-        const __m256i unsigned_w = F::bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;  // |-128| reads as 128
+        const __m256i wv = chunk_bytes<F>(sp, sl, c);
+        const __m256i unsigned_w = signed_weights<F>() ? _mm256_sign_epi8(wv, wv) : wv;  // |-128| reads as 128
         const int64_t chunk = c0 + c;
         for (int r = 0; r < R; ++r) {
           __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * in + chunk * kChunk));
-          if constexpr (F::bits == 8) xv = _mm256_sign_epi8(xv, wv);
+          if constexpr (signed_weights<F>()) xv = _mm256_sign_epi8(xv, wv);
           const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, xv), ones);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s.a[c] * scales[r * chunks + chunk]), acc[r]);
+          const float xs = scales[r * chunks + chunk];
+          __m256 scale;
+          if constexpr (F::group == 16) {  // lanes 0-3 sum values 0-15 (group 2c), lanes 4-7 values 16-31
+            scale = _mm256_set_m128(_mm_set1_ps(s.a[2 * c + 1] * xs), _mm_set1_ps(s.a[2 * c] * xs));
+          } else {
+            scale = _mm256_set1_ps(s.a[c] * xs);
+          }
+          acc[c % A][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[c % A][r]);
         }
       }
-      if constexpr (F::bits == 4) offsets.add(s, sums, chunks, c0, n);  // 4-bit codes: b * sum(x) per group
+      // Unsigned codes: b * sum(x) per group (signed ones carry their zero in the codes).
+      if constexpr (!signed_weights<F>()) offsets.add(s, sums, chunks, c0, n);
     }
     for (int r = 0; r < R; ++r) {
-      float total = sum8(acc[r]);
-      if constexpr (F::bits == 4) total += offsets.total(r);
+      __m256 both = acc[0][r];
+      if constexpr (A == 2) both = _mm256_add_ps(both, acc[1][r]);
+      float total = sum8(both);
+      if constexpr (!signed_weights<F>()) total += offsets.total(r);
       out[r * out_features + j] = total;
     }
   }
@@ -932,9 +978,11 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t f
   TORCH_CHECK(x.dim() == 2, "qlinear_int8: x must be [rows, in], got ", x.sizes());
   TORCH_CHECK(x.size(1) == in, "qlinear_int8: x has ", x.size(1), " features, weight expects ", in);
   const std::vector<int64_t> formats = int8_formats();
+  std::string offered;
+  for (const int64_t code : formats) offered += (offered.empty() ? "" : ", ") + std::string(kNames[code]);
   TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), "qlinear_int8: ", kNames[format],
               formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX2 and AVX512-VNNI"
-                              : " is not run on int8 inputs (q8_0, q4_0, q4_1, q4_k are)");
+                              : " is not run on int8 inputs on this CPU (" + offered + " are)");
   const at::Tensor wc = weight.contiguous();
   const int64_t rows = x.size(0), out_features = wc.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
