@@ -10,7 +10,8 @@ flags, loaded directly once built):
 - ``qlinear_int8(x, weight, format, in_features)``: as qlinear over x rounded to int8 per 32 values
   (one float32 scale each, amax / 127), multiplied by integer dot products (AVX512-VNNI's ``vpdpbusd``,
   or AVX2's ``vpmaddubsw``): what llama.cpp and vLLM's GGUF kernels do with quantized files. Formats
-  q8_0, q4_0, q4_1 and q4_k (``int8_formats()``; empty on CPUs with neither).
+  (``int8_formats()``): all eight on AVX2, q8_0, q4_0, q4_1 and q4_k on AVX512-VNNI (the 5- and
+  6-bit codes stay on the bf16 kernel there); none on CPUs with neither.
 
 Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
 multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept.
