@@ -740,9 +740,6 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
 template <class F, int R>
 void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
                    int64_t out_features, int64_t begin, int64_t end) {
-  // Two accumulators per row where registers allow, so one row's chunks are not one chain of FMAs (each
-  // waiting ~4 cycles for the last): a decode step's products are one or two rows.
-  constexpr int A = R <= 2 ? 2 : 1;
   const int64_t chunks = in / kChunk;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* codes = q.codes.data() + r0 * in;
@@ -750,10 +747,11 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   const float* sums = q.sums.data() + r0 * chunks;
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
-    __m256 acc[A][R];
+    // Even and odd chunks add into their own accumulators where registers allow (one or two rows: a
+    // decode step's products), so a row's chunks are not one chain of FMAs each waiting for the last.
+    __m256 even[R], odd[R];
     GroupOffsets<R> offsets;
-    for (int a = 0; a < A; ++a)
-      for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
       const bool last = c0 / 8 == l.full;  // the short last span
       const SpanLayout& sl = last ? l.last : l.span;
@@ -761,7 +759,7 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
       const int n = last ? static_cast<int>(l.tail) : 8;
       Span s;
       span_params<F>(sp, sl, n, s);
-      for (int c = 0; c < n; ++c) {
+      const auto step = [&](int c, __m256 (&acc)[R]) {
         const __m256i wv = chunk_bytes<F>(sp, sl, c);
         const __m256i unsigned_w = signed_weights<F>() ? _mm256_sign_epi8(wv, wv) : wv;  // |-128| reads as 128
         const int64_t chunk = c0 + c;
@@ -776,16 +774,20 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
           } else {
             scale = _mm256_set1_ps(s.a[c] * xs);
           }
-          acc[c % A][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[c % A][r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[r]);
         }
+      };
+      int c = 0;
+      for (; c + 1 < n; c += 2) {
+        step(c, even);
+        step(c + 1, R <= 2 ? odd : even);
       }
+      if (c < n) step(c, even);
       // Unsigned codes: b * sum(x) per group (signed ones carry their zero in the codes).
       if constexpr (!signed_weights<F>()) offsets.add(s, sums, chunks, c0, n);
     }
     for (int r = 0; r < R; ++r) {
-      __m256 both = acc[0][r];
-      if constexpr (A == 2) both = _mm256_add_ps(both, acc[1][r]);
-      float total = sum8(both);
+      float total = sum8(R <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r]);
       if constexpr (!signed_weights<F>()) total += offsets.total(r);
       out[r * out_features + j] = total;
     }
