@@ -13,12 +13,15 @@ KV of a Q4 file from a Q8 file of the same model.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -52,11 +55,38 @@ def transformers_model(path: Path, config_folder: Path | None = None):
     build it with, for what transformers' GGUF reader leaves out (a Qwen3 head_dim other than 128)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(config_folder) if config_folder is not None else None
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                 config=config)
+    with gguf_lookups_kept():
+        config = AutoConfig.from_pretrained(config_folder) if config_folder is not None else None
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     config=config)
     model.generation_config.eos_token_id = None  # greedy to the length asked, as ignore_eos
     return model.eval()
+
+
+@contextlib.contextmanager
+def gguf_lookups_kept():
+    """transformers' GGUF loader asks gguf-py for the same pure results again and again: the tensor-name map
+    once per module of the model (397 times for SmolLM2, ~40 ms each) and the file's parsed header once
+    for the config and once for the weights (~8 s each with a 49k-token vocabulary). Kept for one load,
+    they are computed once; what transformers computes from them is unchanged (the reference stays its
+    own reading of the file)."""
+    import gguf
+
+    name_map = functools.cache(gguf.get_tensor_name_map)
+    readers: dict[str, object] = {}
+    reader_class = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = str(path)
+        if args or kwargs or key not in readers:
+            made = reader_class(path, *args, **kwargs)
+            if args or kwargs:
+                return made
+            readers[key] = made
+        return readers[key]
+
+    with mock.patch.object(gguf, "get_tensor_name_map", name_map), mock.patch.object(gguf, "GGUFReader", reader):
+        yield
 
 
 def transformers_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
