@@ -72,20 +72,8 @@ def gguf_lookups_kept():
     own reading of the file)."""
     import gguf
 
-    name_map = functools.cache(gguf.get_tensor_name_map)
-    readers: dict[str, object] = {}
-    reader_class = gguf.GGUFReader
-
-    def reader(path, *args, **kwargs):
-        key = str(path)
-        if args or kwargs or key not in readers:
-            made = reader_class(path, *args, **kwargs)
-            if args or kwargs:
-                return made
-            readers[key] = made
-        return readers[key]
-
-    with mock.patch.object(gguf, "get_tensor_name_map", name_map), mock.patch.object(gguf, "GGUFReader", reader):
+    with (mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+          mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))):
         yield
 
 

@@ -26,8 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -972,6 +972,13 @@ std::vector<int64_t> int8_formats() {
   return codes;
 }
 
+// "q8_0, q4_0, ...": the formats named, for an error message (built only when the check fails).
+std::string format_names(const std::vector<int64_t>& codes) {
+  std::string names;
+  for (const int64_t code : codes) names += (names.empty() ? "" : ", ") + std::string(kNames[code]);
+  return names;
+}
+
 at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
   const Layout l = checked_layout("qlinear_int8", weight, format, in);
   TORCH_CHECK(x.device().is_cpu(), "qlinear_int8: x must be a CPU tensor");
@@ -979,12 +986,10 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t f
               "qlinear_int8: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "qlinear_int8: x must be [rows, in], got ", x.sizes());
   TORCH_CHECK(x.size(1) == in, "qlinear_int8: x has ", x.size(1), " features, weight expects ", in);
-  const std::vector<int64_t> formats = int8_formats();
-  std::string offered;
-  for (const int64_t code : formats) offered += (offered.empty() ? "" : ", ") + std::string(kNames[code]);
+  static const std::vector<int64_t> formats = int8_formats();  // fixed by the build; checked on every call
   TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), "qlinear_int8: ", kNames[format],
               formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX2 and AVX512-VNNI"
-                              : " is not run on int8 inputs on this CPU (" + offered + " are)");
+                              : " is not run on int8 inputs on this CPU (" + format_names(formats) + " are)");
   const at::Tensor wc = weight.contiguous();
   const int64_t rows = x.size(0), out_features = wc.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
