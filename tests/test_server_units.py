@@ -423,3 +423,35 @@ def test_small_steps_leave_a_core_to_the_event_loop(tiny_model):
     assert prefill[2] > 4 and prefill[1] == threads
     assert [(count, tokens) for _, count, tokens in decodes] == [(threads - 1, 1)] * 3
     assert torch.get_num_threads() == threads
+
+
+def test_the_thread_that_starts_the_loop_hands_back_its_openmp_team(tiny_model):
+    """The thread that built the engine (a parallel op made its OpenMP team) runs on one thread while the
+    loop runs, so the process keeps one team, the engine loop's (runner/thread_team.py: two teams make
+    libgomp sleep the step's team between regions); the loop thread steps on the count the starter had,
+    and the starter gets its count back at shutdown."""
+    import asyncio
+
+    import torch
+
+    from kvreuse.llm import LLM
+    from kvreuse.runner import thread_team
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.async_engine import AsyncEngine
+
+    threads = torch.get_num_threads()
+    if threads < 2 or thread_team.libgomp() is None:
+        pytest.skip("one intra-op thread, or an OpenMP runtime other than libgomp")
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=0)
+
+    async def run() -> tuple[int, int, bool]:
+        on_loop = await engine.call(lambda _: torch.get_num_threads())  # before a step sets its own count
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        outputs = [output async for output in engine.generate("r", "A story:", params)]
+        return torch.get_num_threads(), on_loop, outputs[-1].finished
+
+    torch.randn(1 << 22).sin()  # this thread's team exists, as after a model load
+    starter, on_loop, finished = run_on_engine_thread(engine, run)
+    assert finished and starter == 1 and on_loop == threads
+    assert torch.get_num_threads() == threads

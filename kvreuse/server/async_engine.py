@@ -37,12 +37,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import EngineStats, LLMEngine
 from kvreuse.inputs import GenerationMemory, InputProcessor, PromptInput
 from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
+from kvreuse.runner import thread_team
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics, cache_config_labels
 from kvreuse.tokenizer import Tokenizer
@@ -132,6 +135,8 @@ class AsyncEngine:
         # after replacing the stats snapshot (engine thread only).
         self._outbox: list[Callable[[], Any]] = []
         self._thread: threading.Thread | None = None
+        # The thread that started the loop, and its torch thread count before it handed its team back.
+        self._starter: tuple[int, int | None] | None = None
         self.failure: BaseException | None = None  # set if the loop itself died
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -143,8 +148,12 @@ class AsyncEngine:
             logger.info("CPU steps of at most %d tokens run on %d or %d threads, whichever measures faster with "
                         "the event loop beside them", policy.small_step_tokens, policy.small_step_threads,
                         policy.threads)
-        self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
+        threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, args=(threads,), name="kvreuse-engine", daemon=True)
         self._thread.start()
+        # This thread built the engine (parallel ops: an OpenMP team); the loop thread makes a second one,
+        # and two teams make libgomp put the step's team to sleep between regions (runner/thread_team.py).
+        self._starter = (threading.get_ident(), thread_team.hand_back_team())
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop (requests still in flight are aborted), wait for the thread, then wait for the
@@ -154,6 +163,9 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         self._thread.join(timeout_s)
         self._thread = None
+        if self._starter is not None and self._starter[0] == threading.get_ident():
+            thread_team.restore_threads(self._starter[1])
+        self._starter = None
         self.flush_tiers()
 
     def flush_tiers(self) -> None:
@@ -246,8 +258,9 @@ class AsyncEngine:
         return await asyncio.wrap_future(command.future)
 
     # --- engine thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
         engine = self.engine
+        torch.set_num_threads(threads)  # the starting thread's count (a new thread's default may differ)
         try:
             while True:
                 if engine.has_unfinished_requests():
