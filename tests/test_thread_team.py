@@ -7,6 +7,7 @@ threads that earlier tests left (daemons winding down, executors) come and go.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -56,10 +57,13 @@ def test_a_thread_hands_back_its_team_then_runs_on_one_thread_until_restored():
         pytest.skip("torch's OpenMP runtime is not libgomp here")
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: no team to hand back")
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    # Two threads whatever the suite gives the processes it starts (conftest.py: OMP_NUM_THREADS=1).
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     threads = seen["threads"]
+    assert threads == 2
     assert seen["with_team"] == threads - 1  # the team's workers started
     assert seen["after"] == 0 and seen["later"] == 0  # they left, and one thread makes no new team
     assert seen["previous"] == threads and seen["count"] == 1
