@@ -412,6 +412,11 @@ def test_int8_quantization_keeps_greedy_output(built, tiny_models):
             [lp.logprob for lp in b.outputs[0].logprobs], abs=5e-2)
 
 
+def _storage(part) -> int:
+    """Where a weight part's bytes live (a QuantizedTensor's codes, or a float tensor's)."""
+    return (part.data if isinstance(part, QuantizedTensor) else part).untyped_storage().data_ptr()
+
+
 def _weight_bytes(model) -> int:
     """Bytes of the model's matrices as held (linear layers and the embedding)."""
     linears = sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
@@ -438,6 +443,10 @@ def test_a_gguf_file_is_served_from_its_quantized_weights(built, tiny_models, tm
     model = held.engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight is None and m.quantized is not None for m in linears)
+    # The per-part weights are views of the kernel's (stacked) ones, not a second copy of them.
+    for m in linears:
+        stacked = {_storage(part) for part in m.kernel.parts}
+        assert {_storage(part) for part in m.quantized} <= stacked, m
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     from gguf import GGUFReader
 

@@ -200,6 +200,20 @@ class QuantizedLinearKernel:
         self.layout_bytes = self.weight_bytes  # the quantized weight is the only layout
         self.weight = None  # no plain float weight
 
+    def views_of(self, parts: list[QuantizedTensor | torch.Tensor]) -> list[QuantizedTensor | torch.Tensor]:
+        """``parts`` (those this kernel was made from, in order) as row views of its merged parts, so a
+        caller keeping them per part holds no second copy."""
+        views: list[QuantizedTensor | torch.Tensor] = []
+        merged, start = 0, 0
+        for part in parts:
+            stop = start + part.shape[0]
+            whole = self.parts[merged]
+            views.append(whole.rows(start, stop) if isinstance(whole, QuantizedTensor) else whole[start:stop])
+            start = stop
+            if start == whole.shape[0]:
+                merged, start = merged + 1, 0
+        return views
+
     @property
     def plan(self) -> LinearPlan:
         """One plan whose ranges of row counts are those of all parts' plans (the compiled decode reads
