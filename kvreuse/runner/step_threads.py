@@ -5,10 +5,11 @@ it runs Python, it holds a core, and an engine step whose thread team wants ever
 parallel region for the team member the loop displaced. A step of a few tokens (one-stream decode) pays
 that at every one of its few-microsecond regions; whether the second core's bandwidth repays it depends on
 the model. Measured served on 2 cores (bench_gguf.py, one-stream decode tok/s on 2 threads vs 1):
-SmolLM2-135M Q4_1 36 vs 56, qwen2.5-0.5b Q4_K_M 28.8 vs 26.3. (Those served steps ran beside a second OpenMP team, which
-made the step's team sleep between regions and cost two threads the most; runner/thread_team.py removed
-it, and two threads now win on SmolLM2 too: 17.7 against 23.4 ms. The policy measures, so it follows.) Steps of many tokens (prefill, 8 or more
-streams) need every core: SmolLM2's 16-stream decode is 172 on 2 threads, 125 on 1.
+SmolLM2-135M Q4_1 36 vs 56, qwen2.5-0.5b Q4_K_M 28.8 vs 26.3. (Those served steps ran beside a second
+OpenMP team, which made the step's team sleep between regions and cost two threads the most;
+runner/thread_team.py removed it, and two threads now win on SmolLM2 too: 17.7 against 23.4 ms. The
+policy measures, so it follows.) Steps of many tokens (prefill, 8 or more streams) need every core:
+SmolLM2's 16-stream decode is 172 on 2 threads, 125 on 1.
 
 So a step of more than ``small_step_tokens`` tokens runs on every thread, and a smaller one on whichever
 of ``threads`` and ``threads - 1`` has recently given the shorter step for its token count and context
