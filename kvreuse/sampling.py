@@ -31,6 +31,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from kvreuse.errors import InvalidRequestError
+from kvreuse.models import fused_ops
 from kvreuse.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them only amplifies noise.
@@ -303,7 +304,7 @@ class Sampler:
             return SamplerOutput([], [])
         # Common case: one argmax for the whole batch, nothing else.
         if all(state.is_plain_greedy for state in states):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+            return SamplerOutput(fused_ops.argmax(logits).tolist(), [None] * num_rows)
 
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -312,12 +313,12 @@ class Sampler:
 
         greedy_rows = [i for i, state in enumerate(states) if state.params.greedy]
         if len(greedy_rows) == num_rows:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = fused_ops.argmax(logits)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
             if greedy_rows:
                 greedy_index = self._index(greedy_rows, logits.device)
-                token_ids[greedy_index] = logits[greedy_index].argmax(dim=-1)
+                token_ids[greedy_index] = fused_ops.argmax(logits[greedy_index])
             random_rows = [i for i, state in enumerate(states) if not state.params.greedy]
             random_index = self._index(random_rows, logits.device)
             token_ids[random_index] = self._sample_random(logits[random_index], [states[i] for i in random_rows])

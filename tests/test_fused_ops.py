@@ -3,8 +3,8 @@
 float32 within float rounding; bfloat16 and float16 within one rounding of the dtype (PyTorch rounds after
 every op, the kernels once or twice). Covered: the RMSNorm with and without the residual add (which must
 update the residual stream in place exactly as ``add_`` does), rotary with and without Qwen3's q/k norms
-on fused q|k|v rows (v untouched, positions anywhere in the table), SiLU-and-multiply, and a position
-outside the rotary table refused.
+on fused q|k|v rows (v untouched, positions anywhere in the table), SiLU-and-multiply, a position
+outside the rotary table refused, and the sampler's argmax (equal to torch.argmax, ties and NaNs included).
 """
 
 from __future__ import annotations
@@ -68,3 +68,34 @@ def test_silu_mul(dtype):
     gate_up = (3 * torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(2))).to(dtype)
     expected = fused_ops.reference_silu_mul(gate_up.clone())
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_silu_mul_takes_pytorchs_own_exp():
+    """float32 silu_mul is F.silu(gate) * up bit for bit: its exp is PyTorch's (SLEEF's expf8_u10) on every
+    vector of 8, here on widths of whole vectors and on rows shared between threads (16 rows of 4,864)."""
+    for rows, width in ((1, 4864), (16, 4864), (3, 256)):
+        gate_up = 4 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(fused_ops.silu_mul(gate_up), fused_ops.reference_silu_mul(gate_up.clone()))
+
+
+def test_argmax_rows_is_torch_argmax():
+    """Greedy sampling's argmax: the first index of the largest value, the first NaN where a row has one,
+    across the spans the threads share (16,384 values each), on rows that are views of a wider tensor."""
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 40_000 + 5, generator=generator)
+    logits = wide[:, :40_000]  # rows 40,005 apart: three spans each, the last one short
+    logits[1, 30_000] = logits[1, 3] = logits[1, 39_999] = 50.0  # ties in three spans: the first wins
+    logits[2, 20_000] = float("nan")  # a NaN after the largest value still wins
+    logits[2, 5] = 99.0
+    logits[3, :] = float("-inf")  # a fully masked row: index 0, as torch says
+    logits[4, 39_998] = float("nan")
+    logits[4, 16_390] = float("nan")  # the first of two NaNs in different spans
+    logits[5, 16_383] = logits[5, 16_384] = 60.0  # a tie across a span boundary
+    got = fused_ops.argmax(logits)
+    assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1))
+    assert got.tolist()[1:6] == [3, 20_000, 0, 16_390, 16_383]
+    for vocab in (1, 7, 8, 9, 49_152):  # widths around a vector and one span
+        x = torch.randn(3, vocab, generator=generator)
+        assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    half = torch.randn(2, 100, generator=generator).bfloat16()  # another dtype: torch's own reduction
+    assert torch.equal(fused_ops.argmax(half), half.argmax(dim=-1))

@@ -3,12 +3,13 @@
 Between its matrix products a decode step runs ~40 small PyTorch ops per layer (RMSNorms in float32 and
 back, rotary's slices, products and concatenation, SiLU and the multiply, the residual adds), each paying
 eager dispatch for a few hundred values: on a 2-core CPU that was more of SmolLM2-135M's decode step than
-its quantized products. Three kernels replace them:
+its quantized products. Three kernels replace them, and a fourth does the sampler's argmax:
 
 - ``rms_norm(x, weight, eps, residual)``: the residual add (in place) and the RMSNorm after it;
 - ``rotary_(qkv, ...)``: Qwen3's q/k norms and the rotary embedding, in place on the fused q|k|v rows,
   reading the model's float32 cos/sin tables at each row's position;
-- ``silu_mul(gate_up)``: the gated MLP's activation.
+- ``silu_mul(gate_up)``: the gated MLP's activation, its exp PyTorch's own (SLEEF, which libtorch exports);
+- ``argmax_rows(logits)``: greedy sampling's argmax over the vocabulary, vectorised and split between threads.
 
 Each equals the PyTorch code it replaces (the ``reference_*`` functions here, which are what the model
 runs where the kernels do not: CUDA, under ``torch.compile``, or where no compiler built them): float32
@@ -47,6 +48,10 @@ def library() -> Path | None:
         @torch.library.register_fake("kvreuse_fused::silu_mul")
         def _(gate_up):
             return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+        @torch.library.register_fake("kvreuse_fused::argmax_rows")
+        def _(logits):
+            return logits.new_empty((logits.shape[0],), dtype=torch.long)
     return built
 
 
@@ -77,6 +82,15 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [rows, 2 x intermediate] (contiguous)."""
     return torch.ops.kvreuse_fused.silu_mul(gate_up)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [rows, vocab] logits: the kernel for CPU float32 rows (torch's own
+    reduction is a scalar loop per row there), torch's otherwise. Same answer, NaNs and ties included."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[1] > 0
+            and applies(logits)):
+        return torch.ops.kvreuse_fused.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 # ---- the PyTorch code each kernel replaces (what runs where they do not) ------------------------------------

@@ -66,8 +66,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem],
                 plain.append(i)
         taken: dict[int, tuple[int, TokenLogprobs | None, bool]] = {}  # item -> (token, logprobs, accepted)
         if plain:
-            rows = torch.tensor([items[i].first_row + position for i in plain], device=logits.device)
-            sampled = sampler(logits.index_select(0, rows), [items[i].state for i in plain])
+            sampled = sampler(_rows(logits, [items[i].first_row + position for i in plain]),
+                              [items[i].state for i in plain])
             for i, token, token_logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 drafts = items[i].draft_token_ids
                 taken[i] = (token, token_logprobs, position < len(drafts) and token == drafts[position])
@@ -88,6 +88,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem],
         alive = still_alive
         position += 1
     return results
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: the tensor itself where that is every row in order (a step without drafts, the
+    common case; the sampler never writes its input), else a copy of those rows."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
 def _rejection_sample(sampler: Sampler, logits: torch.Tensor, items: list[VerifyItem], rows_of: list[int],
