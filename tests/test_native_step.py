@@ -102,7 +102,7 @@ def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir,
     with caplog.at_level(logging.INFO, logger="kvreuse"):
         llm = LLM(str(path), dtype="float32", kv_cache_memory="1MiB")
         _runs(llm, [[[3 + index, 40, 41] for index in range(10)]], max_tokens=3)
-    assert "decode step: one native call per decoder layer" in caplog.text
+    assert "decode step: one native call for the decoder layers" in caplog.text
     assert "10-row steps run op by op (qtile products at 10 rows)" in caplog.text
     assert 10 not in _native_rows(llm)
     # Off by its variable, said at start.
@@ -133,18 +133,24 @@ def test_bad_arguments_are_refused_by_name(tiny_models):
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
     layer = llm.engine.runner.model.model.layers[0]
     args = native_step.layer_args(layer, 1)
+    pools = llm.engine.runner.kv_cache.layer_pools(0)[:2]
+    held = torch.classes.kvreuse_step.DecodeLayers(args.eps, 1.0, 1, 1, 1, 4)
+    with pytest.raises(RuntimeError, match="parts must count the parts of qkv, o, gate_up and down"):
+        held.add_layer(args.weights, args.kernels, args.formats, [1, 1, 1], args.qkv_bias, args.input_norm,
+                       args.post_norm, None, None, *pools)
+    with pytest.raises(RuntimeError, match="parts do not add up to the weights"):
+        held.add_layer(args.weights, args.kernels, args.formats, [1, 1, 1, 2], args.qkv_bias, args.input_norm,
+                       args.post_norm, None, None, *pools)
+    held.add_layer(args.weights, args.kernels, args.formats, args.parts, args.qkv_bias, args.input_norm,
+                   args.post_norm, None, None, *pools)
+    assert held.num_layers() == 1
     hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
     empty = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="parts must count the parts of qkv, o, gate_up and down"):
-        torch.ops.kvreuse_step.decoder_layer(
-            hidden, args.input_norm, args.post_norm, args.eps, args.weights, args.kernels, args.formats, [1, 1, 1],
-            args.qkv_bias, torch.zeros(1), torch.zeros(1), empty, 1, 1, 1, None, None, torch.zeros(1), torch.zeros(1),
-            empty, empty, empty, empty, empty, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"layers \[0, 2\) are not within the 1 held"):
+        held.run(hidden, torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, empty, 0, 2)
     with pytest.raises(RuntimeError, match="hidden must be contiguous"):
-        torch.ops.kvreuse_step.decoder_layer(
-            torch.zeros(4, hidden.shape[1]).t(), args.input_norm, args.post_norm, args.eps, args.weights, args.kernels,
-            args.formats, args.parts, args.qkv_bias, torch.zeros(1), torch.zeros(1), empty, 1, 1, 1, None, None,
-            torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, 4, 1.0)
+        held.run(torch.zeros(4, hidden.shape[1]).t(), torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty,
+                 empty, 0, 1)
 
 
 def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, monkeypatch, tmp_path):

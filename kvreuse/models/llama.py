@@ -192,7 +192,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
         self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
-        # Decode steps' layers as one native call each, where set (the runner does: models/native_step.py).
+        # Decode steps' layers in one native call, where set (the runner does: models/native_step.py).
         self.native_step: NativeDecodeStep | None = None
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
@@ -224,14 +224,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         rope = RopeInputs(positions, self.rotary, hidden.dtype, fused_ops.applies(hidden))  # shared by every layer
         native = self.native_step
-        native_args = native.layers_for(hidden, kv_caches, attn_metadata, lora) if native is not None else None
+        held = native.layers_for(hidden, kv_caches, attn_metadata, lora) if native is not None else None
         captured: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.model.layers):
-            if index in aux_layers:
+        if held is not None:  # every layer in one native call, in stretches between the captured layers
+            first = 0
+            for index in sorted(aux_layers):
+                native.run(held, hidden, rope, attn_metadata, first, index)
                 captured[index] = hidden.clone()  # the layers update the residual stream in place
-            if native_args is not None:
-                native.run(native_args[index], hidden, rope, kv_caches, index, attn_metadata)
-            else:
+                first = index
+            native.run(held, hidden, rope, attn_metadata, first, len(self.model.layers))
+        else:
+            for index, layer in enumerate(self.model.layers):
+                if index in aux_layers:
+                    captured[index] = hidden.clone()
                 hidden = layer(hidden, rope, kv_caches, attn_metadata, lora)
         if aux_out is not None:
             aux_out.extend(captured[index] for index in aux_layers)

@@ -1,11 +1,14 @@
-"""A decode step's decoder layers, one native call each (csrc/decoder_layer.cpp), as ``torch.ops.kvreuse_step``.
+"""A decode step's decoder layers in one native call (csrc/decoder_layer.cpp), ``torch.classes.kvreuse_step``.
 
 Run op by op, a one-token step of a small model spends as long in Python (module calls, argument
-handling, torch's bindings: about ten operators per layer) as in arithmetic. ``decoder_layer`` makes
+handling, torch's bindings: about ten operators per layer) as in arithmetic. ``DecodeLayers`` makes
 the same calls from C++ through torch's dispatcher, with the same kernels in the same order (the
 products each part's plan picks: ``qdot`` / ``qdot8`` over quantized parts, F.linear or the row-dot
 kernels over float ones; the fused norm, rotary and SiLU kernels; the paged attention kernel with its
 fused K/V store), so its outputs are the op-by-op path's bit for bit (tests/test_native_step.py).
+``DecodeLayers`` holds every layer's arguments for one row count, made once, so a step is one call from
+Python for all the layers (a call per layer cost SmolLM2-135M's 30 layers about 8% of a one-stream step in
+argument conversion); a step that captures the residual stream for EAGLE runs the layers in stretches.
 
 It runs a step when every token is the paged kernel's (decode rows and short chunks over cached
 context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool holds floats (the model's dtype or bfloat16),
@@ -54,7 +57,7 @@ def library() -> Path | None:
 
 @dataclass
 class LayerArgs:
-    """One decoder layer's weights as ``decoder_layer`` takes them, for one row count."""
+    """One decoder layer's weights as ``DecodeLayers.add_layer`` takes them, for one row count."""
 
     weights: list[torch.Tensor]  # the parts of qkv, o, gate_up, down, in order
     kernels: list[int]
@@ -118,16 +121,18 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
 
 
 class NativeDecodeStep:
-    """Runs a model's decoder layers through ``decoder_layer`` for the steps it covers (``covers``); the
-    layers' arguments are made once per row count."""
+    """Runs a model's decoder layers through ``DecodeLayers`` for the steps it covers (``layers_for``); the
+    layers' arguments are made once per row count and KV cache."""
 
     def __init__(self, model: Any) -> None:  # a LlamaFamilyForCausalLM (models/llama.py imports this module)
         self.model = model
         self._args: dict[int, list[LayerArgs] | str] = {}
+        self._held: dict[int, Any] = {}  # row count -> its DecodeLayers, over the pools of _kv_cache
+        self._kv_cache: KVCache | None = None
         self._said: set[str] = set()
 
-    def layers_for(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: object, lora: object) -> list[LayerArgs] | None:
-        """The layers' arguments for this step, or None where it runs op by op."""
+    def layers_for(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: object, lora: object) -> Any | None:
+        """The ``DecodeLayers`` for this step, or None where it runs op by op."""
         if (lora is not None or not isinstance(metadata, NativeAttentionMetadata)
                 or not metadata.paged_covers_whole_batch or kv_cache.scheme is not None
                 or kv_cache.dtype != hidden.dtype or not fused_ops.applies(hidden)):
@@ -141,7 +146,24 @@ class NativeDecodeStep:
                 self._said.add(args)
                 logger.info("decode step: %d-row steps run op by op (%s)", rows, args)
             return None
-        return args
+        if kv_cache is not self._kv_cache:  # the layers hold the pools they write
+            self._held.clear()
+            self._kv_cache = kv_cache
+        held = self._held.get(rows)
+        if held is None:
+            held = self._held[rows] = self._hold(args, kv_cache)
+        return held
+
+    def _hold(self, args: list[LayerArgs], kv_cache: KVCache) -> Any:
+        config = self.model.config
+        held = torch.classes.kvreuse_step.DecodeLayers(args[0].eps, 1.0 / math.sqrt(config.head_dim),
+                                                       config.num_attention_heads, config.num_key_value_heads,
+                                                       config.head_dim, kv_cache.block_size)
+        for index, layer in enumerate(args):
+            k_pool, v_pool, _, _ = kv_cache.layer_pools(index)
+            held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,
+                           layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
+        return held
 
     def _make(self, rows: int) -> list[LayerArgs] | str:
         made = []
@@ -152,19 +174,13 @@ class NativeDecodeStep:
             made.append(args)
         return made
 
-    def run(self, args: LayerArgs, hidden: torch.Tensor, rope: Any, kv_cache: KVCache, layer: int,
-            metadata: NativeAttentionMetadata) -> None:
-        """One decoder layer on ``hidden`` [T, hidden] (updated in place), its K/V stored."""
-        config = self.model.config
-        rows = metadata.paged
-        k_pool, v_pool, _, _ = kv_cache.layer_pools(layer)
-        table = rope.rotary
-        torch.ops.kvreuse_step.decoder_layer(
-            hidden, args.input_norm, args.post_norm, args.eps, args.weights, args.kernels, args.formats, args.parts,
-            args.qkv_bias, table.cos_cache, table.sin_cache, rope.positions, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, args.q_norm, args.k_norm, k_pool, v_pool, rows.block_tables,
-            rows.query_start, rows.query_lens, rows.context_lens, metadata.slot_mapping, kv_cache.block_size,
-            1.0 / math.sqrt(config.head_dim))
+    @staticmethod
+    def run(held: Any, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int,
+            last: int) -> None:
+        """Decoder layers [first, last) on ``hidden`` [T, hidden] (updated in place), their K/V stored."""
+        rows, table = metadata.paged, rope.rotary
+        held.run(hidden, table.cos_cache, table.sin_cache, rope.positions, rows.block_tables, rows.query_start,
+                 rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
 
 
 def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecodeStep | None:
@@ -180,7 +196,7 @@ def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecode
     elif library() is None:
         reason = "the native decoder layer could not be built (see the log)"
     else:
-        logger.info("decode step: one native call per decoder layer (decode rows over a float KV pool, "
+        logger.info("decode step: one native call for the decoder layers (decode rows over a float KV pool, "
                     "no LoRA rows; other steps op by op)")
         return NativeDecodeStep(model)
     logger.info("decode step: op by op (%s)", reason)

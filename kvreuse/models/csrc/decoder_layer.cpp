@@ -1,9 +1,9 @@
-// A decode step's decoder layer in one call (models/native_step.py), over the kernels that already exist.
+// A decode step's decoder layers in one call (models/native_step.py), over the kernels that already exist.
 //
 // Run from Python, one decode row's layer is about ten operator calls (norm, products, rotary, attention,
 // norm, products, SiLU, product, residual adds), each paying the interpreter, the module and argument
 // handling and torch's Python binding: for a 135M model that overhead is as large as the arithmetic.
-// This op makes the same calls from C++ through torch's dispatcher, in the same order, with the same
+// `DecodeLayers` makes the same calls from C++ through torch's dispatcher, in the same order, with the same
 // kernels, so its numbers are the Python path's bit for bit:
 //
 //   normed = rms_norm(hidden)                           kvreuse_fused::rms_norm
@@ -14,6 +14,9 @@
 //   hidden += o_proj(attention); normed = rms_norm      kvreuse_fused::rms_norm with its residual
 //   hidden += down(silu(gate) * up)                     kvreuse_fused::silu_mul, products as above
 //
+// It holds every layer's weights, norms and KV pools for one row count (`add_layer`, once), so a decode
+// step is one call from Python for the whole model (`run`), not one per layer.
+//
 // The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
 // first, and this one finds them by name in the dispatcher once per process.
 #include <ATen/core/Tensor.h>
@@ -21,6 +24,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -102,61 +106,110 @@ at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, c
   return out;
 }
 
-void decoder_layer(at::Tensor hidden, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                   const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
-                   c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
-                   const at::Tensor& positions, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                   const OptTensor& q_norm, const OptTensor& k_norm, at::Tensor k_pool, at::Tensor v_pool,
-                   const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                   const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t block_size, double scale) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
+// One decoder layer's weights, norms and KV pools: what stays the same from step to step.
+struct Layer {
+  Projection p[kProjections];  // qkv, o, gate_up, down
+  OptTensor qkv_bias, q_norm, k_norm;
+  at::Tensor input_norm, post_norm, k_pool, v_pool;
+};
+
+// What the model's shape fixes for every layer.
+struct Shape {
+  double eps = 0.0, scale = 0.0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0;
+};
+
+// What changes every step: the rows, their positions and the block tables of their sequences.
+struct StepInputs {
+  at::Tensor cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping;
+};
+
+Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                 c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& input_norm,
+                 const at::Tensor& post_norm, const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool) {
   TORCH_CHECK(parts.size() == kProjections, "decoder_layer: parts must count the parts of qkv, o, gate_up and down");
   TORCH_CHECK(weights.size() == kernel_codes.size() && weights.size() == formats.size(),
               "decoder_layer: one kernel code and one format per weight part");
-  Projection p[kProjections];
+  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool};
   size_t at = 0;
   for (int j = 0; j < kProjections; ++j) {
     TORCH_CHECK(parts[j] > 0 && at + parts[j] <= weights.size(), "decoder_layer: parts do not add up to the weights");
     for (int64_t i = 0; i < parts[j]; ++i, ++at) {
-      p[j].weights.push_back(weights[at]);
-      p[j].kernels.push_back(kernel_codes[at]);
-      p[j].formats.push_back(formats[at]);
+      layer.p[j].weights.push_back(weights[at]);
+      layer.p[j].kernels.push_back(kernel_codes[at]);
+      layer.p[j].formats.push_back(formats[at]);
     }
   }
   TORCH_CHECK(at == weights.size(), "decoder_layer: parts do not add up to the weights");
-  const Kernels& k = kernels();
+  return layer;
+}
+
+void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
+  const double eps = shape.eps;
+  const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
 
-  at::Tensor qkv = project(k, p[0], k.rms_norm.call(hidden, input_norm, eps, c10::nullopt), qkv_bias);
+  at::Tensor qkv = project(k, layer.p[0], k.rms_norm.call(hidden, layer.input_norm, eps, c10::nullopt), layer.qkv_bias);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1), " columns, heads make ",
               q_size + 2 * kv_size);
-  k.rotary.call(qkv, cos, sin, positions, heads, kv_heads, head_dim, q_norm, k_norm, eps);
+  k.rotary.call(qkv, in.cos, in.sin, in.positions, heads, kv_heads, head_dim, layer.q_norm, layer.k_norm, eps);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
   at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
   at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-  if (k_pool.scalar_type() != qkv.scalar_type()) {  // a bfloat16 pool under a float32 model: rounded as stored
-    k_new = k_new.to(k_pool.scalar_type());
-    v_new = v_new.to(k_pool.scalar_type());
+  if (layer.k_pool.scalar_type() != qkv.scalar_type()) {  // a bfloat16 pool under a float32 model: rounded as stored
+    k_new = k_new.to(layer.k_pool.scalar_type());
+    v_new = v_new.to(layer.k_pool.scalar_type());
   }
   at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
-  k.paged_attention.call(attention, q, k_pool, v_pool, c10::nullopt, c10::nullopt, block_tables, query_start,
-                         query_lens, context_lens, block_size, -1, scale, 0, k_new, v_new, slot_mapping);
-  const at::Tensor attended = project(k, p[1], attention.view({tokens, q_size}));
+  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1, shape.scale, 0, k_new,
+                         v_new, in.slot_mapping);
+  const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}));
   // hidden += attended, then the post-attention norm of the sum (one pass).
-  const at::Tensor normed = k.rms_norm.call(hidden, post_norm, eps, attended);
-  hidden.add_(project(k, p[3], k.silu_mul.call(project(k, p[2], normed))));
+  const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
+  hidden.add_(project(k, layer.p[3], k.silu_mul.call(project(k, layer.p[2], normed))));
 }
+
+// A model's decoder layers for one row count, held across steps, so a decode step is one call from Python
+// for all of them: the per-layer call (its 26 arguments converted from Python objects, its weight lists
+// rebuilt) cost a small model about as much as its attention.
+struct DecodeLayers : torch::CustomClassHolder {
+  Shape shape;
+  std::vector<Layer> layers;
+
+  DecodeLayers(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size)
+      : shape{eps, scale, heads, kv_heads, head_dim, block_size} {}
+
+  void add_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                 c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& input_norm,
+                 const at::Tensor& post_norm, const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool) {
+    layers.push_back(make_layer(weights, kernel_codes, formats, parts, qkv_bias, input_norm, post_norm, q_norm, k_norm,
+                                k_pool, v_pool));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored.
+  void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+           const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+           const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t first, int64_t last) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "DecodeLayers.run: layers [", first, ", ", last,
+                ") are not within the ", num_layers(), " held");
+    const Kernels& k = kernels();
+    const StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping};
+    for (int64_t i = first; i < last; ++i) run_layer(k, layers[i], shape, hidden, in);
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_step, m) {
-  m.def("decoder_layer(Tensor(a!) hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, "
-        "int[] kernels, int[] formats, int[] parts, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor positions, "
-        "int heads, int kv_heads, int head_dim, Tensor? q_norm, Tensor? k_norm, Tensor(b!) k_pool, Tensor(c!) v_pool, "
-        "Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, Tensor slot_mapping, "
-        "int block_size, float scale) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvreuse_step, CPU, m) {
-  m.impl("decoder_layer", &decoder_layer);
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<double, double, int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("run", &DecodeLayers::run);
 }
