@@ -35,23 +35,6 @@ def pytest_configure(config: pytest.Config) -> None:
     _build_cpu_kernels()
 
 
-# The modules that must share one worker when pytest-xdist runs the suite on several (pyproject's addopts):
-# the documented commands bind fixed ports (8000, 8001, 8002, 8080) and, with the Ray Serve tests, use the
-# one Ray cluster (a second `ray start --head` on its port fails).
-ONE_WORKER_MODULES = ("test_documented_commands.py", "test_ray_serve.py", "test_ray_bench.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``), each module is one group, so its module-scoped servers and
-    fixtures start once, on one worker; ONE_WORKER_MODULES are one group. (xdist hands out the groups with the
-    most tests first: that one, the longest batch of the suite, starts at once.)"""
-    if not hasattr(config, "workerinput"):  # not an xdist worker (a serial run, or the controller)
-        return
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("one-worker" if name in ONE_WORKER_MODULES else name))
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _PRIVATE_CACHE is not None:
         shutil.rmtree(_PRIVATE_CACHE, ignore_errors=True)

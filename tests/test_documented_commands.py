@@ -166,6 +166,7 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_kv_quant.py --json-out kv_quant.json": SCRIPT,
     # docs/benchmarks.md: the decode step's element-wise kernels (issue 37)
     "python benchmarks/bench_fused_ops.py --json-out fused_ops.json": SCRIPT,
+    "python benchmarks/bench_native_step.py --json-out native_step.json": SCRIPT,
     # docs/ray.md
     'pip install -e ".[ray]"': CI_INSTALL,
     "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100": RAY,
@@ -213,6 +214,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_agent.py": (r"turn\s+hit rate\s+prev\s+TTFT ms\s+calls", r"(?m)^kvreuse\s+\d+/\d+\s+\d+\s+\d+\.\d%",
                        r"(?m)^kvreuse-no-tools\s+\d+/\d+\s+0\s+\d+\.\d%", r"llama-server: skipped in this smoke run"),
     "bench_fused_ops.py": (r"silu_mul\s+1\s+\d", r"argmax \(sampler\)\s+16\s+\d", r"wrote fused_ops.json"),
+    "bench_native_step.py": (r"one call\s+\d", r"per layer\s+\d", r"op by op\s+\d", r"wrote native_step.json"),
     "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d",
                       r"qwen2.5-0.5b.q4_k_m.gguf"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
