@@ -21,7 +21,6 @@ table: the suite runs the documented command that way. Its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.bench.report import machine_description
+from kvreuse.bench.report import machine_description, write_json
 from kvreuse.models import native_step
 from kvreuse.models.gguf import packaged_gguf
 from kvreuse.models.make import ensure_model
@@ -103,8 +102,8 @@ def main() -> int:
         results.append({"mode": mode, "step_ms": median_ms, "minus_one_call_ms": extra, "rounds_ms": steps_ms[mode]})
         print(f"{mode:<12}{median_ms:>10.2f}{extra:>16.2f}{1e3 / median_ms:>9.1f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"model": args.model, "machine": machine, "rounds": args.rounds,
-                                                   "tokens": args.tokens, "results": results}, indent=2) + "\n")
+        write_json(args.json_out, {"model": args.model, "machine": machine, "rounds": args.rounds,
+                                   "tokens": args.tokens, "results": results})
         print(f"wrote {args.json_out}")
     return 0
 

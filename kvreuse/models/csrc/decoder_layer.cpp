@@ -145,8 +145,8 @@ Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel
   return layer;
 }
 
+// hidden: contiguous [tokens, hidden] (DecodeLayers.run checks, once a step).
 void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
   const double eps = shape.eps;
   const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -198,6 +198,7 @@ struct DecodeLayers : torch::CustomClassHolder {
            const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t first, int64_t last) const {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "DecodeLayers.run: layers [", first, ", ", last,
                 ") are not within the ", num_layers(), " held");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
     const Kernels& k = kernels();
     const StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping};
     for (int64_t i = first; i < last; ++i) run_layer(k, layers[i], shape, hidden, in);
