@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import shutil
@@ -398,31 +399,51 @@ def test_fingerprint_keeps_a_q4_files_kv_from_a_q8_file(tiny_models, gguf_dir, t
     assert dense.engine.tier_store.fingerprint != fingerprint
 
 
-def test_the_engine_keeps_no_parsed_gguf_header(tiny_models, gguf_dir, monkeypatch):
-    """Once the engine holds its weights, the parsed header and file mapping kept for reuse while loading
-    are released (they would cost more memory than the weights of a small quantized model), before the KV
-    pool is allocated (so they never sit beside it at start-up's peak), and nothing parses them again."""
+def test_the_parsed_gguf_header_is_gone_before_any_weight_is_read(tiny_models, gguf_dir, monkeypatch):
+    """gguf-py's parsed header (for a 150k-token vocabulary ~300 MB of Python objects, more than a small
+    quantized model's weights) lives only while read_gguf reads it: it is parsed once per file version and
+    is gone before the first tensor's bytes are read, so it is never part of start-up's peak; the loader,
+    the fingerprint and the tokenizer folder read read_gguf's small record."""
+    import weakref
+
+    import gguf as gguf_py
+
     from kvreuse.engine import builder
     from kvreuse.models import gguf
 
     path = made_gguf(tiny_models, gguf_dir, "qwen2", "Q8_0")
-    dict(gguf.iterate_gguf_tensors(path))
-    assert gguf._open_reader.cache_info().currsize >= 1
+    parsed: list[weakref.ref] = []
+
+    class WatchedReader(gguf_py.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            parsed.append(weakref.ref(self))
+
+    def alive() -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in parsed)
+
+    monkeypatch.setattr(gguf_py, "GGUFReader", WatchedReader)
+    gguf._read_info.cache_clear()
+    tensors = gguf.iterate_gguf_tensors(path)
+    first_name, first = next(tensors)
+    assert len(parsed) == 1 and alive() == 0  # parsed, and gone before the first tensor was read
+    assert first_name == read_gguf(path).tensors[0].name and first.raw.size == read_gguf(path).tensors[0].n_bytes
+    assert len(dict(tensors)) == len(read_gguf(path).tensors) - 1
+
     readers_at_pool = []
 
     class WatchedKVCache(builder.KVCache):
         def __init__(self, *args, **kwargs):
-            readers_at_pool.append(gguf._open_reader.cache_info().currsize)
+            readers_at_pool.append(alive())
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(builder, "KVCache", WatchedKVCache)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="bfloat16")
     assert readers_at_pool == [0]
-    assert gguf._open_reader.cache_info().currsize == 0
+    assert len(parsed) == 1  # the engine's load parsed nothing again
     assert 0 < llm.engine.model.weight_memory_bytes()
-    # The fingerprint and the tokenizer folder still read the header's facts, from read_gguf's small record.
     assert read_gguf(path).hf_config["model_type"] == "qwen2"
-    assert gguf._open_reader.cache_info().currsize == 0
 
 
 # --- the demo's real model --------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf, release_gguf_readers
+from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf
 from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_quantization,
                                    resolve_tokenizer_path, safetensors_files)
 from kvreuse.runner.host_allocator import return_free_heap
@@ -111,10 +111,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         logger.info("speculative decoding: %s draft %s (digest %s), %d tokens per step", config.speculative.method,
                     config.speculative.model, draft.digest[:12], config.speculative.num_speculative_tokens)
 
-    if gguf_file:
-        # The file's parsed header and mapping: nothing reads them from here on (read_gguf keeps its small
-        # result), and dropping them before the pool is allocated keeps them out of the start-up's peak.
-        release_gguf_readers()
     if device.type == "cpu":
         gc.collect()
         return_free_heap()  # what loading freed (a GGUF header, repacking's intermediates) back to the system

@@ -155,6 +155,19 @@ class GGUFTensor:
 
 
 @dataclass(frozen=True)
+class GGUFTensorPlace:
+    """One tensor's entry in the header: our name, its ggml type, its shape in our order (rows first),
+    and where its bytes lie in the file."""
+
+    name: str
+    file_name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
 class GGUFModelInfo:
     """What a GGUF file's header says about its model: enough to build it and to name its weights."""
 
@@ -163,6 +176,8 @@ class GGUFModelInfo:
     name: str  # general.name, or the file name
     hf_config: dict[str, Any]  # config.json-shaped: ModelConfig.from_dict(hf_config)
     tensor_types: dict[str, str]  # our tensor name -> ggml type name
+    # Where each tensor's bytes lie, in the file's order (rope_freqs.weight left out: it is in hf_config).
+    tensors: tuple[GGUFTensorPlace, ...] = ()
 
     @property
     def weight_format(self) -> str:
@@ -190,10 +205,10 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return bool(value) if kind == GGUFValueType.BOOL else value
 
 
-@functools.lru_cache(maxsize=4)
-def _open_reader(path: str, size: int, mtime_ns: int) -> Any:
-    """One ``GGUFReader`` per file version (size and mtime): parsing a header with a 150k-token vocabulary
-    takes seconds, and the loader, the fingerprint and the raw tensors all read it."""
+def _open_reader(path: str, size: int) -> Any:
+    """The file's header parsed by gguf-py. Used inside ``_read_info`` only and dropped there: for a
+    150k-token vocabulary the parsed header is ~300 MB of small Python objects (a 0.5B Q4_K_M model's
+    weights are 375 MB), so keeping it while the weights are read made it part of start-up's peak."""
     from gguf import GGUFReader
 
     try:
@@ -208,23 +223,12 @@ def _open_reader(path: str, size: int, mtime_ns: int) -> Any:
     return reader
 
 
-def release_gguf_readers() -> None:
-    """Drop the parsed headers and file mappings kept for reuse: once an engine holds its weights they are
-    dead weight (a header's vocabulary is some 100k small numpy arrays: ~1.7x a 94 MB file's size in Python
-    objects, plus the mapped pages already read)."""
-    _open_reader.cache_clear()
-
-
 def _version(path: Path) -> tuple[str, int, int]:
     """(resolved path, size, mtime): what the per-file caches are keyed by."""
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
-
-
-def _reader(path: Path) -> Any:
-    return _open_reader(*_version(path))
 
 
 def _our_name(gguf_name: str) -> str | None:
@@ -249,10 +253,10 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
 
 @functools.lru_cache(maxsize=8)
 def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
-    """``read_gguf`` per file version, kept after ``release_gguf_readers`` (a few kB: the fingerprint and the
-    tokenizer folder ask again after the engine has dropped the parsed header)."""
+    """``read_gguf`` per file version: the header is parsed once here, what kvreuse needs of it is kept (a
+    few kB, tensor places included) and the parsed header goes when this returns."""
     path = Path(resolved)
-    reader = _open_reader(resolved, size, mtime_ns)
+    reader = _open_reader(resolved, size)
     architecture = _field(reader, "general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
@@ -271,6 +275,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
 
     tensor_types: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    places: list[GGUFTensorPlace] = []
     rope_factors: np.ndarray | None = None
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS and architecture == "llama" and tensor.tensor_type.name == "F32":
@@ -285,6 +290,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
                              f"supported: {', '.join(GGUF_TENSOR_TYPES)}")
         tensor_types[ours] = kind
         shapes[ours] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+        places.append(GGUFTensorPlace(name=ours, file_name=tensor.name, ggml_type=kind, shape=shapes[ours],
+                                      offset=int(tensor.data_offset), n_bytes=int(tensor.n_bytes)))
     if "model.embed_tokens.weight" not in shapes:
         raise ValueError(f"{path}: no token_embd.weight tensor")
 
@@ -328,7 +335,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
-                         tensor_types=tensor_types)
+                         tensor_types=tensor_types, tensors=tuple(places))
 
 
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, context_length: int,
@@ -396,44 +403,39 @@ def iterate_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, GG
     undone (``row_order`` says how); nothing is dequantized. Raises ValueError as ``read_gguf``."""
     path = Path(path)
     info = read_gguf(path)
-    reader = _reader(path)
     config = info.hf_config
     permuted = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
-    # Each tensor's bytes are read into memory of its own rather than viewed through the reader's mapping of
-    # the file: mapped pages that were read count in the process's resident memory until the mapping goes,
-    # so loading held the whole file beside the weights made from it (a 0.5B model's peak: +400-500 MB).
+    # Each tensor's bytes are read into memory of its own rather than viewed through a mapping of the file:
+    # mapped pages that were read count in the process's resident memory until the mapping goes, so
+    # loading held the whole file beside the weights made from it (a 0.5B model's peak: +400-500 MB).
     with open(path, "rb") as file:
-        for tensor in reader.tensors:
-            if tensor.name == ROPE_FREQS:
-                continue  # in the config as rope scaling (read_gguf)
-            ours = _our_name(tensor.name)
-            assert ours is not None  # read_gguf refused the others
-            file.seek(int(tensor.data_offset))
-            raw = np.fromfile(file, dtype=np.uint8, count=int(tensor.n_bytes))
-            if raw.size != int(tensor.n_bytes):
-                raise ValueError(f"{path} is truncated: tensor {tensor.name!r} ends past the end of the file")
-            yield ours, _placed(path, info, tensor, ours, raw, permuted)
+        for place in info.tensors:
+            file.seek(place.offset)
+            raw = np.fromfile(file, dtype=np.uint8, count=place.n_bytes)
+            if raw.size != place.n_bytes:
+                raise ValueError(f"{path} is truncated: tensor {place.file_name!r} ends past the end of the file")
+            yield place.name, _placed(path, info, place, raw, permuted)
 
 
-def _placed(path: Path, info: GGUFModelInfo, tensor: Any, ours: str, raw: np.ndarray,
+def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.ndarray,
             permuted: dict[str, int]) -> GGUFTensor:
     """A tensor's bytes shaped as our layout expects, the llama q / k row permutation undone."""
-    shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+    shape = place.shape
     raw = raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(-1)
     row_order = None
-    match = _OUR_LAYER_NAME.match(ours)
+    match = _OUR_LAYER_NAME.match(place.name)
     module = match.group(1) if match is not None else ""
     if info.architecture == "llama" and module in permuted:
         row_order = _llama_rope_row_order(shape[0], permuted[module])
         if raw.ndim == 2:
             raw = raw[row_order]
         else:  # a bias vector: whole values move, so its type must have one value per block
-            if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
-                raise ValueError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot "
+            if place.ggml_type not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{path}: tensor {place.file_name!r} of type {place.ggml_type} cannot "
                                  "be un-permuted")
             width = raw.size // shape[0]
             raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
-    return GGUFTensor(raw=raw, ggml_type=tensor.tensor_type.name, shape=shape, row_order=row_order)
+    return GGUFTensor(raw=raw, ggml_type=place.ggml_type, shape=shape, row_order=row_order)
 
 
 def iterate_gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
