@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -32,7 +33,59 @@ def pytest_configure(config: pytest.Config) -> None:
     # busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py
     # tests the measured choice and the other kernels against plain.
     os.environ.setdefault("KVREUSE_LINEAR_KERNEL", "plain")
+    config.addinivalue_line("markers", "alone: under pytest-xdist, run while no other worker runs a test "
+                                       "(tests that a busy CPU would fail)")
     _build_cpu_kernels()
+
+
+# The modules that must share one worker when pytest-xdist runs the suite on several (pyproject's addopts):
+# the documented commands bind fixed ports (8000, 8001, 8002, 8080) and, with the Ray Serve tests, use the
+# one Ray cluster (a second `ray start --head` on its port fails).
+ONE_WORKER_MODULES = ("test_documented_commands.py", "test_ray_serve.py", "test_ray_bench.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``), each module is one group, so its module-scoped servers and
+    fixtures start once, on one worker; ONE_WORKER_MODULES are one group (xdist hands out the groups with
+    the most tests first: that one, the longest batch of the suite, starts at once)."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker (a serial run, or the controller)
+        return
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("one-worker" if name in ONE_WORKER_MODULES else name))
+
+
+@contextmanager
+def _cpu_turn(exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock over the workers of one xdist run (two files under the temp dir, named by the
+    run's id): a test marked ``alone`` runs while no other worker runs a test; the others share. The
+    turnstile keeps a waiting ``alone`` test from being passed by the other worker's next tests."""
+    base = Path(tempfile.gettempdir()) / f"kvreuse-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits for the other worker's running test to end
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist, a test marked ``alone`` (what a busy core would fail: a replica killed while it
+    still has tokens to produce, a spill that needs requests to pile up) runs with the other worker
+    between tests; its setup and teardown included."""
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        yield
+        return
+    with _cpu_turn(item.get_closest_marker("alone") is not None):
+        yield
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

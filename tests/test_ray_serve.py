@@ -103,6 +103,7 @@ def test_replicas_run_one_per_node_and_each_prefix_stays_where_it_is_cached(depl
             assert cached >= 0.8 * prompt_tokens, (i, cached, prompt_tokens)
 
 
+@pytest.mark.alone  # its timing needs the CPU: the other xdist worker waits
 def test_a_hot_prefix_spills_to_the_other_replica(deployment: subprocess.Popen):
     prefix = document(40, words=200)
 
@@ -126,6 +127,7 @@ def test_a_hot_prefix_spills_to_the_other_replica(deployment: subprocess.Popen):
     assert hits >= 8, f"the spill computes the prefix once on the other replica, then hits there too: {served}"
 
 
+@pytest.mark.alone  # its timing needs the CPU: the other xdist worker waits
 def test_sigkill_of_a_replica_under_load_loses_nothing_and_ray_restarts_it(deployment: subprocess.Popen):
     before = engine_replicas()
     assert len(before) == 2
