@@ -16,13 +16,17 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 _PRIVATE_CACHE: str | None = None  # the throwaway cache this session made (removed at its end)
+_LOCK_DIR: str | None = None  # where the xdist workers' lock files go (removed at the end)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Before collection (test modules ask at import whether a kernel builds, and a kernel library, once
     loaded, stays where it was loaded from): tests never reach a hub, trained tokenizers, models and the
     C++ kernels go to a throwaway cache, and every kernel is built there once (``_build_cpu_kernels``)."""
-    global _PRIVATE_CACHE
+    global _PRIVATE_CACHE, _LOCK_DIR
+    if not hasattr(config, "workerinput"):  # the controller (or a serial run): the xdist workers inherit it
+        _LOCK_DIR = tempfile.mkdtemp(prefix="kvreuse-test-locks-")
+        os.environ["KVREUSE_TEST_LOCK_DIR"] = _LOCK_DIR
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     if "KVREUSE_CACHE_DIR" not in os.environ:
@@ -59,9 +63,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @contextmanager
 def _cpu_turn(exclusive: bool) -> Iterator[None]:
     """A readers-writer lock over the workers of one xdist run (two files under the temp dir, named by the
-    run's id): a test marked ``alone`` runs while no other worker runs a test; the others share. The
+    run's id, in the controller's lock folder): a test marked ``alone`` runs while no other worker runs a test; the others share. The
     turnstile keeps a waiting ``alone`` test from being passed by the other worker's next tests."""
-    base = Path(tempfile.gettempdir()) / f"kvreuse-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    folder = os.environ.get("KVREUSE_TEST_LOCK_DIR") or tempfile.gettempdir()
+    base = Path(folder) / f"kvreuse-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if exclusive:
@@ -89,8 +94,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _PRIVATE_CACHE is not None:
-        shutil.rmtree(_PRIVATE_CACHE, ignore_errors=True)
+    for folder in (_PRIVATE_CACHE, _LOCK_DIR):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
