@@ -62,12 +62,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @contextmanager
 def _cpu_turn(exclusive: bool) -> Iterator[None]:
-    """A readers-writer lock over the workers of one xdist run (two files under the temp dir, named by the
-    run's id, in the controller's lock folder): a test marked ``alone`` runs while no other worker runs a test; the others share. The
-    turnstile keeps a waiting ``alone`` test from being passed by the other worker's next tests."""
-    folder = os.environ.get("KVREUSE_TEST_LOCK_DIR") or tempfile.gettempdir()
-    base = Path(folder) / f"kvreuse-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+    """A readers-writer lock over the workers of one xdist run (two files in the lock folder the controller
+    made for this run): a test marked ``alone`` runs while no other worker runs a test; the others share.
+    The turnstile keeps a waiting ``alone`` test from being passed by the other worker's next tests."""
+    folder = Path(os.environ["KVREUSE_TEST_LOCK_DIR"])
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if exclusive:
             fcntl.flock(lock, fcntl.LOCK_EX)  # waits for the other worker's running test to end
