@@ -302,7 +302,7 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
             served = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
             result |= {f"vllm_bench_{key}": value for key, value in served.items()}
         if system.startswith("kvreuse"):
-            held = re.search(r"weights: ([0-9.]+) MiB as held", server.log_tail(10**6))
+            held = re.search(r"weights: ([0-9.]+) MiB as held", server.log_path.read_text(errors="replace"))
             result["weights_held_bytes"] = float(held.group(1)) * 2**20 if held else None
             # A CPU pool is resident as it fills; llama-server clears (writes) its whole cache at start. The
             # peak with a full pool adds the pool's pages still untouched at the end (they would have been

@@ -215,8 +215,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
                        r"(?m)^kvreuse-no-tools\s+\d+/\d+\s+0\s+\d+\.\d%", r"llama-server: skipped in this smoke run"),
     "bench_fused_ops.py": (r"silu_mul\s+1\s+\d", r"argmax \(sampler\)\s+16\s+\d", r"wrote fused_ops.json"),
     "bench_native_step.py": (r"one call\s+\d", r"per layer\s+\d", r"op by op\s+\d", r"wrote native_step.json"),
-    "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d",
-                      r"qwen2.5-0.5b.q4_k_m.gguf"),
+    "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
@@ -977,6 +976,10 @@ class DocRuns:
         assert SMOKE_BANNER in output, f"{script} has no smoke mode (it must honour KVREUSE_BENCH_SMOKE=1):\n{output}"
         missing = [pattern for pattern in SCRIPT_TABLES[script] if not re.search(pattern, output)]
         assert not missing, f"{script} printed no {missing}:\n{output[-6000:]}"
+        # Every model a command names (bench_gguf.py's --gguf files and --folder folders) gets its own table.
+        unreported = [name for name in option_values(argv, "--gguf") + option_values(argv, "--folder")
+                      if f"\n{Path(name).name} (" not in output]
+        assert not unreported, f"{script} printed no table for {unreported}:\n{output[-6000:]}"
         notes = f"table printed ({seconds:.1f} s)"
         if option(argv, "--json"):
             figures = json.loads((cwd / option(argv, "--json")).read_text())

@@ -133,7 +133,8 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
     """qdot (the quantized groups read directly) and qtile (dequantized tiles, F.linear) against the
     float64 product with the dequantized weight: 0-17 rows (one pass of 8, two, a partial third), output
     rows that do not fill a thread's share evenly, short last spans, a non-contiguous input. qdot8 (where
-    this CPU runs the format on int8 inputs) against the product of the inputs it rounds, as exactly."""
+    this CPU runs the format on int8 inputs) against the product of the inputs it rounds, as exactly;
+    qtile_bf16 (bfloat16 activations only) against the product with the weight rounded to bf16."""
     for out_features, in_features in shapes_of(ggml_type):
         qt = repack_gguf(gguf_blocks(ggml_type, out_features, in_features, seed=2), ggml_type,
                          (out_features, in_features))
@@ -142,17 +143,16 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
         inputs = [torch.randn(rows, in_features, generator=generator).to(dtype) for rows in (0, 1, 2, 3, 5, 8, 9, 16, 17)]
         inputs.append(torch.randn(in_features, 3, generator=generator).to(dtype).t())  # non-contiguous
         inputs[2][0, :32] = 0  # a group of zeros (no scale to divide by)
-        int8 = qt.format.name in qlinear.int8_formats()
         for x in inputs:
-            for name in kernels.QUANTIZED_KERNELS:
-                if name == "qdot8" and not int8:
-                    continue
+            for name in qlinear.kernels_for(qt.format.name, dtype):
                 rounded = _rounded_to_int8(x) if name == "qdot8" else x
-                expected = F.linear(rounded.double(), weight.double())
+                # qtile_bf16 multiplies the weights rounded to bf16 (bf16 inputs, bf16 GEMM output).
+                used = weight.bfloat16().float() if name == "qtile_bf16" else weight
+                expected = F.linear(rounded.double(), used.double())
                 got = qlinear.run_quantized(name, x, qt)
                 assert got.dtype == dtype and got.shape == (x.shape[0], out_features)
                 error = (got.double() - expected).abs()
-                bound = _tolerance(rounded, weight, bf16_output=dtype == torch.bfloat16)
+                bound = _tolerance(rounded, used, bf16_output=dtype == torch.bfloat16)
                 assert bool((error <= bound).all()), (name, ggml_type, x.shape, error.max())
 
 
@@ -187,6 +187,23 @@ def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, 
     assert qlinear.plan_for(book, q8, torch.float32) == kernels.LinearPlan.single(expected)
     assert qlinear.plan_for(book, q8, torch.bfloat16) == kernels.LinearPlan.single(expected)
     assert qlinear.plan_for(book, q6, torch.float32) == kernels.LinearPlan.single("qdot")
+
+
+@needs_compiler
+def test_bf16_tiles_are_offered_under_bfloat16_activations_only(built, monkeypatch):
+    """qtile_bf16 rounds each dequantized tile to bf16: offered to bfloat16 engines (and measured like the
+    rest), never to float32 ones, whose products stay exact; forced under float32 it runs qtile."""
+    for fmt in quant.FORMATS:
+        assert "qtile_bf16" in qlinear.kernels_for(fmt, torch.bfloat16)
+        assert "qtile_bf16" not in qlinear.kernels_for(fmt, torch.float32)
+    book = kernels.PlanBook(Path(os.devnull))
+    qt = quant.random_quantized("q4_k", 64, 256)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "qtile_bf16")
+    assert qlinear.plan_for(book, qt, torch.bfloat16) == kernels.LinearPlan.single("qtile_bf16")
+    assert qlinear.plan_for(book, qt, torch.float32) == kernels.LinearPlan.single("qtile")
+    x = torch.randn(40, 256).bfloat16()
+    assert torch.equal(qlinear.run_quantized("qtile_bf16", x, qt),
+                       F.linear(x, qlinear.dequantize(qt).bfloat16()))
 
 
 @needs_compiler
@@ -305,7 +322,8 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     assert book.measured == 1 and set(plan.times_us) == set(qlinear.kernels_for("q4_0", torch.bfloat16))
     assert set(plan.times_us) >= {"qdot", "qtile"}
     assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
-    assert plan.kernel_for(1) in ("qdot", "qdot8") and plan.kernel_for(10**6) in ("qtile", "qdot8")
+    assert plan.kernel_for(1) in ("qdot", "qdot8") and plan.kernel_for(10**6) in ("qtile", "qtile_bf16", "qdot8")
+    assert plan.times_us["qtile_bf16"][1] == float("inf") and plan.times_us["qtile_bf16"][256] < float("inf")
     book.save()
     (key,) = json.loads(path.read_text())["plans"]
     assert key.endswith("| q4_0/bfloat16 | 1024x512")

@@ -16,11 +16,12 @@ of speculative rows. Other layouts of the same weight do better there:
   eight weight rows per pass, for one to a few rows (float32 and bfloat16). On a 2-core AVX-512 EPYC
   one decode row streams the 896x4864 down projection at ~35 GB/s, against 22-25 for the best library
   kernel. Built for the CPU on first use; where no compiler builds it, the planner never offers it.
-- ``qdot``, ``qdot8`` and ``qtile``, for weights held quantized (models/quant.py, models/qlinear.py): the
-  C++ kernel that reads the quantized groups directly (decode rows), the same over inputs rounded to int8
-  per 32 values (AVX512-VNNI, bfloat16 activations only: llama.cpp's arithmetic), and F.linear on tiles
-  dequantized one at a time (many rows). Only quantized weights run them; their plans are measured the
-  same way, under the format's name (``q4_k/bfloat16``) where a float weight's key has its dtype.
+- ``qdot``, ``qdot8``, ``qtile`` and ``qtile_bf16``, for weights held quantized (models/quant.py,
+  models/qlinear.py): the C++ kernel that reads the quantized groups directly (decode rows), the same over
+  inputs rounded to int8 per 32 values (llama.cpp's arithmetic), and F.linear on tiles dequantized one at a
+  time (many rows), in float32 or, under bfloat16 activations, in bfloat16 (the library's bf16 GEMM: 3x
+  float32's on an AVX512-BF16 EPYC). Only quantized weights run them; their plans are measured the same
+  way, under the format's name (``q4_k/bfloat16``) where a float weight's key has its dtype.
 
 Which wins, and where, depends on the CPU, the thread count, the dtype and the weight's shape (on a
 2-core AVX2 EPYC one decode row runs the 9728x896 gate/up projection at 15 GB/s on F.linear, 23 packed
@@ -69,12 +70,14 @@ logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "KVREUSE_LINEAR_KERNEL"  # "auto" (default), or one kernel name for every layer
 # Preference order when times tie.
-KERNELS = ("plain", "packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8", "qdot", "qdot8", "qtile")
+KERNELS = ("plain", "packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8", "qdot", "qdot8", "qtile",
+           "qtile_bf16")
 # The weight layout each kernel reads; kernels sharing one can share a plan without extra memory.
 LAYOUT = {"plain": "plain", "packed": "packed", "transposed": "transposed", "split_in": "transposed",
           "split_out": "split_out", "rowdot": "plain", "rowdot8": "plain", "qdot": "quantized", "qdot8": "quantized",
-          "qtile": "quantized"}
-QUANTIZED_KERNELS = ("qdot", "qdot8", "qtile")  # over a quantized weight only (models/qlinear.py runs them)
+          "qtile": "quantized", "qtile_bf16": "quantized"}
+# Over a quantized weight only (models/qlinear.py runs them).
+QUANTIZED_KERNELS = ("qdot", "qdot8", "qtile", "qtile_bf16")
 ROWDOT_GROUP = {"rowdot": 1, "rowdot8": 8}  # weight rows per pass of models/rowdot.py's kernel
 # The row-dot kernels re-read each pass of weight rows from cache for every input row: a GEMV, not a
 # GEMM. They are probed up to this many rows and never chosen above.

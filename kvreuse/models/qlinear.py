@@ -14,9 +14,14 @@ flags, loaded directly once built):
   6-bit codes stay on the bf16 kernel there); none on CPUs with neither.
 
 Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
-multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept.
+multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept: in
+float32 (``qtile``: the weights' values exact), or under bfloat16 activations also in bfloat16
+(``qtile_bf16``: each tile rounded to bf16, as transformers holds a dequantized file in a bf16 model; the
+library's bf16 GEMM runs at 354 GFLOP/s against float32's 120 on a 2-core AVX512-BF16 EPYC, so a prefill
+chunk of a quantized file goes about as fast as the bf16 folder's).
 Which runs a row count is measured per CPU, format, activation dtype and shape, as for float weights
-(models/kernels.py's ``qdot``, ``qdot8`` and ``qtile``; ``QuantizedLinearKernel`` follows the plan).
+(models/kernels.py's ``qdot``, ``qdot8``, ``qtile`` and ``qtile_bf16``; ``QuantizedLinearKernel`` follows
+the plan).
 ``qdot8`` is offered under float32 and bfloat16 activations alike: llama.cpp and vLLM multiply their
 quantized files' weights by activations rounded this way, and only the inputs round (7 bits and a sign
 against each group's largest value, finer than the 4-8-bit weights they meet); where the plan book
@@ -49,6 +54,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # activations; accumulation is float32
 TILE_VALUES = 2**20
 # The qdot kernel re-decodes the weight for every 8 input rows: a GEMV, probed up to this many rows.
 QDOT_MAX_ROWS = 64
+# qtile_bf16 is probed from this many rows up (qtile, its float32 twin, stays probed at every count).
+QTILE_BF16_MIN_ROWS = 16
 # The plan where nothing is measured (small weights, an engine forced onto one float kernel): the
 # quantized kernel for decode rows, dequantized tiles above.
 DEFAULT_PLAN = LinearPlan(((8, "qdot"), (ALWAYS, "qtile")))
@@ -107,8 +114,14 @@ def qlinear_int8(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 
 def kernels_for(fmt: str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The quantized kernels offered for a weight of format ``fmt`` under ``dtype`` activations."""
-    offered = ("qdot", "qdot8", "qtile") if dtype in DTYPES and fmt in int8_formats() else ("qdot", "qtile")
+    """The quantized kernels offered for a weight of format ``fmt`` under ``dtype`` activations: qdot8
+    where this CPU runs the format on int8 inputs, qtile_bf16 under bfloat16 ones (a float32 engine keeps
+    exact weights)."""
+    offered = {"qdot", "qtile"}
+    if dtype in DTYPES and fmt in int8_formats():
+        offered.add("qdot8")
+    if dtype == torch.bfloat16:
+        offered.add("qtile_bf16")
     return tuple(name for name in kernels.QUANTIZED_KERNELS if name in offered)
 
 
@@ -134,27 +147,32 @@ def tile_rows(weight: QuantizedTensor) -> int:
     return max(16, TILE_VALUES // weight.in_features // 16 * 16)
 
 
-def tiled_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-    """x [rows, in] @ weight^T by tiles of output rows, each dequantized to float32 and multiplied by
-    F.linear in float32 (bf16 inputs widened, the output rounded once): the decode kernel's numerics,
-    with no bf16 rounding of the weights (and float32 GEMMs are the faster ones on CPUs without AMX)."""
+def tiled_linear(x: torch.Tensor, weight: QuantizedTensor, compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [rows, in] @ weight^T by tiles of output rows, each dequantized and multiplied by F.linear in
+    ``compute``: float32 (bf16 inputs widened, the output rounded once: the decode kernel's numerics, no bf16
+    rounding of the weights), or bfloat16 (each tile rounded to bf16: the faster GEMM where the CPU has
+    AVX512-BF16 or AMX)."""
     step = tile_rows(weight)
     out_features = weight.shape[0]
-    xf = x.float()
+    xc = x.to(compute)
+
+    def tile(part: QuantizedTensor) -> torch.Tensor:
+        return dequantize(part).to(compute)
+
     if out_features <= step:
-        out = F.linear(xf, dequantize(weight))
+        out = F.linear(xc, tile(weight))
     else:
         # Each tile's product written into one output as it comes (a list of them and a cat would hold the
         # output twice: 50 MB of a 2,048-token chunk's gate/up product on a small model).
-        out = torch.empty(*xf.shape[:-1], out_features, dtype=torch.float32, device=xf.device)
+        out = torch.empty(*xc.shape[:-1], out_features, dtype=compute, device=xc.device)
         for start in range(0, out_features, step):
             end = min(start + step, out_features)
-            out[..., start:end] = F.linear(xf, dequantize(weight.rows(start, end)))
+            out[..., start:end] = F.linear(xc, tile(weight.rows(start, end)))
     return out.to(x.dtype)
 
 
 def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
-    """x [rows, in] through kernel ``name`` (qdot, qdot8 or qtile) over a quantized weight; a float part
+    """x [rows, in] through kernel ``name`` (qdot, qdot8, qtile or qtile_bf16) over a quantized weight; a float part
     of a fused weight (a GGUF file may keep one projection in F16) runs F.linear. A fused weight's plan
     is its first part's: qdot8 falls back to qdot on a part whose format it does not run."""
     if not isinstance(weight, QuantizedTensor):
@@ -164,6 +182,8 @@ def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Te
         # trusts: int8_formats() (a cached build check) is not traced.
         runs = torch.compiler.is_compiling() or weight.format.name in int8_formats()
         return qlinear_int8(x, weight) if runs else qlinear(x, weight)
+    if name == "qtile_bf16":
+        return tiled_linear(x, weight, torch.bfloat16)
     return qlinear(x, weight) if name == "qdot" else tiled_linear(x, weight)
 
 
@@ -235,13 +255,14 @@ class QuantizedLinearKernel:
 
 def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> LinearPlan:
     """The measured plan for a quantized weight of this format and shape under ``dtype`` activations
-    (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot, qdot8 or qtile
-    forces one (qdot8 where it is not offered: qdot); forced onto a float kernel, or for weights too small
+    (stored in the plan book's file as float weights' are). KVREUSE_LINEAR_KERNEL=qdot, qdot8, qtile or
+    qtile_bf16 forces one (qdot8 or qtile_bf16 where it is not offered: qdot or qtile); forced onto a float
+    kernel, or for weights too small
     to matter, DEFAULT_PLAN, unmeasured."""
     offered = kernels_for(weight.format.name, dtype)
     forced = os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower()
     if forced in kernels.QUANTIZED_KERNELS:
-        return LinearPlan.single(forced if forced in offered else "qdot")
+        return LinearPlan.single(forced if forced in offered else {"qtile_bf16": "qtile"}.get(forced, "qdot"))
     shape = weight.shape
     if forced != "auto" or shape[0] * shape[1] < kernels.MIN_MEASURED_ELEMENTS or dtype not in DTYPES:
         return DEFAULT_PLAN
@@ -269,8 +290,11 @@ def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,
             x = torch.randn(count, in_features, generator=generator).to(dtype)
             used = copies if count <= kernels.COLD_ROWS else 1
             repeats = 7 if count <= kernels.COLD_ROWS else 2
+            # qdot is a GEMV (probed up to QDOT_MAX_ROWS); qtile_bf16's tiles lose to the row kernels below
+            # QTILE_BF16_MIN_ROWS (a tile's dequantizing outweighs its GEMM there): left at inf, unprobed.
             calls = {name: (lambda name=name: [run_quantized(name, x, w) for w in weights[:used]])
-                     for name in offered if name != "qdot" or count <= QDOT_MAX_ROWS}
+                     for name in offered if (name != "qdot" or count <= QDOT_MAX_ROWS)
+                     and (name != "qtile_bf16" or count >= QTILE_BF16_MIN_ROWS)}
             for call in calls.values():
                 call()  # warm-up
             best = {name: math.inf for name in offered}
