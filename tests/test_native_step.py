@@ -154,8 +154,9 @@ def test_bad_arguments_are_refused_by_name(tiny_models):
 
 
 def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, monkeypatch, tmp_path):
-    """K/V computed by products over int8-rounded inputs (qdot8) differ from the exact products': engines
-    on the same file with and without it never share a tier's records."""
+    """K/V computed by products over int8-rounded inputs (qdot8), or over tiles of weights rounded to bf16
+    (qtile_bf16), differ from the exact products': engines on the same file with and without them never
+    share a tier's records."""
     path = made_gguf(tiny_models, gguf_dir, "llama-plain", "Q4_1")
     disk = tmp_path / "disk"
     for kernel in ("qdot", "qdot8"):
@@ -165,3 +166,12 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
         llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
         llm.engine.flush_tiers()
     assert len(list(disk.iterdir())) == 2
+    # A bfloat16 engine's prefill products on dequantized tiles, in float32 (qtile) or rounded to bf16
+    # (qtile_bf16): other K/V bytes, other records.
+    for kernel in ("qtile", "qtile_bf16"):
+        monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", kernel)
+        llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
+        assert llm.engine.runner.model.runs_bf16_tiles() == (kernel == "qtile_bf16")
+        llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
+        llm.engine.flush_tiers()
+    assert len(list(disk.iterdir())) == 4

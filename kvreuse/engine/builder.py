@@ -140,7 +140,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tier_store = tier_glue = None
     if config.cache.has_tiers:
         fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path,
-                                         int8_activations=model.runs_int8_activations())
+                                         int8_activations=model.runs_int8_activations(),
+                                         bf16_tiles=model.runs_bf16_tiles())
         tier_store = make_tiers(config, kv_cache, fingerprint)
         tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
 
@@ -257,7 +258,7 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
 
 def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: ModelConfig, kv_cache: KVCache,
                        dtype: torch.dtype, draft: EagleDraft | None, tokenizer_path: Path | None = None,
-                       int8_activations: bool = False) -> str:
+                       int8_activations: bool = False, bf16_tiles: bool = False) -> str:
     """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint).
 
     A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
@@ -267,7 +268,9 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     quantized kernels round differently from the float path over the same file (and int8's weights are
     not the files'), so the KV they compute is another's. So does a model whose quantized products may
     round their inputs to int8 (``int8_activations``: a plan that picks qdot8, models/qlinear.py): its K/V
-    differ from the exact products' by that rounding, and the choice is measured per machine.
+    differ from the exact products' by that rounding, and the choice is measured per machine. So does one
+    whose many-row products may multiply tiles of dequantized weights rounded to bfloat16 (``bf16_tiles``:
+    a plan that picks qtile_bf16).
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -297,6 +300,7 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
         **({"activations": "int8 (qdot8)"} if int8_activations else {}),
+        **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
            and kv_cache.storage_dtype != kv_cache.dtype else {}),

@@ -287,6 +287,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         return any(isinstance(kernel, QuantizedLinearKernel) and any("qdot8" in plan.kernels for plan in kernel.plans)
                    for kernel in kernels)
 
+    def runs_bf16_tiles(self) -> bool:
+        """Whether a quantized product's plan picks qtile_bf16 (dequantized tiles rounded to bfloat16) for
+        some row count: the K/V its prefills compute then differ from qtile's (the fingerprint says so)."""
+        kernels = [module.kernel for module in self.modules() if isinstance(module, Linear)]
+        return any(isinstance(kernel, QuantizedLinearKernel)
+                   and any("qtile_bf16" in plan.kernels for plan in kernel.plans) for kernel in kernels)
+
     def weight_memory_bytes(self) -> int:
         """Bytes the weights take as held: each linear layer in its kernel layouts (quantized blocks or
         float), the embedding table (quantized or float), norms and biases, and a tied head's own layouts."""
