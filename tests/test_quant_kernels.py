@@ -322,7 +322,12 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     assert book.measured == 1 and set(plan.times_us) == set(qlinear.kernels_for("q4_0", torch.bfloat16))
     assert set(plan.times_us) >= {"qdot", "qtile"}
     assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
-    assert plan.kernel_for(1) in ("qdot", "qdot8") and plan.kernel_for(10**6) in ("qtile", "qtile_bf16", "qdot8")
+    # Each probed row count runs the kernel measured fastest there (all of them read the one quantized layout).
+    # Which one that is depends on the machine and its load (the documented commands run in background
+    # threads while other tests run, the alone marker notwithstanding), so it is not asserted here.
+    for rows in (1, 16, 256):
+        fastest = min(plan.times_us, key=lambda name: plan.times_us[name][rows])
+        assert plan.times_us[plan.kernel_for(rows)][rows] == plan.times_us[fastest][rows], (rows, plan)
     assert plan.times_us["qtile_bf16"][1] == float("inf") and plan.times_us["qtile_bf16"][256] < float("inf")
     book.save()
     (key,) = json.loads(path.read_text())["plans"]
