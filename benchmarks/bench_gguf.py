@@ -300,8 +300,8 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
             "rss_peak_bytes": tree_status(server.process.pid)["VmHWM"],
         }
         if args.vllm_bench_serve:
-            served = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
-            result |= {f"vllm_bench_{key}": value for key, value in served.items()}
+            load = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
+            result |= {f"vllm_bench_{key}": value for key, value in load.items()}
         if system.startswith("kvreuse"):
             held = re.search(r"weights: ([0-9.]+) MiB as held", server.log_path.read_text(errors="replace"))
             result["weights_held_bytes"] = float(held.group(1)) * 2**20 if held else None

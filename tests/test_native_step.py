@@ -159,19 +159,15 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
     share a tier's records."""
     path = made_gguf(tiny_models, gguf_dir, "llama-plain", "Q4_1")
     disk = tmp_path / "disk"
-    for kernel in ("qdot", "qdot8"):
+    # A float32 engine with exact or int8-rounded inputs; a bfloat16 engine's prefill products on dequantized
+    # tiles in float32 (qtile) or rounded to bf16 (qtile_bf16): other K/V bytes, other records each time.
+    cases = [("float32", "qdot", "runs_int8_activations", False), ("float32", "qdot8", "runs_int8_activations", True),
+             ("bfloat16", "qtile", "runs_bf16_tiles", False), ("bfloat16", "qtile_bf16", "runs_bf16_tiles", True)]
+    for count, (dtype, kernel, runs, expected) in enumerate(cases, 1):
         monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", kernel)
-        llm = LLM(str(path), dtype="float32", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
-        assert llm.engine.runner.model.runs_int8_activations() == (kernel == "qdot8")
+        llm = LLM(str(path), dtype=dtype, kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
+        assert getattr(llm.engine.runner.model, runs)() == expected
         llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
         llm.engine.flush_tiers()
-    assert len(list(disk.iterdir())) == 2
-    # A bfloat16 engine's prefill products on dequantized tiles, in float32 (qtile) or rounded to bf16
-    # (qtile_bf16): other K/V bytes, other records.
-    for kernel in ("qtile", "qtile_bf16"):
-        monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", kernel)
-        llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
-        assert llm.engine.runner.model.runs_bf16_tiles() == (kernel == "qtile_bf16")
-        llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
-        llm.engine.flush_tiers()
-    assert len(list(disk.iterdir())) == 4
+        if count in (2, 4):
+            assert len(list(disk.iterdir())) == count

@@ -280,19 +280,21 @@ class LlamaFamilyForCausalLM(nn.Module):
                     changed, extra / 2**20)
         return changed
 
+    def _quantized_plans_pick(self, name: str) -> bool:
+        """Whether some quantized product's plan picks kernel ``name`` for some row count."""
+        kernels = [module.kernel for module in self.modules() if isinstance(module, Linear)]
+        return any(isinstance(kernel, QuantizedLinearKernel) and any(name in plan.kernels for plan in kernel.plans)
+                   for kernel in kernels)
+
     def runs_int8_activations(self) -> bool:
         """Whether a quantized product's plan picks qdot8 (inputs rounded to int8) for some row count: the
         K/V it computes then differ from the exact products' (the engine's fingerprint says so)."""
-        kernels = [module.kernel for module in self.modules() if isinstance(module, Linear)]
-        return any(isinstance(kernel, QuantizedLinearKernel) and any("qdot8" in plan.kernels for plan in kernel.plans)
-                   for kernel in kernels)
+        return self._quantized_plans_pick("qdot8")
 
     def runs_bf16_tiles(self) -> bool:
         """Whether a quantized product's plan picks qtile_bf16 (dequantized tiles rounded to bfloat16) for
         some row count: the K/V its prefills compute then differ from qtile's (the fingerprint says so)."""
-        kernels = [module.kernel for module in self.modules() if isinstance(module, Linear)]
-        return any(isinstance(kernel, QuantizedLinearKernel)
-                   and any("qtile_bf16" in plan.kernels for plan in kernel.plans) for kernel in kernels)
+        return self._quantized_plans_pick("qtile_bf16")
 
     def weight_memory_bytes(self) -> int:
         """Bytes the weights take as held: each linear layer in its kernel layouts (quantized blocks or
