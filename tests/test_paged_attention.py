@@ -99,6 +99,24 @@ def test_bfloat16_model(kv_cache_dtype):
     run_kernel(pool, query_lens=[1, 1, 7], context_lens=[500, 33, 90], heads=9)
 
 
+@pytest.mark.parametrize("layout", ["bf16_dot", "float_rows"])
+@pytest.mark.parametrize("block_size,heads,kv_heads,dim", [
+    (16, 14, 2, 64), (1, 8, 8, 64), (32, 8, 1, 128), (16, 12, 4, 96), (16, 6, 2, 80)])
+def test_bfloat16_pool_layouts(layout, block_size, heads, kv_heads, dim, monkeypatch):
+    # A bf16 pool with bf16 queries has its own kernel where AVX512_BF16 is built in (scores from bf16 dot
+    # products over keys transposed as words; head_dim 80 is not a multiple of 32 and falls back to float
+    # rows); the other layout reads the same pool as float32 rows. Each must equal the float64 reference:
+    # GQA groups of 7 and 8 rows and chunks of up to 8 queries (up to 32 rows a tile), ragged, mid-block and
+    # one-token contexts, and split partitions.
+    if layout == "bf16_dot" and not paged_attention.has_bf16_dot():
+        pytest.skip("this machine's build has no AVX512_BF16 kernel")
+    if layout == "float_rows":
+        monkeypatch.setenv(paged_attention.NO_BF16_DOT_ENV, "1")
+    pool = Pool(block_size, kv_heads, dim, torch.bfloat16, "auto", num_blocks=1500 // block_size + 40)
+    run_kernel(pool, query_lens=[1, 8, 1, 3, 1], context_lens=[1, 40, 333, 17, 600], heads=heads)
+    run_kernel(pool, query_lens=[1, 4], context_lens=[300, 120], heads=heads, partition_size=48)
+
+
 @pytest.mark.parametrize("partition_size", [16, 48, 512])
 def test_partitions_of_a_long_context_merge_exactly(partition_size):
     # Split contexts: each partition keeps its own max and sum, merged at the end; chunk rows whose causal

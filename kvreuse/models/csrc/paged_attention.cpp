@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -43,119 +44,357 @@ constexpr int64_t MAX_TILE_ROWS = 32;  // query rows (queries x folded heads) of
 constexpr int64_t MAX_TILE_KV_VALUES = 2048;  // kv heads x head_dim of one key in a tile
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// exp of KEY_TILE floats at once. A scalar expf per score would cost more than the dot products of a
-// decode row; this is a degree-6 polynomial on the reduced argument with the power of two put in the
-// exponent bits (relative error ~2e-7, below float32 summation error over a context).
-inline void exp_tile(float* x) {
+// exp of 8 floats. A scalar expf per score would cost more than the dot products of a decode row; this is
+// a degree-6 polynomial on the reduced argument with the power of two put in the exponent bits (relative
+// error ~2e-7, below float32 summation error over a context). Inputs below -87.3 (masked scores, -inf)
+// give exactly 0.
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
-  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+__attribute__((always_inline)) inline __m256 exp8(__m256 v) {
   const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 hi = _mm256_set1_ps(88.3f);
-  for (int64_t i = 0; i < KEY_TILE; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 is_neg_inf = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
-    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, v);
-    r = _mm256_fnmadd_ps(n, ln2_lo, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-    result = _mm256_andnot_ps(is_neg_inf, result);  // masked scores (-inf) and underflow give exactly 0
-    _mm256_storeu_ps(x + i, result);
-  }
-#else
-  for (int64_t i = 0; i < KEY_TILE; ++i) x[i] = std::exp(x[i]);
-#endif
+  const __m256 is_tiny = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
+  v = _mm256_min_ps(_mm256_max_ps(v, lo), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
 }
 
-// a . b over n floats (n a multiple of 8 where AVX2 is used; head_dim is checked to be one).
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i < n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-#else
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-#endif
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
 }
 
-// The dots of a with four rows b0..b3 (each n floats) into out[0..4): the four horizontal sums share
-// their shuffles.
-inline void dot4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
-         acc3 = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(a + i);
-    acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + stride + i), acc1);
-    acc2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * stride + i), acc2);
-    acc3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * stride + i), acc3);
-  }
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc0, acc1), _mm256_hadd_ps(acc2, acc3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
-#else
-  for (int64_t k = 0; k < 4; ++k) out[k] = dot(a, b + k * stride, n);
-#endif
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
 }
 
-// acc[0..n) = acc * correction + sum_j weights[j] * rows[j * stride ..], over `count` rows; the accumulator
-// stays in registers across the rows, 32 values at a time.
-inline void weighted_sum(float* acc, float correction, const float* weights, const float* rows, int64_t stride,
-                         int64_t count, int64_t n) {
+// Rows of one tile attended together: how many query rows that share a KV head take each K and V load.
+// Their accumulators live in registers: with AVX-512's 32 vector registers (the compiler uses them for
+// 256-bit code too) 4 rows x 4 keys of dot products fit, with AVX2's 16 only 2 x 4.
+#if defined(__AVX512F__)
+constexpr int ROW_BLOCK = 4;
+#else
+constexpr int ROW_BLOCK = 2;
+#endif
+#endif
+
+// One row block's view of the tile: R query rows that share a KV head (their q pre-scaled, their running
+// max m, sum l and accumulator acc), over the tile's keys K / V (rows key_stride apart; n keys, of which
+// row i may see visible[i], a prefix). K rows from n up to KEY_TILE are zero.
+struct RowBlock {
+  const float* q[MAX_TILE_ROWS];
+  const uint32_t* q_pairs[MAX_TILE_ROWS];  // the bf16 path's unscaled bf16 q, two values a word
+  float* acc[MAX_TILE_ROWS];
+  float* m[MAX_TILE_ROWS];
+  float* l[MAX_TILE_ROWS];
+  int64_t visible[MAX_TILE_ROWS];
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 c = _mm256_set1_ps(correction);
+template <int R>
+void attend_rows(const RowBlock& b, int64_t first, const float* keys, const float* values, int64_t key_stride,
+                 int64_t n, int64_t dim) {
+  // Scores of all KEY_TILE keys (K rows past n are zeros): each load of a K row serves R query rows; four
+  // keys' sums share their horizontal adds, and the 16 scores of a row stay in two registers.
+  __m128 quarter[R][KEY_TILE / 4];
+  for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 4) {
+    __m256 dots[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int k = 0; k < 4; ++k) dots[r][k] = _mm256_setzero_ps();
+    }
+    const float* key = keys + j0 * key_stride;
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 k0 = _mm256_loadu_ps(key + d), k1 = _mm256_loadu_ps(key + key_stride + d);
+      const __m256 k2 = _mm256_loadu_ps(key + 2 * key_stride + d), k3 = _mm256_loadu_ps(key + 3 * key_stride + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_loadu_ps(b.q[first + r] + d);
+        dots[r][0] = _mm256_fmadd_ps(x, k0, dots[r][0]);
+        dots[r][1] = _mm256_fmadd_ps(x, k1, dots[r][1]);
+        dots[r][2] = _mm256_fmadd_ps(x, k2, dots[r][2]);
+        dots[r][3] = _mm256_fmadd_ps(x, k3, dots[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(dots[r][0], dots[r][1]), _mm256_hadd_ps(dots[r][2], dots[r][3]));
+      quarter[r][j0 / 4] = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+    }
+  }
+  // Online softmax of each row over its visible keys, as two vectors of 8 scores: the later keys masked to
+  // -inf (their weight is exactly 0), the running max and sum updated, the accumulator's correction kept.
+  alignas(32) float p[R][KEY_TILE];
+  float correction[R];
+  const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_ps(lane0, _mm256_set1_ps(8.0f));
+  const __m256 neg_inf = _mm256_set1_ps(NEG_INF);
+  for (int r = 0; r < R; ++r) {
+    const int64_t visible = b.visible[first + r];
+    if (visible == 0) {  // every key here is after this row's query: nothing changes
+      correction[r] = 1.0f;
+      _mm256_store_ps(p[r], _mm256_setzero_ps());
+      _mm256_store_ps(p[r] + 8, _mm256_setzero_ps());
+      continue;
+    }
+    const __m256 limit = _mm256_set1_ps(static_cast<float>(visible));
+    __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][1], quarter[r][0]),
+                                 _mm256_cmp_ps(lane0, limit, _CMP_LT_OQ));
+    __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][3], quarter[r][2]),
+                                 _mm256_cmp_ps(lane8, limit, _CMP_LT_OQ));
+    float& m = *b.m[first + r];
+    const float new_max = std::max(m, hmax8(_mm256_max_ps(s0, s1)));
+    correction[r] = m == NEG_INF ? 0.0f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m - new_max)));
+    m = new_max;
+    const __m256 shift = _mm256_set1_ps(new_max);
+    s0 = exp8(_mm256_sub_ps(s0, shift));
+    s1 = exp8(_mm256_sub_ps(s1, shift));
+    *b.l[first + r] = *b.l[first + r] * correction[r] + hsum8(_mm256_add_ps(s0, s1));
+    _mm256_store_ps(p[r], s0);
+    _mm256_store_ps(p[r] + 8, s1);
+  }
+  // acc = acc * correction + p . V, 32 values of every row at a time: each load of a V row serves R rows.
   int64_t d = 0;
-  for (; d + 32 <= n; d += 32) {
-    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c), a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8), c);
-    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 16), c), a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 24), c);
-    for (int64_t j = 0; j < count; ++j) {
-      const __m256 w = _mm256_set1_ps(weights[j]);
-      const float* row = rows + j * stride + d;
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+  for (; d + 32 <= dim; d += 32) {
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r) {
+      const __m256 c = _mm256_set1_ps(correction[r]);
+      for (int k = 0; k < 4; ++k) a[r][k] = _mm256_mul_ps(_mm256_loadu_ps(b.acc[first + r] + d + 8 * k), c);
     }
-    _mm256_storeu_ps(acc + d, a0);
-    _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2);
-    _mm256_storeu_ps(acc + d + 24, a3);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = values + j * key_stride + d;
+      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(&p[r][j]);
+        a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(w, v2, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(b.acc[first + r] + d + 8 * k, a[r][k]);
+    }
   }
-  for (; d < n; d += 8) {
-    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c);
-    for (int64_t j = 0; j < count; ++j) {
-      a0 = _mm256_fmadd_ps(_mm256_set1_ps(weights[j]), _mm256_loadu_ps(rows + j * stride + d), a0);
+  for (; d < dim; d += 8) {
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(b.acc[first + r] + d), _mm256_set1_ps(correction[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v = _mm256_loadu_ps(values + j * key_stride + d);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[r][j]), v, a[r]);
     }
-    _mm256_storeu_ps(acc + d, a0);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(b.acc[first + r] + d, a[r]);
+  }
+}
+#endif
+
+// The same for one row, in plain C++: machines without AVX2 and FMA.
+void attend_row_scalar(const RowBlock& b, int64_t r, const float* keys, const float* values, int64_t key_stride,
+                       int64_t dim) {
+  const int64_t visible = b.visible[r];
+  if (visible == 0) return;
+  float scores[KEY_TILE];
+  float tile_max = NEG_INF;
+  for (int64_t j = 0; j < visible; ++j) {
+    float sum = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) sum += b.q[r][d] * keys[j * key_stride + d];
+    scores[j] = sum;
+    tile_max = std::max(tile_max, sum);
+  }
+  const float new_max = std::max(*b.m[r], tile_max);
+  const float correction = *b.m[r] == NEG_INF ? 0.0f : std::exp(*b.m[r] - new_max);
+  *b.m[r] = new_max;
+  float tile_sum = 0.0f;
+  for (int64_t j = 0; j < visible; ++j) tile_sum += scores[j] = std::exp(scores[j] - new_max);
+  *b.l[r] = *b.l[r] * correction + tile_sum;
+  for (int64_t d = 0; d < dim; ++d) {
+    float value = b.acc[r][d] * correction;
+    for (int64_t j = 0; j < visible; ++j) value += scores[j] * values[j * key_stride + d];
+    b.acc[r][d] = value;
+  }
+}
+
+// Attend rows [0, count) of a row block over the tile, ROW_BLOCK rows (or fewer, evenly split) at a time.
+void attend_block(const RowBlock& b, int64_t count, const float* keys, const float* values, int64_t key_stride,
+                  int64_t n, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t pieces = (count + ROW_BLOCK - 1) / ROW_BLOCK;
+  int64_t first = 0;
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const int64_t rows = (count - first + (pieces - piece) - 1) / (pieces - piece);
+    switch (rows) {
+      case 1: attend_rows<1>(b, first, keys, values, key_stride, n, dim); break;
+#if defined(__AVX512F__)
+      case 3: attend_rows<3>(b, first, keys, values, key_stride, n, dim); break;
+      case 4: attend_rows<4>(b, first, keys, values, key_stride, n, dim); break;
+#endif
+      default: attend_rows<2>(b, first, keys, values, key_stride, n, dim);
+    }
+    first += rows;
   }
 #else
-  for (int64_t d = 0; d < n; ++d) acc[d] *= correction;
-  for (int64_t j = 0; j < count; ++j) {
-    for (int64_t d = 0; d < n; ++d) acc[d] += weights[j] * rows[j * stride + d];
-  }
+  for (int64_t r = 0; r < count; ++r) attend_row_scalar(b, r, keys, values, key_stride, dim);
+  (void)n;
 #endif
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// A kernel for one data layout, chosen per call: a bfloat16 pool and bfloat16 queries on a CPU with
+// AVX512_BF16. The scores are dot products of bf16 values, which VDPBF16PS takes two dims at a time into
+// float32 sums (each product exact in float32), so the keys are never converted: a tile's K rows are
+// transposed as 32-bit words (pairs of dims), KEY_TILE keys across the 16 lanes of a register, and a row's
+// 16 scores come out in one register with no horizontal sums. V is read as float32 rows (converted once
+// per tile) and the softmax weights stay float32: only the scores use bf16 products, as the pool and q
+// already hold bf16 values.
+constexpr bool HAS_BF16_DOT = true;
+
+// r[0..16): 16 rows of 16 words in, their transpose out (r[i] lane j = row j's word i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+// kp[w * KEY_TILE + j] = word w (dims 2w, 2w + 1) of key j's row; rows[j] points at the key's bf16 row.
+inline void transpose_key_words(const uint16_t* const* rows, int64_t dim, uint32_t* kp) {
+  for (int64_t w0 = 0; w0 < dim / 2; w0 += 16) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + 2 * w0);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (w0 + i) * KEY_TILE, r[i]);
+  }
+}
+
+__attribute__((always_inline)) inline __m512 exp16(__m512 v) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// R rows sharing a KV head over one tile: kp its keys' transposed bf16 words, values its float32 V rows
+// (key_stride apart), n keys.
+template <int R>
+void attend_rows_bf16(const RowBlock& b, int64_t first, const uint32_t* kp, const float* values, int64_t key_stride,
+                      int64_t n, int64_t dim, float scale) {
+  // Two sums per row (even and odd words) so that even one or two rows keep several VDPBF16PS in flight.
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < dim / 2; w += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + w * KEY_TILE);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (w + 1) * KEY_TILE);
+    for (int r = 0; r < R; ++r) {
+      const uint32_t* q = b.q_pairs[first + r];
+      even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[w])), k0);
+      odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[w + 1])), k1);
+    }
+  }
+  alignas(64) float p[R][KEY_TILE];
+  float correction[R];
+  const __m512 scale_v = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(NEG_INF);
+  for (int r = 0; r < R; ++r) {
+    const int64_t visible = b.visible[first + r];
+    if (visible == 0) {  // every key here is after this row's query: nothing changes
+      correction[r] = 1.0f;
+      _mm512_store_ps(p[r], _mm512_setzero_ps());
+      continue;
+    }
+    const __mmask16 seen = visible >= KEY_TILE ? static_cast<__mmask16>(0xFFFF)
+                                               : static_cast<__mmask16>((1u << visible) - 1);
+    const __m512 s = _mm512_mask_blend_ps(seen, neg_inf, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), scale_v));
+    float& m = *b.m[first + r];
+    const float new_max = std::max(m, _mm512_reduce_max_ps(s));
+    correction[r] = m == NEG_INF ? 0.0f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - new_max)));
+    m = new_max;
+    const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+    *b.l[first + r] = *b.l[first + r] * correction[r] + _mm512_reduce_add_ps(e);
+    _mm512_store_ps(p[r], e);
+  }
+  // acc = acc * correction + p . V, 32 values of every row at a time.
+  for (int64_t d = 0; d < dim; d += 32) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(correction[r]);
+      a[r][0] = _mm512_mul_ps(_mm512_loadu_ps(b.acc[first + r] + d), c);
+      a[r][1] = _mm512_mul_ps(_mm512_loadu_ps(b.acc[first + r] + d + 16), c);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 v0 = _mm512_loadu_ps(values + j * key_stride + d);
+      const __m512 v1 = _mm512_loadu_ps(values + j * key_stride + d + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(p[r][j]);
+        a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(w, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(b.acc[first + r] + d, a[r][0]);
+      _mm512_storeu_ps(b.acc[first + r] + d + 16, a[r][1]);
+    }
+  }
+}
+
+void attend_block_bf16(const RowBlock& b, int64_t count, const uint32_t* kp, const float* values,
+                       int64_t key_stride, int64_t n, int64_t dim, float scale) {
+  const int64_t pieces = (count + 7) / 8;
+  int64_t first = 0;
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const int64_t rows = (count - first + (pieces - piece) - 1) / (pieces - piece);
+    switch (rows) {
+      case 1: attend_rows_bf16<1>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 2: attend_rows_bf16<2>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 3: attend_rows_bf16<3>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 4: attend_rows_bf16<4>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 5: attend_rows_bf16<5>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 6: attend_rows_bf16<6>(b, first, kp, values, key_stride, n, dim, scale); break;
+      case 7: attend_rows_bf16<7>(b, first, kp, values, key_stride, n, dim, scale); break;
+      default: attend_rows_bf16<8>(b, first, kp, values, key_stride, n, dim, scale);
+    }
+    first += rows;
+  }
+}
+#else
+constexpr bool HAS_BF16_DOT = false;
+#endif
 
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -257,6 +496,7 @@ struct Problem {
   int64_t table_width, block_size, heads, kv_heads, group, dim, q_stride;
   float scale;
   RowReader keys, values;
+  bool bf16_dot;  // bf16 pool and q, AVX512_BF16 built in, head_dim a multiple of 32: attend_rows_bf16
 };
 
 // Attend one item: its tile's rows over keys [key_begin, key_end). Leaves the running max, sum and
@@ -277,6 +517,8 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   const int64_t* table = p.tables + tile.seq * p.table_width;
   // Queries as float32, pre-multiplied by the softmax scale. A query's heads of the run are adjacent in q.
   alignas(64) float q[MAX_TILE_ROWS * MAX_HEAD_DIM];
+  // The bf16 path's q: the raw bf16 values (the scale is applied to the scores), two a 32-bit word.
+  alignas(64) uint32_t q_pairs[MAX_TILE_ROWS * MAX_HEAD_DIM / 2];
   const int64_t token0 = p.query_start[tile.seq] + tile.query_begin;
   const int64_t first_head = tile.kv_begin * group;
   for (int64_t r = 0; r < rows; ++r) {
@@ -290,7 +532,11 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
       }
       case at::kBFloat16: {
         const c10::BFloat16* src = p.q->data_ptr<c10::BFloat16>() + offset;
-        for (int64_t i = 0; i < dim; ++i) row[i] = static_cast<float>(src[i]) * p.scale;
+        if (p.bf16_dot) {
+          std::memcpy(q_pairs + r * dim / 2, src, dim * sizeof(c10::BFloat16));
+        } else {
+          for (int64_t i = 0; i < dim; ++i) row[i] = static_cast<float>(src[i]) * p.scale;
+        }
         break;
       }
       default: {
@@ -305,8 +551,22 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   // K and V of the tile's keys as float32: kt[(j * kv_count + kv) * dim + d], the same for vt.
   float* kt = scratch.keys.data();
   float* vt = scratch.values.data();
-  alignas(64) float scores[KEY_TILE];
+  // The bf16 path's keys instead: per KV head, dim / 2 words x KEY_TILE keys (kept where kt would be).
+  uint32_t* key_words = reinterpret_cast<uint32_t*>(kt);
+  int64_t slots[KEY_TILE];
   const int64_t key_stride = kv_count * dim;
+  // Each KV head's rows: query i / group's head kv * group + i % group.
+  RowBlock rows_of[MAX_TILE_ROWS];
+  for (int64_t kv = 0; kv < kv_count; ++kv) {
+    for (int64_t i = 0; i < (tile.query_end - tile.query_begin) * group; ++i) {
+      const int64_t r = (i / group) * rows_per_query + kv * group + i % group;
+      rows_of[kv].q[i] = q + r * dim;
+      rows_of[kv].q_pairs[i] = q_pairs + r * dim / 2;
+      rows_of[kv].acc[i] = acc + r * dim;
+      rows_of[kv].m[i] = m + r;
+      rows_of[kv].l[i] = l + r;
+    }
+  }
   // The first query of the tile sees the fewest keys: limit first_position + query + 1 for each row.
   const int64_t first_row_limit = first_position + tile.query_begin + 1;
   for (int64_t key0 = item.key_begin; key0 < item.key_end; key0 += KEY_TILE) {
@@ -332,8 +592,9 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = table[block] * p.block_size + offset;
+      slots[j] = slot;
       for (int64_t kv = 0; kv < kv_count; ++kv) {
-        p.keys.read(slot, tile.kv_begin + kv, kt + j * key_stride + kv * dim);
+        if (!p.bf16_dot) p.keys.read(slot, tile.kv_begin + kv, kt + j * key_stride + kv * dim);
         p.values.read(slot, tile.kv_begin + kv, vt + j * key_stride + kv * dim);
       }
       if (++offset == p.block_size) {
@@ -341,32 +602,44 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
         ++block;
       }
     }
-    const bool needs_mask = key0 + n > first_row_limit;  // some key here is after some row's query
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t visible = n;  // keys of this tile the row may attend to: a prefix of it
-      if (needs_mask) {
-        const int64_t limit = first_position + tile.query_begin + r / rows_per_query + 1;  // keys < limit
-        visible = std::max<int64_t>(0, std::min(n, limit - key0));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (p.bf16_dot) {  // each KV head's keys transposed as bf16 words, missing keys read as zeros
+      static const uint16_t zeros[MAX_HEAD_DIM] = {};
+      for (int64_t kv = 0; kv < kv_count; ++kv) {
+        const uint16_t* key_rows[KEY_TILE];
+        for (int64_t j = 0; j < KEY_TILE; ++j) {
+          key_rows[j] = j < n ? reinterpret_cast<const uint16_t*>(p.keys.base) +
+                                    (slots[j] * p.kv_heads + tile.kv_begin + kv) * dim
+                              : zeros;
+        }
+        transpose_key_words(key_rows, dim, key_words + kv * (dim / 2) * KEY_TILE);
       }
-      if (visible == 0) continue;
-      const float* qrow = q + r * dim;
-      const int64_t kv_offset = ((r % rows_per_query) / group) * dim;
-      const float* keys = kt + kv_offset;
-      int64_t j = 0;
-      for (; j + 4 <= visible; j += 4) dot4(qrow, keys + j * key_stride, key_stride, dim, scores + j);
-      for (; j < visible; ++j) scores[j] = dot(qrow, keys + j * key_stride, dim);
-      float tile_max = NEG_INF;
-      for (j = 0; j < visible; ++j) tile_max = std::max(tile_max, scores[j]);
-      for (j = visible; j < KEY_TILE; ++j) scores[j] = NEG_INF;
-      const float new_max = std::max(m[r], tile_max);
-      const float correction = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - new_max);
-      m[r] = new_max;
-      for (j = 0; j < KEY_TILE; ++j) scores[j] -= new_max;
-      exp_tile(scores);
-      float tile_sum = 0.0f;
-      for (j = 0; j < visible; ++j) tile_sum += scores[j];
-      l[r] = l[r] * correction + tile_sum;
-      weighted_sum(acc + r * dim, correction, scores, vt + kv_offset, key_stride, visible, dim);
+    }
+#endif
+    if (!p.bf16_dot && n < KEY_TILE) {  // the dot products take every key of a tile: the missing ones are zeros
+      std::fill(kt + n * key_stride, kt + KEY_TILE * key_stride, 0.0f);
+    }
+    const bool needs_mask = key0 + n > first_row_limit;  // some key here is after some row's query
+    for (int64_t kv = 0; kv < kv_count; ++kv) {
+      // The rows that read this KV head: its group of heads of each query of the tile.
+      RowBlock& block_rows = rows_of[kv];
+      const int64_t count = (tile.query_end - tile.query_begin) * group;
+      for (int64_t i = 0; i < count; ++i) {
+        int64_t visible = n;  // keys of this tile the row may attend to: a prefix of it
+        if (needs_mask) {
+          const int64_t limit = first_position + tile.query_begin + i / group + 1;  // keys < limit
+          visible = std::max<int64_t>(0, std::min(n, limit - key0));
+        }
+        block_rows.visible[i] = visible;
+      }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (p.bf16_dot) {
+        attend_block_bf16(block_rows, count, key_words + kv * (dim / 2) * KEY_TILE, vt + kv * dim, key_stride, n,
+                          dim, p.scale);
+        continue;
+      }
+#endif
+      attend_block(block_rows, count, kt + kv * dim, vt + kv * dim, key_stride, n, dim);
     }
   }
 }
@@ -494,7 +767,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
                             k_pool.element_size(), {}},
                   RowReader{storage, static_cast<const uint8_t*>(v_pool.data_ptr()),
                             coded ? (*v_scales).data_ptr<c10::BFloat16>() : nullptr, kv_heads, dim,
-                            v_pool.element_size(), {}}};
+                            v_pool.element_size(), {}},
+                  HAS_BF16_DOT && storage == Storage::BFloat16 && q.scalar_type() == at::kBFloat16 && dim % 32 == 0 &&
+                      std::getenv("KVREUSE_ATTENTION_NO_BF16_DOT") == nullptr};
   problem.keys.init_table();
   problem.values.init_table();
 
@@ -591,6 +866,8 @@ TORCH_LIBRARY(kvreuse_attn, m) {
         "Tensor? v_scales, Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, "
         "int block_size, int scheme, float scale, int partition_size, Tensor? k_new, Tensor? v_new, "
         "Tensor? slot_mapping) -> ()");
+  // Whether this build holds the AVX512_BF16 kernel (bf16 pools and queries, head_dim a multiple of 32).
+  m.def("has_bf16_dot() -> bool", []() { return HAS_BF16_DOT; });
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_attn, CPU, m) {
