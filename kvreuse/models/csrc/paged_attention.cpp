@@ -590,6 +590,19 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   }
   // The first query of the tile sees the fewest keys: limit first_position + query + 1 for each row.
   const int64_t first_row_limit = first_position + tile.query_begin + 1;
+  {  // the first tiles' rows, which the loop's prefetch (PREFETCH_TILES ahead) never asks for
+    const int64_t end = std::min(item.key_end, item.key_begin + PREFETCH_TILES * KEY_TILE);
+    int64_t block = item.key_begin / p.block_size, offset = item.key_begin - block * p.block_size;
+    for (int64_t position = item.key_begin; position < end; ++position) {
+      const int64_t slot = table[block] * p.block_size + offset;
+      p.keys.prefetch(slot, tile.kv_begin, kv_count);
+      p.values.prefetch(slot, tile.kv_begin, kv_count);
+      if (++offset == p.block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
   for (int64_t key0 = item.key_begin; key0 < item.key_end; key0 += KEY_TILE) {
     const int64_t n = std::min(KEY_TILE, item.key_end - key0);
     // Block and offset of the tile's first key, then stepped: a 64-bit division per key costs more than
