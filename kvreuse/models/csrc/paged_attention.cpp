@@ -250,7 +250,7 @@ void attend_block(const RowBlock& b, int64_t count, const float* keys, const flo
 #endif
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // A kernel for one data layout, chosen per call: a bfloat16 pool and bfloat16 queries on a CPU with
 // AVX512_BF16, where VDPBF16PS multiplies bf16 pairs into float32 sums. Nothing is converted to float32:
 // - scores: a tile's K rows are transposed as 32-bit words (pairs of dims), KEY_TILE keys across the 16
@@ -638,7 +638,7 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
         ++block;
       }
     }
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     if (p.bf16_dot) {  // each KV head's keys transposed and values paired as bf16 words; missing keys are zeros
       static const uint16_t zeros[MAX_HEAD_DIM] = {};
       for (int64_t kv = 0; kv < kv_count; ++kv) {
@@ -670,7 +670,7 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
         }
         block_rows.visible[i] = visible;
       }
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
       if (p.bf16_dot) {
         attend_block_bf16(block_rows, count, key_words + kv * (dim / 2) * KEY_TILE,
                           value_words + kv * (KEY_TILE / 2) * dim, n, dim, p.scale);
