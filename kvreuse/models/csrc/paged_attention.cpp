@@ -49,21 +49,23 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // a degree-6 polynomial on the reduced argument with the power of two put in the exponent bits (relative
 // error ~2e-7, below float32 summation error over a context). Inputs below -87.3 (masked scores, -inf)
 // give exactly 0.
+// The exp polynomial's constants, shared by the 8- and 16-lane versions: the clamp, log2(e), ln(2) split in
+// a high and a low part, and the coefficients of r^6 .. r^2 (r + 1 is added as is).
+constexpr float EXP_LO = -87.3f, EXP_HI = 88.3f, EXP_LOG2E = 1.44269504088896341f;
+constexpr float EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(__AVX2__) && defined(__FMA__)
 __attribute__((always_inline)) inline __m256 exp8(__m256 v) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 is_tiny = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
-  v = _mm256_min_ps(_mm256_max_ps(v, lo), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 is_tiny = _mm256_cmp_ps(v, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+  for (int k = 1; k < 6; ++k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
@@ -296,18 +298,14 @@ inline void transpose_key_words(const uint16_t* const* rows, int64_t dim, uint32
 }
 
 __attribute__((always_inline)) inline __m512 exp16(__m512 v) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+  const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+  for (int k = 1; k < 6; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
@@ -628,8 +626,7 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = table[block] * p.block_size + offset;
       slots[j] = slot;
-      for (int64_t kv = 0; kv < kv_count; ++kv) {
-        if (p.bf16_dot) break;  // read as bf16 words below
+      for (int64_t kv = 0; kv < kv_count && !p.bf16_dot; ++kv) {  // the bf16 layout reads words below
         p.keys.read(slot, tile.kv_begin + kv, kt + j * key_stride + kv * dim);
         p.values.read(slot, tile.kv_begin + kv, vt + j * key_stride + kv * dim);
       }
