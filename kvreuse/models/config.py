@@ -1,10 +1,16 @@
 """ModelConfig: the architecture facts the engine needs, parsed from a Hugging Face ``config.json``.
 
 This module owns the translation from the many spellings found in real checkpoints (``rope_theta``
-+ ``rope_scaling`` in older files, ``rope_parameters`` in transformers 5, ``torch_dtype`` vs
-``dtype``, Qwen2's ``use_sliding_window`` switch) into one frozen, validated dataclass, so the model
-code, the KV cache sizing and the engine all read the same numbers and an unsupported checkpoint
-fails at start-up with a message naming what is wrong instead of producing wrong text later.
++ ``rope_scaling`` in older files, ``rope_parameters`` in transformers 5 (per layer type for Gemma 3),
+``torch_dtype`` vs ``dtype``, Qwen2's ``use_sliding_window`` switch, ``num_experts`` vs
+``num_local_experts``) into one frozen, validated dataclass, so the model code, the KV cache sizing and
+the engine all read the same numbers and an unsupported checkpoint fails at start-up with a message
+naming what is wrong instead of producing wrong text later.
+
+The architectures differ in switches this dataclass carries, not in code paths the engine chooses:
+mixture-of-experts layers (``moe``), layers that attend over a window (``layer_types``) with their own
+rope base (``rope_local_theta``), Gemma's (1 + weight) norms around both blocks (``norm_style``), its
+embedding and query scales, and the MLP's activation.
 """
 
 from __future__ import annotations
@@ -21,8 +27,18 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+# Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
+PLANNED_ARCHITECTURES: dict[str, str] = {
+    "GptOssForCausalLM": "gpt-oss (attention sinks, clamped SwiGLU experts, YaRN rope, MXFP4) is not built yet",
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
+                                      "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
+}
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,32 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (``rope_type: linear``): every frequency divided by ``factor``."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: each token's router picks ``num_experts_per_tok`` of ``num_experts`` gated MLPs of
+    ``moe_intermediate_size`` and sums their outputs weighted by the router's probabilities."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1 (Qwen3-MoE's switch)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
 
 @dataclass(frozen=True)
@@ -47,7 +89,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (always for Qwen2)
@@ -56,6 +98,15 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None
     bos_token_id: int | None
     torch_dtype: str | None  # dtype the checkpoint was saved in, e.g. "bfloat16"
+    # Per layer, "full_attention" or "sliding_attention" (Gemma 3, gpt-oss); empty: every layer alike, over
+    # sliding_window when one is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # the sliding layers' rope base where it differs (Gemma 3: 10,000)
+    hidden_act: str = "silu"
+    norm_style: str = "llama"  # "gemma": (1 + weight) norms, also after the attention and after the MLP
+    attention_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    embedding_scale: float | None = None  # the embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,6 +134,23 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or null, got {self.sliding_window}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, the model "
+                                 f"{self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if unknown:
+                raise ValueError(f"layer_types holds {unknown[0]!r}; supported: {FULL_ATTENTION}, {SLIDING_ATTENTION}")
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.norm_style not in ("llama", "gemma"):
+            raise ValueError(f"norm_style must be 'llama' or 'gemma', got {self.norm_style!r}")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
+            raise ValueError(f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries, the model "
+                             f"{self.num_hidden_layers} layers")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -92,6 +160,21 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends over (None: its whole context)."""
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def has_windowed_layers(self) -> bool:
+        """Whether some but possibly not all layers attend over a window (Gemma 3, gpt-oss): the engine then
+        keeps every token's K/V, so a prefix hit of any length finds what each layer needs."""
+        return any(self.layer_window(layer) is not None for layer in range(self.num_hidden_layers))
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def q_size(self) -> int:
@@ -113,16 +196,23 @@ class ModelConfig:
         softmax are left out: they are a rounding error here. The benchmark's floor for warm/cold TTFT is
         ``forward_flops(prefix, suffix) / forward_flops(0, prefix + suffix)``."""
         hidden, layers = self.hidden_size, self.num_hidden_layers
-        per_token_linear = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden \
-            + 3 * hidden * self.intermediate_size
+        attention_linear = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
         # Query at position p sees keys max(0, p + 1 - window) .. p.
         first, end = num_cached + 1, num_cached + num_new + 1  # visible-key counts without a window
-        visible = (first + end - 1) * num_new // 2  # sum of first .. end - 1
-        if self.sliding_window is not None:
-            visible = sum(min(keys, self.sliding_window) for keys in range(first, end))
-        # QK^T and PV: head_dim multiply-adds each per (query head, visible key).
-        attention = 2 * self.num_attention_heads * self.head_dim * visible
-        return 2 * (layers * (per_token_linear * num_new + attention) + sampled_rows * hidden * self.vocab_size)
+        total = 0
+        for layer in range(layers):
+            mlp = 3 * hidden * self.intermediate_size
+            if self.is_sparse_layer(layer):  # the router, and the experts each token is routed to
+                moe = self.moe
+                mlp = hidden * moe.num_experts + 3 * hidden * moe.moe_intermediate_size * moe.num_experts_per_tok
+            window = self.layer_window(layer)
+            if window is None:
+                visible = (first + end - 1) * num_new // 2  # sum of first .. end - 1
+            else:
+                visible = sum(min(keys, window) for keys in range(first, end))
+            # QK^T and PV: head_dim multiply-adds each per (query head, visible key).
+            total += (attention_linear + mlp) * num_new + 2 * self.num_attention_heads * self.head_dim * visible
+        return 2 * (total + sampled_rows * hidden * self.vocab_size)
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -150,18 +240,30 @@ class ModelConfig:
         except KeyError as exc:
             raise ValueError(f"config.json lacks the required field {exc.args[0]!r}") from exc
         head_dim = hf_config.get("head_dim") or hidden_size // num_attention_heads
-        rope_theta, rope_scaling = _rope(hf_config)
-        is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_gemma = architecture == "Gemma3ForCausalLM"
+        rope_theta, rope_scaling, rope_local_theta = _rope(hf_config, is_gemma)
+        is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         # Qwen2 checkpoints always carry q/k/v biases; the config does not say so.
         attention_bias = architecture == "Qwen2ForCausalLM" or bool(hf_config.get("attention_bias", False))
         sliding_window = hf_config.get("sliding_window")
         # Qwen configs name a window but only use it when use_sliding_window is set.
         if is_qwen and not hf_config.get("use_sliding_window", False):
             sliding_window = None
+        layer_types = _layer_types(hf_config, num_hidden_layers, is_gemma)
+        if not any(kind == SLIDING_ATTENTION for kind in layer_types) and layer_types:
+            layer_types = ()  # every layer global: the plain case
+        if is_gemma:
+            for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if hf_config.get(field) is not None:
+                    raise ValueError(f"{field} is set ({hf_config[field]}); kvreuse runs Gemma 3, which has none")
+            if hf_config.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention is set: that is an encoder (EmbeddingGemma), "
+                                 "not a causal LM")
         eos_token_id = hf_config.get("eos_token_id")
         if isinstance(eos_token_id, list):
             eos_token_id = tuple(int(token) for token in eos_token_id)
         torch_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        query_pre_attn_scalar = hf_config.get("query_pre_attn_scalar")
         return cls(
             architecture=architecture,
             vocab_size=vocab_size,
@@ -175,14 +277,51 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", is_gemma)),
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             eos_token_id=eos_token_id,
             bos_token_id=hf_config.get("bos_token_id"),
             torch_dtype=str(torch_dtype) if torch_dtype is not None else None,
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta,
+            hidden_act=str(hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"),
+            norm_style="gemma" if is_gemma else "llama",
+            attention_scale=(float(query_pre_attn_scalar) ** -0.5
+                             if is_gemma and query_pre_attn_scalar is not None else None),
+            embedding_scale=float(hidden_size) ** 0.5 if is_gemma else None,
+            moe=_moe(hf_config, num_hidden_layers) if architecture == "Qwen3MoeForCausalLM" else None,
         )
+
+
+def _layer_types(hf_config: dict[str, Any], num_layers: int, is_gemma: bool) -> tuple[str, ...]:
+    """Per-layer attention kinds: ``layer_types`` where the config lists them; Gemma 3 configs written before
+    transformers 4.53 give ``sliding_window_pattern`` instead (every n-th layer global)."""
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise ValueError(f"layer_types must be a list, got {layer_types!r}")
+        return tuple(str(kind) for kind in layer_types)
+    if is_gemma:
+        pattern = int(hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern") or 6)
+        return tuple(FULL_ATTENTION if (layer + 1) % pattern == 0 else SLIDING_ATTENTION for layer in range(num_layers))
+    return ()
+
+
+def _moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Qwen3-MoE's experts: every ``decoder_sparse_step``-th layer sparse, except ``mlp_only_layers``."""
+    try:
+        num_experts = int(hf_config.get("num_experts") or hf_config["num_local_experts"])
+        per_token = int(hf_config["num_experts_per_tok"])
+        moe_intermediate = int(hf_config["moe_intermediate_size"])
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks the mixture-of-experts field {exc.args[0]!r}") from exc
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    dense = set(int(layer) for layer in hf_config.get("mlp_only_layers") or ())
+    sparse = tuple(layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
+    return MoEConfig(num_experts=num_experts, num_experts_per_tok=per_token, moe_intermediate_size=moe_intermediate,
+                     norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 def _architecture(hf_config: dict[str, Any]) -> str:
@@ -194,20 +333,48 @@ def _architecture(hf_config: dict[str, Any]) -> str:
     for name in architectures:
         if name in SUPPORTED_ARCHITECTURES:
             return name
+    if architectures[0] in PLANNED_ARCHITECTURES:
+        raise ValueError(f"architecture {architectures[0]!r} is not supported: {PLANNED_ARCHITECTURES[architectures[0]]}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     raise ValueError(
         f"architecture {architectures[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 
-def _rope(hf_config: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from either the old (rope_theta/rope_scaling) or new (rope_parameters) keys."""
-    parameters = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+def _rope(hf_config: dict[str, Any], is_gemma: bool = False
+          ) -> tuple[float, Llama3RopeScaling | LinearRopeScaling | None, float | None]:
+    """(rope_theta, scaling, the sliding layers' theta or None) from the old keys (rope_theta / rope_scaling,
+    Gemma 3's rope_local_base_freq) or the new ones (rope_parameters, per layer type for Gemma 3)."""
+    parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     if not isinstance(parameters, dict):
         raise ValueError(f"rope_scaling must be an object or null, got {parameters!r}")
-    rope_theta = hf_config.get("rope_theta") or parameters.get("rope_theta") or 10000.0
+    if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:  # per layer type (transformers 5)
+        full = parameters.get(FULL_ATTENTION) or {}
+        local = parameters.get(SLIDING_ATTENTION) or {}
+        theta, scaling = _rope_of(full, hf_config, float(hf_config.get("rope_theta") or 10000.0))
+        local_theta, local_scaling = _rope_of(local, hf_config, theta)
+        if local_scaling is not None:
+            raise ValueError("rope scaling on the sliding layers is not supported (Gemma 3 scales its global layers only)")
+        return theta, scaling, (local_theta if local_theta != theta else None)
+    if hf_config.get("rope_parameters") and hf_config.get("rope_scaling"):
+        parameters = hf_config["rope_scaling"]  # an old file's scaling beside a new file's parameters
+    theta, scaling = _rope_of(parameters, hf_config, float(hf_config.get("rope_theta") or 10000.0))
+    local_theta = hf_config.get("rope_local_base_freq") if is_gemma else None
+    return theta, scaling, (float(local_theta) if local_theta is not None and float(local_theta) != theta else None)
+
+
+def _rope_of(parameters: dict[str, Any], hf_config: dict[str, Any], default_theta: float
+             ) -> tuple[float, Llama3RopeScaling | LinearRopeScaling | None]:
+    rope_theta = hf_config.get("rope_theta") if "rope_theta" not in parameters else parameters["rope_theta"]
+    rope_theta = float(rope_theta or default_theta)
     rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
     if rope_type == "default":
-        return float(rope_theta), None
+        return rope_theta, None
+    if rope_type == "linear":
+        try:
+            return rope_theta, LinearRopeScaling(factor=float(parameters["factor"]))
+        except KeyError as exc:
+            raise ValueError("linear rope_scaling lacks the field 'factor'") from exc
     if rope_type != "llama3":
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"

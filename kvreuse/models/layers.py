@@ -1,4 +1,5 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, fused linear layers, MLP.
+"""Building blocks shared by the decoder families: RMSNorms (Llama's and Gemma's), rotary embedding, fused
+linear layers, the gated MLP (SiLU or tanh-GELU).
 
 The numerics follow transformers' reference implementations on purpose (RMSNorm in float32 then
 cast back before the weight; rotary cos/sin computed in float32 and cast to the activation dtype;
@@ -18,13 +19,30 @@ from torch import nn
 
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.models import fused_ops, qlinear
-from kvreuse.models.config import Llama3RopeScaling
+from kvreuse.models.config import Llama3RopeScaling, LinearRopeScaling
 from kvreuse.models.kernels import LinearKernel, PlanBook
 from kvreuse.models.qlinear import QuantizedLinearKernel
 from kvreuse.models.quant import QuantizedTensor
 
 def _empty_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x normalised and scaled by (1 + weight), both in float32, rounded once to x's dtype
+    (Llama's rounds the normalised x first). A zero weight is the identity scale, which is how Gemma
+    checkpoints store it."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_parameter((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            x.add_(residual)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return normed.mul_(1.0 + self.weight.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -42,13 +60,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None, device: torch.device
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | LinearRopeScaling | None, device: torch.device
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3 scaling."""
+    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3 or linear scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between
     # them interpolated smoothly.
     old_context_len = scaling.original_max_position_embeddings
@@ -75,7 +95,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_position: int,
         theta: float,
-        scaling: Llama3RopeScaling | None,
+        scaling: Llama3RopeScaling | LinearRopeScaling | None,
         device: torch.device,
     ) -> None:
         super().__init__()
@@ -128,6 +148,7 @@ class Linear(nn.Module):
         # Where LoRA adapters attach (set by the model): the decoder layer and PEFT's module name per part.
         self.lora_layer: int | None = None
         self.lora_modules: tuple[str, ...] = ()
+        self.keep_float = False  # quantize_int8 leaves it (a MoE router: rounding would move tokens between experts)
 
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
@@ -197,16 +218,24 @@ class Linear(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU (the Llama family,
+    Qwen's experts) or tanh-approximated GELU (Gemma: transformers' ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"activation {activation!r} is not supported; supported: silu, gelu_pytorch_tanh")
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], False, dtype, device)
         self.down_proj = Linear(intermediate_size, [hidden_size], False, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
+        if self.activation == "gelu_pytorch_tanh":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), lora)
         if gate_up.is_contiguous() and fused_ops.applies(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up), lora)
         return self.down_proj(fused_ops.reference_silu_mul(gate_up), lora)

@@ -1,8 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one pure-PyTorch model over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3) as one pure-PyTorch model over a
+paged KV cache.
 
 These architectures differ only in switches that ``ModelConfig`` carries (q/k/v bias, q/k RMSNorm,
-rope scaling, tied embeddings), so one class serves all four and the engine never branches on the
-architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
+rope scaling, tied embeddings; mixture-of-experts layers (models/moe.py); layers that attend over a window
+with their own rope base; Gemma's (1 + weight) norms around both blocks, its embedding and query scales and
+tanh-GELU), so one class serves them all and the engine never branches on the architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
 ``positions [T]``) and leaves everything about sequences to the attention backend's metadata; it
 returns hidden states and only turns the rows that are sampled into logits, because the vocabulary
 projection (up to 152k columns) dominates the cost of a short step. ``load_weights`` maps Hugging
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.backend import AttentionBackend, LayerAttention
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
@@ -28,7 +30,9 @@ from kvreuse.models.config import ModelConfig
 from kvreuse.models import fused_ops, qlinear
 from kvreuse.models.native_step import NativeDecodeStep
 from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
-from kvreuse.models.layers import GatedMLP, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
+from kvreuse.models.layers import (GatedMLP, GemmaRMSNorm, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding,
+                                   apply_rotary)
+from kvreuse.models.moe import SparseMoE
 from kvreuse.models.qlinear import QuantizedLinearKernel
 from kvreuse.models.quant import QuantizedTensor, quantize_int8
 
@@ -71,12 +75,20 @@ class LlamaFamilyAttention(nn.Module):
         self.o_proj = Linear(self.q_size, [config.hidden_size], False, dtype, device)
         self.qkv_proj.lora_layer, self.qkv_proj.lora_modules = layer_idx, ("q_proj", "k_proj", "v_proj")
         self.o_proj.lora_layer, self.o_proj.lora_modules = layer_idx, ("o_proj",)
+        norm = _norm_class(config)
         if config.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm: RMSNorm | GemmaRMSNorm | None = norm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm: RMSNorm | GemmaRMSNorm | None = norm(self.head_dim, config.rms_norm_eps, dtype, device)
         else:
             self.q_norm = None
             self.k_norm = None
+        # The fused rotary kernel applies Llama-style q/k norms only.
+        self.fuses_rotary = config.norm_style == "llama"
+        # This layer's window and softmax scale, handed to the backend on every call. A window every layer
+        # shares (Mistral) caps max_model_len at it instead (engine/builder.py), where it equals full attention.
+        window = config.layer_window(layer_idx) if config.layer_types else None
+        self.layer_attention = LayerAttention(sliding_window=window, scale=config.attention_scale)
+        self.uses_local_rope = config.rope_local_theta is not None and window is not None
 
     def forward(
         self, hidden: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, attn_metadata: Any,
@@ -84,7 +96,7 @@ class LlamaFamilyAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, lora)
-        if rope.fused is not None and qkv.stride(-1) == 1:
+        if rope.fused is not None and qkv.stride(-1) == 1 and self.fuses_rotary:
             # q/k norms and rotary in one pass over the fused rows, in place (models/fused_ops.py).
             table = rope.fused
             fused_ops.rotary_(qkv, table.cos_cache, table.sin_cache, rope.positions, self.num_heads,
@@ -93,10 +105,9 @@ class LlamaFamilyAttention(nn.Module):
                               self.k_norm.weight if self.k_norm is not None else None,
                               self.q_norm.eps if self.q_norm is not None else 0.0)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            out = self.attention_backend.forward(
-                self.layer_idx, q.view(num_tokens, self.num_heads, self.head_dim),
-                k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, attn_metadata)
+            out = self._attend(q.view(num_tokens, self.num_heads, self.head_dim),
+                               k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                               v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, attn_metadata)
             return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
         cos, sin = rope.cos_sin()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -108,8 +119,19 @@ class LlamaFamilyAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)
+        out = self._attend(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: Any) -> torch.Tensor:
+        if self.layer_attention.is_plain:
+            return self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)
+        return self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata,
+                                              layer=self.layer_attention)
+
+
+def _norm_class(config: ModelConfig) -> type[RMSNorm] | type[GemmaRMSNorm]:
+    return GemmaRMSNorm if config.norm_style == "gemma" else RMSNorm
 
 
 class LlamaFamilyDecoderLayer(nn.Module):
@@ -118,12 +140,22 @@ class LlamaFamilyDecoderLayer(nn.Module):
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        norm = _norm_class(config)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(size, eps, dtype, device)
         self.self_attn = LlamaFamilyAttention(config, layer_idx, attention_backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
-        self.mlp.gate_up_proj.lora_layer, self.mlp.gate_up_proj.lora_modules = layer_idx, ("gate_proj", "up_proj")
-        self.mlp.down_proj.lora_layer, self.mlp.down_proj.lora_modules = layer_idx, ("down_proj",)
+        self.post_attention_layernorm = norm(size, eps, dtype, device)
+        # Gemma normalises each block's output too (post_attention_layernorm is then the attention's own norm).
+        self.sandwich_norms = config.norm_style == "gemma"
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(size, eps, dtype, device)
+            self.post_feedforward_layernorm = norm(size, eps, dtype, device)
+        if config.is_sparse_layer(layer_idx):
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(size, config.moe, config.hidden_act, dtype, device)
+        else:
+            self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+            self.mlp.gate_up_proj.lora_layer, self.mlp.gate_up_proj.lora_modules = layer_idx, ("gate_proj", "up_proj")
+            self.mlp.down_proj.lora_layer, self.mlp.down_proj.lora_modules = layer_idx, ("down_proj",)
 
     def forward(
         self, hidden: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, attn_metadata: Any,
@@ -132,6 +164,10 @@ class LlamaFamilyDecoderLayer(nn.Module):
         # The residual stream is owned by the model forward, so it is updated in place: the attention's output
         # is added by the post-attention norm (one pass), the MLP's here.
         attention = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn_metadata, lora)
+        if self.sandwich_norms:
+            hidden.add_(self.post_attention_layernorm(attention))
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            return hidden.add_(self.post_feedforward_layernorm(mlp))
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=attention), lora))
 
 
@@ -152,7 +188,7 @@ class LlamaFamilyModel(nn.Module):
             LlamaFamilyDecoderLayer(config, index, attention_backend, dtype, device)
             for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = _norm_class(config)(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 # HF checkpoint name -> (our parameter name, part index within a fused parameter or None).
@@ -163,6 +199,19 @@ _FUSED_PARTS: dict[str, tuple[str, int]] = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+def _fused_part(module: str) -> tuple[str, int] | None:
+    """(our fused module, part index) for an HF module name that is part of a fused projection."""
+    if module in _FUSED_PARTS:
+        return _FUSED_PARTS[module]
+    match = _EXPERT_PART.match(module)
+    if match is not None:
+        return f"mlp.experts.{match.group(1)}.gate_up_proj", 0 if match.group(2) == "gate" else 1
+    return None
+
+
+_EXPERT_PART = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up)_proj$")
+# transformers 5 holds a layer's experts stacked: gate|up [E, 2I, H] and down [E, H, I] (split per expert here).
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Buffers some older checkpoints saved; recomputed here, so skipped rather than rejected.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -187,6 +236,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
         )
+        # Gemma 3's sliding layers rotate with their own base (10,000 against the global layers' 1,000,000).
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                                config.rope_local_theta, None, device)
+        # transformers multiplies by the scale rounded to the weights' dtype (Gemma: sqrt(hidden_size)).
+        self.embedding_scale = (None if config.embedding_scale is None
+                                else torch.tensor(config.embedding_scale, dtype=dtype, device=device))
         # Tied models reuse the embedding matrix as the output projection (no lm_head parameter).
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
@@ -222,7 +279,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
         hidden = self.model.embed_tokens(input_ids)
-        rope = RopeInputs(positions, self.rotary, hidden.dtype, fused_ops.applies(hidden))  # shared by every layer
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
+        fused = fused_ops.applies(hidden)
+        rope = RopeInputs(positions, self.rotary, hidden.dtype, fused)  # shared by every layer
+        local_rope = rope if self.local_rotary is None else RopeInputs(positions, self.local_rotary, hidden.dtype, fused)
         native = self.native_step
         held = native.layers_for(hidden, kv_caches, attn_metadata, lora) if native is not None else None
         captured: dict[int, torch.Tensor] = {}
@@ -237,7 +298,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             for index, layer in enumerate(self.model.layers):
                 if index in aux_layers:
                     captured[index] = hidden.clone()
-                hidden = layer(hidden, rope, kv_caches, attn_metadata, lora)
+                layer_rope = local_rope if layer.self_attn.uses_local_rope else rope
+                hidden = layer(hidden, layer_rope, kv_caches, attn_metadata, lora)
         if aux_out is not None:
             aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)
@@ -322,14 +384,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         per_layer = [
             "input_layernorm.weight", "post_attention_layernorm.weight",
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+            "self_attn.o_proj.weight",
         ]
+        if config.norm_style == "gemma":
+            per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
         if config.attention_bias:
             per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
         if config.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        experts = [] if config.moe is None else ["mlp.gate.weight"] + [
+            f"mlp.experts.{expert}.{part}_proj.weight"
+            for expert in range(config.moe.num_experts) for part in ("gate", "up", "down")]
         for index in range(config.num_hidden_layers):
-            names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer)
+            mlp = experts if config.is_sparse_layer(index) else dense_mlp
+            names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer + mlp)
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
@@ -345,7 +414,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         expected = set(self.expected_weight_names())
         loaded: set[str] = set()
         quantized: dict[Linear, dict[int, QuantizedTensor]] = {}
-        for name, tensor in weights:
+        for name, tensor in _per_expert(weights, self.config):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -402,9 +471,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         if match is None or match.group(3) != "weight":
             return None, 0
         layer, module, _ = match.groups()
-        fused_module, part = _FUSED_PARTS.get(module, (module, 0))
+        fused_module, part = _fused_part(module) or (module, 0)
         linear = self.model.layers[int(layer)].get_submodule(fused_module)
         return (linear, part) if isinstance(linear, Linear) else (None, 0)
+
+    @property
+    def native_step_refusal(self) -> str | None:
+        """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
+        layers, or None where it can."""
+        if self.config.moe is not None:
+            return "mixture-of-experts layers run op by op"
+        if self.config.norm_style != "llama":
+            return "Gemma's norms run op by op"
+        if any(not layer.self_attn.layer_attention.is_plain for layer in self.model.layers):
+            return "layers attending over a window run op by op"
+        return None
 
     def quantize_int8(self) -> int:
         """Quantize every linear layer's float weight to int8 (models/quant.py's q8_0 layout: a fp16 scale
@@ -413,7 +494,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         a layer whose width is not a multiple of 32 stays float."""
         count = 0
         for module in self.modules():
-            if isinstance(module, Linear) and module.weight is not None and module.input_size % 32 == 0:
+            if (isinstance(module, Linear) and module.weight is not None and module.input_size % 32 == 0
+                    and not module.keep_float):
                 module.set_quantized([quantize_int8(module.weight.data)])
                 count += 1
         return count
@@ -422,8 +504,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         match = _LAYER_NAME.match(name)
         if match is not None:
             layer, module, kind = match.groups()
-            if module in _FUSED_PARTS:
-                fused_module, part = _FUSED_PARTS[module]
+            fused = _fused_part(module)
+            if fused is not None:
+                fused_module, part = fused
                 parameter = parameters[f"model.layers.{layer}.{fused_module}.{kind}"]
                 linear = self.model.layers[int(layer)].get_submodule(fused_module)
                 return parameter, linear.part_rows(part)
@@ -435,6 +518,31 @@ class LlamaFamilyForCausalLM(nn.Module):
         generator.manual_seed(seed)
         for name, parameter in self.named_parameters():
             if name.endswith("norm.weight"):
-                parameter.data.fill_(1.0)
+                # A unit scale: Gemma's norms store it as 0 (they multiply by 1 + weight).
+                parameter.data.fill_(0.0 if self.config.norm_style == "gemma" else 1.0)
             else:
                 parameter.data.normal_(0.0, 0.02, generator=generator)
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], config: ModelConfig
+                ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The checkpoint's tensors, with a layer's stacked experts (transformers 5's in-memory names:
+    ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) split into the per-expert
+    names Qwen3-MoE checkpoints are saved with."""
+    for name, tensor in weights:
+        match = _STACKED_EXPERTS.match(name)
+        if match is None or config.moe is None or isinstance(tensor, QuantizedTensor):
+            yield name, tensor
+            continue
+        layer, kind = match.groups()
+        if tensor.dim() != 3 or tensor.shape[0] != config.moe.num_experts:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"[{config.moe.num_experts}, ...] (one matrix per expert)")
+        for expert in range(tensor.shape[0]):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+            if kind == "down_proj":
+                yield f"{prefix}.down_proj.weight", tensor[expert]
+            else:
+                gate, up = tensor[expert].chunk(2, dim=0)
+                yield f"{prefix}.gate_proj.weight", gate
+                yield f"{prefix}.up_proj.weight", up

@@ -15,6 +15,9 @@ context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool hold
 no LoRA adapter is in the batch, and each projection's plan for the step's row count is one of those
 kernels. Anything else runs op by op for that step: prefills, quantized KV pools, LoRA rows, products
 on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).
+Its attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks): a model any of whose
+layers has a sliding window, its own softmax scale or learned sinks (``self_attn.layer_attention``, a
+``LayerAttention``) runs op by op throughout, where the attention backend serves each layer as it is.
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
 
@@ -183,6 +186,16 @@ class NativeDecodeStep:
                  rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
 
 
+def attention_not_plain(model: Any) -> str | None:
+    """Why ``model``'s attention is more than the native layer passes to the kernel (a layer's window, scale
+    or sinks, as its ``self_attn.layer_attention`` says), or None where every layer's is plain."""
+    for index, layer in enumerate(getattr(getattr(model, "model", None), "layers", ())):
+        attention = getattr(getattr(layer, "self_attn", None), "layer_attention", None)
+        if attention is not None and not attention.is_plain:
+            return f"layer {index} attends with a sliding window, its own softmax scale or sinks"
+    return None
+
+
 def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecodeStep | None:
     """The native step for ``model`` where it can run (logged once either way), else None."""
     if os.environ.get(ENV, "1").strip() == "0":
@@ -191,8 +204,12 @@ def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecode
         reason = f"not on {device.type}"
     elif compiling:
         reason = "enable_torch_compile runs compiled graphs"
+    elif getattr(model, "native_step_refusal", None) is not None:
+        reason = model.native_step_refusal
     elif not isinstance(model.attention_backend, NativePagedAttention):
         reason = "the attention backend is not cpu_paged"
+    elif (layer_refusal := attention_not_plain(model)) is not None:
+        reason = layer_refusal
     elif library() is None:
         reason = "the native decoder layer could not be built (see the log)"
     else:
