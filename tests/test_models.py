@@ -1,7 +1,8 @@
 """Model tests: our pure-PyTorch Llama family against transformers' own implementation.
 
 Tiny random checkpoints are written with transformers (Llama with llama3 rope scaling, Mistral,
-Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != hidden/heads), loaded
+Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != hidden/heads, Qwen3-MoE
+with renormalised top-2 of 8 experts and a dense layer, Gemma 3 with a windowed and a global layer), loaded
 through ``load_model`` and run through ``ModelRunner`` over a paged KV cache with scattered block ids;
 the logits must match transformers' for a full prompt, for a prompt split into chunks followed by a
 decode, and for several sequences in one batch. Also: sharded checkpoints, config parsing of real
@@ -43,6 +44,16 @@ ARCHITECTURES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=4096)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    # 8 experts, 2 per token, renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    # A 5-token window on layer 0 with its own rope base, layer 1 global with linear rope scaling; the prompts
+    # (23 and 30 tokens, chunks of 9 and 13) run far past the window, so a wrong window changes the logits.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        head_dim=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
 }
 
 
