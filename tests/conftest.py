@@ -153,7 +153,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_c
     from kvreuse.models.make import make_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_model(root / arch, preset="tiny", arch=arch, dtype="float32", seed=1) for arch in ARCHS}
+    models = {arch: make_model(root / arch, preset="tiny", arch=arch, dtype="float32", seed=1) for arch in ARCHS}
+    # The architectures with their own presets: experts, and Gemma 3's windows (16 tokens) and norms.
+    for arch, preset in (("qwen3_moe", "tiny-moe"), ("gemma3", "tiny-gemma3")):
+        models[arch] = make_model(root / arch, preset=preset, dtype="float32", seed=1)
+    return models
 
 
 @pytest.fixture(scope="session")

@@ -224,8 +224,10 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
                                                extra_bytes_per_token, cache_config.kv_cache_dtype)
     capacity = num_blocks * block_size
     context_limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        # Attention over a window equals full attention only while the context fits in it.
+    if model_config.sliding_window and not model_config.layer_types:
+        # A window every layer shares (Mistral) is not applied by the model: attention over it equals full
+        # attention only while the context fits in it. Per-layer windows (Gemma 3) are applied by the attention
+        # backends, over a cache that keeps every token.
         context_limit = min(context_limit, model_config.sliding_window)
     if config.max_model_len is not None:
         if config.max_model_len > context_limit:

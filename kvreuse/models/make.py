@@ -56,7 +56,12 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
+# with experts or Gemma's windows is written as its own architecture only.
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAFETENSORS_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
@@ -163,6 +168,14 @@ class ModelPreset:
     tokenizer_vocab_size: int  # target size when training the tokenizer (the corpus may give fewer)
     qwen3_head_dim: int | None = None  # explicit head_dim when the arch is qwen3; None: hidden / heads
     llama3_original_max_position: int | None = None  # llama3 rope_scaling when the arch is llama
+    # qwen3_moe: experts, routed per token, of moe_intermediate_size (intermediate_size: the dense layers')
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    # gemma3: every sliding_window_pattern-th layer global, the others over sliding_window tokens
+    sliding_window: int | None = None
+    sliding_window_pattern: int | None = None
+    query_pre_attn_scalar: int | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -186,6 +199,35 @@ PRESETS: dict[str, ModelPreset] = {
             tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=32768,
             rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
         ),
+        # Qwen3-30B-A3B's proportions (128 experts of 768 over hidden 2048, 8 per token, 48 layers) scaled to
+        # 1.16B parameters, 0.14B of them active per token in the layers (0.30B with the output projection).
+        ModelPreset(
+            name="qwen3-moe-1b", arch="qwen3_moe", hidden_size=1024, intermediate_size=3072,
+            num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, vocab_size=151936,
+            tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, tokenizer_vocab_size=4096, qwen3_head_dim=64,
+            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+        ),
+        ModelPreset(
+            name="tiny-moe", arch="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        ),
+        # Gemma 3 1B's shapes (a 512-token window on five layers of six, one KV head of 256), with the trained
+        # tokenizer's vocabulary instead of 262k rows.
+        ModelPreset(
+            name="gemma3-1b", arch="gemma3", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+            num_attention_heads=4, num_key_value_heads=1, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
+            qwen3_head_dim=256, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+        ),
+        ModelPreset(
+            name="tiny-gemma3", arch="gemma3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=32,
+        ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -202,7 +244,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    init: str  # "normal" (std INIT_STD) or "ones" (norm weights)
+    init: str  # "normal" (std INIT_STD), "ones" (norm weights) or "zeros" (Gemma's norms: they scale by 1 + w)
 
     @property
     def numel(self) -> int:
@@ -331,13 +373,16 @@ def _resolve(preset_name: str, arch: str | None, dtype: str, tokenizer_vocab: in
              vocab_size_override: int | None) -> ResolvedModel:
     preset = PRESETS[preset_name]
     final_arch = arch or preset.arch
+    if final_arch != preset.arch and not (final_arch in DENSE_ARCHITECTURES and preset.arch in DENSE_ARCHITECTURES):
+        raise ValueError(f"preset {preset_name!r} ({preset.arch}) cannot be written as arch {final_arch!r}; "
+                         f"the dense presets swap between {', '.join(DENSE_ARCHITECTURES)}")
     if vocab_size_override is not None:
         vocab_size = vocab_size_override
     elif preset.vocab_size is not None:
         vocab_size = max(preset.vocab_size, tokenizer_vocab)
     else:
         vocab_size = tokenizer_vocab
-    if final_arch == "qwen3" and preset.qwen3_head_dim is not None:
+    if final_arch in ("qwen3", "qwen3_moe", "gemma3") and preset.qwen3_head_dim is not None:
         head_dim = preset.qwen3_head_dim
     else:
         head_dim = preset.hidden_size // preset.num_attention_heads
@@ -387,12 +432,29 @@ def build_config(model: ResolvedModel) -> dict:
             }
     elif model.arch == "mistral":
         config["sliding_window"] = None
-    elif model.arch in ("qwen2", "qwen3"):
+    elif model.arch in ("qwen2", "qwen3", "qwen3_moe"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
         config["max_window_layers"] = preset.num_hidden_layers
-        if model.arch == "qwen3":
+        if model.arch in ("qwen3", "qwen3_moe"):
             config["attention_bias"] = False
+        if model.arch == "qwen3_moe":
+            config.update(num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
+                          moe_intermediate_size=preset.moe_intermediate_size, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+    elif model.arch == "gemma3":
+        # The spellings Gemma 3's released config.json files use (llama.cpp's converter reads these), and the
+        # layer_types transformers 5 writes.
+        pattern = preset.sliding_window_pattern
+        del config["hidden_act"]
+        config.update(
+            model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+            sliding_window=preset.sliding_window, sliding_window_pattern=pattern,
+            layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                         for layer in range(preset.num_hidden_layers)],
+            rope_local_base_freq=10000.0, query_pre_attn_scalar=preset.query_pre_attn_scalar,
+            final_logit_softcapping=None, attn_logit_softcapping=None,
+        )
     return config
 
 
@@ -402,10 +464,12 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     hidden, head_dim = preset.hidden_size, model.head_dim
     q_size = preset.num_attention_heads * head_dim
     kv_size = preset.num_key_value_heads * head_dim
+    gemma = model.arch == "gemma3"
+    norm_init = "zeros" if gemma else "ones"
     specs = [TensorSpec("model.embed_tokens.weight", (model.vocab_size, hidden), "normal")]
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
-        specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), "ones"))
+        specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), norm_init))
         specs.append(TensorSpec(f"{prefix}.self_attn.q_proj.weight", (q_size, hidden), "normal"))
         specs.append(TensorSpec(f"{prefix}.self_attn.k_proj.weight", (kv_size, hidden), "normal"))
         specs.append(TensorSpec(f"{prefix}.self_attn.v_proj.weight", (kv_size, hidden), "normal"))
@@ -414,15 +478,26 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
             specs.append(TensorSpec(f"{prefix}.self_attn.q_proj.bias", (q_size,), "normal"))
             specs.append(TensorSpec(f"{prefix}.self_attn.k_proj.bias", (kv_size,), "normal"))
             specs.append(TensorSpec(f"{prefix}.self_attn.v_proj.bias", (kv_size,), "normal"))
-        if model.arch == "qwen3":
-            specs.append(TensorSpec(f"{prefix}.self_attn.q_norm.weight", (head_dim,), "ones"))
-            specs.append(TensorSpec(f"{prefix}.self_attn.k_norm.weight", (head_dim,), "ones"))
+        if model.arch in ("qwen3", "qwen3_moe", "gemma3"):
+            specs.append(TensorSpec(f"{prefix}.self_attn.q_norm.weight", (head_dim,), norm_init))
+            specs.append(TensorSpec(f"{prefix}.self_attn.k_norm.weight", (head_dim,), norm_init))
         specs.append(TensorSpec(f"{prefix}.self_attn.o_proj.weight", (hidden, q_size), "normal"))
-        specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "ones"))
+        specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), norm_init))
+        if gemma:
+            specs.append(TensorSpec(f"{prefix}.pre_feedforward_layernorm.weight", (hidden,), norm_init))
+            specs.append(TensorSpec(f"{prefix}.post_feedforward_layernorm.weight", (hidden,), norm_init))
+        if model.arch == "qwen3_moe":
+            experts, size = preset.num_experts, preset.moe_intermediate_size
+            specs.append(TensorSpec(f"{prefix}.mlp.gate.weight", (experts, hidden), "normal"))
+            for expert in range(experts):
+                specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.gate_proj.weight", (size, hidden), "normal"))
+                specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.up_proj.weight", (size, hidden), "normal"))
+                specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.down_proj.weight", (hidden, size), "normal"))
+            continue
         specs.append(TensorSpec(f"{prefix}.mlp.gate_proj.weight", (preset.intermediate_size, hidden), "normal"))
         specs.append(TensorSpec(f"{prefix}.mlp.up_proj.weight", (preset.intermediate_size, hidden), "normal"))
         specs.append(TensorSpec(f"{prefix}.mlp.down_proj.weight", (hidden, preset.intermediate_size), "normal"))
-    specs.append(TensorSpec("model.norm.weight", (hidden,), "ones"))
+    specs.append(TensorSpec("model.norm.weight", (hidden,), norm_init))
     if not preset.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (model.vocab_size, hidden), "normal"))
     return specs
@@ -448,8 +523,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def _generate_chunks(spec: TensorSpec, dtype: torch.dtype, seed: int) -> Iterator[torch.Tensor]:
     """The tensor's values as contiguous pieces along dim 0, each at most GENERATION_CHUNK_ELEMENTS."""
-    if spec.init == "ones":
-        yield torch.ones(spec.shape, dtype=dtype)
+    if spec.init in ("ones", "zeros"):
+        yield (torch.ones if spec.init == "ones" else torch.zeros)(spec.shape, dtype=dtype)
         return
     generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, spec.name))
     row_numel = math.prod(spec.shape[1:])
@@ -593,8 +668,9 @@ def make_model(
 ) -> Path:
     """Write a complete HF model folder for ``preset`` into ``out_dir`` and return its path.
 
-    ``arch`` (llama, mistral, qwen2, qwen3) overrides the preset's architecture. Weights are seeded
-    normal(0, 0.02) (norm weights 1); ``write_weights=None`` writes them when the model has under
+    ``arch`` (llama, mistral, qwen2, qwen3) overrides a dense preset's architecture; the qwen3_moe and
+    gemma3 presets are written as their own. Weights are seeded normal(0, 0.02) (norm weights 1; Gemma's 0,
+    which it reads as a scale of 1); ``write_weights=None`` writes them when the model has under
     1.5B parameters. ``max_shard_size`` (bytes or "500MB") splits weights into HF shards with an
     index. ``vocab_size_override`` sets config.json's vocab_size (the tokenizer is trained to at
     most that size, so the config vocab is never smaller than the tokenizer's).
