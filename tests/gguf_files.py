@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
@@ -32,12 +32,36 @@ GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def gguf_name(name: str) -> str:
+# Gemma 3's norms under llama.cpp's names (its ffn_norm is the norm before the MLP).
+GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def gguf_name(name: str, arch: str = "llama") -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     parts = name.split(".")
     assert parts[:2] == ["model", "layers"], name
-    return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+    module = ".".join(parts[3:-1])
+    names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {})}
+    return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A folder's per-expert matrices stacked per layer and kind, [experts, rows, cols], under the llama.cpp
+    name (as its converter writes Qwen3-MoE files); every other tensor as it is."""
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
+            stacked.setdefault(f"blk.{parts[2]}.{EXPERT_NAMES[parts[6]]}.weight", {})[int(parts[5])] = tensor
+        else:
+            out[name] = tensor
+    for name, experts in stacked.items():
+        out[name] = torch.stack([experts[index] for index in range(len(experts))])
+    return out
 
 
 def rope_interleave(tensor: np.ndarray, heads: int) -> np.ndarray:
@@ -72,7 +96,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     config = json.loads((model_dir / "config.json").read_text())
     arch_class = config["architectures"][0]
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}[arch_class]
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -91,30 +115,44 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     if head_dim != config["hidden_size"] // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "qwen3moe":  # the keys llama.cpp's converter writes
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "gemma3":  # llama.cpp fixes the pattern (6), the local rope base and the query scale in code
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     write_tokenizer(writer, model_dir, config)
 
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
+    if arch == "qwen3moe":
+        tensors = stack_experts(tensors)
     rng = np.random.default_rng(seed)
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
+        name = hf_name if hf_name.startswith("blk.") else gguf_name(hf_name, arch)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
-        kind = tensor_type if array.ndim == 2 else "F32"
-        if kind in K_QUANTS and array.shape[1] % 256:
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        kind = tensor_type if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else "F32"
+        if kind in K_QUANTS and array.shape[-1] % 256:
             kind = "Q8_0"
         qtype = gguf.GGMLQuantizationType[kind]
         if kind == "F32":
-            writer.add_tensor(gguf_name(hf_name), array.astype(np.float32))
+            writer.add_tensor(name, array.astype(np.float32))
         elif kind == "F16":
-            writer.add_tensor(gguf_name(hf_name), array.astype(np.float16))
+            writer.add_tensor(name, array.astype(np.float16))
         elif kind in K_QUANTS:
-            blocks = random_k_quant_blocks(kind, array.shape[0], array.shape[1], rng)
-            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+            blocks = random_k_quant_blocks(kind, int(np.prod(array.shape[:-1])), array.shape[-1], rng)
+            blocks = blocks.reshape(*array.shape[:-1], -1)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
         else:
             blocks = gguf.quants.quantize(array, qtype)
-            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     scaling = config.get("rope_scaling") or {}
     if arch == "llama" and scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config, head_dim))

@@ -164,7 +164,27 @@ def test_made_gguf_greedy_equals_transformers(tiny_models, gguf_dir, arch, kind)
     assert ours(llm, prompts) == reference
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch,kind", [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_1"), ("gemma3", "Q8_0")])
+def test_moe_and_gemma3_gguf_greedy_equals_transformers(tiny_models, gguf_dir, arch, kind):
+    """llama.cpp's layouts of the newer architectures: a layer's experts stacked in one tensor (each expert's
+    rows held quantized, read by the kernels like any matrix), the router float; Gemma's norms stored as
+    1 + weight, its window and pattern from the file and llama.cpp's fixed numbers. transformers reads the same
+    file (with the folder's config: its GGUF reader drops the Qwen3 head_dim and Gemma's layer pattern)."""
+    from kvreuse.models.layers import Linear
+
+    path = made_gguf(tiny_models, gguf_dir, arch, kind)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    model = llm.engine.runner.model
+    if arch == "qwen3_moe":
+        experts = model.model.layers[0].mlp.experts
+        assert all(expert.gate_up_proj.quantized is not None for expert in experts)
+        assert model.model.layers[0].mlp.gate.quantized is None  # the router stays float
+    prompts = [llm.engine.tokenizer.encode(TEXT * 2), list(range(3, 40))]  # past the 16-token window
+    reference = transformers_greedy(transformers_model(path, tiny_models[arch]), prompts)
+    assert ours(llm, prompts) == reference
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gemma3"])
 def test_float32_gguf_runs_as_its_folder(tiny_models, gguf_dir, arch):
     """Written and read back (the llama permutation both ways, Llama 3 rope scaling as llama.cpp's frequency
     divisors), a float32 file is its folder: the same config, rotary frequencies, tokenizer ids, greedy tokens."""

@@ -61,7 +61,14 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/llama-model.cpp): five local
+# layers to one global, the local layers' rope base, and the query scale (1 / sqrt(head_dim), except the 62-layer
+# 27B's 1 / sqrt(hidden / heads)).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
 # quants of Q8_0 / Q4_0 / Q4_1 files, the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files and the Q5_0 /
 # Q5_1 that llama-quantize falls back to for rows whose width is not a multiple of 256 (qwen2.5-0.5b: 896).
@@ -87,6 +94,16 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture names a tensor otherwise: Gemma 3's ffn_norm is the norm before its MLP, its
+# post_attention_norm the attention output's own; Qwen3-MoE's router.
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+}
+# A layer's experts stacked in one tensor [experts, rows, cols]; each expert's rows are contiguous, so each
+# becomes a tensor place of its own under the per-expert name Qwen3-MoE checkpoints use.
+_EXPERT_TENSORS: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -231,14 +248,31 @@ def _version(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
-def _our_name(gguf_name: str) -> str | None:
+def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    if match is None:
         return None
     layer, module, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[module]}.{kind}"
+    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    if module not in names:
+        return None
+    return f"model.layers.{layer}.{names[module]}.{kind}"
+
+
+def _expert_places(tensor: Any, kind: str) -> list[GGUFTensorPlace] | None:
+    """A stacked experts tensor as one place per expert (None: ``tensor`` is not one)."""
+    match = _LAYER_NAME.match(tensor.name)
+    if match is None or match.group(2) not in _EXPERT_TENSORS or match.group(3) != "weight":
+        return None
+    experts, rows, cols = (int(size) for size in reversed(tensor.shape.tolist()))
+    share = int(tensor.n_bytes) // experts
+    prefix = f"model.layers.{match.group(1)}.mlp.experts"
+    return [GGUFTensorPlace(name=f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.weight", file_name=tensor.name,
+                            ggml_type=kind, shape=(rows, cols), offset=int(tensor.data_offset) + expert * share,
+                            n_bytes=share)
+            for expert in range(experts)]
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
@@ -281,13 +315,20 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         if tensor.name == ROPE_FREQS and architecture == "llama" and tensor.tensor_type.name == "F32":
             rope_factors = np.array(tensor.data, dtype=np.float64).reshape(-1)
             continue
-        ours = _our_name(tensor.name)
-        if ours is None:
-            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
         kind = tensor.tensor_type.name
         if kind not in GGUF_TENSOR_TYPES:
             raise ValueError(f"{path}: tensor {tensor.name!r} has type {kind}, which kvreuse cannot load; "
                              f"supported: {', '.join(GGUF_TENSOR_TYPES)}")
+        experts = _expert_places(tensor, kind)
+        if experts is not None:
+            for place in experts:
+                tensor_types[place.name] = kind
+                shapes[place.name] = place.shape
+            places.extend(experts)
+            continue
+        ours = _our_name(tensor.name, architecture)
+        if ours is None:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
         tensor_types[ours] = kind
         shapes[ours] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
         places.append(GGUFTensorPlace(name=ours, file_name=tensor.name, ggml_type=kind, shape=shapes[ours],
@@ -303,11 +344,13 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
                          "supported")
     scaling = _field(reader, f"{architecture}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (only none)")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none or linear)")
     rope_theta = float(number("rope.freq_base", 10000.0))
     context_length = int(number("context_length", 2048))
     rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(number("rope.scaling.factor"))}
     if rope_factors is not None:
         rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
     model_class = GGUF_ARCHITECTURES[architecture]
@@ -334,6 +377,26 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    layers = hf_config["num_hidden_layers"]
+    if architecture == "qwen3moe":
+        # A layer without a router is dense (Qwen3-MoE's mlp_only_layers); llama.cpp renormalises the chosen
+        # experts' weights for this architecture unless the file says otherwise.
+        hf_config.update(
+            num_experts=int(number("expert_count")), num_experts_per_tok=int(number("expert_used_count")),
+            moe_intermediate_size=int(number("expert_feed_forward_length")),
+            norm_topk_prob=bool(_field(reader, f"{architecture}.expert_weights_norm", True)),
+            mlp_only_layers=[layer for layer in range(layers) if f"model.layers.{layer}.mlp.gate.weight" not in shapes],
+        )
+    if architecture == "gemma3":
+        pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+        hf_config.update(
+            sliding_window=int(number("attention.sliding_window")), sliding_window_pattern=pattern,
+            layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                         for layer in range(layers)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+            tie_word_embeddings="lm_head.weight" not in shapes,
+        )
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
                          tensor_types=tensor_types, tensors=tuple(places))
 
@@ -435,6 +498,12 @@ def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.nda
                                  "be un-permuted")
             width = raw.size // shape[0]
             raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
+    if info.architecture == "gemma3" and place.name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's norm weights as 1 + weight (ggml's norm multiplies by the weight);
+        # Gemma's norm here adds the 1 itself, as transformers' does.
+        if place.ggml_type != "F32":
+            raise ValueError(f"{path}: Gemma norm {place.file_name!r} is {place.ggml_type}; float32 expected")
+        raw = (raw.view(np.float32) - np.float32(1.0)).view(np.uint8)
     return GGUFTensor(raw=raw, ggml_type=place.ggml_type, shape=shape, row_order=row_order)
 
 

@@ -223,10 +223,10 @@ PRESETS: dict[str, ModelPreset] = {
             qwen3_head_dim=256, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
         ),
         ModelPreset(
-            name="tiny-gemma3", arch="gemma3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            name="tiny-gemma3", arch="gemma3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
             rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
-            qwen3_head_dim=32, sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=32,
+            qwen3_head_dim=32, sliding_window=16, sliding_window_pattern=6, query_pre_attn_scalar=32,
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
