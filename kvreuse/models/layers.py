@@ -148,7 +148,9 @@ class Linear(nn.Module):
         # Where LoRA adapters attach (set by the model): the decoder layer and PEFT's module name per part.
         self.lora_layer: int | None = None
         self.lora_modules: tuple[str, ...] = ()
-        self.keep_float = False  # quantize_int8 leaves it (a MoE router: rounding would move tokens between experts)
+        # Kept as a plain float weight: not quantized by quantize_int8, no second layout (a MoE router: rounding
+        # would move tokens between experts, and the native MoE layer reads it as it is).
+        self.keep_float = False
 
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
@@ -167,7 +169,7 @@ class Linear(nn.Module):
             self.kernel.plans = [qlinear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
                                  else qlinear.DEFAULT_PLAN for part in self.kernel.parts]
             return True
-        if self.weight is None or self.weight.device.type != "cpu":
+        if self.weight is None or self.weight.device.type != "cpu" or self.keep_float:
             return False
         plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts)
         if plan.is_plain:

@@ -338,6 +338,13 @@ class LlamaFamilyForCausalLM(nn.Module):
                     self._tied_head_kernel.weight_bytes if "plain" in plan.layouts else 0)
         book.save()
         self.cpu_kernel_extra_bytes = extra
+        moe_layers = [module for module in self.modules() if isinstance(module, SparseMoE)]
+        if moe_layers:
+            refusals = {module.prepare_native() for module in moe_layers}
+            rows = min(module.native_max_rows for module in moe_layers)
+            logger.info("mixture-of-experts layers: %s", "one native call per layer for steps of up to %d rows"
+                        % rows if refusals == {None} else
+                        "from Python (%s)" % ", ".join(sorted(str(reason) for reason in refusals if reason)))
         logger.info("CPU linear kernels: %d matrices off plain F.linear, %.0f MiB in second weight layouts",
                     changed, extra / 2**20)
         return changed

@@ -12,16 +12,88 @@ grouped by expert (one stable sort of the (row, choice) pairs), so an expert rou
 a batched decode or a prefill reads its weights once for all of them. The experts run in ascending index
 order and add into the output with ``index_add_``, the order transformers uses, so float32 outputs match
 its token for token.
+
+Steps of up to ``NATIVE_MAX_ROWS`` rows (decode batches) run the whole layer in one native call
+(csrc/moe.cpp's ``Experts``: the same kernels in the same order, from C++), where every expert's products
+are quantized blocks or plain float weights; from Python, a decode row's 8 experts were about forty operator
+calls per layer, as long as their products on a 2-core CPU. ``KVREUSE_NATIVE_MOE=0`` keeps the Python loop
+(the benchmark compares the two).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvreuse.attention.forward_batch import ProjectionDeltas
+from kvreuse.models import fused_ops, qlinear, rowdot
 from kvreuse.models.config import MoEConfig
 from kvreuse.models.layers import GatedMLP, Linear
+from kvreuse.models.quant import QuantizedTensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "moe.cpp"
+ENV = "KVREUSE_NATIVE_MOE"
+KERNEL_CODES = {"qdot": 0, "qdot8": 1, "plain": 2}  # csrc/moe.cpp's Kernel
+# Steps of at most this many rows run natively; the kernel per row count is the plan book's (qlinear.py probes
+# the quantized GEMV up to QDOT_MAX_ROWS). Larger steps (prefills) group rows per expert into GEMM-sized
+# products from Python, where the per-call overhead is paid once per expert over many rows.
+NATIVE_MAX_ROWS = qlinear.QDOT_MAX_ROWS
+
+
+@functools.cache
+def library() -> Path | None:
+    """The native layer, built and loaded with the kernels it calls (None where any of them cannot be)."""
+    if qlinear.library() is None or fused_ops.library() is None:
+        return None
+    return rowdot.load_extension(SOURCE, rowdot.build_name(SOURCE, "kvreuse_moe"), "the native MoE layer",
+                                 "mixture-of-experts layers run from Python")
+
+
+def _product(linears: list[Linear], rows: int) -> tuple[list[torch.Tensor], int, list[int]] | str:
+    """Every expert's matrix of one kind as the native layer takes it: the weights, their format code (-1:
+    float) and the kernel code for 1 .. ``rows`` rows; or why it cannot."""
+    weights: list[torch.Tensor] = []
+    formats: set[int] = set()
+    codes: list[int] | None = None
+    for linear in linears:
+        kernel = linear.kernel
+        if linear.quantized is not None:
+            if len(kernel.parts) != 1 or not isinstance(kernel.parts[0], QuantizedTensor):
+                return "an expert weight in parts of several formats"
+            part, plan = kernel.parts[0], kernel.plans[0]
+            names = [plan.kernel_for(count) for count in range(1, rows + 1)]
+            names = ["qdot" if name == "qdot8" and part.format.name not in qlinear.int8_formats() else name
+                     for name in names]
+            # Up to the first row count planned on dequantized tiles (the native layer runs the GEMV kernels).
+            for index, name in enumerate(names):
+                if name not in ("qdot", "qdot8"):
+                    names = names[:index]
+                    break
+            if not names:
+                return "expert products planned on dequantized tiles from one row"
+            weights.append(part.data)
+            formats.add(part.format.code)
+            found = [KERNEL_CODES[name] for name in names]
+        elif kernel is None and linear.weight is not None:
+            weights.append(linear.weight.detach())
+            formats.add(-1)
+            found = [KERNEL_CODES["plain"]] * rows
+        else:
+            return "an expert weight in a second float layout"
+        if codes is not None and found[:len(codes)] != codes[:len(found)]:
+            return "experts whose plans differ"
+        codes = found if codes is None or len(found) < len(codes) else codes
+    if len(formats) != 1:
+        return "experts in several formats"
+    return weights, formats.pop(), codes or []
 
 
 class SparseMoE(nn.Module):
@@ -39,6 +111,37 @@ class SparseMoE(nn.Module):
             GatedMLP(hidden_size, moe.moe_intermediate_size, dtype, device, activation)
             for _ in range(moe.num_experts)
         )
+        self.activation = activation
+        self.native: Any = None  # csrc/moe.cpp's Experts, made by prepare_native once the kernels are chosen
+        self.native_max_rows = 0
+
+    def prepare_native(self) -> str | None:
+        """Hold this layer's experts in the native layer for steps of up to NATIVE_MAX_ROWS rows (call after
+        the kernels are chosen: it records each product's kernel per row count). Returns why not, or None."""
+        self.native = None
+        if os.environ.get(ENV, "1").strip() == "0":
+            return f"{ENV}=0"
+        if self.activation != "silu":
+            return f"{self.activation} experts"
+        router = self.gate
+        if router.weight is None or router.kernel is not None or router.bias is not None:
+            return "a router held in another layout"
+        if router.weight.device.type != "cpu":
+            return f"not on {router.weight.device.type}"
+        if library() is None:
+            return "the native MoE layer could not be built (see the log)"
+        gate_up = _product([expert.gate_up_proj for expert in self.experts], NATIVE_MAX_ROWS)
+        down = _product([expert.down_proj for expert in self.experts], NATIVE_MAX_ROWS)
+        for found in (gate_up, down):
+            if isinstance(found, str):
+                return found
+        expert = self.experts[0]
+        # Steps up to this many rows run natively: every product's plan runs a GEMV kernel up to there.
+        self.native_max_rows = min(len(gate_up[2]), len(down[2]))
+        self.native = torch.classes.kvreuse_moe.Experts(
+            router.weight.detach(), gate_up[0], gate_up[1], gate_up[2], down[0], down[1], down[2],
+            router.input_size, expert.intermediate_size, self.top_k, self.norm_topk_prob)
+        return None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]): softmax over all experts in float32, the top k,
@@ -52,6 +155,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         if lora is not None:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        if (self.native is not None and x.shape[0] <= self.native_max_rows and x.is_contiguous()
+                and not torch.compiler.is_compiling()):
+            return self.native.forward(x)
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # a single row: its k experts in ascending order, no sort
