@@ -62,7 +62,7 @@ def _native_rows(llm: LLM) -> set[int]:
     return {rows for rows, args in step._args.items() if not isinstance(args, str)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
 def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, arch):
     native, op_by_op = _both(monkeypatch, str(tiny_models[arch]), dtype="float32", device="cpu", block_size=4,
                              kv_cache_memory="256KiB", max_num_batched_tokens=24)
@@ -74,7 +74,8 @@ def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, ar
 
 
 @pytest.mark.parametrize("arch,kind,kernel", [("llama-plain", "Q4_1", "qdot"), ("llama-plain", "Q4_1", "qdot8"),
-                                              ("qwen2", "Q8_0", "qdot8"), ("qwen2", "Q5_0", "qdot")])
+                                              ("qwen2", "Q8_0", "qdot8"), ("qwen2", "Q5_0", "qdot"),
+                                              ("qwen3_moe", "Q8_0", "qdot8")])
 def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, monkeypatch, arch, kind, kernel):
     """Both quantized kernels (qdot8 where this CPU runs the format on int8 inputs, else its qdot fallback,
     as op by op), a file whose q/k/v have a bias and Q5_0 parts."""
@@ -88,6 +89,9 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
     qkv = native.engine.runner.model.native_step._args[1][0]
     expected = native_step.KERNEL_CODES[kernel if kind.lower() in native_step.qlinear.int8_formats() else "qdot"]
     assert set(qkv.kernels) == {expected}
+    if arch == "qwen3_moe":  # the experts run inside the native step (DecodeLayers.set_experts)
+        assert qkv.experts is not None and qkv.parts[2:] == [0, 0]
+        assert set(qkv.experts[3]) == {expected}  # the gate|up products' kernel per row count
 
 
 def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir, monkeypatch, caplog):

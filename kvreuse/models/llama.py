@@ -486,8 +486,8 @@ class LlamaFamilyForCausalLM(nn.Module):
     def native_step_refusal(self) -> str | None:
         """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
         layers, or None where it can."""
-        if self.config.moe is not None:
-            return "mixture-of-experts layers run op by op"
+        if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):
+            return "mixture-of-experts layers without their native layer run op by op"
         if self.config.norm_style != "llama":
             return "Gemma's norms run op by op"
         if any(not layer.self_attn.layer_attention.is_plain for layer in self.model.layers):

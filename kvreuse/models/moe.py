@@ -114,6 +114,7 @@ class SparseMoE(nn.Module):
         self.activation = activation
         self.native: Any = None  # csrc/moe.cpp's Experts, made by prepare_native once the kernels are chosen
         self.native_max_rows = 0
+        self.native_args: tuple[Any, ...] = ()
 
     def prepare_native(self) -> str | None:
         """Hold this layer's experts in the native layer for steps of up to NATIVE_MAX_ROWS rows (call after
@@ -138,9 +139,10 @@ class SparseMoE(nn.Module):
         expert = self.experts[0]
         # Steps up to this many rows run natively: every product's plan runs a GEMV kernel up to there.
         self.native_max_rows = min(len(gate_up[2]), len(down[2]))
-        self.native = torch.classes.kvreuse_moe.Experts(
-            router.weight.detach(), gate_up[0], gate_up[1], gate_up[2], down[0], down[1], down[2],
-            router.input_size, expert.intermediate_size, self.top_k, self.norm_topk_prob)
+        # What the native layer is made of; the native decode step holds the same (csrc/decoder_layer.cpp).
+        self.native_args = (router.weight.detach(), gate_up[0], gate_up[1], gate_up[2], down[0], down[1], down[2],
+                            router.input_size, expert.intermediate_size, self.top_k, self.norm_topk_prob)
+        self.native = torch.classes.kvreuse_moe.Experts(*self.native_args)
         return None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

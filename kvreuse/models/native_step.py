@@ -37,6 +37,7 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.models import fused_ops, paged_attention, qlinear, rowdot
 from kvreuse.models.kernels import LAYOUT, LinearKernel
 from kvreuse.models.layers import Linear
+from kvreuse.models.moe import SparseMoE
 from kvreuse.models.paged_attention import NativeAttentionMetadata, NativePagedAttention
 from kvreuse.models.quant import QuantizedTensor
 
@@ -72,6 +73,7 @@ class LayerArgs:
     eps: float
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    experts: tuple[Any, ...] | None = None  # a mixture-of-experts layer's native arguments (models/moe.py)
 
 
 def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
@@ -103,11 +105,15 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
 
 def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     attention, mlp = layer.self_attn, layer.mlp
-    for linear in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    experts = isinstance(mlp, SparseMoE)
+    if experts and (mlp.native is None or rows > mlp.native_max_rows):
+        return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
+    linears = (attention.qkv_proj, attention.o_proj) + (() if experts else (mlp.gate_up_proj, mlp.down_proj))
+    for linear in linears[1:]:
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
             return "a bias outside q/k/v"
     weights, kernels, formats, parts = [], [], [], []
-    for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    for linear in linears:
         found = projection(linear, rows)
         if isinstance(found, str):
             return found
@@ -115,12 +121,15 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
         kernels += found[1]
         formats += found[2]
         parts.append(len(found[0]))
+    if experts:
+        parts += [0, 0]  # the layer's MLP is its experts (DecodeLayers.set_experts)
     qkv = attention.qkv_proj
     bias = qkv.kernel.bias if qkv.kernel is not None else qkv.bias
     return LayerArgs(weights, kernels, formats, parts, None if bias is None else bias.detach(),
                      layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                      layer.input_layernorm.eps, None if attention.q_norm is None else attention.q_norm.weight.detach(),
-                     None if attention.k_norm is None else attention.k_norm.weight.detach())
+                     None if attention.k_norm is None else attention.k_norm.weight.detach(),
+                     mlp.native_args if experts else None)
 
 
 class NativeDecodeStep:
@@ -166,6 +175,8 @@ class NativeDecodeStep:
             k_pool, v_pool, _, _ = kv_cache.layer_pools(index)
             held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,
                            layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
+            if layer.experts is not None:
+                held.set_experts(index, *layer.experts)
         return held
 
     def _make(self, rows: int) -> list[LayerArgs] | str:

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +44,13 @@ DTYPES = (torch.float32, torch.bfloat16)  # bf16: float32 accumulation, the outp
 
 
 def build_name(source: Path = SOURCE, stem: str = "kvreuse_rowdot") -> str:
-    """The extension's name: a digest of what decides the binary (source, flags, torch, the CPU's flags)."""
+    """The extension's name: a digest of what decides the binary (source and the headers beside it that it
+    includes, flags, torch, the CPU's flags)."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 platform.machine().encode(), " ".join(sorted(cpu_flags() or ())).encode()):
+    text = source.read_bytes()
+    headers = [source.with_name(name.decode()) for name in re.findall(rb'^#include "([^"/]+)"', text, re.MULTILINE)]
+    for part in (text, *(header.read_bytes() for header in headers), " ".join(CFLAGS + LDFLAGS).encode(),
+                 torch.__version__.encode(), platform.machine().encode(), " ".join(sorted(cpu_flags() or ())).encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"{stem}_{digest.hexdigest()[:16]}"

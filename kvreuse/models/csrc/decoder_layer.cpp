@@ -13,12 +13,19 @@
 //   K/V stored, attention over the paged context        kvreuse_attn::paged_attention (fused store)
 //   hidden += o_proj(attention); normed = rms_norm      kvreuse_fused::rms_norm with its residual
 //   hidden += down(silu(gate) * up)                     kvreuse_fused::silu_mul, products as above
+//     or, in a mixture-of-experts layer, its experts   moe.h (the MoE layer's own code, models/moe.py)
 //
 // It holds every layer's weights, norms and KV pools for one row count (`add_layer`, once), so a decode
 // step is one call from Python for the whole model (`run`), not one per layer.
 //
 // The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
 // first, and this one finds them by name in the dispatcher once per process.
+//
+// Only plain layers come here (attention over the whole causal context, scale 1 / sqrt(head_dim), no
+// sinks): models/native_step.py refuses a model whose layers have a sliding window, their own softmax
+// scale or learned sinks, so the attention call passes window 0 and no sinks.
+#include "moe.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
@@ -29,6 +36,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -45,8 +53,8 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&,
                                 const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, int64_t, int64_t, double, int64_t, const OptTensor&,
-                                const OptTensor&, const OptTensor&)> paged_attention;
+                                const at::Tensor&, int64_t, int64_t, double, int64_t, const OptTensor&, int64_t,
+                                const OptTensor&, const OptTensor&, const OptTensor&)> paged_attention;
 };
 
 template <class Fn>
@@ -65,7 +73,8 @@ const Kernels& kernels() {
       find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
       find<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&, const OptTensor&,
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
-                int64_t, const OptTensor&, const OptTensor&, const OptTensor&)>("kvreuse_attn::paged_attention"),
+                int64_t, const OptTensor&, int64_t, const OptTensor&, const OptTensor&,
+                const OptTensor&)>("kvreuse_attn::paged_attention"),
   };
   return k;
 }
@@ -108,9 +117,10 @@ at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, c
 
 // One decoder layer's weights, norms and KV pools: what stays the same from step to step.
 struct Layer {
-  Projection p[kProjections];  // qkv, o, gate_up, down
+  Projection p[kProjections];  // qkv, o, gate_up, down (no parts for the last two in a mixture-of-experts layer)
   OptTensor qkv_bias, q_norm, k_norm;
   at::Tensor input_norm, post_norm, k_pool, v_pool;
+  std::optional<kvreuse_moe::MoEWeights> experts;  // set_experts: the layer's MLP is its experts
 };
 
 // What the model's shape fixes for every layer.
@@ -131,10 +141,12 @@ Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel
   TORCH_CHECK(parts.size() == kProjections, "decoder_layer: parts must count the parts of qkv, o, gate_up and down");
   TORCH_CHECK(weights.size() == kernel_codes.size() && weights.size() == formats.size(),
               "decoder_layer: one kernel code and one format per weight part");
-  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool};
+  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool, std::nullopt};
   size_t at = 0;
   for (int j = 0; j < kProjections; ++j) {
-    TORCH_CHECK(parts[j] > 0 && at + parts[j] <= weights.size(), "decoder_layer: parts do not add up to the weights");
+    // gate_up and down may have no parts: a mixture-of-experts layer's MLP comes with set_experts.
+    TORCH_CHECK((parts[j] > 0 || (j >= 2 && parts[2] == 0 && parts[3] == 0)) && at + parts[j] <= weights.size(),
+                "decoder_layer: parts do not add up to the weights");
     for (int64_t i = 0; i < parts[j]; ++i, ++at) {
       layer.p[j].weights.push_back(weights[at]);
       layer.p[j].kernels.push_back(kernel_codes[at]);
@@ -164,11 +176,16 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
   }
   at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
   k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
-                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1, shape.scale, 0, k_new,
-                         v_new, in.slot_mapping);
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1, shape.scale,
+                         /*window=*/0, /*sinks=*/c10::nullopt, /*partition_size=*/0, k_new, v_new, in.slot_mapping);
   const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}));
   // hidden += attended, then the post-attention norm of the sum (one pass).
   const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
+  if (layer.experts.has_value()) {
+    hidden.add_(kvreuse_moe::moe_forward(*layer.experts, normed));
+    return;
+  }
+  TORCH_CHECK(!layer.p[2].weights.empty(), "decoder_layer: a layer without MLP weights needs set_experts");
   hidden.add_(project(k, layer.p[3], k.silu_mul.call(project(k, layer.p[2], normed))));
 }
 
@@ -188,6 +205,17 @@ struct DecodeLayers : torch::CustomClassHolder {
                  const at::Tensor& v_pool) {
     layers.push_back(make_layer(weights, kernel_codes, formats, parts, qkv_bias, input_norm, post_norm, q_norm, k_norm,
                                 k_pool, v_pool));
+  }
+
+  // Layer ``index``'s MLP as experts (models/moe.py's native arguments, as kvreuse_moe.Experts takes them).
+  void set_experts(int64_t index, at::Tensor router, std::vector<at::Tensor> gate_up, int64_t gate_up_format,
+                   std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down, int64_t down_format,
+                   std::vector<int64_t> down_kernels, int64_t hidden, int64_t intermediate, int64_t top_k,
+                   bool norm_topk_prob) {
+    TORCH_CHECK(0 <= index && index < num_layers(), "DecodeLayers.set_experts: no layer ", index);
+    layers[index].experts = kvreuse_moe::make_moe_weights(
+        std::move(router), std::move(gate_up), gate_up_format, std::move(gate_up_kernels), std::move(down),
+        down_format, std::move(down_kernels), hidden, intermediate, top_k, norm_topk_prob);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
@@ -211,6 +239,7 @@ TORCH_LIBRARY(kvreuse_step, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<double, double, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("set_experts", &DecodeLayers::set_experts)
       .def("num_layers", &DecodeLayers::num_layers)
       .def("run", &DecodeLayers::run);
 }

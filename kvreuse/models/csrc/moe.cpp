@@ -1,155 +1,30 @@
-// A mixture-of-experts layer's decode rows in one call (models/moe.py), over the kernels that already exist.
+// The mixture-of-experts layer in one call from Python (models/moe.py), as ``torch.classes.kvreuse_moe.Experts``.
 //
 // Run from Python, a decode row's MoE layer is the router, a softmax, a top-k, and then for each of its k
 // experts (8 for Qwen3-30B-A3B) two products, the SiLU and a weighted add: about forty operator calls per
 // layer, each paying the interpreter, the module and argument handling and torch's Python binding. On a
 // 2-core CPU that cost as much as the expert products themselves (qwen3-moe-1b Q8_0: 12 of 26 ms a token).
-// `Experts` makes the same calls from C++ through torch's dispatcher, in the same order, with the same
-// kernels, so its numbers are the Python path's bit for bit:
-//
-//   probabilities = softmax(x @ router^T) in float32    at::linear, at::softmax
-//   weights, ids  = top_k(probabilities) (renormalised)  at::topk
-//   for each expert routed to, ascending:                rows grouped by expert (one counting sort)
-//     y = down(silu(gate(x_rows)) * up(x_rows))          kvreuse_cpu::qlinear / qlinear_int8 or at::linear;
-//                                                        kvreuse_fused::silu_mul
-//     out[rows] += y * weights                           index_add_ (transformers' order)
-//
-// It holds one layer's expert weights and the kernel each product runs at each row count (the plan book's
-// picks, made once), so a layer is one call from Python.
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/index_add.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/topk.h>
-#include <ATen/ops/zeros_like.h>
+// `Experts` makes the same calls from C++ (moe.h, which the native decode step shares), in the same order,
+// with the same kernels, so its numbers are the Python path's bit for bit. It holds one layer's expert
+// weights and the kernel each product runs at each row count (the plan book's picks, made once).
+#include "moe.h"
+
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cstdint>
-#include <vector>
-
 namespace {
 
-struct Kernels {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
-};
-
-template <class Fn>
-c10::TypedOperatorHandle<Fn> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-const Kernels& kernels() {
-  static const Kernels k{
-      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear"),
-      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear_int8"),
-      find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
-  };
-  return k;
-}
-
-// models/moe.py's KERNEL_CODES: how a product runs at a row count.
-enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2 };
-
-// One kind of expert matrix (gate|up, or down) of every expert, and the kernel for each row count.
-struct Product {
-  std::vector<at::Tensor> weights;  // per expert: a quantized weight's blocks, or a float weight
-  int64_t format = -1;               // the quantized format's code; -1: float weights (at::linear)
-  int64_t in_features = 0;
-  std::vector<int64_t> kernel_by_rows;  // [r - 1]: the kernel for r rows; past the end, the last one
-
-  at::Tensor run(const Kernels& k, int64_t expert, const at::Tensor& x) const {
-    const int64_t rows = x.size(0);
-    const int64_t code = kernel_by_rows[std::min<int64_t>(rows, kernel_by_rows.size()) - 1];
-    const at::Tensor& w = weights[expert];
-    switch (code) {
-      case kQdot: return k.qlinear.call(x, w, format, in_features);
-      case kQdot8: return k.qlinear_int8.call(x, w, format, in_features);
-      case kPlain: return at::linear(x, w);
-      default: TORCH_CHECK(false, "moe: unknown kernel code ", code);
-    }
-  }
-};
-
 struct Experts : torch::CustomClassHolder {
-  at::Tensor router;  // [experts, hidden], the model's dtype
-  Product gate_up, down;
-  int64_t top_k;
-  bool norm_topk_prob;
+  kvreuse_moe::MoEWeights weights;
 
   Experts(at::Tensor router, std::vector<at::Tensor> gate_up_weights, int64_t gate_up_format,
           std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down_weights, int64_t down_format,
           std::vector<int64_t> down_kernels, int64_t hidden, int64_t intermediate, int64_t top_k, bool norm_topk_prob)
-      : router(std::move(router)), top_k(top_k), norm_topk_prob(norm_topk_prob) {
-    const int64_t experts = this->router.size(0);
-    TORCH_CHECK(this->router.dim() == 2 && this->router.size(1) == hidden, "moe: router must be [experts, hidden]");
-    TORCH_CHECK(static_cast<int64_t>(gate_up_weights.size()) == experts &&
-                static_cast<int64_t>(down_weights.size()) == experts, "moe: one gate|up and one down weight per expert");
-    TORCH_CHECK(!gate_up_kernels.empty() && !down_kernels.empty(), "moe: a kernel for at least one row count");
-    TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe: top_k must be between 1 and the expert count");
-    gate_up = Product{std::move(gate_up_weights), gate_up_format, hidden, std::move(gate_up_kernels)};
-    down = Product{std::move(down_weights), down_format, intermediate, std::move(down_kernels)};
-  }
+      : weights(kvreuse_moe::make_moe_weights(std::move(router), std::move(gate_up_weights), gate_up_format,
+                                              std::move(gate_up_kernels), std::move(down_weights), down_format,
+                                              std::move(down_kernels), hidden, intermediate, top_k, norm_topk_prob)) {}
 
-  at::Tensor forward(const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == router.size(1), "moe: x must be contiguous [rows, hidden]");
-    const Kernels& k = kernels();
-    const int64_t rows = x.size(0), experts = router.size(0);
-    at::Tensor probabilities = at::softmax(at::linear(x, router), -1, at::kFloat);
-    auto [weights, ids] = at::topk(probabilities, top_k, -1);
-    if (norm_topk_prob) weights.div_(weights.sum(-1, true));
-    weights = weights.to(x.scalar_type());
-    at::Tensor out = at::zeros_like(x);
-
-    // The (row, choice) pairs grouped by expert, rows ascending within each (a stable counting sort).
-    const int64_t pairs = rows * top_k;
-    const int64_t* id = ids.data_ptr<int64_t>();
-    std::vector<int64_t> start(experts + 1, 0);
-    for (int64_t p = 0; p < pairs; ++p) ++start[id[p] + 1];
-    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-    at::Tensor order = at::empty({pairs}, ids.options());  // pair indices, grouped by expert
-    int64_t* slot = order.data_ptr<int64_t>();
-    std::vector<int64_t> next(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) slot[next[id[p]]++] = p;
-    at::Tensor pair_rows = order.div(top_k, "floor");
-    at::Tensor pair_weights = weights.reshape({pairs}).index_select(0, order).unsqueeze(1);
-
-    std::vector<int64_t> routed;  // the experts with rows, ascending
-    for (int64_t e = 0; e < experts; ++e) {
-      if (start[e + 1] > start[e]) routed.push_back(e);
-    }
-    // Quantized experts side by side on the threads, each expert's two products on one thread: a decode row's expert
-    // is a few hundred kB of weights, too little to split each product between threads without the fork and
-    // join costing more than the split saves (qwen3-moe-1b: 11 GB/s of weights split per product, against
-    // the 20-28 the dense products stream). A product called inside the parallel region runs on its thread
-    // alone; its outputs do not depend on how its rows are split, so the numbers are the same either way.
-    // Float weights' products (the library GEMM) may sum in another order on one thread than on several, so
-    // they keep the Python loop's threading: one expert after another.
-    std::vector<at::Tensor> results(routed.size());
-    auto run_experts = [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t e = routed[i], count = start[e + 1] - start[e];
-        at::Tensor xe = rows == 1 ? x : x.index_select(0, pair_rows.narrow(0, start[e], count));
-        at::Tensor y = down.run(k, e, k.silu_mul.call(gate_up.run(k, e, xe)));
-        results[i] = y.mul_(pair_weights.narrow(0, start[e], count));
-      }
-    };
-    if (gate_up.format >= 0 && down.format >= 0) {
-      at::parallel_for(0, static_cast<int64_t>(routed.size()), 1, run_experts);
-    } else {
-      run_experts(0, static_cast<int64_t>(routed.size()));
-    }
-    // Added in ascending expert order, as transformers adds them.
-    for (size_t i = 0; i < routed.size(); ++i) {
-      const int64_t e = routed[i];
-      out.index_add_(0, pair_rows.narrow(0, start[e], start[e + 1] - start[e]), results[i]);
-    }
-    return out;
-  }
+  at::Tensor forward(const at::Tensor& x) { return kvreuse_moe::moe_forward(weights, x); }
 };
 
 }  // namespace
