@@ -9,7 +9,8 @@ the same way. Each runs with one pool called again and again (``warm``: its K/V 
 --layers pools called in turn (``cold``: as in a decode step of that many layers, whose pools together
 outgrow the caches). The layouts take turns, round by round; each figure is the median microseconds of a
 call over --rounds rounds of --calls calls. Both layouts' outputs are checked equal to each other first
-(within bf16 rounding).
+(within bf16 rounding). --window W runs every call as a layer with a sliding window of W keys (a decode
+row then reads its last W keys only).
 
     python benchmarks/bench_paged_attention.py --json-out paged_attention.json
 
@@ -52,11 +53,11 @@ def make_case(heads: int, kv_heads: int, dim: int, context: int, seqs: int, laye
     }
 
 
-def call(case: dict, out: torch.Tensor, layer: int) -> None:
+def call(case: dict, out: torch.Tensor, layer: int, window: int = 0) -> None:
     k_pool, v_pool = case["pools"][layer % len(case["pools"])]
     torch.ops.kvreuse_attn.paged_attention(
         out, case["q"], k_pool, v_pool, None, None, case["tables"], case["starts"], case["query_lens"],
-        case["context_lens"], BLOCK, -1, case["scale"], 0, None, None, None)
+        case["context_lens"], BLOCK, -1, case["scale"], window, None, 0, None, None, None)
 
 
 def use(layout: str) -> None:
@@ -71,6 +72,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24, help="pools called in turn for the cold figures")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=96, help="calls per round and layout")
+    parser.add_argument("--window", type=int, default=0,
+                        help="a sliding window of this many keys for every call (0: none, a plain layer)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     cases = {"qwen2.5-0.5b, 1 row after 4,000": (14, 2, 64, 4000, 1),
@@ -96,7 +99,7 @@ def main() -> int:
         for layout in layouts:  # warm-up, and the outputs compared
             use(layout)
             outs[layout] = torch.empty_like(case["q"])
-            call(case, outs[layout], 0)
+            call(case, outs[layout], 0, args.window)
         if len(layouts) == 2:
             torch.testing.assert_close(outs["bf16_dot"].float(), outs["float_rows"].float(), atol=2e-2, rtol=2e-2)
         times: dict[str, dict[str, list[float]]] = {layout: {"warm": [], "cold": []} for layout in layouts}
@@ -106,7 +109,7 @@ def main() -> int:
                 for mode in ("warm", "cold"):
                     started = time.perf_counter()
                     for index in range(args.calls):
-                        call(case, outs[layout], 0 if mode == "warm" else index)
+                        call(case, outs[layout], 0 if mode == "warm" else index, args.window)
                     times[layout][mode].append((time.perf_counter() - started) / args.calls * 1e6)
         results[name] = {layout: {mode: statistics.median(values) for mode, values in by_mode.items()}
                          for layout, by_mode in times.items()}

@@ -6,7 +6,9 @@ only sees the slots of scattered, non-contiguous blocks. Covered: full prefill, 
 batched decodes with different context lengths, a mixed batch (fresh prefill + continuing chunk +
 decodes in non-contiguous rows), grouped-query attention, token-granular reuse through BlockCopy
 (the copied block gives the same result as the original), KVCache sizing and block copies, and
-the errors for malformed batches.
+the errors for malformed batches. Layers that are not plain (``LayerAttention``: sliding windows shorter and
+longer than the contexts, a softmax scale, learned sinks with and without a window, two windows in one step)
+through the same three routes: fresh prefills, chunks over cached context, ragged decode groups.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
+from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.blocks import BlockCopy
@@ -28,25 +31,38 @@ NUM_BLOCKS = 48
 NUM_LAYERS = 2
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Float64 reference: q [Q, H, D] are the last Q positions of a context k, v [L, KV, D]."""
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           layer: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
+    """Float64 reference: q [Q, H, D] are the last Q positions of a context k, v [L, KV, D]. ``layer``'s rules
+    as transformers has them: keys after p - window (masking_utils' sliding_window_overlay), its scale, and a
+    sink column concatenated to each head's scores and dropped after the softmax (gpt-oss)."""
     num_queries, num_heads, head_dim = q.shape
     context_len, num_kv_heads, _ = k.shape
     k = k.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
     v = v.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-    scores = torch.einsum("qhd,lhd->hql", q.double(), k) / math.sqrt(head_dim)
+    scale = layer.scale if layer.scale is not None else 1 / math.sqrt(head_dim)
+    scores = torch.einsum("qhd,lhd->hql", q.double(), k) * scale
     query_positions = torch.arange(context_len - num_queries, context_len)[:, None]
-    visible = torch.arange(context_len)[None, :] <= query_positions
+    key_positions = torch.arange(context_len)[None, :]
+    visible = key_positions <= query_positions
+    if layer.sliding_window is not None:
+        visible &= key_positions > query_positions - layer.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    if layer.sinks is None:
+        return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    sinks = layer.sinks.double().view(num_heads, 1, 1).expand(num_heads, num_queries, 1)
+    probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hql,lhd->qhd", probs, v)
 
 
 class Harness:
     """Drives the backend step by step and checks each step against the dense reference."""
 
-    def __init__(self, num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0) -> None:
+    def __init__(self, num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0,
+                 layers: tuple[LayerAttention, ...] = (PLAIN_ATTENTION,) * NUM_LAYERS) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.layers = layers  # each layer's window, scale and sinks
         self.cache = KVCache(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, torch.float32, "cpu")
         self.backend = TorchPagedAttention()
         self.generator = torch.Generator().manual_seed(seed)
@@ -94,7 +110,7 @@ class Harness:
             q = self._random(num_tokens, self.num_heads, HEAD_DIM)
             k = self._random(num_tokens, self.num_kv_heads, HEAD_DIM)
             v = self._random(num_tokens, self.num_kv_heads, HEAD_DIM)
-            out = self.backend.forward(layer, q, k, v, self.cache, metadata)
+            out = self.backend.forward(layer, q, k, v, self.cache, metadata, self.layers[layer])
             assert out.shape == q.shape
             row = 0
             for name, num_new in items:
@@ -103,7 +119,7 @@ class Harness:
                 keys = torch.cat([keys, k[rows]])
                 values = torch.cat([values, v[rows]])
                 self.history[(name, layer)] = (keys, values)
-                expected = dense_causal_attention(q[rows], keys, values)
+                expected = dense_causal_attention(q[rows], keys, values, self.layers[layer])
                 torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"sequence {name}, layer {layer}: {m}")
                 row += num_new
@@ -172,6 +188,83 @@ def test_block_copy_reuses_part_of_a_block():
     # a is unaffected by b writing after the copied token, and both keep decoding together.
     harness.step([("a", 1), ("b", 1)])
     harness.step([("b", 1), ("a", 1)])
+
+
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    # Spread around the scores' own size, so some rows give the sink most of their weight and some almost none.
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+LAYER_PAIRS = {
+    # Gemma 3's pattern: a local layer (window 3 with 4-token blocks: starts mid-block) and a global one,
+    # each with query_pre_attn_scalar ** -0.5 as its scale.
+    "window_and_scale": (LayerAttention(sliding_window=3, scale=0.3), LayerAttention(scale=0.3)),
+    # gpt-oss's: alternating windowed and full layers, both with sinks.
+    "sinks": (LayerAttention(sliding_window=6, sinks=_sinks(6, 1)), LayerAttention(sinks=_sinks(6, 2))),
+    # two windows in one step (each its own masks), one a single key
+    "two_windows": (LayerAttention(sliding_window=1), LayerAttention(sliding_window=10)),
+}
+
+
+@pytest.mark.parametrize("pair", list(LAYER_PAIRS))
+def test_windows_scales_and_sinks_on_every_route(pair):
+    harness = Harness(6, 2, layers=LAYER_PAIRS[pair])
+    harness.add_sequence("a", [3, 8, 13, 30])
+    harness.add_sequence("b", [21, 1, 34, 9, 17, 44, 42])
+    harness.add_sequence("c", [40, 6, 10])
+    harness.add_sequence("d", [25, 11, 29, 46, 2])
+    # Fresh prefills longer and shorter than the windows.
+    harness.step([("a", 9), ("b", 5), ("c", 2)])
+    # Chunks over cached context (their rows' windows start at different keys) beside ragged decodes and a
+    # fresh prefill, in rows that are not contiguous per kind.
+    harness.step([("a", 1), ("b", 7), ("d", 13), ("c", 1)])
+    # Decode groups of ragged contexts, some shorter than the window and some longer.
+    for _ in range(3):
+        harness.step([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
+    harness.step([("b", 1), ("d", 1)])  # a pure decode step whose rows are the whole batch
+
+
+def test_a_fresh_prefill_and_a_decode_step_of_a_windowed_layer_alone():
+    # The single-sequence and all-decode shortcuts of forward, for a windowed layer with sinks.
+    harness = Harness(4, 2, layers=(LayerAttention(sliding_window=5, sinks=_sinks(4, 3)),) * NUM_LAYERS)
+    harness.add_sequence("a", [9, 3, 17, 40, 1, 22])
+    harness.step([("a", 14)])
+    harness.step([("a", 1)])
+
+
+def test_a_window_is_built_once_per_step_and_a_decode_row_reads_only_its_window():
+    cache = KVCache(2, 16, BLOCK_SIZE, 2, HEAD_DIM, torch.float32, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    tables, lengths = [[3, 7, 1, 12, 5], [2]], [19, 3]
+    for table, length in zip(tables, lengths):
+        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)])
+        for layer in range(2):
+            cache.write(layer, slots, torch.randn(length, 2, HEAD_DIM, generator=generator),
+                        torch.randn(length, 2, HEAD_DIM, generator=generator))
+    # Keys before the 19-token row's window (5 keys: positions 14..18) are never gathered: NaN there would
+    # reach the output through any read, masked or not.
+    poisoned = torch.tensor([tables[0][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(14)])
+    kept = cache.gather(0, poisoned, torch.float32)
+    cache.write(0, poisoned, torch.full_like(kept[0], float("nan")), torch.full_like(kept[1], float("nan")))
+    batch = ForwardBatch(torch.zeros(2, dtype=torch.int64), torch.tensor([18, 2]),
+                         torch.tensor([5 * BLOCK_SIZE + 2, 2 * BLOCK_SIZE + 2]), [1, 1], lengths, tables,
+                         torch.zeros(2, dtype=torch.int64))
+    backend = TorchPagedAttention()
+    metadata = backend.prepare(batch, BLOCK_SIZE)
+    layer = LayerAttention(sliding_window=5)
+    q = torch.randn(2, 4, HEAD_DIM, generator=generator)
+    k, v = torch.randn(2, 2, 2, HEAD_DIM, generator=generator)
+    out = backend.forward(0, q, k, v, cache, metadata, layer)
+    slots, mask = metadata.decodes.windowed[5]
+    # The 3-token row is shorter than the window: its keys are padded and masked.
+    assert slots.shape == (2, 5) and mask.squeeze().tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    backend.forward(1, q, k, v, cache, metadata, LayerAttention(sliding_window=5, scale=0.2))
+    assert list(metadata.decodes.windowed) == [5] and metadata.decodes.windowed[5][0] is slots  # built once
+    for index, (table, length) in enumerate(zip(tables, lengths)):
+        all_slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)])
+        keys, values = cache.gather(0, all_slots[-5:], torch.float32)  # all of the 3-token row's
+        torch.testing.assert_close(out[index:index + 1].double(),
+                                   dense_causal_attention(q[index:index + 1], keys, values), atol=1e-5, rtol=1e-5)
 
 
 def test_kv_cache_block_copy_touches_only_the_copied_slots_of_every_layer():

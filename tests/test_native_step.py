@@ -5,8 +5,8 @@ Compared in the engine, on the same prompts (cold, hits ending mid-block, batche
 enough to preempt), with the cache invariants checked after every step: the tiny float32 folder of every
 architecture (q/k/v biases, q/k norms, rope scaling, tied embeddings) and GGUF files of quantized
 formats on both quantized kernels, against ``KVREUSE_NATIVE_STEP=0``. That the native step is what ran
-is checked too, and what it does not cover (quantized KV, LoRA rows, products on dequantized tiles) is
-said and runs op by op.
+is checked too, and what it does not cover (quantized KV, LoRA rows, products on dequantized tiles, layers
+with a sliding window, a scale of their own or sinks) is said and runs op by op.
 """
 
 from __future__ import annotations
@@ -115,6 +115,26 @@ def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir,
     with caplog.at_level(logging.INFO, logger="kvreuse"):
         LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
     assert f"decode step: op by op ({native_step.ENV}=0)" in caplog.text
+
+
+def test_a_model_with_windowed_or_sink_layers_runs_op_by_op(tiny_models, caplog):
+    """The native layer's attention is plain: a layer with a window, its own scale or sinks refuses it."""
+    from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+
+    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
+    model = llm.engine.runner.model
+    assert native_step.for_model(model, torch.device("cpu"), False) is not None
+    for layer in model.model.layers:
+        layer.self_attn.layer_attention = PLAIN_ATTENTION
+    assert native_step.for_model(model, torch.device("cpu"), False) is not None
+    assert native_step.attention_not_plain(model) is None
+    model.model.layers[1].self_attn.layer_attention = LayerAttention(sliding_window=4)
+    with caplog.at_level(logging.INFO, logger="kvreuse"):
+        assert native_step.for_model(model, torch.device("cpu"), False) is None
+    assert "decode step: op by op (" in caplog.text  # the model's own refusal, where it has one, says it first
+    assert native_step.attention_not_plain(model) == "layer 1 attends with a sliding window, its own softmax scale or sinks"
+    model.model.layers[1].self_attn.layer_attention = LayerAttention(sinks=torch.zeros(4))
+    assert native_step.attention_not_plain(model) is not None
 
 
 def test_lora_rows_run_op_by_op(tiny_models):

@@ -9,6 +9,11 @@ contexts split into partitions (flash-decoding's merge); GQA ratios 1 to 8; head
 float32, bfloat16 and every quantized scheme; a block copied in part (token-granular reuse); the backend
 beside SDPA's fresh prefills; and engine runs that must pick the kernel and keep greedy output equal to
 the torch backend's through prefix hits and preemption, with the cache invariants checked every step.
+Layers that are not plain (``LayerAttention``): sliding windows of 1 key, a few keys (starting mid-tile),
+more than a block (starting mid-block) and longer than every context; chunks whose rows' windows start at
+different keys; forced partitions, some wholly before a row's window; learned sinks with and without a
+window; a scale of the layer's own; in every KV dtype and both bf16 layouts; a decode row that must not read
+before its window (NaN there); and the backend equal to the torch reference on each route.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.blocks import BlockCopy
@@ -60,7 +66,7 @@ class Pool:
 
 
 def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads: int,
-               partition_size: int = 0) -> None:
+               partition_size: int = 0, attention: LayerAttention = PLAIN_ATTENTION) -> None:
     """Write every sequence's context, run the kernel once over all of them, compare each with the reference."""
     tables = [pool.new_table(length) for length in context_lens]
     for table, length in zip(tables, context_lens):
@@ -69,11 +75,11 @@ def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads
     q = pool.random(sum(query_lens), heads, pool.dim)
     out = torch.full_like(q, float("nan"))
     rows = paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
-    paged_attention.paged_attention(out, q, pool.cache, 0, rows, partition_size)
+    paged_attention.paged_attention(out, q, pool.cache, 0, rows, partition_size, attention=attention)
     tolerance = 1e-5 if pool.dtype == torch.float32 else 2e-2  # bfloat16: the output's own rounding
     for table, start, query_len, length in zip(tables, starts, query_lens, context_lens):
         keys, values = pool.held(table, length)
-        expected = dense_reference(q[start:start + query_len].float(), keys, values)
+        expected = dense_reference(q[start:start + query_len].float(), keys, values, attention)
         torch.testing.assert_close(out[start:start + query_len].double(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -125,6 +131,82 @@ def test_partitions_of_a_long_context_merge_exactly(partition_size):
     run_kernel(pool, query_lens=[1, 20, 1], context_lens=[1000, 200, 35], heads=4, partition_size=partition_size)
 
 
+def _sinks(heads: int, seed: int = 0) -> torch.Tensor:
+    # Spread around the scores' own size, so some rows give the sink most of their weight and some almost none.
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+# Windows with 16-token blocks and 16-key tiles: 1 key (a row sees itself only), 5 (starting mid-tile), 20
+# (more than a block: starting mid-block, and a chunk's rows start in different tiles), 5,000 (longer than
+# every context: plain); sinks alone and with a window.
+LAYERS = {
+    "window_1": LayerAttention(sliding_window=1),
+    "window_5_scale": LayerAttention(sliding_window=5, scale=0.2),
+    "window_20_sinks": LayerAttention(sliding_window=20, sinks=_sinks(8)),
+    "window_past_context": LayerAttention(sliding_window=5000),
+    "sinks": LayerAttention(sinks=_sinks(8, 1), scale=0.1),
+}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_windows_and_sinks(kv_cache_dtype, name):
+    pool = Pool(16, 2, 64, torch.float32, kv_cache_dtype, num_blocks=210)
+    # Decode rows and chunks (8 queries: two tiles of 4 queries x 4 heads), contexts of 1 to 1,000 tokens; then
+    # forced partitions of 16 and 48 keys (some wholly before a later row's window, merged with the sinks after).
+    specs = dict(query_lens=[1, 8, 1, 5, 1], context_lens=[1, 45, 300, 37, 1000], heads=8, attention=LAYERS[name])
+    run_kernel(pool, **specs)
+    run_kernel(pool, **specs, partition_size=16)
+    run_kernel(pool, query_lens=[8, 1], context_lens=[200, 130], heads=8, attention=LAYERS[name], partition_size=48)
+
+
+@pytest.mark.parametrize("layout,kv_cache_dtype", [("bf16_dot", "auto"), ("float_rows", "auto"),
+                                                   ("float_rows", "fp8_e4m3")])
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (4, 4)])
+def test_windows_and_sinks_of_a_bfloat16_model(layout, kv_cache_dtype, heads, kv_heads, monkeypatch):
+    # Both bf16 layouts (the AVX512_BF16 one masks its 16 lanes per row) and a quantized pool under bf16 q;
+    # GQA groups of 7 and of 1.
+    if layout == "bf16_dot" and not paged_attention.has_bf16_dot():
+        pytest.skip("this machine's build has no AVX512_BF16 kernel")
+    if layout == "float_rows":
+        monkeypatch.setenv(paged_attention.NO_BF16_DOT_ENV, "1")
+    pool = Pool(16, kv_heads, 64, torch.bfloat16, kv_cache_dtype, num_blocks=180)
+    for attention in (LayerAttention(sliding_window=21, sinks=_sinks(heads, 2)), LayerAttention(sliding_window=3)):
+        run_kernel(pool, query_lens=[1, 8, 1, 4], context_lens=[2, 40, 600, 300], heads=heads, attention=attention)
+        run_kernel(pool, query_lens=[1, 4], context_lens=[300, 120], heads=heads, attention=attention,
+                   partition_size=16)
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "float_rows"), (torch.bfloat16, "bf16_dot")])
+def test_a_windowed_row_reads_nothing_before_its_window(dtype, layout, monkeypatch):
+    # Keys before a row's window start are not read at all (NaN there would reach the output through any read,
+    # masked or not): the items start at the window, whole blocks before it are skipped. A decode row after
+    # 1,000 tokens under a 40-key window, and an 8-query chunk whose first query's window starts mid-block.
+    if layout == "bf16_dot" and not paged_attention.has_bf16_dot():
+        pytest.skip("this machine's build has no AVX512_BF16 kernel")
+    window, heads = 40, 4
+    pool = Pool(16, 2, 64, dtype, "auto", num_blocks=90)
+    query_lens, context_lens = [1, 8], [1000, 300]
+    tables = [pool.new_table(length) for length in context_lens]
+    for table, query_len, length in zip(tables, query_lens, context_lens):
+        pool.write(table, 0, length)
+    held = [pool.held(table, length) for table, length in zip(tables, context_lens)]  # before the poison
+    for table, query_len, length in zip(tables, query_lens, context_lens):
+        first = length - query_len - window + 1  # the first key any of its rows may see
+        nan = torch.full((first, 2, 64), float("nan"), dtype=dtype)
+        pool.cache.write(0, pool.slots(table, 0, first), nan, nan)
+    attention = LayerAttention(sliding_window=window, sinks=_sinks(heads, 3))
+    q = pool.random(9, heads, 64)
+    for partition_size in (0, 16):
+        out = torch.empty_like(q)
+        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows(query_lens, context_lens, tables, [0, 1], 16),
+                                        partition_size, attention=attention)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        for (keys, values), start, query_len in zip(held, (0, 1), query_lens):
+            expected = dense_reference(q[start:start + query_len].float(), keys, values, attention)
+            torch.testing.assert_close(out[start:start + query_len].double(), expected, atol=tolerance, rtol=tolerance)
+
+
 def test_a_block_copied_in_part_reads_like_its_source():
     # Token-granular reuse: a second sequence shares the first's full blocks and gets a copy of the first
     # 5 tokens of its last one (BlockCopy), then attends in place over both kinds of block.
@@ -144,9 +226,13 @@ def test_a_block_copied_in_part_reads_like_its_source():
     torch.testing.assert_close(out.double(), dense_reference(q, keys, values), atol=1e-5, rtol=1e-5)
 
 
-def test_backend_matches_the_torch_reference_beside_fresh_prefills():
+@pytest.mark.parametrize("layer", [PLAIN_ATTENTION, LayerAttention(sliding_window=3, scale=0.3),
+                                   LayerAttention(sliding_window=4, sinks=_sinks(4, 4)), LayerAttention(sinks=_sinks(4))],
+                         ids=["plain", "window_scale", "window_sinks", "sinks"])
+def test_backend_matches_the_torch_reference_beside_fresh_prefills(layer):
     # One step: a fresh prefill (SDPA), a long chunk over cached context (gathered), a short one and two
-    # decodes (the kernel), in rows that are not contiguous per kind.
+    # decodes (the kernel), in rows that are not contiguous per kind; each route with the layer's window,
+    # scale and sinks.
     pool = Pool(4, 2, 16, torch.float32, "auto", num_blocks=64)
     specs = [(6, 6), (1, 20), (12, 30), (3, 9), (1, 5)]  # (query_len, context_len)
     tables = [pool.new_table(length) for _, length in specs]
@@ -164,9 +250,9 @@ def test_backend_matches_the_torch_reference_beside_fresh_prefills():
     metadata = native.prepare(batch, 4)
     assert [c.token_end - c.token_start for c in metadata.context_chunks] == [12]  # over MAX_PAGED_QUERIES
     assert metadata.paged is not None and metadata.paged.query_lens.tolist() == [1, 3, 1]
-    out = native.forward(0, q, k, v, pool.cache, metadata)
+    out = native.forward(0, q, k, v, pool.cache, metadata, layer)
     reference = TorchPagedAttention()
-    expected = reference.forward(0, q, k, v, pool.cache, reference.prepare(batch, 4))
+    expected = reference.forward(0, q, k, v, pool.cache, reference.prepare(batch, 4), layer)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -181,6 +267,20 @@ def test_bad_tables_and_shapes_are_refused():
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         paged_attention.paged_attention(torch.empty(1, 3, 16), torch.zeros(1, 3, 16), pool.cache, 0,
                                         paged_rows([1], [2], [[0]], [0], 4))
+    rows = paged_rows([1], [2], [[0]], [0], 4)
+    k_pool, v_pool, _, _ = pool.cache.layer_pools(0)
+
+    def call(window: int, sinks: torch.Tensor | None) -> None:
+        torch.ops.kvreuse_attn.paged_attention(out, q, k_pool, v_pool, None, None, rows.block_tables, rows.query_start,
+                                               rows.query_lens, rows.context_lens, 4, -1, 0.25, window, sinks, 0,
+                                               None, None, None)
+
+    with pytest.raises(RuntimeError, match="window must be 0"):
+        call(-1, None)
+    with pytest.raises(RuntimeError, match=r"sinks: a contiguous float32 CPU tensor \[heads\] \(4 heads\)"):
+        call(0, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="sinks: a contiguous float32"):
+        call(2, torch.zeros(4, dtype=torch.float64))
 
 
 # ---- in the engine --------------------------------------------------------------------------------------
@@ -232,10 +332,12 @@ def test_auto_picks_the_kernel_on_cpu_and_a_bad_name_is_refused(tiny_model):
         LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="1MiB", attention_backend="flash")
 
 
-def test_a_decode_step_stores_its_kv_and_reads_q_from_the_fused_rows():
+@pytest.mark.parametrize("layer", [PLAIN_ATTENTION, LayerAttention(sliding_window=5, sinks=_sinks(4, 5))],
+                         ids=["plain", "window_sinks"])
+def test_a_decode_step_stores_its_kv_and_reads_q_from_the_fused_rows(layer):
     # The hot path: every row a decode, a pool in the model's dtype. The kernel stores the step's K/V itself
     # and reads q, k and v as views of one q|k|v product (rows wider than the heads); a quantized pool takes
-    # the separate write.
+    # the separate write. A windowed layer's rows see the key just stored.
     for kv_cache_dtype in ("auto", "int8"):
         pool = Pool(4, 2, 16, torch.float32, kv_cache_dtype, num_blocks=40)
         lengths = [9, 14, 2]
@@ -248,10 +350,10 @@ def test_a_decode_step_stores_its_kv_and_reads_q_from_the_fused_rows():
         qkv = pool.random(3, (4 + 2 + 2) * 16)
         q, k, v = (part.view(3, -1, 16) for part in qkv.split([64, 32, 32], dim=-1))
         native = NativePagedAttention()
-        out = native.forward(0, q, k, v, pool.cache, native.prepare(batch, 4))
+        out = native.forward(0, q, k, v, pool.cache, native.prepare(batch, 4), layer)
         for index, (table, length) in enumerate(zip(tables, lengths)):
             keys, values = pool.held(table, length)
             if kv_cache_dtype == "auto":
                 assert torch.equal(keys[-1], k[index]) and torch.equal(values[-1], v[index])  # stored as given
-            torch.testing.assert_close(out[index:index + 1].double(), dense_reference(q[index:index + 1], keys, values),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[index:index + 1].double(),
+                                       dense_reference(q[index:index + 1], keys, values, layer), atol=1e-5, rtol=1e-5)

@@ -6,17 +6,25 @@ computation differs: a sequence with no cached context attends over its own new 
 and one masked SDPA call; a prefill chunk that continues cached context gathers its context and uses
 a causal mask shifted by ``context_len - query_len``. Index tensors and masks are built in ``prepare``
 so the per-layer work is gathers and SDPA calls only.
+
+A layer that is not plain (``LayerAttention``: Gemma 3's and gpt-oss's sliding windows, a softmax scale of
+its own, gpt-oss's learned sinks) takes the same three routes with Hugging Face's rules: a query at position
+p sees keys p - W + 1 .. p under a window W, as a banded mask; a sink is one more logit per head in the
+softmax (a column concatenated to the scores, dropped after the softmax), so a layer with sinks computes its
+softmax itself instead of SDPA's. A window's masks are built on first use in the step and kept (keyed by the
+window) for every later layer with the same window; a windowed decode row gathers only the keys its window
+sees, which for a long context is the point of a window. Plain layers never look at any of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.backend import PLAIN_ATTENTION, AttentionBackend, LayerAttention
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 
@@ -29,6 +37,21 @@ class ContextChunk:
     token_end: int
     context_slots: torch.Tensor  # [context_len] slot of every context token, new ones included
     mask: torch.Tensor  # [query_len, context_len] bool, True where a query may attend
+    # window -> (slots, mask) of the keys its queries can see under that window, built on first use
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def for_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots from the first query's window start on, and the banded causal mask over them."""
+        found = self.windowed.get(window)
+        if found is None:
+            query_len, context_len = self.token_end - self.token_start, int(self.context_slots.shape[0])
+            first = max(0, context_len - query_len - window + 1)  # no query sees a key before this
+            device = self.context_slots.device
+            key_positions = torch.arange(first, context_len, device=device)
+            query_positions = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+            mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - window)
+            found = self.windowed[window] = (self.context_slots[first:], mask)
+        return found
 
 
 @dataclass
@@ -39,6 +62,62 @@ class DecodeGroup:
     rows_slice: slice | None  # the same rows as a slice when they are contiguous (cheaper writes)
     context_slots: torch.Tensor  # [B, max_context] slots, padded with a valid slot of the same sequence
     mask: torch.Tensor | None  # [B, 1, 1, max_context] bool; None when every context has the same length
+    # What a windowed layer needs to gather only its window's keys (kept as the batch gave them: no cost
+    # to a step whose layers are plain).
+    block_tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    # window -> (slots [B, width], mask [B, 1, 1, width] or None) of the last ``window`` keys of each row
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+    def for_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's keys from max(0, context_len - window) on, padded to the longest such run: a decode row
+        after 4,000 tokens under a 512-key window gathers 512 keys."""
+        found = self.windowed.get(window)
+        if found is None:
+            device = self.context_slots.device
+            seen = [min(window, length) for length in self.context_lens]
+            width = max(seen)
+            starts = torch.tensor([length - count for length, count in zip(self.context_lens, seen)],
+                                  dtype=torch.int64, device=device)[:, None]
+            offsets = torch.arange(width, dtype=torch.int64, device=device)[None, :]
+            valid = offsets < torch.tensor(seen, dtype=torch.int64, device=device)[:, None]
+            # Padding repeats the row's first key (a slot the sequence wrote: finite values); it is masked.
+            positions = torch.where(valid, starts + offsets, starts)
+            used = [table[: -(-length // self.block_size)] for table, length in zip(self.block_tables, self.context_lens)]
+            blocks = max(len(table) for table in used)
+            tables = torch.tensor([table + [table[0]] * (blocks - len(table)) for table in used], dtype=torch.int64,
+                                  device=device)
+            slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+            mask = valid[:, None, None, :] if min(seen) != width else None
+            found = self.windowed[window] = (slots, mask)
+        return found
+
+
+class PrefillMasks:
+    """Banded causal masks [Q, Q] of fresh prefills under a window (or plain causal ones, for a layer with
+    sinks), built on first use and kept for the step: every layer with the same window reuses them."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def band(self, queries: int, keys: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
+        """[queries, keys]: query i (at key position offset + i) sees keys offset + i - window + 1 .. offset + i."""
+        key = (queries, keys, offset, window, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            distance = (torch.arange(queries, device=device)[:, None] + offset) - torch.arange(keys, device=device)[None, :]
+            mask = self._masks[key] = (distance >= 0) & (distance < window)
+        return mask
+
+    def get(self, length: int, window: int, device: torch.device) -> torch.Tensor:
+        key = (length, window, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            positions = torch.arange(length, device=device)
+            distance = positions[:, None] - positions[None, :]  # query minus key position
+            mask = self._masks[key] = (distance >= 0) & (distance < window)
+        return mask
 
 
 @dataclass
@@ -49,6 +128,7 @@ class TorchAttentionMetadata:
     decodes: DecodeGroup | None
     covers_whole_batch: bool  # a single fresh prefill spans every token: no output assembly needed
     decodes_cover_whole_batch: bool = False  # every token is one sequence's decode, in row order
+    prefill_masks: PrefillMasks = field(default_factory=PrefillMasks)  # windowed layers' fresh prefill masks
 
 
 def _context_slots(
@@ -87,10 +167,14 @@ def context_chunk(token_start: int, query_len: int, context_len: int, table: lis
     return ContextChunk(token_start, token_start + query_len, slots, mask)
 
 
-def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk) -> torch.Tensor:
+def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk,
+                 layer: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
     """A context chunk's queries (``q``: the step's) over its gathered context -> [query_len, heads, head_dim]."""
-    keys, values = kv_cache.gather(layer_idx, chunk.context_slots, _compute_dtype(q))
-    return _chunk_attention(q[chunk.token_start:chunk.token_end], keys, values, chunk.mask)
+    slots, mask = chunk.context_slots, chunk.mask
+    if layer.sliding_window is not None and layer.sliding_window < int(slots.shape[0]):
+        slots, mask = chunk.for_window(layer.sliding_window)  # only the keys some query's window reaches
+    keys, values = kv_cache.gather(layer_idx, slots, _compute_dtype(q))
+    return _chunk_attention(q[chunk.token_start:chunk.token_end], keys, values, mask, layer)
 
 
 def validate_batch(batch: ForwardBatch, block_size: int) -> None:
@@ -169,6 +253,9 @@ class TorchPagedAttention(AttentionBackend):
                 rows_slice=slice(first, last + 1) if contiguous else None,
                 context_slots=_context_slots(decode_tables, decode_lens, block_size, device),
                 mask=mask,
+                block_tables=decode_tables,
+                context_lens=decode_lens,
+                block_size=block_size,
             )
         covers_whole_batch = (
             len(fresh_prefills) == 1 and not context_chunks and decodes is None
@@ -191,8 +278,11 @@ class TorchPagedAttention(AttentionBackend):
         v: torch.Tensor,
         kv_cache: KVCache,
         metadata: TorchAttentionMetadata,
+        layer: LayerAttention = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
+        if not layer.is_plain:
+            return self._forward_layer(layer_idx, q, k, v, kv_cache, metadata, layer)
         if metadata.covers_whole_batch:
             return causal_self_attention(q, k, v)
         if metadata.decodes_cover_whole_batch:  # a pure decode step: no output buffer to fill
@@ -206,6 +296,28 @@ class TorchPagedAttention(AttentionBackend):
             group = metadata.decodes
             batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
             decode_out = _decode_attention(batch_q, kv_cache, layer_idx, group)
+            if group.rows_slice is not None:
+                out[group.rows_slice] = decode_out
+            else:
+                out.index_copy_(0, group.token_rows, decode_out)
+        return out
+
+    def _forward_layer(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                       metadata: TorchAttentionMetadata, layer: LayerAttention) -> torch.Tensor:
+        """``forward`` for a layer with a window, its own scale or sinks (its K/V already written)."""
+        if metadata.covers_whole_batch:
+            return self_attention(q, k, v, layer, metadata.prefill_masks)
+        if metadata.decodes_cover_whole_batch:
+            return _decode_attention(q, kv_cache, layer_idx, metadata.decodes, layer)
+        out = torch.empty_like(q)
+        for start, end in metadata.fresh_prefills:
+            out[start:end] = self_attention(q[start:end], k[start:end], v[start:end], layer, metadata.prefill_masks)
+        for chunk in metadata.context_chunks:
+            out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk, layer)
+        if metadata.decodes is not None:
+            group = metadata.decodes
+            batch_q = q[group.rows_slice] if group.rows_slice is not None else q.index_select(0, group.token_rows)
+            decode_out = _decode_attention(batch_q, kv_cache, layer_idx, group, layer)
             if group.rows_slice is not None:
                 out[group.rows_slice] = decode_out
             else:
@@ -233,31 +345,107 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return out.squeeze(0).transpose(0, 1).to(q.dtype)
 
 
-def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention,
+                   masks: PrefillMasks) -> torch.Tensor:
+    """``causal_self_attention`` for any layer: a window shorter than the sequence bands the causal mask (from
+    ``masks``, shared by the step's layers), a scale goes to SDPA, sinks take ``_sink_attention``."""
+    length = q.shape[0]
+    window = layer.sliding_window if layer.sliding_window is not None and layer.sliding_window < length else None
+    if window is None and layer.sinks is None:
+        dtype = _compute_dtype(q)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0).to(dtype), k.transpose(0, 1).unsqueeze(0).to(dtype),
+            v.transpose(0, 1).unsqueeze(0).to(dtype), is_causal=True, scale=layer.scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return out.squeeze(0).transpose(0, 1).to(q.dtype)
+    if window is not None:
+        # In slices of ``window`` queries, each over the keys its window reaches (at most twice the window):
+        # O(length x window) work and masks of window x 2 window, not a length x length mask.
+        out = torch.empty_like(q)
+        for start in range(0, length, window):
+            end = min(length, start + window)
+            first = max(0, start - window + 1)
+            mask = masks.band(end - start, end - first, start - first, window, q.device)
+            out[start:end] = _chunk_attention(q[start:end], k[first:end], v[first:end], mask, layer)
+        return out
+    return _chunk_attention(q, k, v, masks.get(length, length, q.device), layer)
+
+
+def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     layer: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
     """Queries [Q, H, D] over gathered context [L, KV, D] with an offset causal mask [Q, L]."""
     dtype = _compute_dtype(q)
+    if layer.sinks is not None:
+        return _prefill_sink_attention(q.to(dtype), keys.to(dtype), values.to(dtype), mask, layer).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(dtype),
         keys.transpose(0, 1).unsqueeze(0).to(dtype),
         values.transpose(0, 1).unsqueeze(0).to(dtype),
         attn_mask=mask,
+        scale=layer.scale,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
     return out.squeeze(0).transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: KVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
+# Scores a layer with sinks materialises at once (its softmax is computed here, not by a fused kernel): a long
+# prefill is taken in slices of queries so that heads x queries x keys stays near this many (256 MB of float32).
+SINK_SCORES_PER_SLICE = 1 << 26
+
+
+def _sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                    layer: LayerAttention) -> torch.Tensor:
+    """Softmax attention with a learned sink per head, as transformers' gpt-oss ``eager_attention_forward``: the
+    sink is a column concatenated to the scaled scores, the softmax taken over both, the column dropped (its
+    weight is what the row gives to no value).
+
+    q [..., KV, G, Q, D] (the G query heads of a KV head adjacent, as the heads are numbered), keys and values
+    [..., KV, 1, L, D]; mask broadcasts to the scores [..., KV, G, Q, L] (True: may attend) or is None."""
+    kv_heads, group = q.shape[-4], q.shape[-3]
+    scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = layer.sinks.to(scores.device).view(kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def _prefill_sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                            layer: LayerAttention) -> torch.Tensor:
+    """Queries [Q, H, D] over keys/values [L, KV, D] under ``mask`` [Q, L], with the layer's sinks."""
+    num_queries, num_heads, head_dim = q.shape
+    context_len, num_kv_heads = keys.shape[0], keys.shape[1]
+    grouped = q.transpose(0, 1).reshape(num_kv_heads, num_heads // num_kv_heads, num_queries, head_dim)
+    keys = keys.transpose(0, 1).unsqueeze(1)  # [KV, 1, L, D]
+    values = values.transpose(0, 1).unsqueeze(1)
+    step = max(1, SINK_SCORES_PER_SLICE // max(1, num_heads * context_len))
+    out = torch.cat([_sink_attention(grouped[:, :, start:start + step], keys, values, mask[start:start + step], layer)
+                     for start in range(0, num_queries, step)], dim=2)  # [KV, G, Q, D]
+    return out.reshape(num_heads, num_queries, head_dim).transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, layer: int, group: DecodeGroup,
+                      attention: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
     """The decode rows' queries q [B, H, D], one per sequence, over padded contexts -> [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.num_kv_heads
+    slots, mask = group.context_slots, group.mask
+    window = attention.sliding_window
+    if window is not None and window < slots.shape[1]:
+        slots, mask = group.for_window(window)  # each row's last ``window`` keys only
     # Heads sharing a KV head are consecutive, so with a single query they can be folded into the
     # query-length axis: [B, KV, heads_per_kv, D] against [B, KV, ctx, D], no K/V repetition.
     grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # index_select over flat slots is several times faster on CPU than advanced indexing [B, ctx].
-    flat_slots = group.context_slots.view(-1)
-    gathered_shape = (num_seqs, group.context_slots.shape[1], num_kv_heads, head_dim)
+    flat_slots = slots.view(-1)
+    gathered_shape = (num_seqs, slots.shape[1], num_kv_heads, head_dim)
     keys, values = kv_cache.gather(layer, flat_slots, q.dtype)
     keys = keys.view(gathered_shape).transpose(1, 2)  # [B, KV, ctx, D]
     values = values.view(gathered_shape).transpose(1, 2)
-    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask)
+    if attention.sinks is not None:
+        out = _sink_attention(grouped_q.unsqueeze(-2), keys.unsqueeze(2), values.unsqueeze(2),
+                              None if mask is None else mask.unsqueeze(1), attention)
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=attention.scale)
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -12,26 +12,35 @@ codes times their scale) as it is read, and runs an online softmax split over th
 - not a sequence with no cached context: it attends over its own new K/V with SDPA's causal kernel,
   as in the reference (no pool read at all, and a GEMM-shaped call this loop does not beat).
 
+Layers that are not plain (``LayerAttention``) run here too. A sliding window W (``window``; 0: none) gives a
+row at position p the keys max(0, p - W + 1) .. p: each tile's items start at its first query's window start,
+so the blocks before it are never read (a decode row after 4,000 tokens under a 512-key window reads 512
+keys), and rows whose windows start later (a chunk's later queries) mask their first keys. The softmax scale
+comes from the layer. Learned sinks (gpt-oss: ``sinks`` [heads] float32) join the softmax once per row, after
+the partitions are merged, as one more term of its denominator. The native decode step (native_step.py)
+still serves plain layers only.
+
 ``NativePagedAttention`` is the ``AttentionBackend`` that runs it; it is what a CPU engine runs when the
 kernel builds (``paged_attention_backend``), and ``TorchPagedAttention`` stays the reference (and the
 CUDA path). Built and cached like the other kernels (models/rowdot.py: ``-march=native``, named by a
 digest of source, flags, torch and CPU). The kernel equals the reference within float summation error
 (tests/test_paged_attention.py: block sizes, ragged and mid-block contexts, copied partial blocks,
-preemption, GQA ratios, head_dim 64 and 128, every KV dtype).
+preemption, GQA ratios, head_dim 64 and 128, every KV dtype, windows and sinks).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.backend import PLAIN_ATTENTION, AttentionBackend, LayerAttention
 from kvreuse.attention.forward_batch import ForwardBatch
-from kvreuse.attention.torch_paged import ContextChunk, attend_chunk, causal_self_attention, context_chunk, validate_batch
+from kvreuse.attention.torch_paged import (ContextChunk, PrefillMasks, attend_chunk, causal_self_attention,
+                                           context_chunk, self_attention, validate_batch)
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.rowdot import build_name, load_extension
 
@@ -53,7 +62,7 @@ def library() -> Path | None:
     if built is not None:
         @torch.library.register_fake("kvreuse_attn::paged_attention")
         def _(out, q, k_pool, v_pool, k_scales, v_scales, block_tables, query_start, query_lens, context_lens,
-              block_size, scheme, scale, partition_size, k_new, v_new, slot_mapping) -> None:
+              block_size, scheme, scale, window, sinks, partition_size, k_new, v_new, slot_mapping) -> None:
             return None
     return built
 
@@ -92,6 +101,7 @@ class NativeAttentionMetadata:
     context_chunks: list[ContextChunk]  # longer chunks over cached context: gathered, then SDPA
     covers_whole_batch: bool  # a single fresh prefill spans every token
     paged_covers_whole_batch: bool  # every token is the kernel's
+    prefill_masks: PrefillMasks = field(default_factory=PrefillMasks)  # windowed layers' fresh prefill masks
 
 
 def paged_rows(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], starts: list[int],
@@ -106,20 +116,22 @@ def paged_rows(query_lens: list[int], context_lens: list[int], block_tables: lis
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer: int, rows: PagedRows,
-                    partition_size: int = 0, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    partition_size: int = 0, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    attention: LayerAttention = PLAIN_ATTENTION) -> None:
     """Fill ``out`` [T, heads, head_dim] (contiguous) at the rows of ``rows``' sequences with their queries'
     attention over their paged context in ``kv_cache``'s ``layer``. ``q`` may be a view whose tokens are
     rows of the fused q|k|v product. The step's K/V must be in the pool first: written before the call, or
     handed in as ``new_kv`` = (k, v, slot_mapping) for the kernel to store first (a pool in the model's
     dtype only). ``partition_size`` 0: the kernel splits long contexts to keep every thread busy; a positive
-    value forces a split length (tests)."""
+    value forces a split length (tests). ``attention``: the layer's window, scale and sinks."""
     k_pool, v_pool, k_scales, v_scales = kv_cache.layer_pools(layer)
     scheme = SCHEME_INDEX[kv_cache.scheme.name if kv_cache.scheme is not None else None]
     k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
+    scale = attention.scale if attention.scale is not None else 1.0 / math.sqrt(q.shape[-1])
     torch.ops.kvreuse_attn.paged_attention(
         out, q, k_pool, v_pool, k_scales, v_scales, rows.block_tables, rows.query_start, rows.query_lens,
-        rows.context_lens, kv_cache.block_size, scheme, 1.0 / math.sqrt(q.shape[-1]), partition_size,
-        k_new, v_new, slots)
+        rows.context_lens, kv_cache.block_size, scheme, scale, attention.sliding_window or 0, attention.sinks,
+        partition_size, k_new, v_new, slots)
 
 
 class NativePagedAttention(AttentionBackend):
@@ -164,26 +176,28 @@ class NativePagedAttention(AttentionBackend):
         )
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: NativeAttentionMetadata) -> torch.Tensor:
+                metadata: NativeAttentionMetadata, layer: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
         if (metadata.paged_covers_whole_batch and kv_cache.scheme is None and k.dtype == kv_cache.storage_dtype
                 and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
             # A step of decode rows and short chunks (the common one): the kernel stores the new K/V and
             # attends in one call, reading q where the q|k|v product left it.
             out = q.new_empty(q.shape)
             paged_attention(out, q, kv_cache, layer_idx, metadata.paged,
-                            new_kv=(k, v, metadata.slot_mapping))
+                            new_kv=(k, v, metadata.slot_mapping), attention=layer)
             return out
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
+        plain = layer.is_plain
         if metadata.covers_whole_batch:
-            return causal_self_attention(q, k, v)
+            return causal_self_attention(q, k, v) if plain else self_attention(q, k, v, layer, metadata.prefill_masks)
         out = q.new_empty(q.shape)
         for start, end in metadata.fresh_prefills:
-            out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end])
+            out[start:end] = (causal_self_attention(q[start:end], k[start:end], v[start:end]) if plain else
+                              self_attention(q[start:end], k[start:end], v[start:end], layer, metadata.prefill_masks))
         for chunk in metadata.context_chunks:
-            out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk)
+            out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk, layer)
         if metadata.paged is not None:
             paged_attention(out, q if q.stride(1) == q.shape[2] else q.contiguous(), kv_cache, layer_idx,
-                            metadata.paged)
+                            metadata.paged, attention=layer)
         return out
 
 

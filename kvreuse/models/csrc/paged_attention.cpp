@@ -12,6 +12,14 @@
 // transposed (so the scores of a query row are a vector over the tile's keys), their V rows converted
 // beside them, the scores go through an online softmax (running max and sum, rescaled accumulator).
 //
+// A layer may differ from plain causal attention (kvreuse/attention/backend.py's LayerAttention): its own
+// softmax scale; a sliding window W (`window`, 0: none), under which a row at position p sees keys
+// max(0, p - W + 1) .. p, so a tile's items start at its first query's window start (the blocks before it
+// are never read: a decode row after 4,000 tokens under a 512-key window reads 512 keys) and a row whose
+// window starts later (a chunk's later query) masks its first keys within the tile; and learned sinks
+// (`sinks`, float32 [heads], gpt-oss), one logit per head that only adds to the softmax's denominator, folded
+// in once per row when it is written, after the partitions are merged.
+//
 // K/V may be stored as float32, bfloat16, float16, or as one-byte codes (int8, fp8 e4m3 / e5m2) with a
 // bfloat16 scale per token and KV head (kvreuse/cache/kv_quant.py): a code is turned into a float and
 // multiplied by its scale as it is read; nothing is written back. kvreuse/models/paged_attention.py holds
@@ -97,7 +105,9 @@ constexpr int ROW_BLOCK = 2;
 
 // One row block's view of the tile: R query rows that share a KV head (their q pre-scaled, their running
 // max m, sum l and accumulator acc), over the tile's keys K / V (rows key_stride apart; n keys, of which
-// row i may see visible[i], a prefix). K rows from n up to KEY_TILE are zero.
+// row i may see keys [hidden[i], visible[i]): the causal limit ends the run, a sliding window's first key
+// starts it). K rows from n up to KEY_TILE are zero. visible 0 means the row sees nothing here (hidden is
+// then 0 too), so the kernels test one number for the empty case.
 struct RowBlock {
   const float* q[MAX_TILE_ROWS];
   const uint32_t* q_pairs[MAX_TILE_ROWS];  // the bf16 path's unscaled bf16 q, two values a word
@@ -105,6 +115,7 @@ struct RowBlock {
   float* m[MAX_TILE_ROWS];
   float* l[MAX_TILE_ROWS];
   int64_t visible[MAX_TILE_ROWS];
+  int64_t hidden[MAX_TILE_ROWS];  // keys before a row's window start; 0 for a plain layer
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,8 +147,9 @@ void attend_rows(const RowBlock& b, int64_t first, const float* keys, const floa
       quarter[r][j0 / 4] = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
     }
   }
-  // Online softmax of each row over its visible keys, as two vectors of 8 scores: the later keys masked to
-  // -inf (their weight is exactly 0), the running max and sum updated, the accumulator's correction kept.
+  // Online softmax of each row over its visible keys, as two vectors of 8 scores: the later keys (and the
+  // ones before a window's start) masked to -inf (their weight is exactly 0), the running max and sum
+  // updated, the accumulator's correction kept.
   alignas(32) float p[R][KEY_TILE];
   float correction[R];
   const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane8 = _mm256_add_ps(lane0, _mm256_set1_ps(8.0f));
@@ -151,10 +163,14 @@ void attend_rows(const RowBlock& b, int64_t first, const float* keys, const floa
       continue;
     }
     const __m256 limit = _mm256_set1_ps(static_cast<float>(visible));
-    __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][1], quarter[r][0]),
-                                 _mm256_cmp_ps(lane0, limit, _CMP_LT_OQ));
-    __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][3], quarter[r][2]),
-                                 _mm256_cmp_ps(lane8, limit, _CMP_LT_OQ));
+    __m256 seen0 = _mm256_cmp_ps(lane0, limit, _CMP_LT_OQ), seen1 = _mm256_cmp_ps(lane8, limit, _CMP_LT_OQ);
+    if (b.hidden[first + r] > 0) {  // a window starts inside this tile (never for a plain layer)
+      const __m256 start = _mm256_set1_ps(static_cast<float>(b.hidden[first + r]));
+      seen0 = _mm256_and_ps(seen0, _mm256_cmp_ps(lane0, start, _CMP_GE_OQ));
+      seen1 = _mm256_and_ps(seen1, _mm256_cmp_ps(lane8, start, _CMP_GE_OQ));
+    }
+    __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][1], quarter[r][0]), seen0);
+    __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_set_m128(quarter[r][3], quarter[r][2]), seen1);
     float& m = *b.m[first + r];
     const float new_max = std::max(m, hmax8(_mm256_max_ps(s0, s1)));
     correction[r] = m == NEG_INF ? 0.0f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m - new_max)));
@@ -205,11 +221,11 @@ void attend_rows(const RowBlock& b, int64_t first, const float* keys, const floa
 // The same for one row, in plain C++: machines without AVX2 and FMA.
 void attend_row_scalar(const RowBlock& b, int64_t r, const float* keys, const float* values, int64_t key_stride,
                        int64_t dim) {
-  const int64_t visible = b.visible[r];
+  const int64_t visible = b.visible[r], hidden = b.hidden[r];
   if (visible == 0) return;
   float scores[KEY_TILE];
   float tile_max = NEG_INF;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = hidden; j < visible; ++j) {
     float sum = 0.0f;
     for (int64_t d = 0; d < dim; ++d) sum += b.q[r][d] * keys[j * key_stride + d];
     scores[j] = sum;
@@ -219,11 +235,11 @@ void attend_row_scalar(const RowBlock& b, int64_t r, const float* keys, const fl
   const float correction = *b.m[r] == NEG_INF ? 0.0f : std::exp(*b.m[r] - new_max);
   *b.m[r] = new_max;
   float tile_sum = 0.0f;
-  for (int64_t j = 0; j < visible; ++j) tile_sum += scores[j] = std::exp(scores[j] - new_max);
+  for (int64_t j = hidden; j < visible; ++j) tile_sum += scores[j] = std::exp(scores[j] - new_max);
   *b.l[r] = *b.l[r] * correction + tile_sum;
   for (int64_t d = 0; d < dim; ++d) {
     float value = b.acc[r][d] * correction;
-    for (int64_t j = 0; j < visible; ++j) value += scores[j] * values[j * key_stride + d];
+    for (int64_t j = hidden; j < visible; ++j) value += scores[j] * values[j * key_stride + d];
     b.acc[r][d] = value;
   }
 }
@@ -350,8 +366,8 @@ void attend_rows_bf16(const RowBlock& b, int64_t first, const uint32_t* kp, cons
   alignas(64) float shift[16] = {}, correction[16] = {};
   for (int r = 0; r < R; ++r) {
     const int64_t visible = b.visible[first + r];
-    const __mmask16 seen = visible >= KEY_TILE ? static_cast<__mmask16>(0xFFFF)
-                                               : static_cast<__mmask16>((1u << visible) - 1);
+    // Lanes [hidden, visible): the causal limit ends them, a window's first key starts them.
+    const __mmask16 seen = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << b.hidden[first + r]) - 1));
     even[r] = _mm512_mask_blend_ps(seen, neg_inf, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), scale_v));
     const float m = *b.m[first + r];
     if (visible == 0) {  // every key here is after this row's query: weights 0, correction 1
@@ -493,6 +509,18 @@ struct Tile {
   int64_t first_partial, num_parts;  // its partial results, merged when num_parts > 1
 };
 
+// The keys a tile's rows attend over: up to its last query's position, and with a window from its first
+// query's window start on, so no item reads (or even steps through) the blocks before it: a decode row
+// after 4,000 tokens under a 512-key window reads 512 keys.
+inline int64_t tile_key_begin(const Tile& tile, const int64_t* clens, const int64_t* qlens, int64_t window) {
+  if (window <= 0) return 0;
+  return std::max<int64_t>(0, clens[tile.seq] - qlens[tile.seq] + tile.query_begin - window + 1);
+}
+
+inline int64_t tile_key_end(const Tile& tile, const int64_t* clens, const int64_t* qlens) {
+  return clens[tile.seq] - qlens[tile.seq] + tile.query_end;
+}
+
 struct Item {
   int64_t tile;
   int64_t key_begin, key_end;  // context positions this item attends over
@@ -513,6 +541,8 @@ struct Problem {
   const int64_t* tables;  // [seqs, table_width]
   int64_t table_width, block_size, heads, kv_heads, group, dim, q_stride;
   float scale;
+  int64_t window;       // a row at position p sees keys from p - window + 1 on; 0: no window
+  const float* sinks;   // [heads]: a logit per head in the softmax's denominator only, or null
   RowReader keys, values;
   bool bf16_dot;  // bf16 pool and q, AVX512_BF16 built in, head_dim a multiple of 32: attend_rows_bf16
 };
@@ -588,6 +618,8 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   }
   // The first query of the tile sees the fewest keys: limit first_position + query + 1 for each row.
   const int64_t first_row_limit = first_position + tile.query_begin + 1;
+  // With a window the last query's keys start latest: a tile before this start masks some rows' first keys.
+  const int64_t last_row_window_start = first_position + tile.query_end - p.window;
   {  // the first tiles' rows, which the loop's prefetch (PREFETCH_TILES ahead) never asks for
     const int64_t end = std::min(item.key_end, item.key_begin + PREFETCH_TILES * KEY_TILE);
     int64_t block = item.key_begin / p.block_size, offset = item.key_begin - block * p.block_size;
@@ -655,17 +687,26 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
       std::fill(kt + n * key_stride, kt + KEY_TILE * key_stride, 0.0f);
     }
     const bool needs_mask = key0 + n > first_row_limit;  // some key here is after some row's query
+    // Some key here is before some row's window start (the item began at the first row's start, so with
+    // one query a tile only ever straddles its start, and rows of a chunk start at different keys).
+    const bool needs_window = p.window > 0 && key0 < last_row_window_start;
     for (int64_t kv = 0; kv < kv_count; ++kv) {
       // The rows that read this KV head: its group of heads of each query of the tile.
       RowBlock& block_rows = rows_of[kv];
       const int64_t count = (tile.query_end - tile.query_begin) * group;
       for (int64_t i = 0; i < count; ++i) {
-        int64_t visible = n;  // keys of this tile the row may attend to: a prefix of it
-        if (needs_mask) {
-          const int64_t limit = first_position + tile.query_begin + i / group + 1;  // keys < limit
-          visible = std::max<int64_t>(0, std::min(n, limit - key0));
+        int64_t visible = n, hidden = 0;  // keys [hidden, visible) of this tile the row may attend to
+        // Only a tile that masks pays the division (per row and tile: measurable on a long decode row).
+        if (needs_mask || needs_window) {
+          const int64_t position = first_position + tile.query_begin + i / group;
+          if (needs_mask) visible = std::max<int64_t>(0, std::min(n, position + 1 - key0));  // keys <= position
+          if (needs_window) {
+            hidden = std::max<int64_t>(0, std::min(n, position - p.window + 1 - key0));
+            if (hidden >= visible) visible = hidden = 0;  // the row's window and this tile do not meet
+          }
         }
         block_rows.visible[i] = visible;
+        block_rows.hidden[i] = hidden;
       }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
       if (p.bf16_dot) {
@@ -679,20 +720,29 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   }
 }
 
+// Row r of a tile, its accumulator acc and sum taken relative to its max m, normalised into out. A head's
+// sink joins the softmax here, once, after any merge: it only adds exp(sink) to the denominator, so with
+// m' = max(m, sink) the sum becomes sum * exp(m - m') + exp(sink - m') and the accumulator is scaled by
+// exp(m - m') (taken relative to m' so that neither a large sink nor a large score overflows).
 template <typename Out>
-void write_output(const Problem& p, const Tile& tile, int64_t r, const float* acc, float sum) {
+void write_output(const Problem& p, const Tile& tile, int64_t r, const float* acc, float m, float sum) {
   const int64_t rows_per_query = (tile.kv_end - tile.kv_begin) * p.group;
   const int64_t token = p.query_start[tile.seq] + tile.query_begin + r / rows_per_query;
   const int64_t head = tile.kv_begin * p.group + r % rows_per_query;
   Out* target = p.out->data_ptr<Out>() + (token * p.heads + head) * p.dim;
-  store_row(acc, sum > 0.0f ? 1.0f / sum : 0.0f, p.dim, target);
+  float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+  if (p.sinks != nullptr && m != NEG_INF) {
+    const float sink = p.sinks[head], top = std::max(m, sink), factor = std::exp(m - top);
+    inv_sum = factor / (sum * factor + std::exp(sink - top));
+  }
+  store_row(acc, inv_sum, p.dim, target);
 }
 
-void write_row(const Problem& p, const Tile& tile, int64_t r, const float* acc, float sum) {
+void write_row(const Problem& p, const Tile& tile, int64_t r, const float* acc, float m, float sum) {
   switch (p.out->scalar_type()) {
-    case at::kFloat: write_output<float>(p, tile, r, acc, sum); break;
-    case at::kBFloat16: write_output<c10::BFloat16>(p, tile, r, acc, sum); break;
-    default: write_output<c10::Half>(p, tile, r, acc, sum);
+    case at::kFloat: write_output<float>(p, tile, r, acc, m, sum); break;
+    case at::kBFloat16: write_output<c10::BFloat16>(p, tile, r, acc, m, sum); break;
+    default: write_output<c10::Half>(p, tile, r, acc, m, sum);
   }
 }
 
@@ -728,7 +778,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
                      const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                      const at::Tensor& context_lens, int64_t block_size, int64_t scheme, double scale,
-                     int64_t partition_size, const c10::optional<at::Tensor>& k_new,
+                     int64_t window, const c10::optional<at::Tensor>& sinks, int64_t partition_size,
+                     const c10::optional<at::Tensor>& k_new,
                      const c10::optional<at::Tensor>& v_new, const c10::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: [tokens, heads, head_dim] with each token's heads contiguous");
@@ -747,6 +798,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
   const int64_t group = heads / kv_heads;
   TORCH_CHECK(group <= MAX_TILE_ROWS, "at most ", MAX_TILE_ROWS, " query heads per KV head");
   TORCH_CHECK(block_size >= 1, "block_size must be at least 1");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a positive number of keys, got ", window);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == heads &&
+                sinks->is_contiguous() && sinks->device().is_cpu(),
+                "sinks: a contiguous float32 CPU tensor [heads] (", heads, " heads), got ", sinks->scalar_type(), " ",
+                sinks->sizes());
+  }
   const Storage storage = storage_of(k_pool, scheme);
   const bool coded = scheme >= 0;
   if (coded) {
@@ -796,7 +854,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
   }
 
   Problem problem{&q, &out, starts, qlens, clens, tables, width, block_size, heads, kv_heads, group, dim,
-                  q.stride(0), static_cast<float>(scale),
+                  q.stride(0), static_cast<float>(scale), window,
+                  sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
                   RowReader{storage, static_cast<const uint8_t*>(k_pool.data_ptr()),
                             coded ? (*k_scales).data_ptr<c10::BFloat16>() : nullptr, kv_heads, dim,
                             k_pool.element_size(), {}},
@@ -819,7 +878,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
       for (int64_t q0 = 0; q0 < qlens[s]; q0 += queries_per_tile) {
         const int64_t q1 = std::min(qlens[s], q0 + queries_per_tile);
         tiles.push_back(Tile{s, kv0, std::min(kv_heads, kv0 + kv_per_tile), q0, q1, 0, 1});
-        total_keys += clens[s] - qlens[s] + q1;
+        total_keys += tile_key_end(tiles.back(), clens, qlens) - tile_key_begin(tiles.back(), clens, qlens, window);
       }
     }
   }
@@ -835,12 +894,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
   int64_t partials = 0;
   for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
     Tile& tile = tiles[t];
-    const int64_t key_end = clens[tile.seq] - qlens[tile.seq] + tile.query_end;
-    const int64_t parts = std::max<int64_t>(1, (key_end + part - 1) / part);
+    const int64_t key_begin = tile_key_begin(tile, clens, qlens, window);
+    const int64_t key_end = tile_key_end(tile, clens, qlens);
+    const int64_t parts = std::max<int64_t>(1, (key_end - key_begin + part - 1) / part);
     tile.num_parts = parts;
     tile.first_partial = partials;
     for (int64_t k = 0; k < parts; ++k) {
-      items.push_back(Item{t, k * part, std::min(key_end, (k + 1) * part), parts > 1 ? partials + k : -1});
+      items.push_back(Item{t, key_begin + k * part, std::min(key_end, key_begin + (k + 1) * part),
+                           parts > 1 ? partials + k : -1});
     }
     if (parts > 1) partials += parts;
   }
@@ -862,7 +923,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
       attend(problem, tile, item, scratch, m, l, acc);
       if (item.partial < 0) {
         const int64_t rows = (tile.query_end - tile.query_begin) * (tile.kv_end - tile.kv_begin) * group;
-        for (int64_t r = 0; r < rows; ++r) write_row(problem, tile, r, acc + r * dim, l[r]);
+        for (int64_t r = 0; r < rows; ++r) write_row(problem, tile, r, acc + r * dim, m[r], l[r]);
       }
     }
   });
@@ -888,7 +949,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
           const float* acc = base + 2 * MAX_TILE_ROWS + r * dim;
           for (int64_t d = 0; d < dim; ++d) merged[d] += acc[d] * factor;
         }
-        write_row(problem, tile, r, merged.data(), sum);
+        write_row(problem, tile, r, merged.data(), global_max, sum);
       }
     }
   });
@@ -899,8 +960,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
 TORCH_LIBRARY(kvreuse_attn, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor? k_scales, "
         "Tensor? v_scales, Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, "
-        "int block_size, int scheme, float scale, int partition_size, Tensor? k_new, Tensor? v_new, "
-        "Tensor? slot_mapping) -> ()");
+        "int block_size, int scheme, float scale, int window, Tensor? sinks, int partition_size, Tensor? k_new, "
+        "Tensor? v_new, Tensor? slot_mapping) -> ()");
   // Whether this build holds the AVX512_BF16 kernel (bf16 pools and queries, head_dim a multiple of 32).
   m.def("has_bf16_dot() -> bool", []() { return HAS_BF16_DOT; });
 }
