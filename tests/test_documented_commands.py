@@ -195,6 +195,13 @@ COMMANDS: dict[str, str] = {
     "--vllm-python vllm-cpu/bin/python --systems llama-server,kvreuse,vllm --vllm-bench-serve --repeats 1 --rounds 2 "
     "--out peers.json": SCRIPT,
     "kvreuse make-model models/qwen2.5-0.5b --preset qwen2.5-0.5b --dtype bfloat16": MAKE_MODEL,
+    # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
+    "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
+    "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/qwen3-moe-1b.q8_0.gguf --gguf "
+    "models/qwen3-moe-1b.q4_k_m.gguf --systems llama-server,kvreuse --repeats 1 --rounds 1 --out moe.json": SCRIPT,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/gemma3-1b.q8_0.gguf --systems "
+    "llama-server,kvreuse --repeats 1 --rounds 1 --chat-turns 8 --out gemma3.json": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
     # docs/observatory.md

@@ -17,7 +17,9 @@ kernels. Anything else runs op by op for that step: prefills, quantized KV pools
 on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).
 Its attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks): a model any of whose
 layers has a sliding window, its own softmax scale or learned sinks (``self_attn.layer_attention``, a
-``LayerAttention``) runs op by op throughout, where the attention backend serves each layer as it is.
+``LayerAttention``) runs op by op throughout, where the attention backend serves each layer as it is; so does
+one with Gemma's norms. A mixture-of-experts layer's MLP is its experts, held as models/moe.py's native layer
+holds them (``DecodeLayers.set_experts``, csrc/moe.h), for the row counts their GEMV kernels are planned for.
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
 
