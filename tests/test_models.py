@@ -231,6 +231,40 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path):
         load_model(tmp_path, torch.float32, "cpu", load_format="dummy")
 
 
+def test_newer_architectures_not_built_are_refused_saying_what_is_missing():
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 256}
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM.*sinks.*not built yet.*Qwen3MoeForCausalLM"):
+        ModelConfig.from_dict({**base, "architectures": ["GptOssForCausalLM"]})
+    with pytest.raises(ValueError, match=r"multimodal Gemma 3"):
+        ModelConfig.from_dict({**base, "architectures": ["Gemma3ForConditionalGeneration"]})
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 4}
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelConfig.from_dict({**gemma, "final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="layer_types has 3 entries, the model 2 layers"):
+        ModelConfig.from_dict({**gemma, "layer_types": ["sliding_attention"] * 3})
+    with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and num_experts"):
+        ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                               "num_experts_per_tok": 5, "moe_intermediate_size": 32})
+
+
+def test_gemma3_layer_pattern_and_rope_bases_from_either_spelling():
+    base = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 12, "intermediate_size": 128, "vocab_size": 256, "sliding_window": 512,
+            "head_dim": 32, "query_pre_attn_scalar": 32}
+    old = ModelConfig.from_dict({**base, "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                 "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    new = ModelConfig.from_dict({**base, "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                         for i in range(12)],
+                                 "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                        "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for config in (old, new):
+        assert [config.layer_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2
+        assert (config.rope_theta, config.rope_local_theta, config.rope_scaling.factor) == (1e6, 1e4, 8.0)
+        assert config.attention_scale == 32 ** -0.5 and config.embedding_scale == 8.0 and config.tie_word_embeddings
+
+
 def test_no_weight_files_is_a_clear_error(checkpoints, tmp_path):
     _copy_config(checkpoints["mistral"][0], tmp_path)
     with pytest.raises(ValueError, match="no \\*.safetensors"):
