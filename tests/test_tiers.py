@@ -172,6 +172,26 @@ def test_evicted_prefix_hits_from_tier(tiny_model: Path, tmp_path: Path, cold, t
     assert outputs[1].num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("arch, block_kib", [("gemma3", 12), ("qwen3_moe", 4)])
+def test_windowed_and_moe_models_hit_from_the_host_tier(tiny_models, arch, block_kib):
+    """Gemma 3's windowed layers and Qwen3-MoE's experts change nothing the tiers see: an evicted prefix comes
+    back from the host tier and the greedy tokens are those of an engine that never evicted (the prompts run
+    past tiny-gemma3's 16-token window)."""
+    model = tiny_models[arch]
+    reference = make_llm(model, kv_cache_memory="8MiB")
+    expected = {tuple(prompt): tokens_of(run_checked(reference.engine, [prompt]))[0] for prompt in PROMPTS[:4]}
+    llm = make_llm(model, kv_cache_memory=f"{32 * block_kib}KiB", kv_host_memory="4MiB")
+    engine = llm.engine
+    assert engine.kv_cache.block_bytes == block_kib * 1024
+    for prompt in PROMPTS[:4]:
+        assert tokens_of(run_checked(engine, [prompt])) == [expected[tuple(prompt)]]
+    assert engine.stats().cache.evicted_blocks >= (PROMPT_LEN + MAX_NEW - 1) // BLOCK
+    engine.flush_tiers()
+    again = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(again) == [expected[tuple(PROMPTS[0])]]
+    assert again[0].cached_tokens_by_tier["host"] == TIER_TOKENS
+
+
 # --- 2. across processes, and only for the same fingerprint ---------------------------------------
 PROCESS_SCRIPT = textwrap.dedent("""
     import json, sys
