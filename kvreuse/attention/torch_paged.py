@@ -110,15 +110,6 @@ class PrefillMasks:
             mask = self._masks[key] = (distance >= 0) & (distance < window)
         return mask
 
-    def get(self, length: int, window: int, device: torch.device) -> torch.Tensor:
-        key = (length, window, device)
-        mask = self._masks.get(key)
-        if mask is None:
-            positions = torch.arange(length, device=device)
-            distance = positions[:, None] - positions[None, :]  # query minus key position
-            mask = self._masks[key] = (distance >= 0) & (distance < window)
-        return mask
-
 
 @dataclass
 class TorchAttentionMetadata:
@@ -368,7 +359,7 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Lay
             mask = masks.band(end - start, end - first, start - first, window, q.device)
             out[start:end] = _chunk_attention(q[start:end], k[first:end], v[first:end], mask, layer)
         return out
-    return _chunk_attention(q, k, v, masks.get(length, length, q.device), layer)
+    return _chunk_attention(q, k, v, masks.band(length, length, 0, length, q.device), layer)
 
 
 def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

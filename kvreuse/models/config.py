@@ -345,7 +345,7 @@ def _rope(hf_config: dict[str, Any], is_gemma: bool = False
           ) -> tuple[float, Llama3RopeScaling | LinearRopeScaling | None, float | None]:
     """(rope_theta, scaling, the sliding layers' theta or None) from the old keys (rope_theta / rope_scaling,
     Gemma 3's rope_local_base_freq) or the new ones (rope_parameters, per layer type for Gemma 3)."""
-    parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    parameters = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     if not isinstance(parameters, dict):
         raise ValueError(f"rope_scaling must be an object or null, got {parameters!r}")
     if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:  # per layer type (transformers 5)
@@ -356,8 +356,6 @@ def _rope(hf_config: dict[str, Any], is_gemma: bool = False
         if local_scaling is not None:
             raise ValueError("rope scaling on the sliding layers is not supported (Gemma 3 scales its global layers only)")
         return theta, scaling, (local_theta if local_theta != theta else None)
-    if hf_config.get("rope_parameters") and hf_config.get("rope_scaling"):
-        parameters = hf_config["rope_scaling"]  # an old file's scaling beside a new file's parameters
     theta, scaling = _rope_of(parameters, hf_config, float(hf_config.get("rope_theta") or 10000.0))
     local_theta = hf_config.get("rope_local_base_freq") if is_gemma else None
     return theta, scaling, (float(local_theta) if local_theta is not None and float(local_theta) != theta else None)
