@@ -3,19 +3,21 @@
 This module owns the translation from the many spellings found in real checkpoints (``rope_theta``
 + ``rope_scaling`` in older files, ``rope_parameters`` in transformers 5 (per layer type for Gemma 3),
 ``torch_dtype`` vs ``dtype``, Qwen2's ``use_sliding_window`` switch, ``num_experts`` vs
-``num_local_experts``) into one frozen, validated dataclass, so the model code, the KV cache sizing and
+``num_local_experts``, gpt-oss's defaults that its config.json may leave out) into one frozen, validated dataclass, so the model code, the KV cache sizing and
 the engine all read the same numbers and an unsupported checkpoint fails at start-up with a message
 naming what is wrong instead of producing wrong text later.
 
 The architectures differ in switches this dataclass carries, not in code paths the engine chooses:
 mixture-of-experts layers (``moe``), layers that attend over a window (``layer_types``) with their own
 rope base (``rope_local_theta``), Gemma's (1 + weight) norms around both blocks (``norm_style``), its
-embedding and query scales, and the MLP's activation.
+embedding and query scales, the MLP's activation, gpt-oss's learned sinks, output-projection bias and experts
+(biased, clamped SwiGLU, routed by a softmax over the top k logits), and YaRN rope for any architecture.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,14 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 PLANNED_ARCHITECTURES: dict[str, str] = {
-    "GptOssForCausalLM": "gpt-oss (attention sinks, clamped SwiGLU experts, YaRN rope, MXFP4) is not built yet",
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
                                       "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
 }
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
@@ -59,6 +61,33 @@ class LinearRopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (``rope_type: yarn``), as transformers' ``_compute_yarn_parameters`` reads it: frequencies whose
+    wavelength fits ``original_max_position_embeddings`` fewer than ``beta_slow`` times are divided by
+    ``factor``, those that fit it more than ``beta_fast`` times kept, a linear ramp between (over dimension
+    indices, floored / ceiled where ``truncate``); cos and sin are then multiplied by ``attention_factor``."""
+
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+    truncate: bool
+    attention_factor: float  # resolved: the config's, else from mscale / mscale_all_dim, else 0.1 ln(factor) + 1
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"yarn rope_scaling factor must be positive, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(f"yarn rope_scaling original_max_position_embeddings must be positive, got "
+                             f"{self.original_max_position_embeddings}")
+        if self.attention_factor <= 0:
+            raise ValueError(f"yarn rope_scaling attention_factor must be positive, got {self.attention_factor}")
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """A sparse MLP: each token's router picks ``num_experts_per_tok`` of ``num_experts`` gated MLPs of
     ``moe_intermediate_size`` and sums their outputs weighted by the router's probabilities."""
@@ -68,6 +97,14 @@ class MoEConfig:
     moe_intermediate_size: int
     norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1 (Qwen3-MoE's switch)
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    # gpt-oss's switches (Qwen3-MoE has none of them): the router's bias; the softmax taken over the top k
+    # logits only (Qwen3-MoE: over all experts, then the top k); biases on every expert projection; and the
+    # experts' clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: the MLP's own activation (hidden_act)
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -75,6 +112,10 @@ class MoEConfig:
                              f"got {self.num_experts_per_tok}")
         if self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit}")
+        if not self.swiglu_alpha > 0:
+            raise ValueError(f"swiglu_alpha must be positive, got {self.swiglu_alpha}")
 
 
 @dataclass(frozen=True)
@@ -89,7 +130,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None
+    rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (always for Qwen2)
@@ -107,6 +148,8 @@ class ModelConfig:
     attention_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     embedding_scale: float | None = None  # the embeddings multiplied by this (Gemma: sqrt(hidden_size))
     moe: MoEConfig | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each layer's softmax denominator
+    o_proj_bias: bool = False  # a bias on the attention's output projection (gpt-oss; Llama's attention_bias)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -239,12 +282,17 @@ class ModelConfig:
             vocab_size = int(hf_config["vocab_size"])
         except KeyError as exc:
             raise ValueError(f"config.json lacks the required field {exc.args[0]!r}") from exc
+        is_gpt_oss = architecture == "GptOssForCausalLM"
+        if is_gpt_oss:
+            hf_config = _gpt_oss_defaults(hf_config)
         head_dim = hf_config.get("head_dim") or hidden_size // num_attention_heads
         is_gemma = architecture == "Gemma3ForCausalLM"
         rope_theta, rope_scaling, rope_local_theta = _rope(hf_config, is_gemma)
         is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         # Qwen2 checkpoints always carry q/k/v biases; the config does not say so.
         attention_bias = architecture == "Qwen2ForCausalLM" or bool(hf_config.get("attention_bias", False))
+        # Llama and gpt-oss put attention_bias on the output projection too; Qwen2 and Mistral never do.
+        o_proj_bias = attention_bias and architecture in ("LlamaForCausalLM", "GptOssForCausalLM")
         sliding_window = hf_config.get("sliding_window")
         # Qwen configs name a window but only use it when use_sliding_window is set.
         if is_qwen and not hf_config.get("use_sliding_window", False):
@@ -291,7 +339,10 @@ class ModelConfig:
             attention_scale=(float(query_pre_attn_scalar) ** -0.5
                              if is_gemma and query_pre_attn_scalar is not None else None),
             embedding_scale=float(hidden_size) ** 0.5 if is_gemma else None,
-            moe=_moe(hf_config, num_hidden_layers) if architecture == "Qwen3MoeForCausalLM" else None,
+            moe=(_moe(hf_config, num_hidden_layers) if architecture == "Qwen3MoeForCausalLM"
+                 else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss else None),
+            attention_sinks=is_gpt_oss,
+            o_proj_bias=o_proj_bias,
         )
 
 
@@ -324,6 +375,48 @@ def _moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
                      norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
+def _gpt_oss_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config.json with the values transformers' GptOssConfig gives the fields it leaves out (its
+    released files spell most of them; a saved config may not): so both read the same model."""
+    defaults: dict[str, Any] = {
+        "head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-5, "attention_bias": True, "rope_theta": 150000.0,
+        "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    }
+    config = {**defaults, **{key: value for key, value in hf_config.items() if value is not None or key == "sliding_window"}}
+    if not config.get("layer_types"):  # even layers (from 0) windowed, odd ones global
+        config["layer_types"] = [SLIDING_ATTENTION if (layer + 1) % 2 else FULL_ATTENTION
+                                 for layer in range(int(config["num_hidden_layers"]))]
+    if not (config.get("rope_scaling") or config.get("rope_parameters")):
+        config["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096}
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        if method != "mxfp4":
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported for gpt-oss; supported: "
+                             "mxfp4 (its experts' *_blocks / *_scales, dequantized at load)")
+    return config
+
+
+def _gpt_oss_moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
+    """gpt-oss's experts, in every layer: intermediate_size wide, a biased router whose top k logits are
+    softmaxed, biased projections, the SwiGLU clamped at swiglu_limit. router_aux_loss_coef is training only."""
+    try:
+        num_experts = int(hf_config.get("num_local_experts") or hf_config["num_experts"])
+        per_token = int(hf_config["num_experts_per_tok"])
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks the mixture-of-experts field {exc.args[0]!r}") from exc
+    limit = hf_config.get("swiglu_limit", 7.0)
+    alpha = hf_config.get("swiglu_alpha", 1.702)
+    for field, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{field} must be a number, got {value!r}")
+    return MoEConfig(num_experts=num_experts, num_experts_per_tok=per_token,
+                     moe_intermediate_size=int(hf_config["intermediate_size"]), norm_topk_prob=False,
+                     sparse_layers=(True,) * num_layers, router_bias=True, softmax_after_topk=True, expert_bias=True,
+                     swiglu_limit=float(limit), swiglu_alpha=float(alpha))
+
+
 def _architecture(hf_config: dict[str, Any]) -> str:
     architectures = hf_config.get("architectures") or []
     if not architectures:
@@ -342,7 +435,7 @@ def _architecture(hf_config: dict[str, Any]) -> str:
 
 
 def _rope(hf_config: dict[str, Any], is_gemma: bool = False
-          ) -> tuple[float, Llama3RopeScaling | LinearRopeScaling | None, float | None]:
+          ) -> tuple[float, RopeScaling | None, float | None]:
     """(rope_theta, scaling, the sliding layers' theta or None) from the old keys (rope_theta / rope_scaling,
     Gemma 3's rope_local_base_freq) or the new ones (rope_parameters, per layer type for Gemma 3)."""
     parameters = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
@@ -351,8 +444,9 @@ def _rope(hf_config: dict[str, Any], is_gemma: bool = False
     if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:  # per layer type (transformers 5)
         full = parameters.get(FULL_ATTENTION) or {}
         local = parameters.get(SLIDING_ATTENTION) or {}
-        theta, scaling = _rope_of(full, hf_config, float(hf_config.get("rope_theta") or 10000.0))
-        local_theta, local_scaling = _rope_of(local, hf_config, theta)
+        # transformers reads yarn's truncate from the outer dict, which per layer type never has it: True.
+        theta, scaling = _rope_of(full, hf_config, float(hf_config.get("rope_theta") or 10000.0), truncate=True)
+        local_theta, local_scaling = _rope_of(local, hf_config, theta, truncate=True)
         if local_scaling is not None:
             raise ValueError("rope scaling on the sliding layers is not supported (Gemma 3 scales its global layers only)")
         return theta, scaling, (local_theta if local_theta != theta else None)
@@ -361,8 +455,8 @@ def _rope(hf_config: dict[str, Any], is_gemma: bool = False
     return theta, scaling, (float(local_theta) if local_theta is not None and float(local_theta) != theta else None)
 
 
-def _rope_of(parameters: dict[str, Any], hf_config: dict[str, Any], default_theta: float
-             ) -> tuple[float, Llama3RopeScaling | LinearRopeScaling | None]:
+def _rope_of(parameters: dict[str, Any], hf_config: dict[str, Any], default_theta: float,
+             truncate: bool | None = None) -> tuple[float, RopeScaling | None]:
     rope_theta = hf_config.get("rope_theta") if "rope_theta" not in parameters else parameters["rope_theta"]
     rope_theta = float(rope_theta or default_theta)
     rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
@@ -373,6 +467,8 @@ def _rope_of(parameters: dict[str, Any], hf_config: dict[str, Any], default_thet
             return rope_theta, LinearRopeScaling(factor=float(parameters["factor"]))
         except KeyError as exc:
             raise ValueError("linear rope_scaling lacks the field 'factor'") from exc
+    if rope_type == "yarn":
+        return rope_theta, _yarn(parameters, hf_config, parameters.get("truncate", True) if truncate is None else truncate)
     if rope_type != "llama3":
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -396,3 +492,34 @@ def _rope_of(parameters: dict[str, Any], hf_config: dict[str, Any], default_thet
             f"{scaling.high_freq_factor} <= {scaling.low_freq_factor}"
         )
     return float(rope_theta), scaling
+
+
+def _yarn(parameters: dict[str, Any], hf_config: dict[str, Any], truncate: Any) -> YarnRopeScaling:
+    """YaRN's parameters resolved as transformers resolves them (modeling_rope_utils: standardize_rope_params
+    and _compute_yarn_parameters): a top-level original_max_position_embeddings wins over the rope dict's,
+    which defaults to max_position_embeddings; a null factor is their ratio; beta_fast / beta_slow default to
+    32 / 1 (also when 0 or null); the attention factor is the config's, else mscale / mscale_all_dim's ratio
+    where both are set, else 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    max_positions = int(hf_config.get("max_position_embeddings", 2048))
+    original = hf_config.get("original_max_position_embeddings") or parameters.get(
+        "original_max_position_embeddings") or max_positions
+    original = int(original)
+    factor = parameters.get("factor")
+    factor = float(factor) if factor is not None else max_positions / original
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = parameters.get("attention_factor")
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = mscale_of(factor, float(mscale)) / mscale_of(factor, float(mscale_all_dim))
+        else:
+            attention_factor = mscale_of(factor)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"yarn rope_scaling truncate must be true or false, got {truncate!r}")
+    return YarnRopeScaling(factor=factor, beta_fast=float(parameters.get("beta_fast") or 32),
+                           beta_slow=float(parameters.get("beta_slow") or 1),
+                           original_max_position_embeddings=original, truncate=truncate,
+                           attention_factor=float(attention_factor))

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.models import fused_ops, qlinear
-from kvreuse.models.config import Llama3RopeScaling, LinearRopeScaling
+from kvreuse.models.config import LinearRopeScaling, RopeScaling, YarnRopeScaling
 from kvreuse.models.kernels import LinearKernel, PlanBook
 from kvreuse.models.qlinear import QuantizedLinearKernel
 from kvreuse.models.quant import QuantizedTensor
@@ -60,10 +60,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | LinearRopeScaling | None, device: torch.device
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3 or linear scaling."""
+    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3, linear or YaRN scaling (YaRN's
+    attention factor is applied to cos / sin by RotaryEmbedding, as transformers does)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inverse_frequencies(head_dim, theta, scaling, exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
@@ -84,6 +87,30 @@ def rope_inverse_frequencies(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: YarnRopeScaling,
+                              exponents: torch.Tensor) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters, op for op (so float32 tables match bit for bit): each dimension
+    pair blends the interpolated frequency (divided by factor) and the original one, by a ramp over the pair
+    index between the dimensions where beta_fast and beta_slow rotations fit the original context."""
+    pos_freqs = theta ** exponents
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (scaling.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+                ) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = (1 - ramp).to(device=exponents.device)
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a cos/sin table precomputed on the device.
 
@@ -95,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_position: int,
         theta: float,
-        scaling: Llama3RopeScaling | LinearRopeScaling | None,
+        scaling: RopeScaling | None,
         device: torch.device,
     ) -> None:
         super().__init__()
@@ -104,8 +131,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, device)
         positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2], float32
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if isinstance(scaling, YarnRopeScaling):
+            # YaRN scales the attention logits by attention_factor**2 through q and k: transformers multiplies
+            # cos and sin in float32 before rounding them to the activations' dtype, and so do these tables
+            # (every reader of them, the fused kernels included, gets the factor).
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim // 2] for the given absolute positions, in ``dtype``."""
@@ -219,22 +252,45 @@ class Linear(nn.Module):
         return slice(start, start + self.output_sizes[part])
 
 
+CLAMPED_SWIGLU = "clamped_swiglu"
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", CLAMPED_SWIGLU)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation, in transformers' GptOssExperts._apply_gate's order of operations: the gate
+    clamped from above, the up projection on both sides, (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU (the Llama family,
-    Qwen's experts) or tanh-approximated GELU (Gemma: transformers' ``gelu_pytorch_tanh``)."""
+    Qwen's experts), tanh-approximated GELU (Gemma: transformers' ``gelu_pytorch_tanh``) or gpt-oss's clamped
+    SwiGLU (``clamped_swiglu``, with ``swiglu_limit`` and ``swiglu_alpha``; its experts also have biases).
+    The gate and up rows are held [gate; up] whatever the checkpoint's order (gpt-oss interleaves them: the
+    loader splits them apart)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float = 1.702) -> None:
         super().__init__()
-        if activation not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation {activation!r} is not supported; supported: silu, gelu_pytorch_tanh")
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
+        if activation == CLAMPED_SWIGLU and swiglu_limit is None:
+            raise ValueError("the clamped_swiglu activation needs swiglu_limit")
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], False, dtype, device)
-        self.down_proj = Linear(intermediate_size, [hidden_size], False, dtype, device)
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
+        if self.activation == CLAMPED_SWIGLU:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha), lora)
         if self.activation == "gelu_pytorch_tanh":
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), lora)

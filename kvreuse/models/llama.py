@@ -1,10 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3) as one pure-PyTorch model over a
-paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, gpt-oss) as one pure-PyTorch model
+over a paged KV cache.
 
 These architectures differ only in switches that ``ModelConfig`` carries (q/k/v bias, q/k RMSNorm,
 rope scaling, tied embeddings; mixture-of-experts layers (models/moe.py); layers that attend over a window
 with their own rope base; Gemma's (1 + weight) norms around both blocks, its embedding and query scales and
-tanh-GELU), so one class serves them all and the engine never branches on the architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
+tanh-GELU; gpt-oss's learned sinks, output-projection bias and biased, clamped experts), so one class serves them all and the engine never branches on the architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
 ``positions [T]``) and leaves everything about sequences to the attention backend's metadata; it
 returns hidden states and only turns the rows that are sampled into logits, because the vocabulary
 projection (up to 152k columns) dominates the cost of a short step. ``load_weights`` maps Hugging
@@ -72,7 +72,7 @@ class LlamaFamilyAttention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.attention_bias, dtype, device
         )
-        self.o_proj = Linear(self.q_size, [config.hidden_size], False, dtype, device)
+        self.o_proj = Linear(self.q_size, [config.hidden_size], config.o_proj_bias, dtype, device)
         self.qkv_proj.lora_layer, self.qkv_proj.lora_modules = layer_idx, ("q_proj", "k_proj", "v_proj")
         self.o_proj.lora_layer, self.o_proj.lora_modules = layer_idx, ("o_proj",)
         norm = _norm_class(config)
@@ -87,7 +87,14 @@ class LlamaFamilyAttention(nn.Module):
         # This layer's window and softmax scale, handed to the backend on every call. A window every layer
         # shares (Mistral) caps max_model_len at it instead (engine/builder.py), where it equals full attention.
         window = config.layer_window(layer_idx) if config.layer_types else None
-        self.layer_attention = LayerAttention(sliding_window=window, scale=config.attention_scale)
+        # gpt-oss: a learned logit per head in the softmax's denominator (HF ``self_attn.sinks``), held in float32
+        # whatever the model's dtype (the backends take it so; a bf16 checkpoint's values convert exactly).
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device),
+                                      requires_grad=False)
+        # The backend reads the sinks parameter itself, so the loader's in-place copy reaches it.
+        self.layer_attention = LayerAttention(sliding_window=window, scale=config.attention_scale, sinks=self.sinks)
         self.uses_local_rope = config.rope_local_theta is not None and window is not None
 
     def forward(
@@ -211,7 +218,8 @@ def _fused_part(module: str) -> tuple[str, int] | None:
 
 _EXPERT_PART = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up)_proj$")
 # transformers 5 holds a layer's experts stacked: gate|up [E, 2I, H] and down [E, H, I] (split per expert here).
-_STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_EXPERTS = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Buffers some older checkpoints saved; recomputed here, so skipped rather than rejected.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -397,12 +405,20 @@ class LlamaFamilyForCausalLM(nn.Module):
             per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
         if config.attention_bias:
             per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if config.o_proj_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if config.attention_sinks:
+            per_layer.append("self_attn.sinks")
         if config.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        experts = [] if config.moe is None else ["mlp.gate.weight"] + [
-            f"mlp.experts.{expert}.{part}_proj.weight"
-            for expert in range(config.moe.num_experts) for part in ("gate", "up", "down")]
+        experts: list[str] = []
+        if config.moe is not None:
+            router = "mlp.router" if config.moe.router_bias else "mlp.gate"
+            kinds = ("weight", "bias") if config.moe.expert_bias else ("weight",)
+            experts = [f"{router}.weight"] + ([f"{router}.bias"] if config.moe.router_bias else []) + [
+                f"mlp.experts.{expert}.{part}_proj.{kind}"
+                for expert in range(config.moe.num_experts) for part in ("gate", "up", "down") for kind in kinds]
         for index in range(config.num_hidden_layers):
             mlp = experts if config.is_sparse_layer(index) else dense_mlp
             names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer + mlp)
@@ -486,6 +502,10 @@ class LlamaFamilyForCausalLM(nn.Module):
     def native_step_refusal(self) -> str | None:
         """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
         layers, or None where it can."""
+        if self.config.o_proj_bias or (self.config.moe is not None and self.config.moe.expert_bias):
+            # csrc/decoder_layer.cpp makes Llama's calls: no output-projection bias, Qwen3-MoE's experts only.
+            return ("gpt-oss's layers (a bias on the output projection, biased experts with the clamped SwiGLU) "
+                    "run op by op")
         if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):
             return "mixture-of-experts layers without their native layer run op by op"
         if self.config.norm_style != "llama":
@@ -531,23 +551,90 @@ class LlamaFamilyForCausalLM(nn.Module):
 
 def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], config: ModelConfig
                 ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """The checkpoint's tensors, with a layer's stacked experts (transformers 5's in-memory names:
-    ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) split into the per-expert
-    names Qwen3-MoE checkpoints are saved with."""
+    """The checkpoint's tensors, with a layer's stacked experts split into per-expert names
+    (``mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}``), the names Qwen3-MoE checkpoints are saved with:
+
+    - transformers 5's Qwen3-MoE: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows), ``down_proj`` [E, H, I];
+    - gpt-oss: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved along the last dim (gate the even
+      columns, up the odd), ``gate_up_proj_bias`` [E, 2I] likewise, ``down_proj`` [E, I, H], ``down_proj_bias``
+      [E, H] (transformers computes x @ W + b, so each matrix is transposed into a Linear's [out, in]);
+    - gpt-oss's MXFP4 folders: ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales``,
+      dequantized (``dequantize_mxfp4``) once both halves of a pair have been read: already [E, out, in]."""
+    gpt_oss = config.architecture == "GptOssForCausalLM"
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 pair waiting for its other half
     for name, tensor in weights:
         match = _STACKED_EXPERTS.match(name)
         if match is None or config.moe is None or isinstance(tensor, QuantizedTensor):
             yield name, tensor
             continue
-        layer, kind = match.groups()
-        if tensor.dim() != 3 or tensor.shape[0] != config.moe.num_experts:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"[{config.moe.num_experts}, ...] (one matrix per expert)")
-        for expert in range(tensor.shape[0]):
-            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
-            if kind == "down_proj":
-                yield f"{prefix}.down_proj.weight", tensor[expert]
-            else:
-                gate, up = tensor[expert].chunk(2, dim=0)
-                yield f"{prefix}.gate_proj.weight", gate
-                yield f"{prefix}.up_proj.weight", up
+        layer, kind, suffix = match.groups()
+        if suffix in ("_blocks", "_scales"):
+            if not gpt_oss:
+                raise ValueError(f"weight {name!r} is MXFP4 blocks / scales, which only gpt-oss checkpoints hold")
+            halves = pending.setdefault(f"{layer}.{kind}", {})
+            halves[suffix] = tensor
+            if len(halves) < 2:
+                continue
+            del pending[f"{layer}.{kind}"]
+            stacked = dequantize_mxfp4(halves["_blocks"], halves["_scales"], name.removesuffix(suffix))
+            yield from _split_stacked(layer, kind, "", stacked, config, transposed=False)
+            continue
+        yield from _split_stacked(layer, kind, suffix, tensor, config, transposed=gpt_oss)
+    if pending:
+        key, halves = next(iter(pending.items()))
+        layer, kind = key.split(".")
+        missing = "_scales" if "_blocks" in halves else "_blocks"
+        raise ValueError(f"missing weight(s) in checkpoint: model.layers.{layer}.mlp.experts.{kind}{missing} "
+                         f"(MXFP4 blocks and scales come in pairs)")
+
+
+def _split_stacked(layer: str, kind: str, suffix: str, tensor: torch.Tensor, config: ModelConfig,
+                   transposed: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """One stacked experts tensor as per-expert tensors. ``transposed``: gpt-oss's [E, in, out] matrices
+    (and its interleaved gate / up); otherwise [E, out, in] with gate rows before up rows, except that an
+    MXFP4 pair (gpt-oss, dequantized to [E, out, in]) is interleaved too."""
+    name = f"model.layers.{layer}.mlp.experts.{kind}{suffix}"
+    assert config.moe is not None
+    is_bias = suffix == "_bias"
+    if tensor.dim() != (2 if is_bias else 3) or tensor.shape[0] != config.moe.num_experts:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                         f"[{config.moe.num_experts}, ...] (one {'vector' if is_bias else 'matrix'} per expert)")
+    gpt_oss = config.architecture == "GptOssForCausalLM"
+    kind_name = "bias" if is_bias else "weight"
+    for expert in range(tensor.shape[0]):
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+        value = tensor[expert]
+        if transposed and not is_bias:
+            value = value.T  # [in, out] -> a Linear's [out, in]
+        if kind == "down_proj":
+            yield f"{prefix}.down_proj.{kind_name}", value
+        elif gpt_oss:  # gate and up interleaved along the output dimension
+            yield f"{prefix}.gate_proj.{kind_name}", value[0::2]
+            yield f"{prefix}.up_proj.{kind_name}", value[1::2]
+        else:
+            gate, up = value.chunk(2, dim=0)
+            yield f"{prefix}.gate_proj.{kind_name}", gate
+            yield f"{prefix}.up_proj.{kind_name}", up
+
+
+# The 16 values of an E2M1 (FP4) code, by its 4 bits: sign, 2 exponent bits, 1 mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "mxfp4 tensor") -> torch.Tensor:
+    """An MXFP4 tensor as float32: ``blocks`` [..., G, 16] uint8 (two E2M1 codes a byte, the lower nibble first:
+    32 values per block), ``scales`` [..., G] uint8 (an E8M0 exponent e per block: a factor 2**(e - 127)).
+    Returns [..., G * 32], the last dimension the matrix's input (OpenAI's layout, which transformers'
+    mxfp4.convert_moe_packed_tensors reads the same way before transposing it). Exact: every value is a
+    small binary fraction times a power of two. Kept in one function: a native MXFP4 format will replace it."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+                         "(blocks [..., G, 16], scales [..., G])")
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.empty(*blocks.shape[:-1], 32, dtype=torch.float32)
+    values[..., 0::2] = table[(blocks & 0x0F).long()]
+    values[..., 1::2] = table[(blocks >> 4).long()]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
+    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)

@@ -1,5 +1,9 @@
-"""A mixture-of-experts MLP (Qwen3-MoE's): a router picks each token's top-k experts, and each expert runs
-once per step for every row routed to it.
+"""A mixture-of-experts MLP (Qwen3-MoE's and gpt-oss's): a router picks each token's top-k experts, and each
+expert runs once per step for every row routed to it.
+
+gpt-oss differs in switches of ``MoEConfig``: its router (HF ``mlp.router``) has a bias and softmaxes the top k
+logits only; its experts have biases and a clamped SwiGLU (``GatedMLP``'s ``clamped_swiglu``). Those layers run
+from Python: the native layer below computes Qwen3-MoE's routing and silu experts without biases.
 
 Every expert is a ``GatedMLP`` of ``Linear`` layers, so its weights take the same paths as a dense model's:
 float, or held quantized from a GGUF file (each expert's rows of the file's stacked tensor) or by
@@ -34,7 +38,7 @@ from torch import nn
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.models import fused_ops, qlinear, rowdot
 from kvreuse.models.config import MoEConfig
-from kvreuse.models.layers import GatedMLP, Linear
+from kvreuse.models.layers import CLAMPED_SWIGLU, GatedMLP, Linear
 from kvreuse.models.quant import QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -97,7 +101,8 @@ def _product(linears: list[Linear], rows: int) -> tuple[list[torch.Tensor], int,
 
 
 class SparseMoE(nn.Module):
-    """The experts of one layer and their router (HF names: ``mlp.gate``, ``mlp.experts.{e}.*``)."""
+    """The experts of one layer and their router (HF names: ``mlp.gate`` (Qwen3-MoE) or ``mlp.router``
+    (gpt-oss), ``mlp.experts.{e}.*``)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, activation: str, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -105,16 +110,30 @@ class SparseMoE(nn.Module):
         self.num_experts = moe.num_experts
         self.top_k = moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
-        self.gate = Linear(hidden_size, [moe.num_experts], False, dtype, device)
-        self.gate.keep_float = True  # quantize_int8 leaves the router as it is
+        self.softmax_after_topk = moe.softmax_after_topk
+        # Registered under the checkpoint's name, so the weights load by their HF names.
+        self.router_name = "router" if moe.router_bias else "gate"
+        router = Linear(hidden_size, [moe.num_experts], moe.router_bias, dtype, device)
+        router.keep_float = True  # quantize_int8 leaves the router as it is
+        self.add_module(self.router_name, router)
+        if moe.swiglu_limit is not None:
+            activation = CLAMPED_SWIGLU
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, moe.moe_intermediate_size, dtype, device, activation)
+            GatedMLP(hidden_size, moe.moe_intermediate_size, dtype, device, activation, bias=moe.expert_bias,
+                     swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
             for _ in range(moe.num_experts)
         )
+        self.expert_bias = moe.expert_bias
         self.activation = activation
         self.native: Any = None  # csrc/moe.cpp's Experts, made by prepare_native once the kernels are chosen
         self.native_max_rows = 0
         self.native_args: tuple[Any, ...] = ()
+
+    @property
+    def router_layer(self) -> Linear:
+        """The router, whichever name the checkpoint gives it (a property named ``router`` would shadow the
+        gpt-oss module of that name)."""
+        return self._modules[self.router_name]  # type: ignore[return-value]
 
     def prepare_native(self) -> str | None:
         """Hold this layer's experts in the native layer for steps of up to NATIVE_MAX_ROWS rows (call after
@@ -122,9 +141,12 @@ class SparseMoE(nn.Module):
         self.native = None
         if os.environ.get(ENV, "1").strip() == "0":
             return f"{ENV}=0"
+        if self.activation == CLAMPED_SWIGLU or self.expert_bias or self.softmax_after_topk:
+            # csrc/moe.h computes Qwen3-MoE's layer only.
+            return "gpt-oss experts (biases, the clamped SwiGLU, a biased router softmaxed over its top k)"
         if self.activation != "silu":
             return f"{self.activation} experts"
-        router = self.gate
+        router = self.router_layer
         if router.weight is None or router.kernel is not None or router.bias is not None:
             return "a router held in another layout"
         if router.weight.device.type != "cpu":
@@ -147,8 +169,13 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]): softmax over all experts in float32, the top k,
-        renormalised where the config says so (transformers' Qwen3MoeTopKRouter)."""
-        probabilities = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        renormalised where the config says so (transformers' Qwen3MoeTopKRouter); or, for gpt-oss, the top k
+        logits softmaxed among themselves in the logits' dtype (GptOssTopKRouter)."""
+        logits = self.router_layer(x)
+        if self.softmax_after_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), experts
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
