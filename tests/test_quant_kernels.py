@@ -114,10 +114,11 @@ def _tolerance(x: torch.Tensor, weight: torch.Tensor, bf16_output: bool | None =
     return bound + 1e-30
 
 
-def _rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x as qdot8 multiplies it: per 32 values, the nearest (ties to even) of the codes -127..127 times
-    amax / 127."""
-    groups = x.float().reshape(x.shape[0], x.shape[1] // 32, 32)  # float32 arithmetic, as the kernel's
+def _rounded_to_int8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x as qdot8 multiplies it: per ``group`` values (32, or a K-quant's super-block of 256 on
+    AVX512-VNNI), the nearest (ties to even) of the codes -127..127 times amax / 127."""
+    assert group in (32, 256)
+    groups = x.float().reshape(x.shape[0], x.shape[1] // group, group)  # float32 arithmetic, as the kernel's
     amax = groups.abs().amax(-1, keepdim=True)
     scale = amax / 127
     # torch.full_like(...) / amax, not 127 / amax: torch computes the latter as 127 * (1 / amax), rounded twice.
@@ -145,7 +146,7 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
         inputs[2][0, :32] = 0  # a group of zeros (no scale to divide by)
         for x in inputs:
             for name in qlinear.kernels_for(qt.format.name, dtype):
-                rounded = _rounded_to_int8(x) if name == "qdot8" else x
+                rounded = _rounded_to_int8(x, qlinear.int8_group(qt.format.name)) if name == "qdot8" else x
                 # qtile_bf16 multiplies the weights rounded to bf16 (bf16 inputs, bf16 GEMM output).
                 used = weight.bfloat16().float() if name == "qtile_bf16" else weight
                 expected = F.linear(rounded.double(), used.double())
@@ -159,20 +160,24 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
 @needs_compiler
 def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, monkeypatch):
     """qdot8 rounds the inputs as llama.cpp does: offered under float32 and bfloat16 activations, for the
-    formats this CPU runs on int8 inputs (every format on AVX2, q8_0 / q4_0 / q4_1 / q4_k on
-    AVX512-VNNI: every x86-64 machine this suite runs on has one of them), never for float16; asked for
+    formats this CPU runs on int8 inputs (every format on AVX2, all but q5_0 / q5_1 on AVX512-VNNI:
+    every x86-64 machine this suite runs on has one of them), never for float16; asked for
     another format it names it, and a fused weight's later part in such a format falls back to qdot."""
     offered = qlinear.int8_formats()
-    assert offered in ({"q8_0", "q4_0", "q4_1", "q4_k"}, set(quant.FORMATS)), offered
+    vnni = {"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"}
+    assert offered in (vnni, set(quant.FORMATS)), offered
+    for fmt in quant.FORMATS:  # the K-quants' inputs per super-block on VNNI (as llama.cpp's q8_K), else per 32
+        expected_group = 0 if fmt not in offered else 256 if offered == vnni and fmt.endswith("_k") else 32
+        assert qlinear.int8_group(fmt) == expected_group, fmt
     for dtype in (torch.float32, torch.bfloat16):
         assert ("qdot8" in qlinear.kernels_for("q8_0", dtype)) == ("q8_0" in offered)
     assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float16)
     q6 = quant.random_quantized("q6_k", 16, 256)
     x = torch.randn(2, 256).bfloat16()
-    for missing in sorted(set(quant.FORMATS) - offered):  # VNNI builds: the 5- and 6-bit formats
+    for missing in sorted(set(quant.FORMATS) - offered):  # VNNI builds: q5_0 and q5_1
         with pytest.raises(RuntimeError, match=f"{missing} is not run on int8 inputs"):
             qlinear.qlinear_int8(x, quant.random_quantized(missing, 16, 256))
-    # Where q6_k is not offered (as on VNNI builds), a plan asking for qdot8 runs qdot on it.
+    # Where q6_k is not offered, a plan asking for qdot8 runs qdot on it.
     monkeypatch.setattr(qlinear, "int8_formats", lambda: offered - {"q6_k"})
     assert "qdot8" not in qlinear.kernels_for("q6_k", torch.float32)
     assert torch.equal(qlinear.run_quantized("qdot8", x, q6), qlinear.qlinear(x, q6))

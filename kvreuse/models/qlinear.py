@@ -10,8 +10,10 @@ flags, loaded directly once built):
 - ``qlinear_int8(x, weight, format, in_features)``: as qlinear over x rounded to int8 per 32 values
   (one float32 scale each, amax / 127), multiplied by integer dot products (AVX512-VNNI's ``vpdpbusd``,
   or AVX2's ``vpmaddubsw``): what llama.cpp and vLLM's GGUF kernels do with quantized files. Formats
-  (``int8_formats()``): all eight on AVX2, q8_0, q4_0, q4_1 and q4_k on AVX512-VNNI (the 5- and
-  6-bit codes stay on the bf16 kernel there); none on CPUs with neither.
+  (``int8_formats()``): all eight on AVX2; q8_0, q4_0, q4_1 and the K-quants on AVX512-VNNI (q5_0 and
+  q5_1 stay on the bf16 kernel there), the K-quants' inputs rounded per super-block of 256 values as
+  llama.cpp's q8_K rounds them, so their products stay integer over a super-block (``int8_group``);
+  none on CPUs with neither.
 
 Larger row counts are compute-bound: ``tiled_linear`` dequantizes a tile of output rows at a time and
 multiplies it with the library GEMM (``F.linear``), so no dequantized copy of the weight is kept: in
@@ -108,8 +110,17 @@ def int8_formats() -> frozenset[str]:
     return frozenset(name for name, fmt in FORMATS.items() if fmt.code in codes)
 
 
+def int8_group(fmt: str) -> int:
+    """The values per input scale ``qlinear_int8`` rounds a ``fmt`` weight's inputs with (32, or 256 for
+    K-quants on AVX512-VNNI); 0 where it does not run the format."""
+    if fmt not in int8_formats():
+        return 0
+    return int(torch.ops.kvreuse_cpu.int8_group(FORMATS[fmt].code))
+
+
 def qlinear_int8(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-    """As ``qlinear`` over x rounded to int8 per 32 values (``weight.format.name in int8_formats()``)."""
+    """As ``qlinear`` over x rounded to int8 per ``int8_group`` values (``weight.format.name in
+    int8_formats()``)."""
     return torch.ops.kvreuse_cpu.qlinear_int8(x, weight.data, weight.format.code, weight.in_features)
 
 

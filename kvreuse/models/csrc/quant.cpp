@@ -501,7 +501,13 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
 
 template <class F>
 constexpr bool int8_dot_format() {
-  return F::bits == 8 || (F::bits == 4 && F::group == 32);
+  return F::bits == 8 || (F::bits == 4 && F::group == 32) || F::kquant;
+}
+
+// The values per input scale qlinear_int8 rounds with: K-quants go per super-block (below), the rest per chunk.
+template <class F>
+constexpr int64_t int8_input_group() {
+  return F::kquant ? kSuper : kChunk;
 }
 
 // The weight bytes of chunks c and c + 1 of a span (c + 1 < n, else the second half zero), in the lane
@@ -629,6 +635,167 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   }
 }
 
+
+#define KVREUSE_KQUANT_DOT 1
+// K-quants (q4_k, q5_k, q6_k) as llama.cpp multiplies them (its q8_K inputs): the inputs are rounded per
+// super-block of 256 values with one float32 scale, so a weight row's products stay integers over the
+// whole super-block and become float32 once per super-block, not once per pair of chunks. Per pair of
+// chunks: the weight codes unpacked as stored (unsigned, 0..2^bits - 1, the planes' high bits added
+// under a byte mask), vpmaddubsw with the int8 inputs (pairs summed into int16, exactly: at most
+// 2 * 63 * 127), and vpdpwssd with each group's 6- or 8-bit scale code, which multiplies and widens into
+// int32 lanes in one instruction (at most 16.3 M per lane a super-block: exact, and exact in float32).
+// The offsets (Q4_K/Q5_K's dmin * min per group, Q6_K's -32 * code) multiply the inputs' integer sums per
+// group. This is about half the instructions of the per-chunk path above, where the one-row products of
+// the 4- to 6-bit formats were compute-bound (8-9 GB/s a core on the AVX-512 EPYC).
+struct QuantizedSpans {
+  int64_t spans = 0;
+  std::vector<int8_t> codes;     // [rows, spans, 4 pairs, 64]: each pair in pair_codes' 4-bit lane order
+  std::vector<float> scales;     // [rows, spans]
+  std::vector<int16_t> sums16;   // [rows, spans, 16]: the codes' sum over values 16g .. 16g + 15
+  std::vector<int16_t> sums32;   // [rows, spans, 8]: over chunk g's 32 values
+};
+
+inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t in) {
+  QuantizedSpans q;
+  q.spans = in / kSuper;
+  q.codes.assign(rows * in, 0);
+  q.scales.assign(rows * q.spans, 0.f);
+  q.sums16.assign(rows * q.spans * 16, 0);
+  q.sums32.assign(rows * q.spans * 8, 0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.const_data_ptr<float>();
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t s = 0; s < q.spans; ++s) {
+      const float* v = xp + r * in + s * kSuper;
+      __m512 m = _mm512_setzero_ps();
+      for (int k = 0; k < 16; ++k) m = _mm512_max_ps(m, _mm512_and_ps(_mm512_loadu_ps(v + 16 * k), magnitude));
+      const float amax = _mm512_reduce_max_ps(m);
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const int64_t at = r * q.spans + s;
+      q.scales[at] = d;
+      int8_t* out = q.codes.data() + at * kSuper;
+      for (int k = 0; k < 16; ++k) {  // values 16k .. 16k + 15: half h of chunk c
+        // Rounded to nearest even (the default MXCSR mode), as std::nearbyint would.
+        const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * k), _mm512_set1_ps(id)));
+        const int c = k / 2, h = k % 2;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c / 2) * 64 + h * 32 + (c % 2) * 16),
+                         _mm512_cvtepi32_epi8(codes));  // |code| <= 127: exact
+        const int32_t total = _mm512_reduce_add_epi32(codes);
+        q.sums16[at * 16 + k] = static_cast<int16_t>(total);
+        q.sums32[at * 8 + c] = static_cast<int16_t>(q.sums32[at * 8 + c] + total);
+      }
+    }
+  }
+  return q;
+}
+
+// The byte mask of a pair's high bits: plane words wc (chunk c) and wc1 (chunk c + 1) as v = wc | wc1 << 32,
+// their 16-bit halves put in pair_codes' lane order [c 0-15, c+1 0-15, c 16-31, c+1 16-31].
+inline __mmask64 pair_plane_mask(uint64_t v) {
+  return (v & 0xFFFF00000000FFFFull) | ((v & 0x00000000FFFF0000ull) << 16) | ((v & 0x0000FFFF00000000ull) >> 16);
+}
+
+template <class F, int R>
+void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, const Layout& l, float* out,
+                     int64_t out_features, int64_t begin, int64_t end) {
+  static_assert(F::kquant && F::bits < 8);
+  const int64_t spans = q.spans;
+  const SpanLayout& sl = l.span;  // K-quant rows are whole super-blocks
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  // The int16 lanes of pair p take group code idx[p]: lanes 0-7 chunk 2p's values 0-15, 8-15 chunk
+  // 2p + 1's, 16-23 chunk 2p's values 16-31, 24-31 chunk 2p + 1's; 16-value groups: two per chunk.
+  __m512i idx[4];
+  for (int p = 0; p < 4; ++p) {
+    alignas(64) int16_t lanes[32];
+    for (int k = 0; k < 32; ++k) {
+      const int c = 2 * p + (k / 8) % 2, half = k / 16;
+      lanes[k] = static_cast<int16_t>(F::group == 32 ? c : 2 * c + half);
+    }
+    idx[p] = _mm512_load_si512(lanes);
+  }
+  const int8_t* codes = q.codes.data() + r0 * spans * kSuper;
+  const float* xscales = q.scales.data() + r0 * spans;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    __m512 acc[R];
+    float offset[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.f;
+    for (int64_t s = 0; s < spans; ++s) {
+      const uint8_t* sp = row + s * sl.bytes;
+      const float d = half_at(sp + sl.d);
+      __m512i sc;  // the group codes as int16
+      if constexpr (F::group == 32) {
+        sc = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.scales))));
+      } else {
+        sc = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.scales))));
+      }
+      __m512i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + 32 * p));
+        __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), shifts), nibble);
+        if constexpr (F::bits == 5) {
+          uint64_t words;
+          std::memcpy(&words, sp + sl.planes + 8 * p, 8);
+          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(words), wv, _mm512_set1_epi8(16));
+        } else if constexpr (F::bits == 6) {  // per chunk two words: plane 0, plane 1
+          uint32_t words[4];
+          std::memcpy(words, sp + sl.planes + 16 * p, 16);
+          const uint64_t plane0 = words[0] | static_cast<uint64_t>(words[2]) << 32;
+          const uint64_t plane1 = words[1] | static_cast<uint64_t>(words[3]) << 32;
+          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(plane0), wv, _mm512_set1_epi8(16));
+          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(plane1), wv, _mm512_set1_epi8(32));
+        }
+        const __m512i scale = _mm512_permutexvar_epi16(idx[p], sc);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_loadu_si512(codes + ((r * spans + s) * 4 + p) * 64);
+          sums[r] = _mm512_dpwssd_epi32(sums[r], _mm512_maddubs_epi16(wv, xv), scale);
+        }
+      }
+      if constexpr (F::has_min) {  // - dmin * sum over chunks of min * (the inputs' sum over the chunk)
+        const float dmin = half_at(sp + sl.dmin);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins)));
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * spans + s;
+          const float xs = xscales[r * spans + s];
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
+          const __m128i xsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8));
+          const __m128i m = _mm_madd_epi16(mins, xsum);
+          const int32_t total = _mm_extract_epi32(m, 0) + _mm_extract_epi32(m, 1) + _mm_extract_epi32(m, 2) + _mm_extract_epi32(m, 3);
+          offset[r] -= dmin * xs * static_cast<float>(total);
+        }
+      } else {  // Q6_K: values (q - 32) * code: - 32 * d * sum over groups of code * (the inputs' group sum)
+        const __m256i codes16 = _mm512_castsi512_si256(sc);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * spans + s;
+          const float xs = xscales[r * spans + s];
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
+          const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16));
+          const __m256i m = _mm256_madd_epi16(codes16, xsum);
+          __m128i t = _mm_add_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+          t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+          t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+          offset[r] -= static_cast<float>(F::zero) * d * xs * static_cast<float>(_mm_cvtsi128_si32(t));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + offset[r];
+  }
+}
+
+template <class F>
+void dot_range_kquant(const QuantizedSpans& q, int64_t rows, const uint8_t* w, const Layout& l, float* out,
+                      int64_t out_features, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    float* o = out + r0 * out_features;
+    with_rows(rows - r0, [&](auto r) {
+      dot_rows_kquant<F, decltype(r)::value>(q, r0, w, l, o, out_features, begin, end);
+    });
+  }
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 over int8 activations, for CPUs without VNNI (llama.cpp's AVX2 arithmetic): the inputs are rounded
 // as on VNNI (per chunk of 32 values, one float32 scale amax / 127, codes -127..127), kept in value order,
@@ -646,6 +813,11 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
 template <class F>
 constexpr bool int8_dot_format() {
   return F::group == 32 || (F::bits == 6 && F::group == 16 && !F::has_min);
+}
+
+template <class F>
+constexpr int64_t int8_input_group() {
+  return kChunk;
 }
 
 // Weights multiplied as signed bytes (|w| against x * sign(w)): 8-bit codes, and Q6_K's q - 32, whose
@@ -972,6 +1144,20 @@ std::vector<int64_t> int8_formats() {
   return codes;
 }
 
+// The values per input scale qlinear_int8 rounds a format's inputs with (0 where it does not run it).
+int64_t int8_group(int64_t format) {
+  int64_t group = 0;
+#if defined(KVREUSE_INT8_DOT)
+  if (format >= kQ8_0 && format <= kQ6_K) {
+    with_format(format, [&](auto f) {
+      using F = decltype(f);
+      if constexpr (int8_dot_format<F>()) group = int8_input_group<F>();
+    });
+  }
+#endif
+  return group;
+}
+
 // "q8_0, q4_0, ...": the formats named, for an error message (built only when the check fails).
 std::string format_names(const std::vector<int64_t>& codes) {
   std::string names;
@@ -999,6 +1185,14 @@ at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t f
     float* op = out.mutable_data_ptr<float>();
     with_format(format, [&](auto f) {
       using F = decltype(f);
+#if defined(KVREUSE_KQUANT_DOT)
+      if constexpr (F::kquant) {
+        const QuantizedSpans q = quantize_spans(x, rows, in);
+        at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+          dot_range_kquant<F>(q, rows, wp, l, op, out_features, begin, end);
+        });
+      } else
+#endif
       if constexpr (int8_dot_format<F>()) {
         const QuantizedRows q = quantize_rows<F>(x, rows, in);
         at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
@@ -1036,6 +1230,7 @@ TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("qdequant(Tensor weight, int format, int in_features) -> Tensor");
   m.def("qlinear_int8(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
   m.def("int8_formats() -> int[]", &int8_formats);
+  m.def("int8_group(int format) -> int", &int8_group);
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
