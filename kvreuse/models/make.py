@@ -4,7 +4,9 @@ Weights can never be downloaded here, so tests, demos and benchmarks run on fold
 module: config.json with the real shapes of a named model, seeded random weights in safetensors
 (HF parameter names), and a byte-level BPE tokenizer trained deterministically on the corpus that
 ships in ``kvreuse/data/corpus.txt``, with a ChatML chat template that takes tools (Qwen2.5's shape and
-tool-call tokens, so tests and demos run real tool loops). The folders load offline in ``transformers``
+tool-call tokens, so tests and demos run real tool loops); gpt-oss presets get the harmony format instead (its
+special tokens added to the trained tokenizer, a harmony chat template, ``<|return|>`` / ``<|call|>`` as stop
+tokens). The folders load offline in ``transformers``
 as well as in our own loader, so the two can be compared.
 """
 
@@ -50,6 +52,11 @@ TOOL_RESPONSE_END = "</tool_response>"
 TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 # 256 byte tokens, the special tokens and the tool tokens; anything smaller cannot encode arbitrary text.
 MIN_TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+# gpt-oss's harmony format: special tokens added after training as the last ids (in the order of their ids in
+# gpt-oss's o200k_harmony vocabulary). <|return|> ends a final answer and <|call|> a tool call: both stop
+# generation; <|end|> ends a message the model continues after (its analysis), so it does not.
+HARMONY_RETURN, HARMONY_CALL = "<|return|>", "<|call|>"
+HARMONY_TOKENS = (HARMONY_RETURN, "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", HARMONY_CALL)
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -58,6 +65,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
 # with experts or Gemma's windows is written as its own architecture only.
@@ -149,6 +157,81 @@ CHATML_TEMPLATE = (
 )
 
 
+# gpt-oss's harmony format, simplified but faithful to its chat template: a system message naming the channels
+# (and, with tools, that function calls go to the commentary channel); a system or developer message's text as the
+# developer message's "# Instructions", the tools after it as a `functions` namespace (each tool's JSON schema
+# in place of the TypeScript rendering); an assistant's answer on the final channel (earlier turns' analysis is
+# dropped, as gpt-oss's template drops it); its tool calls as commentary messages to=functions.NAME with JSON
+# arguments ended by <|call|>; a tool's result as a message from functions.NAME (the name of the call it
+# answers) to the assistant. The generation prompt is ``<|start|>assistant``: the model writes the channel.
+HARMONY_TEMPLATE = (
+    "{%- macro text_of(content) %}"
+    "{%- if content is string %}"
+    "{{- content }}"
+    "{%- elif content is not none %}"
+    "{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') }}"
+    "{%- endif %}"
+    "{%- endmacro %}"
+    "{{- '<|start|>system<|message|>Reasoning: medium\\n\\n# Valid channels: analysis, commentary, final. '"
+    " 'Channel must be included for every message.' }}"
+    "{%- if tools %}"
+    "{{- '\\nCalls to these tools must go to the commentary channel: \\'functions\\'.' }}"
+    "{%- endif %}"
+    "{{- '<|end|>' }}"
+    "{%- set first = messages[0] if messages else none %}"
+    "{%- set has_instructions = first is not none and first['role'] in ('system', 'developer') %}"
+    "{%- if has_instructions or tools %}"
+    "{{- '<|start|>developer<|message|>' }}"
+    "{%- if has_instructions %}"
+    "{{- '# Instructions\\n\\n' + text_of(first['content']) }}"
+    "{%- endif %}"
+    "{%- if tools %}"
+    "{%- if has_instructions %}{{- '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n' }}"
+    "{%- for tool in tools %}"
+    "{%- set tool = tool['function'] if tool['function'] is defined else tool %}"
+    "{%- if tool['description'] %}{{- '// ' + tool['description'] + '\\n' }}{%- endif %}"
+    "{{- 'type ' + tool['name'] + ' = (_: ' + (tool['parameters'] | tojson) + ') => any;\\n\\n' }}"
+    "{%- endfor %}"
+    "{{- '} // namespace functions' }}"
+    "{%- endif %}"
+    "{{- '<|end|>' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(call_name='') %}"
+    "{%- for message in messages %}"
+    "{%- set content = text_of(message['content']) %}"
+    "{%- if loop.first and has_instructions %}"
+    "{%- elif message['role'] in ('system', 'developer') %}"
+    "{{- '<|start|>developer<|message|>' + content + '<|end|>' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}"
+    "{%- set tool_call = tool_call['function'] %}"
+    "{%- endif %}"
+    "{%- set ns.call_name = tool_call['name'] %}"
+    "{{- '<|start|>assistant<|channel|>commentary to=functions.' + tool_call['name'] + ' <|constrain|>json<|message|>' }}"
+    "{%- if tool_call['arguments'] is string %}"
+    "{{- tool_call['arguments'] }}"
+    "{%- else %}"
+    "{{- tool_call['arguments'] | tojson }}"
+    "{%- endif %}"
+    "{{- '<|call|>' }}"
+    "{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + content + '<|end|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- set name = message['name'] if message['name'] is defined and message['name'] else ns.call_name %}"
+    "{{- '<|start|>functions.' + name + ' to=assistant<|channel|>commentary<|message|>' + content + '<|end|>' }}"
+    "{%- else %}"
+    "{{- '<|start|>' + message['role'] + '<|message|>' + content + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start|>assistant' }}"
+    "{%- endif %}"
+)
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     """Shapes of a named model. ``vocab_size=None`` means the size of the trained tokenizer."""
@@ -176,6 +259,8 @@ class ModelPreset:
     sliding_window: int | None = None
     sliding_window_pattern: int | None = None
     query_pre_attn_scalar: int | None = None
+    # gpt_oss: YaRN over the original context (factor 32 in gpt-oss); windows alternate with global layers
+    yarn_original_max_position: int | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -227,6 +312,23 @@ PRESETS: dict[str, ModelPreset] = {
             num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
             rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
             qwen3_head_dim=32, sliding_window=16, sliding_window_pattern=6, query_pre_attn_scalar=32,
+        ),
+        # gpt-oss-20b's proportions (24 layers, 32 experts of intermediate = hidden, 4 per token, 64 query heads
+        # to 8 KV heads of 64, a 128-token window on every other layer, sinks, YaRN x32 over 4,096) scaled to
+        # 0.97B parameters, 0.17B of them active per token in the layers, with the trained tokenizer's vocabulary.
+        ModelPreset(
+            name="gpt-oss-1b", arch="gpt_oss", hidden_size=1024, intermediate_size=384, num_hidden_layers=24,
+            num_attention_heads=16, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=150000.0, max_position_embeddings=131072, rms_norm_eps=1e-5, tokenizer_vocab_size=4096,
+            qwen3_head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128,
+            yarn_original_max_position=4096,
+        ),
+        ModelPreset(
+            name="tiny-gpt-oss", arch="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=150000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, num_experts=8, num_experts_per_tok=4, sliding_window=16,
+            yarn_original_max_position=64,
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
@@ -382,7 +484,7 @@ def _resolve(preset_name: str, arch: str | None, dtype: str, tokenizer_vocab: in
         vocab_size = max(preset.vocab_size, tokenizer_vocab)
     else:
         vocab_size = tokenizer_vocab
-    if final_arch in ("qwen3", "qwen3_moe", "gemma3") and preset.qwen3_head_dim is not None:
+    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss") and preset.qwen3_head_dim is not None:
         head_dim = preset.qwen3_head_dim
     else:
         head_dim = preset.hidden_size // preset.num_attention_heads
@@ -442,6 +544,19 @@ def build_config(model: ResolvedModel) -> dict:
             config.update(num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
                           moe_intermediate_size=preset.moe_intermediate_size, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+    elif model.arch == "gpt_oss":
+        # The spellings of gpt-oss-20b's released config.json (rope_scaling with rope_theta beside it).
+        config.update(
+            attention_bias=True, sliding_window=preset.sliding_window,
+            layer_types=["sliding_attention" if (layer + 1) % 2 else "full_attention"
+                         for layer in range(preset.num_hidden_layers)],
+            num_local_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
+            experts_per_token=preset.num_experts_per_tok, router_aux_loss_coef=0.9, output_router_logits=False,
+            swiglu_limit=7.0, rope_scaling={
+                "rope_type": "yarn", "factor": preset.max_position_embeddings / preset.yarn_original_max_position,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": preset.yarn_original_max_position},
+        )
     elif model.arch == "gemma3":
         # The spellings Gemma 3's released config.json files use (llama.cpp's converter reads these), and the
         # layer_types transformers 5 writes.
@@ -478,6 +593,12 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
             specs.append(TensorSpec(f"{prefix}.self_attn.q_proj.bias", (q_size,), "normal"))
             specs.append(TensorSpec(f"{prefix}.self_attn.k_proj.bias", (kv_size,), "normal"))
             specs.append(TensorSpec(f"{prefix}.self_attn.v_proj.bias", (kv_size,), "normal"))
+        if model.arch == "gpt_oss":
+            specs.append(TensorSpec(f"{prefix}.self_attn.q_proj.bias", (q_size,), "normal"))
+            specs.append(TensorSpec(f"{prefix}.self_attn.k_proj.bias", (kv_size,), "normal"))
+            specs.append(TensorSpec(f"{prefix}.self_attn.v_proj.bias", (kv_size,), "normal"))
+            specs.append(TensorSpec(f"{prefix}.self_attn.o_proj.bias", (hidden,), "normal"))
+            specs.append(TensorSpec(f"{prefix}.self_attn.sinks", (preset.num_attention_heads,), "normal"))
         if model.arch in ("qwen3", "qwen3_moe", "gemma3"):
             specs.append(TensorSpec(f"{prefix}.self_attn.q_norm.weight", (head_dim,), norm_init))
             specs.append(TensorSpec(f"{prefix}.self_attn.k_norm.weight", (head_dim,), norm_init))
@@ -493,6 +614,17 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
                 specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.gate_proj.weight", (size, hidden), "normal"))
                 specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.up_proj.weight", (size, hidden), "normal"))
                 specs.append(TensorSpec(f"{prefix}.mlp.experts.{expert}.down_proj.weight", (hidden, size), "normal"))
+            continue
+        if model.arch == "gpt_oss":
+            # transformers' stacked layout: gate_up [E, hidden, 2I] with gate and up interleaved along the last
+            # dim, down [E, I, hidden] (x @ W + b), a biased router.
+            experts, size = preset.num_experts, preset.intermediate_size
+            specs.append(TensorSpec(f"{prefix}.mlp.router.weight", (experts, hidden), "normal"))
+            specs.append(TensorSpec(f"{prefix}.mlp.router.bias", (experts,), "normal"))
+            specs.append(TensorSpec(f"{prefix}.mlp.experts.gate_up_proj", (experts, hidden, 2 * size), "normal"))
+            specs.append(TensorSpec(f"{prefix}.mlp.experts.gate_up_proj_bias", (experts, 2 * size), "normal"))
+            specs.append(TensorSpec(f"{prefix}.mlp.experts.down_proj", (experts, size, hidden), "normal"))
+            specs.append(TensorSpec(f"{prefix}.mlp.experts.down_proj_bias", (experts, hidden), "normal"))
             continue
         specs.append(TensorSpec(f"{prefix}.mlp.gate_proj.weight", (preset.intermediate_size, hidden), "normal"))
         specs.append(TensorSpec(f"{prefix}.mlp.up_proj.weight", (preset.intermediate_size, hidden), "normal"))
@@ -597,7 +729,10 @@ def _write_weights(out_dir: Path, specs: Sequence[TensorSpec], dtype: torch.dtyp
 # Folder assembly
 
 
-def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int]) -> dict:
+def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int],
+                      harmony_token_ids: dict[str, int] | None = None) -> dict:
+    """tokenizer_config.json: ChatML's special tokens and template, or with ``harmony_token_ids`` (gpt-oss)
+    harmony's, its end of a final answer as eos."""
     added_tokens = {
         str(token_id): {
             "content": token, "lstrip": False, "rstrip": False, "normalized": False,
@@ -609,6 +744,27 @@ def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int]) -> dict:
         added_tokens[str(token_id)] = {
             "content": token, "lstrip": False, "rstrip": False, "normalized": False,
             "single_word": False, "special": False,
+        }
+    for token, token_id in (harmony_token_ids or {}).items():
+        added_tokens[str(token_id)] = {
+            "content": token, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False, "special": True,
+        }
+    if harmony_token_ids:
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": added_tokens,
+            "bos_token": None,
+            "eos_token": HARMONY_RETURN,
+            "pad_token": ENDOFTEXT,
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "additional_special_tokens": list(HARMONY_TOKENS),
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_length,
+            "split_special_tokens": False,
+            "chat_template": HARMONY_TEMPLATE,
         }
     return {
         # Explicit class: a model-specific class (e.g. LlamaTokenizer chosen from model_type) would
@@ -668,8 +824,8 @@ def make_model(
 ) -> Path:
     """Write a complete HF model folder for ``preset`` into ``out_dir`` and return its path.
 
-    ``arch`` (llama, mistral, qwen2, qwen3) overrides a dense preset's architecture; the qwen3_moe and
-    gemma3 presets are written as their own. Weights are seeded normal(0, 0.02) (norm weights 1; Gemma's 0,
+    ``arch`` (llama, mistral, qwen2, qwen3) overrides a dense preset's architecture; the qwen3_moe, gemma3
+    and gpt_oss presets are written as their own (gpt_oss with harmony's tokens and chat template). Weights are seeded normal(0, 0.02) (norm weights 1; Gemma's 0,
     which it reads as a scale of 1); ``write_weights=None`` writes them when the model has under
     1.5B parameters. ``max_shard_size`` (bytes or "500MB") splits weights into HF shards with an
     index. ``vocab_size_override`` sets config.json's vocab_size (the tokenizer is trained to at
@@ -691,30 +847,47 @@ def make_model(
         )
 
     preset_spec = PRESETS[preset]
+    harmony = preset_spec.arch == "gpt_oss"
     tokenizer_target = preset_spec.tokenizer_vocab_size
     if vocab_size_override is not None:
         tokenizer_target = min(tokenizer_target, vocab_size_override)
+    if harmony:  # room for harmony's tokens, added after training
+        tokenizer_target = max(MIN_TOKENIZER_VOCAB, tokenizer_target - len(HARMONY_TOKENS))
     tokenizer_json = trained_tokenizer_path(tokenizer_target)
-    tokenizer_vocab = _tokenizer_vocab_size(tokenizer_json)
-    model = _resolve(preset, arch, dtype, tokenizer_vocab, vocab_size_override)
-
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
+    harmony_ids: dict[str, int] = {}
+    if harmony:
+        harmony_ids = _write_harmony_tokenizer(tokenizer_json, out_path / "tokenizer.json")
+    else:
+        shutil.copyfile(tokenizer_json, out_path / "tokenizer.json")
+    tokenizer_vocab = _tokenizer_vocab_size(out_path / "tokenizer.json")
+    model = _resolve(preset, arch, dtype, tokenizer_vocab, vocab_size_override)
+    if model.vocab_size < tokenizer_vocab:
+        raise ValueError(f"vocab_size_override {vocab_size_override} is below the tokenizer's {tokenizer_vocab} "
+                         "tokens (harmony's special tokens included)")
+
     _remove_old_weights(out_path)
     config = build_config(model)
+    generation_eos = config["eos_token_id"]
+    if harmony:
+        # gpt-oss's own files: config.json's eos is <|return|>; generation stops on <|return|>, <|endoftext|>
+        # and <|call|> (a tool call waits for its result).
+        config["eos_token_id"] = harmony_ids[HARMONY_RETURN]
+        generation_eos = [harmony_ids[HARMONY_RETURN], SPECIAL_TOKENS.index(ENDOFTEXT), harmony_ids[HARMONY_CALL]]
     _write_json(out_path / "config.json", config)
     _write_json(out_path / "generation_config.json", {
         "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
+        "eos_token_id": generation_eos,
         "pad_token_id": config["pad_token_id"],
     })
-    shutil.copyfile(tokenizer_json, out_path / "tokenizer.json")
     _write_json(out_path / "tokenizer_config.json",
-                _tokenizer_config(preset_spec.max_position_embeddings, _tool_token_ids(tokenizer_json)))
+                _tokenizer_config(preset_spec.max_position_embeddings, _tool_token_ids(tokenizer_json),
+                                  harmony_ids or None))
     _write_json(out_path / "special_tokens_map.json", {
-        "eos_token": IM_END,
+        "eos_token": HARMONY_RETURN if harmony else IM_END,
         "pad_token": ENDOFTEXT,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": list(HARMONY_TOKENS) if harmony else [IM_START, IM_END],
     })
 
     specs = weight_specs(model)
@@ -731,6 +904,17 @@ def _tokenizer_vocab_size(tokenizer_json: Path) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+
+
+def _write_harmony_tokenizer(trained: Path, destination: Path) -> dict[str, int]:
+    """The trained tokenizer with harmony's special tokens added as its last ids, written to ``destination``;
+    returns their ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(trained))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in HARMONY_TOKENS])
+    _atomic_write_text(destination, tokenizer.to_str(pretty=True))
+    return {token: tokenizer.token_to_id(token) for token in HARMONY_TOKENS}
 
 
 def _tool_token_ids(tokenizer_json: Path) -> dict[str, int]:
