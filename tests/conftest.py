@@ -154,8 +154,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_c
 
     root = tmp_path_factory.mktemp("models")
     models = {arch: make_model(root / arch, preset="tiny", arch=arch, dtype="float32", seed=1) for arch in ARCHS}
-    # The architectures with their own presets: experts, and Gemma 3's windows (16 tokens) and norms.
-    for arch, preset in (("qwen3_moe", "tiny-moe"), ("gemma3", "tiny-gemma3")):
+    # The architectures with their own presets: experts, Gemma 3's windows (16 tokens) and norms, and gpt-oss's
+    # windows (16 tokens) with sinks, biases, YaRN and clamped experts.
+    for arch, preset in (("qwen3_moe", "tiny-moe"), ("gemma3", "tiny-gemma3"), ("gpt_oss", "tiny-gpt-oss")):
         models[arch] = make_model(root / arch, preset=preset, dtype="float32", seed=1)
     return models
 

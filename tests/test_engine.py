@@ -81,7 +81,7 @@ def prompt_ids(seed: int, length: int, vocab: int = 300) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
 def test_greedy_matches_transformers_cold_and_warm(tiny_models, arch):
     model_dir = tiny_models[arch]
     llm = make_llm(model_dir)

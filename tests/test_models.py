@@ -2,11 +2,13 @@
 
 Tiny random checkpoints are written with transformers (Llama with llama3 rope scaling, Mistral,
 Qwen2 with q/k/v bias and tied embeddings, Qwen3 with q/k norm and head_dim != hidden/heads, Qwen3-MoE
-with renormalised top-2 of 8 experts and a dense layer, Gemma 3 with a windowed and a global layer), loaded
+with renormalised top-2 of 8 experts and a dense layer, Gemma 3 with a windowed and a global layer, gpt-oss with
+a 5-token window, sinks, biases, YaRN and clamped experts, Qwen3 with YaRN), loaded
 through ``load_model`` and run through ``ModelRunner`` over a paged KV cache with scattered block ids;
 the logits must match transformers' for a full prompt, for a prompt split into chunks followed by a
 decode, and for several sequences in one batch. Also: sharded checkpoints, config parsing of real
-config.json spellings, dummy weights, dtype resolution and the errors for bad checkpoints.
+config.json spellings, dummy weights, dtype resolution and the errors for bad checkpoints; YaRN's parameters,
+gpt-oss's router and MoE layer and its MXFP4 dequantization against transformers' own functions.
 """
 
 from __future__ import annotations
@@ -54,7 +56,21 @@ ARCHITECTURES = {
         head_dim=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
+    # Windows of 5 tokens on even layers, learned sinks, q/k/v/o biases, a biased router softmaxed over its top 2 of
+    # 8, biased experts (their gate_up weights scaled up in _save_hf_model so the SwiGLU's clamp at 7 bites) and
+    # YaRN over an original context of 16 (the prompts run past it).
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+    # YaRN on an architecture other than gpt-oss: truncated ramp, mscale / mscale_all_dim attention factor.
+    "qwen3_yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        head_dim=32, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "mscale": 1.0, "mscale_all_dim": 0.5, "rope_theta": 10000.0})),
 }
+# gpt-oss's expert gate_up weights at 10x _randomize's scale: gate values well past swiglu_limit (7).
+_SCALED_UP = {"gpt_oss": ("mlp.experts.gate_up_proj", 10.0)}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -72,6 +88,12 @@ def _save_hf_model(kind: str, folder: Path, **save_kwargs) -> torch.nn.Module:
     config_class, model_class, extra = ARCHITECTURES[kind]
     hf_model = model_class(config_class(**COMMON, **extra)).eval()
     _randomize(hf_model, seed=len(kind))
+    if kind in _SCALED_UP:
+        suffix, factor = _SCALED_UP[kind]
+        with torch.no_grad():
+            for name, parameter in hf_model.named_parameters():
+                if name.endswith(suffix):
+                    parameter.mul_(factor)
     hf_model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
     return hf_model
 
@@ -234,8 +256,6 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path):
 def test_newer_architectures_not_built_are_refused_saying_what_is_missing():
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
             "vocab_size": 256}
-    with pytest.raises(ValueError, match=r"GptOssForCausalLM.*sinks.*not built yet.*Qwen3MoeForCausalLM"):
-        ModelConfig.from_dict({**base, "architectures": ["GptOssForCausalLM"]})
     with pytest.raises(ValueError, match=r"multimodal Gemma 3"):
         ModelConfig.from_dict({**base, "architectures": ["Gemma3ForConditionalGeneration"]})
     gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 4}
@@ -246,6 +266,167 @@ def test_newer_architectures_not_built_are_refused_saying_what_is_missing():
     with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and num_experts"):
         ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
                                "num_experts_per_tok": 5, "moe_intermediate_size": 32})
+
+
+GPT_OSS_BASE = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 32, "vocab_size": 256,
+                "num_local_experts": 8, "num_experts_per_tok": 4}
+
+
+def test_gpt_oss_config_takes_transformers_defaults_and_names_bad_fields():
+    config = ModelConfig.from_dict(GPT_OSS_BASE)  # every field transformers defaults left out
+    hf = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_BASE.items() if k != "architectures"})
+    assert config.head_dim == hf.head_dim == 64 and config.sliding_window == hf.sliding_window == 128
+    assert [config.layer_window(i) for i in range(4)] == [128 if kind == "sliding_attention" else None
+                                                         for kind in hf.layer_types]
+    assert config.attention_bias and config.o_proj_bias and config.attention_sinks and not config.tie_word_embeddings
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] and config.rms_norm_eps == hf.rms_norm_eps
+    assert (config.rope_scaling.factor, config.rope_scaling.original_max_position_embeddings,
+            config.rope_scaling.truncate) == (32.0, 4096, False)
+    moe = config.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.swiglu_limit,
+            moe.swiglu_alpha) == (8, 4, 32, hf.swiglu_limit, hf.swiglu_alpha)
+    assert moe.router_bias and moe.softmax_after_topk and moe.expert_bias and all(moe.sparse_layers)
+    with pytest.raises(ValueError, match="swiglu_limit must be positive, got -1.0"):
+        ModelConfig.from_dict({**GPT_OSS_BASE, "swiglu_limit": -1.0})
+    with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and num_experts \\(8\\), got 9"):
+        ModelConfig.from_dict({**GPT_OSS_BASE, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match=r"quantization_config.quant_method 'gptq' is not supported.*mxfp4"):
+        ModelConfig.from_dict({**GPT_OSS_BASE, "quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ValueError, match="layer_types names sliding_attention layers but sliding_window is null"):
+        ModelConfig.from_dict({**GPT_OSS_BASE, "sliding_window": None})
+    with pytest.raises(ValueError, match="yarn rope_scaling factor must be positive, got 0.0"):
+        ModelConfig.from_dict({**GPT_OSS_BASE, "rope_scaling": {"rope_type": "yarn", "factor": 0.0,
+                                                                 "original_max_position_embeddings": 4096}})
+    with pytest.raises(ValueError, match="lacks the mixture-of-experts field 'num_experts_per_tok'"):
+        ModelConfig.from_dict({k: v for k, v in GPT_OSS_BASE.items() if k != "num_experts_per_tok"})
+
+
+YARN_VARIANTS = [  # each a rope_parameters dict; transformers' _compute_yarn_parameters is the reference
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096},  # gpt-oss's
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's, truncated ramp
+    {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+     "original_max_position_embeddings": 4096},  # DeepSeek's spelling: an attention factor of 1
+    {"rope_type": "yarn", "factor": 8.0, "attention_factor": 0.7, "original_max_position_embeddings": 2048},
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 8192},  # factor from the ratio
+]
+
+
+@pytest.mark.parametrize("variant", range(len(YARN_VARIANTS)))
+def test_yarn_frequencies_and_attention_factor_equal_transformers(variant):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvreuse.models.layers import RotaryEmbedding, rope_inverse_frequencies
+
+    parameters = {**YARN_VARIANTS[variant], "rope_theta": 1000000.0}
+    hf_config = transformers.Qwen3Config(hidden_size=512, num_attention_heads=4, head_dim=128,
+                                         max_position_embeddings=65536, rope_parameters=dict(parameters))
+    expected_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    config = ModelConfig.from_dict({**QWEN25_05B_CONFIG, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+                                    "max_position_embeddings": 65536, "rope_scaling": dict(parameters)})
+    assert config.rope_scaling.attention_factor == pytest.approx(expected_factor, rel=1e-12)
+    inv_freq = rope_inverse_frequencies(128, config.rope_theta, config.rope_scaling, torch.device("cpu"))
+    assert torch.equal(inv_freq, expected_inv_freq)
+    # cos / sin carry the attention factor, as transformers' rotary embedding multiplies them.
+    rotary = RotaryEmbedding(128, 64, config.rope_theta, config.rope_scaling, torch.device("cpu"))
+    positions = torch.arange(64)
+    freqs = positions[:, None].float() * expected_inv_freq[None, :]
+    assert torch.equal(rotary.cos_cache, freqs.cos() * expected_factor)
+    assert torch.equal(rotary.sin_cache, freqs.sin() * expected_factor)
+
+
+def test_gpt_oss_router_and_experts_equal_transformers(checkpoints):
+    """The router (bias, softmax over the top k logits only) and the whole MoE layer (interleaved gate / up
+    split per expert, biases, the clamped SwiGLU) against transformers' modules on the same weights."""
+    from kvreuse.models.moe import SparseMoE
+
+    folder, hf_model = checkpoints["gpt_oss"]
+    model, _ = load_model(folder, torch.float32, "cpu")
+    generator = torch.Generator().manual_seed(5)
+    for index, layer in enumerate(model.model.layers):
+        assert isinstance(layer.mlp, SparseMoE)
+        hf_mlp = hf_model.model.layers[index].mlp
+        x = torch.randn(9, 64, generator=generator)
+        with torch.no_grad():
+            _, hf_scores, hf_indices = hf_mlp.router(x)
+            weights, experts = layer.mlp.route(x)
+            assert torch.equal(experts, hf_indices)
+            torch.testing.assert_close(weights, hf_scores, atol=1e-6, rtol=1e-6)
+            # Softmax over the chosen logits, not over all experts: the weights sum to one.
+            torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+            hf_out, _ = hf_mlp(x[None])
+            torch.testing.assert_close(layer.mlp(x), hf_out[0], atol=1e-4, rtol=1e-4)
+    assert layer.mlp.prepare_native().startswith("gpt-oss experts")  # the Python path, saying why
+    assert "biased experts" in model.native_step_refusal
+
+
+def test_clamped_swiglu_equals_transformers_apply_gate():
+    from kvreuse.models.layers import clamped_swiglu
+
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(transformers.GptOssConfig(
+        num_local_experts=2, hidden_size=8, intermediate_size=16))
+    gate_up = torch.randn(5, 32, generator=torch.Generator().manual_seed(6)) * 10  # far past the limit of 7
+    expected = experts._apply_gate(gate_up)
+    # transformers interleaves gate and up; kvreuse holds them apart.
+    assert torch.equal(clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], 7.0, 1.702), expected)
+    assert not torch.equal(clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], 1e9, 1.702), expected)
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvreuse.models.llama import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(7)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=generator)
+    scales[0, 0, 0] = 0  # the smallest scale, 2**-127
+    ours = dequantize_mxfp4(blocks, scales)
+    assert ours.shape == (3, 10, 128)
+    # transformers returns the matrices transposed for its x @ W ([E, in, out]).
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
+        assert torch.equal(ours.to(dtype), expected)
+    with pytest.raises(ValueError, match="do not pair"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+
+
+def test_gpt_oss_mxfp4_folder_loads_as_its_dequantized_weights(checkpoints, tmp_path):
+    """A folder in OpenAI's release format (experts as *_blocks / *_scales, quantization_config mxfp4) gives
+    transformers' logits for the same weights dequantized."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder, _ = checkpoints["gpt_oss"]
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    generator = torch.Generator().manual_seed(8)
+    packed, dense = {}, {}
+    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stacked = tensors.pop(name)  # [E, in, out]
+        experts, inputs, outputs = stacked.shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(118, 124, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=generator)
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    (tmp_path / "mxfp4").mkdir()
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({
+        **config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}}))
+    _copy_config(folder, tmp_path / "dense")
+    save_file({**tensors, **packed}, tmp_path / "mxfp4" / "model.safetensors")
+    save_file({**tensors, **dense}, tmp_path / "dense" / "model.safetensors")
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    runner, _ = _runner(tmp_path / "mxfp4")
+    prompt = [int(t) for t in torch.randint(0, 256, (19,), generator=generator)]
+    logits = runner.execute(_make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)]))
+    torch.testing.assert_close(logits[0], _hf_logits(hf_model, prompt)[-1], atol=1e-4, rtol=1e-4)
+    # A pair missing its scales is named.
+    save_file({**tensors, **{k: v for k, v in packed.items() if not k.endswith("layers.1.mlp.experts.down_proj_scales")}},
+              tmp_path / "mxfp4" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_scales"):
+        load_model(tmp_path / "mxfp4", torch.float32, "cpu")
 
 
 def test_gemma3_layer_pattern_and_rope_bases_from_either_spelling():
@@ -307,8 +488,8 @@ def test_config_parses_real_config_spellings():
 
 
 def test_config_rejects_unsupported_rope_and_bad_heads():
-    with pytest.raises(ValueError, match=r"rope_scaling type 'yarn' is not supported.*llama3"):
-        ModelConfig.from_dict({**LLAMA32_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"rope_scaling type 'longrope' is not supported.*llama3, linear, yarn"):
+        ModelConfig.from_dict({**LLAMA32_CONFIG, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match=r"num_attention_heads \(32\) must be a multiple of num_key_value_heads"):
         ModelConfig.from_dict({**LLAMA32_CONFIG, "num_key_value_heads": 5})
     with pytest.raises(ValueError, match="required field 'vocab_size'"):
