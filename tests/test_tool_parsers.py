@@ -19,6 +19,7 @@ from kvreuse.models.make import make_model
 from kvreuse.tokenizer import Tokenizer
 from kvreuse.tool_parsers import (
     PARSERS,
+    HarmonyToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -139,7 +140,21 @@ def test_mistral_reads_lists_and_the_v11_form_with_nine_character_ids() -> None:
 # ----------------------------------------------------------------------------------------------
 # Streaming equals the whole text
 
+def harmony() -> HarmonyToolParser:
+    return HarmonyToolParser(id_factory=counting_ids())
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user wants <|end|> weather.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>It is sunny in Zürich<|return|>")
+HARMONY_CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Zü<|", "days": 3}'
+                "<|call|>")
+
 STREAM_CASES = {
+    "harmony": (harmony, [
+        HARMONY_REPLY, HARMONY_REPLY[:-len("<|return|>")], HARMONY_CALL, HARMONY_CALL[:-len("<|call|>")],
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}", "plain text <|chan",
+        "<|channel|>final<|message|>partial <|re", "<|channel|>analysis<|message|>only thinking",
+    ]),
     "hermes": (hermes, [
         TWO_CALLS, "just text", "text\n", "text\n\n", "x <tool_call", "a\n<tool_c",
         '<tool_call>\n{"name": "get_time", "arguments": 12}\n</tool_call>',
@@ -203,8 +218,8 @@ def test_choose_by_template_or_name() -> None:
     assert choose("{{- '<|python_tag|>' }}{{- '\"parameters\": ' }}").name == "llama3_json"
     assert choose("{% for m in messages %}{{ m.content }}{% endfor %}") is None and choose(None) is None
     assert choose(None, "llama3_json").name == "llama3_json"  # the flag wins over the template
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    assert sorted(PARSERS) == ["harmony", "hermes", "llama3_json", "mistral"]
+    with pytest.raises(ValueError, match="harmony, hermes, llama3_json, mistral"):
         choose(CHATML_TEMPLATE, "pythonic")
 
 
@@ -390,3 +405,58 @@ def test_mistral_grammar_names_its_special_token_by_id(model_dir: Path) -> None:
     assert not take(parser.grammar(TOOLS, "required"), "Hello")
     assert take(parser.grammar(STRICT_TOOLS, "auto"), "Hello") and take(parser.grammar(STRICT_TOOLS, "auto"), call)
     assert not take(parser.grammar(TOOLS, "required"), '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]')
+
+
+# ----------------------------------------------------------------------------------------------
+# harmony (gpt-oss)
+
+
+def test_harmony_content_is_the_final_channel_and_calls_go_to_functions() -> None:
+    # The analysis channel is dropped, a <|end|> inside a message body ends it (it is a special token: the
+    # model cannot write it as text), the final channel is the content.
+    assert harmony().extract(HARMONY_REPLY) == ("It is sunny in Zürich", [])
+    content, calls = harmony().extract(HARMONY_CALL[:-len("<|call|>")])  # <|call|> stops generation
+    assert content is None and as_dicts(calls) == [
+        {"id": "call_0", "name": "get_weather", "arguments": '{"city": "Zü<|", "days": 3}'}]
+    # The recipient before the channel, as gpt-oss also writes it.
+    assert as_dicts(harmony().extract("<|start|>assistant to=functions.get_time<|channel|>commentary json"
+                                      "<|message|>{}")[1]) == [{"id": "call_0", "name": "get_time", "arguments": "{}"}]
+    assert harmony().extract("no markers at all") == ("no markers at all", [])
+    assert harmony().extract("<|channel|>analysis<|message|>thinking, cut by the length limit") == ("", [])
+    stream = harmony().stream()
+    assert stream.feed("<|channel|>final<|message|>Hel").content == "Hel"
+    assert stream.feed("lo <|e").content == "lo "  # may open <|end|>: held back
+    assert stream.feed("nd|>").content == "" and not stream.finish()
+
+
+def test_harmony_is_chosen_from_the_template_and_applied_to_every_reply(tmp_path: Path) -> None:
+    from kvreuse.server.protocol import ChatCompletionRequest
+
+    folder = make_model(tmp_path / "gpt-oss", preset="tiny-gpt-oss", write_weights=False)
+    parser = choose(Tokenizer(folder).chat_template)
+    assert isinstance(parser, HarmonyToolParser) and parser.needs_special_tokens
+    # Without tools, or with tool_choice none, the reply is still read for its final channel.
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body)
+        setup = request.tool_setup(parser)
+        assert setup.parser is parser and setup.constraint is None
+        assert not request.sampling_params(max_tokens=4, logprobs=None, renames={}, tools=setup).skip_special_tokens
+
+
+def test_harmony_forced_call_grammar_and_auto_strict_refused(tmp_path: Path) -> None:
+    folder = make_model(tmp_path / "gpt-oss", preset="tiny-gpt-oss", write_weights=False)
+    tokenizer = Tokenizer(folder)
+    ll = llguidance.hf.from_tokenizer(tokenizer.hf_tokenizer, n_vocab=tokenizer.vocab_size)
+    parser = HarmonyToolParser(tokenizer.hf_tokenizer.get_added_vocab(), counting_ids())
+    grammar = parser.grammar(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    assert accepts(ll, tokenizer, grammar, call)
+    assert parser.extract(call)[1][0].name == "get_weather"
+    for refused in (call.replace("get_weather", "get_time").replace('{"city": "Oslo"}', "{}"),
+                    "<|channel|>final<|message|>No.", call.replace('"Oslo"', "5")):
+        assert not accepts(ll, tokenizer, grammar, refused), refused
+    assert accepts(ll, tokenizer, parser.grammar(TOOLS, "required"),
+                   "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}")
+    with pytest.raises(InvalidRequestError, match="strict tools with tool_choice 'auto'") as refused_auto:
+        parser.grammar(STRICT_TOOLS, "auto")
+    assert refused_auto.value.param == "tools"

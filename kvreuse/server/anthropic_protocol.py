@@ -270,10 +270,12 @@ def tool_setup(body: MessagesRequest, parser: ToolParser | None) -> ToolSetup:
     if choice.type == "any" and not tools:
         raise APIError(400, "tool_choice: 'any' needs at least one tool in tools", param="tool_choice")
     if not tools or choice.type == "none":
-        return ToolSetup(tools)  # the tools stay in the prompt; no call is read out of the text
+        # The tools stay in the prompt; no call is read out of the text, but a format that frames every reply
+        # (harmony's channels) still is, for its content.
+        return ToolSetup(tools, parser if parser is not None and parser.parses_every_reply else None)
     if parser is None:
         raise APIError(400, "tools: this model's chat template writes no tool-call format this server knows "
-                            "(hermes, llama3_json, mistral): start the server with --tool-call-parser NAME, or send "
+                            "(hermes, llama3_json, mistral, harmony): start the server with --tool-call-parser NAME, or send "
                             "tool_choice none", param="tools")
     openai_choice: Any = {"auto": "auto", "any": "required",
                           "tool": {"type": "function", "function": {"name": choice.name}}}[choice.type]

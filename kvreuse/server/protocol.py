@@ -220,14 +220,16 @@ class ChatCompletionRequest(_SamplingRequest):
         template has no tool-call format we know). A choice that cannot be met, a parser missing, or a forced
         call beside a ``response_format`` is an InvalidRequestError / 400 naming the field."""
         tools = validate_tools(self.tools)
+        # A format that frames every reply (harmony's channels) is read out of the text whatever the tools.
+        no_tools = ToolSetup(parser) if parser is not None and parser.parses_every_reply else NO_TOOLS
         if not tools and self.tool_choice in (None, "auto", "none"):
-            return NO_TOOLS
+            return no_tools
         choice = resolve_tool_choice(self.tool_choice, tools)  # required / a name without tools: refused here
         if choice.mode == "none":
-            return NO_TOOLS  # the tools stay in the prompt; no call is read out of the text
+            return no_tools  # the tools stay in the prompt; no call is read out of the text
         if parser is None:
             raise bad_request("this model's chat template writes no tool-call format this server knows "
-                              "(hermes, llama3_json, mistral): start the server with --tool-call-parser NAME "
+                              "(hermes, llama3_json, mistral, harmony): start the server with --tool-call-parser NAME "
                               "to serve tools, or send tool_choice 'none'", "tools")
         constraint = parser.structured_outputs(tools, self.tool_choice, self.parallel_tool_calls)
         formatted = self.structured_outputs is not None or (

@@ -1,6 +1,6 @@
 """Tool-call parsers by model family, with vLLM's names: ``hermes`` (Qwen2.5 / Qwen3 / ChatML
-``<tool_call>{json}</tool_call>``, and the models ``kvreuse make-model`` makes), ``llama3_json`` and
-``mistral``. Each extracts calls from generated text (whole, or as stream deltas keyed by index) and
+``<tool_call>{json}</tool_call>``, and the models ``kvreuse make-model`` makes), ``llama3_json``, ``mistral``
+and ``harmony`` (gpt-oss: calls to ``functions.NAME`` on the commentary channel, the final channel as content). Each extracts calls from generated text (whole, or as stream deltas keyed by index) and
 writes the grammar that makes the model call in its own format (``tool_choice`` required, a named
 function, or ``auto`` with strict tools). `choose` picks one from the chat template or a
 ``--tool-call-parser`` name.
@@ -23,22 +23,24 @@ from kvreuse.tool_parsers.base import (
     random_call_id,
     resolve_tool_choice,
 )
+from kvreuse.tool_parsers.harmony import HarmonyToolParser
 from kvreuse.tool_parsers.hermes import HermesToolParser
 from kvreuse.tool_parsers.llama3_json import Llama3JsonToolParser
 from kvreuse.tool_parsers.mistral import MistralToolParser
 
 __all__ = [
-    "PARSERS", "TEMPLATE_JSON_STYLE", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "StreamDelta",
+    "PARSERS", "TEMPLATE_JSON_STYLE", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "StreamDelta",
     "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolChoice", "ToolParser", "choose", "random_call_id",
     "resolve_tool_choice",
 ]
 
 PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)
 }
 
 # What a chat template that renders tool calls writes, per format, looked for in this order.
 _TEMPLATE_SIGNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("harmony", ("<|channel|>",)),
     ("hermes", ("<tool_call>",)),
     ("mistral", ("[TOOL_CALLS]",)),
     ("llama3_json", ("<|python_tag|>", '"parameters": ')),

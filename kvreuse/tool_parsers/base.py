@@ -156,6 +156,9 @@ class ToolParser(ABC):
     # Tags the format's text holds that are special tokens: decoding must keep them (skip_special_tokens
     # False) or extraction cannot see the calls.
     special_tags: ClassVar[tuple[str, ...]] = ()
+    # Whether every chat reply is read through this parser, tools or not: a format whose markers frame all
+    # replies (harmony's channels), so the content is what the parser finds, not the text.
+    parses_every_reply: ClassVar[bool] = False
 
     def __init__(self, added_tokens: Mapping[str, int] | None = None,
                  id_factory: Callable[[], str] | None = None) -> None:
