@@ -277,7 +277,8 @@ def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> Lin
     shape = weight.shape
     if forced != "auto" or shape[0] * shape[1] < kernels.MIN_MEASURED_ELEMENTS or dtype not in DTYPES:
         return DEFAULT_PLAN
-    label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}"
+    # The kernels' build (source digest) is in the label: timings taken of an older build are not reused.
+    label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}/{build_name().rsplit('_', 1)[-1][:12]}"
     return book.plan_measured(label, shape, 1, lambda: measure(weight.format.name, shape, dtype),
                               lambda name: name in offered, expected=offered)
 
