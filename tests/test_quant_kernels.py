@@ -27,10 +27,13 @@ from kvreuse.models.quant import FORMATS, GGUF_TYPES, QuantizedTensor, repack_gg
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                     reason="no C++ compiler to build the quantized kernels")
 # GGML types gguf.quants can quantize (the K-quants it only dequantizes: their tests use random blocks).
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # Offsets of the fp16 fields in each GGUF block (random bytes there could be NaN or infinity).
 HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+               "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
+# Offsets of the E8M0 exponent bytes: 2^(e - 128) scales near 1e-3 (large ones overflow a product), and the
+# two subnormal ones (e 0 and 1) too.
+E8M0_FIELDS = {"MXFP4": (0,)}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def gguf_blocks(ggml_type: str, out_features: int, in_features: int, seed: int =
     for offset in HALF_FIELDS[ggml_type]:
         halves = (rng.uniform(1e-4, 1e-2, (out_features, count)) * rng.choice([-1, 1], (out_features, count)))
         blocks[..., offset:offset + 2] = halves.astype(np.float16).view(np.uint8).reshape(out_features, count, 2)
+    for offset in E8M0_FIELDS.get(ggml_type, ()):
+        blocks[..., offset] = rng.choice([0, 1, *range(112, 124)], (out_features, count))
     return blocks.reshape(out_features, -1)
 
 
@@ -87,7 +92,8 @@ def test_repacking_is_exact_and_as_small_as_the_file(ggml_type):
 
 def test_layout_sizes_and_int8_quantization():
     assert {name: fmt.bits_per_value() for name, fmt in FORMATS.items()} == {
-        "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625}
+        "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625,
+        "mxfp4": 4.25}
     torch.manual_seed(0)
     weight = torch.randn(40, 96)
     weight[3, :32] = 0  # an all-zero group: scale 0, values 0
@@ -164,7 +170,7 @@ def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, 
     every x86-64 machine this suite runs on has one of them), never for float16; asked for
     another format it names it, and a fused weight's later part in such a format falls back to qdot."""
     offered = qlinear.int8_formats()
-    vnni = {"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"}
+    vnni = {"q8_0", "q4_0", "q4_1", "mxfp4", "q4_k", "q5_k", "q6_k"}
     assert offered in (vnni, set(quant.FORMATS)), offered
     for fmt in quant.FORMATS:  # the K-quants' inputs per super-block on VNNI (as llama.cpp's q8_K), else per 32
         expected_group = 0 if fmt not in offered else 256 if offered == vnni and fmt.endswith("_k") else 32
@@ -336,7 +342,9 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     assert plan.times_us["qtile_bf16"][1] == float("inf") and plan.times_us["qtile_bf16"][256] < float("inf")
     book.save()
     (key,) = json.loads(path.read_text())["plans"]
-    assert key.endswith("| q4_0/bfloat16 | 1024x512")
+    # Keyed by the kernels' build too: timings of an older build are measured again, not reused.
+    build = qlinear.build_name().rsplit("_", 1)[-1][:12]
+    assert key.endswith(f"| q4_0/bfloat16/{build} | 1024x512")
     monkeypatch.setattr(qlinear, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert qlinear.plan_for(kernels.PlanBook(path), qt, torch.bfloat16).segments == plan.segments
     monkeypatch.setenv(kernels.KERNEL_ENV, "qtile")

@@ -20,7 +20,13 @@ q4_k     fp16 d, dmin; u8 code and min / 32;      (d[s] * code[g]) * q - dmin[s]
 q5_k     as q4_k, plus one high-bit plane         as q4_k, q of 5 bits
 q6_k     fp16 d; i8 code / 16; 4-bit values,      (d[s] * code[g]) * (q - 32)
          two high-bit planes
+mxfp4    E8M0 byte e / 32, 4-bit codes            2^(e - 128) * (level[q] - 12)
 =======  ======================================  ==================================================
+
+MXFP4 (gpt-oss's experts) stores E2M1 floats: doubled, its 16 codes are the integers 0, 1, 2, 3, 4, 6, 8,
+12 and their negatives, held here as ``MXFP4_LEVELS`` (that value plus 12, 0..24) so the kernels run them
+as q4_0-like unsigned codes with zero 12 through one 16-entry table; its scale is a power of two, so the
+products are exact as for the other formats.
 
 Every layout has one nibble order (in each group of 32 values, byte i holds value i in its low half and
 value i + 16 in its high half) and one plane order (a 32-bit word per 32 values and plane, bit i for
@@ -72,6 +78,7 @@ class QuantFormat:
     zero: int  # subtracted from q where there is no offset
     block: int  # values per GGUF block: in_features must be a multiple of it
     gguf_block_bytes: int  # bytes per GGUF block
+    mx: bool = False  # an E8M0 byte per group for scale, the 4-bit codes read through MXFP4_LEVELS
 
     def sections(self, groups: int = SPAN_GROUPS) -> list[tuple[str, int]]:
         """(array, bytes) of a span of ``groups`` groups of 32 values (8, but fewer in a short last
@@ -86,7 +93,7 @@ class QuantFormat:
             if self.has_min:
                 parts.append(("mins", codes))
         else:
-            parts.append(("scales", 2 * codes))
+            parts.append(("scales", (1 if self.mx else 2) * codes))
             if self.has_min:
                 parts.append(("mins", 2 * codes))
         if 4 < self.bits < 8:
@@ -124,11 +131,14 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("q4_k", 5, 4, 32, True, True, 0, 256, 144),
         QuantFormat("q5_k", 6, 5, 32, True, True, 0, 256, 176),
         QuantFormat("q6_k", 7, 6, 16, True, False, 32, 256, 210),
+        QuantFormat("mxfp4", 8, 4, 32, False, False, 12, 32, 17, mx=True),
     )
 }
+# MXFP4's codes as integer levels: 12 + twice the E2M1 value (ggml's kvalues_mxfp4 plus 12).
+MXFP4_LEVELS = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
 # GGML type names (gguf.GGMLQuantizationType) of the tensor types held quantized.
 GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k",
-              "Q5_K": "q5_k", "Q6_K": "q6_k"}
+              "Q5_K": "q5_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}
 
 
 class QuantizedTensor:
@@ -249,7 +259,7 @@ def _half(array: torch.Tensor) -> torch.Tensor:
 
 
 def values_of(qt: QuantizedTensor) -> torch.Tensor:
-    """The quantized values q [out, in] (uint8; int8 for q8_0)."""
+    """The quantized values q [out, in] (uint8; int8 for q8_0; MXFP4's levels, not its codes)."""
     return _values(qt.format, _split(qt.format, qt.data, qt.in_features))
 
 
@@ -257,6 +267,8 @@ def _values(fmt: QuantFormat, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
     if fmt.bits == 8:
         return arrays["values"].view(torch.int8)
     q = unpack_nibbles(arrays["values"])
+    if fmt.mx:
+        return torch.tensor(MXFP4_LEVELS, dtype=torch.uint8)[q.long()]
     if fmt.bits > 4:
         q |= unpack_planes(arrays["planes"], fmt.bits - 4) << 4
     return q
@@ -272,6 +284,8 @@ def _scales(fmt: QuantFormat, arrays: dict[str, torch.Tensor]) -> tuple[torch.Te
     if fmt.k_quant:
         code = arrays["scales"].view(torch.uint8 if fmt.has_min else torch.int8).float()
         a = _half(arrays["d"]).repeat_interleave(per_super, dim=1) * code
+    elif fmt.mx:
+        a = e8m0_half(arrays["scales"])
     else:
         a = _half(arrays["scales"])
     if not fmt.has_min:
@@ -281,6 +295,14 @@ def _scales(fmt: QuantFormat, arrays: dict[str, torch.Tensor]) -> tuple[torch.Te
     else:
         b = _half(arrays["mins"])
     return a, b
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes as MXFP4 scales its doubled levels: float32 2^(e - 128), exact (ggml's
+    GGML_E8M0_TO_FP32_HALF: e < 2 gives the subnormals 2^-128 and 2^-127)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -345,6 +367,8 @@ def _repack_rows(fmt: QuantFormat, data: torch.Tensor, in_features: int) -> torc
         arrays["scales"], arrays["values"] = blocks[..., :2], blocks[..., 2:]
     elif fmt.name == "q4_0":
         arrays["scales"], arrays["values"] = blocks[..., :2], blocks[..., 2:]  # GGUF's nibble order is ours
+    elif fmt.name == "mxfp4":
+        arrays["scales"], arrays["values"] = blocks[..., :1], blocks[..., 1:]  # e, then q4_0's nibble order
     elif fmt.name == "q4_1":
         arrays["scales"], arrays["mins"], arrays["values"] = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
     elif fmt.name in ("q5_0", "q5_1"):
@@ -432,6 +456,10 @@ def random_quantized(fmt: QuantFormat | str, out_features: int, in_features: int
         arrays["scales"] = random_bytes(groups)
         if fmt.has_min:
             arrays["dmin"], arrays["mins"] = uniform(supers, scale / 63), random_bytes(groups)
+    elif fmt.mx:  # exponents about scale / 12 (the largest level magnitude), give or take a factor of 4
+        centre = 128 + int(np.floor(np.log2(scale / 12)))
+        arrays["scales"] = torch.randint(centre - 2, centre + 3, (out_features, groups), dtype=torch.uint8,
+                                         generator=generator)
     else:
         arrays["scales"] = uniform(groups, scale / largest)
         if fmt.has_min:

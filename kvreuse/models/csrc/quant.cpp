@@ -41,28 +41,37 @@ constexpr int64_t kSuper = 256;  // values per K-quant super-block
 constexpr int kMaxRows = 8;      // input rows per pass over the weights (their accumulators stay in registers)
 
 // The formats, numbered as in models/quant.py.
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
-const char* const kNames[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7, kMXFP4 = 8 };
+constexpr int64_t kLastFormat = kMXFP4;
+const char* const kNames[] = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4"};
+
+// MXFP4's 4-bit codes are E2M1 floats: doubled, they are the integers 0, 1, 2, 3, 4, 6, 8, 12 and their
+// negatives (llama.cpp's kvalues_mxfp4), times 2^(e - 128) for the group's E8M0 byte e. Held as levels
+// 12 + value (0..24), so they run as unsigned codes with zero 12 (value = (level - 12) * scale), as
+// q4_0's do with zero 8: every kernel takes them through this table and is otherwise q4_0's.
+constexpr int kMxfp4Levels[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 template <int Code>
 struct Fmt;
 // bits: value bits (8: int8 values); group: values per scale; kquant: scales are 8-bit codes times an fp16
-// per super-block; has_min: an offset per group (else -zero * scale); block: GGUF's values per block.
-#define KVREUSE_FORMAT(CODE, BITS, GROUP, KQUANT, HAS_MIN, ZERO, BLOCK)                       \
+// per super-block; has_min: an offset per group (else -zero * scale); block: GGUF's values per block;
+// mx: an E8M0 byte per group for scale and the codes read through kMxfp4Levels (MXFP4).
+#define KVREUSE_FORMAT(CODE, BITS, GROUP, KQUANT, HAS_MIN, ZERO, BLOCK, MX)                   \
   template <>                                                                                \
   struct Fmt<CODE> {                                                                         \
     static constexpr int bits = BITS, group = GROUP, zero = ZERO;                            \
-    static constexpr bool kquant = KQUANT, has_min = HAS_MIN;                                \
+    static constexpr bool kquant = KQUANT, has_min = HAS_MIN, mx = MX;                       \
     static constexpr int64_t block = BLOCK;                                                  \
   };
-KVREUSE_FORMAT(kQ8_0, 8, 32, false, false, 0, 32)
-KVREUSE_FORMAT(kQ4_0, 4, 32, false, false, 8, 32)
-KVREUSE_FORMAT(kQ4_1, 4, 32, false, true, 0, 32)
-KVREUSE_FORMAT(kQ5_0, 5, 32, false, false, 16, 32)
-KVREUSE_FORMAT(kQ5_1, 5, 32, false, true, 0, 32)
-KVREUSE_FORMAT(kQ4_K, 4, 32, true, true, 0, 256)
-KVREUSE_FORMAT(kQ5_K, 5, 32, true, true, 0, 256)
-KVREUSE_FORMAT(kQ6_K, 6, 16, true, false, 32, 256)
+KVREUSE_FORMAT(kQ8_0, 8, 32, false, false, 0, 32, false)
+KVREUSE_FORMAT(kQ4_0, 4, 32, false, false, 8, 32, false)
+KVREUSE_FORMAT(kQ4_1, 4, 32, false, true, 0, 32, false)
+KVREUSE_FORMAT(kQ5_0, 5, 32, false, false, 16, 32, false)
+KVREUSE_FORMAT(kQ5_1, 5, 32, false, true, 0, 32, false)
+KVREUSE_FORMAT(kQ4_K, 4, 32, true, true, 0, 256, false)
+KVREUSE_FORMAT(kQ5_K, 5, 32, true, true, 0, 256, false)
+KVREUSE_FORMAT(kQ6_K, 6, 16, true, false, 32, 256, false)
+KVREUSE_FORMAT(kMXFP4, 4, 32, false, false, 12, 32, true)
 #undef KVREUSE_FORMAT
 
 // Byte offsets of a span's arrays (models/quant.py QuantFormat.sections) and its size.
@@ -81,7 +90,7 @@ SpanLayout span_layout(int64_t chunks) {
     l.scales = at, at += codes;
     if constexpr (F::has_min) l.mins = at, at += codes;
   } else {
-    l.scales = at, at += 2 * codes;
+    l.scales = at, at += (F::mx ? 1 : 2) * codes;
     if constexpr (F::has_min) l.mins = at, at += 2 * codes;
   }
   if constexpr (F::bits > 4 && F::bits < 8) l.planes = at, at += 4 * (F::bits - 4) * chunks;
@@ -129,6 +138,21 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+// An E8M0 byte as MXFP4 scales its doubled levels: 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF), exact.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// A 4-bit code's integer level (the code itself, or MXFP4's table).
+template <class F>
+constexpr int level(int code) {
+  if constexpr (F::mx) return kMxfp4Levels[code & 15];
+  return code;
+}
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -162,6 +186,11 @@ inline void span_params(const uint8_t* sp, const SpanLayout& l, int n, Span& s) 
         s.a[g] = d * static_cast<float>(static_cast<int8_t>(codes[g]));
         s.b[g] = -F::zero * s.a[g];
       }
+    }
+  } else if constexpr (F::mx) {
+    for (int g = 0; g < n; ++g) {
+      s.a[g] = e8m0_half(sp[l.scales + g]);
+      s.b[g] = -F::zero * s.a[g];
     }
   } else {
 #if defined(__F16C__)
@@ -202,6 +231,9 @@ inline VI u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si1
 inline VI i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VI low4(VI q) { return _mm512_and_si512(q, _mm512_set1_epi32(15)); }
 inline VI high4(VI q) { return _mm512_srli_epi32(q, 4); }
+inline VI levels_of(VI q) {  // MXFP4's levels of codes 0..15
+  return _mm512_permutexvar_epi32(q, _mm512_loadu_si512(kMxfp4Levels));
+}
 template <int Shift>
 inline VI add_bits(VI q, uint32_t bits) {  // lane i += (bit i of bits) << Shift
   return _mm512_mask_add_epi32(q, static_cast<__mmask16>(bits), q, _mm512_set1_epi32(1 << Shift));
@@ -229,6 +261,11 @@ inline VI u8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi
 inline VI i8_lanes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline VI low4(VI q) { return _mm256_and_si256(q, _mm256_set1_epi32(15)); }
 inline VI high4(VI q) { return _mm256_srli_epi32(q, 4); }
+inline VI levels_of(VI q) {  // MXFP4's levels of codes 0..15: two 8-lane lookups, chosen by bit 3
+  const VI lo = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMxfp4Levels)), q);
+  const VI hi = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMxfp4Levels + 8)), q);
+  return _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(q, _mm256_set1_epi32(7)));
+}
 template <int Shift>
 inline VI add_bits(VI q, uint32_t bits) {
   const VI lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -253,6 +290,7 @@ inline VI u8_lanes(const uint8_t* p) { return *p; }
 inline VI i8_lanes(const uint8_t* p) { return static_cast<int8_t>(*p); }
 inline VI low4(VI q) { return q & 15; }
 inline VI high4(VI q) { return q >> 4; }
+inline VI levels_of(VI q) { return kMxfp4Levels[q]; }
 template <int Shift>
 inline VI add_bits(VI q, uint32_t bits) { return q + static_cast<int32_t>((bits & 1u) << Shift); }
 #endif
@@ -270,6 +308,9 @@ inline void decode(const uint8_t* sp, const SpanLayout& l, int c, VI q[N]) {
       const VI bytes = u8_lanes(v + k * W);
       q[k] = low4(bytes);
       q[k + N / 2] = high4(bytes);
+    }
+    if constexpr (F::mx) {
+      for (int k = 0; k < N; ++k) q[k] = levels_of(q[k]);
     }
     if constexpr (F::bits > 4) {
       uint32_t words[F::bits - 4];
@@ -378,7 +419,7 @@ struct Bf16Tables {
       lo = bf16_table([](int i) { return i & 15; });                                // low nibble
       hi = bf16_table([](int i) { return 16 * ((i & 15) < 8 ? (i & 15) : (i & 15) - 16); });  // signed high
     } else if constexpr (F::bits == 4) {
-      lo = bf16_table([](int i) { return (i & 15) - F::zero; });  // bit 4 of the index is not cleared
+      lo = bf16_table([](int i) { return level<F>(i & 15) - F::zero; });  // bit 4 of the index is not cleared
     } else {
       lo = bf16_table([](int i) { return i - F::zero; });
       hi = bf16_table([](int i) { return i + 32 - F::zero; });
@@ -488,6 +529,15 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
 #endif
 
 
+#if defined(__AVX2__)
+// MXFP4's levels of 32 byte codes 0..15 (vpshufb looks up each 128-bit half in its own copy of the table).
+inline __m256i mx_levels(__m256i codes) {
+  alignas(32) static const int8_t table[32] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                               12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  return _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)), codes);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX512-VNNI over int8 activations, as llama.cpp multiplies its quantized files: each input row is rounded
 // per chunk of 32 values to int8 codes with one float32 scale (amax / 127), and vpdpbusd multiplies 64
@@ -495,7 +545,7 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
 // the int32 sums become float32 once per pair, times the weight's and the input's scales. 8-bit weights
 // are the signed operand and the inputs go unsigned (code + 128; the 128 * sum(w) this adds is taken
 // back per lane); 4-bit weights are the unsigned operand as stored, their offsets b * sum(x) per group
-// come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, q4_k (5- and 6-bit codes stay on
+// come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, mxfp4, q4_k (5- and 6-bit codes stay on
 // the bf16 kernel). Only the inputs round: 7 bits plus sign against each chunk's largest value.
 #define KVREUSE_INT8_DOT 1
 
@@ -523,7 +573,8 @@ inline __m512i pair_codes(const uint8_t* sp, const SpanLayout& l, int c, bool bo
     const __m256i b = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))
                            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
     const __m256i mask = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    if constexpr (F::mx) lo = mx_levels(lo), hi = mx_levels(hi);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
 }
@@ -844,6 +895,7 @@ inline __m256i chunk_bytes(const uint8_t* sp, const SpanLayout& sl, int c) {
   } else {  // byte i holds value i low and value i + 16 high
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.values + kChunk / 2 * c));
     __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+    if constexpr (F::mx) wv = mx_levels(wv);
     if constexpr (F::bits > 4) {
       uint32_t words[F::bits - 4];
       std::memcpy(words, sp + sl.planes + 4 * (F::bits - 4) * c, sizeof(words));
@@ -1035,13 +1087,15 @@ void with_format(int64_t code, Fn&& fn) {
     case kQ4_K: fn(Fmt<kQ4_K>{}); break;
     case kQ5_K: fn(Fmt<kQ5_K>{}); break;
     case kQ6_K: fn(Fmt<kQ6_K>{}); break;
+    case kMXFP4: fn(Fmt<kMXFP4>{}); break;
     default: TORCH_CHECK(false, "unknown quantized format ", code);
   }
 }
 
 // Checks what every op needs of a weight: a known format, a width it allows, uint8 rows of that format.
 Layout checked_layout(const char* op, const at::Tensor& weight, int64_t format, int64_t in) {
-  TORCH_CHECK(format >= 0 && format <= kQ6_K, op, ": unknown format ", format, " (0-7: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)");
+  TORCH_CHECK(format >= 0 && format <= kLastFormat, op, ": unknown format ", format,
+              " (0-8: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, mxfp4)");
   TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be a CPU tensor");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, op, ": weight must be uint8 [out, row bytes], got ",
               weight.scalar_type(), " ", weight.sizes());
@@ -1135,7 +1189,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
 std::vector<int64_t> int8_formats() {
   std::vector<int64_t> codes;
 #if defined(KVREUSE_INT8_DOT)
-  for (int64_t code = kQ8_0; code <= kQ6_K; ++code) {
+  for (int64_t code = kQ8_0; code <= kLastFormat; ++code) {
     with_format(code, [&](auto f) {
       if (int8_dot_format<decltype(f)>()) codes.push_back(code);
     });
@@ -1148,7 +1202,7 @@ std::vector<int64_t> int8_formats() {
 int64_t int8_group(int64_t format) {
   int64_t group = 0;
 #if defined(KVREUSE_INT8_DOT)
-  if (format >= kQ8_0 && format <= kQ6_K) {
+  if (format >= kQ8_0 && format <= kLastFormat) {
     with_format(format, [&](auto f) {
       using F = decltype(f);
       if constexpr (int8_dot_format<F>()) group = int8_input_group<F>();
