@@ -2,13 +2,18 @@
 and the native layer (csrc/moe.cpp) equal to the Python loop bit for bit.
 
 The layers come from the tiny Qwen3-MoE preset (8 experts, 2 per token) held as a Q8_0 GGUF file's blocks and
-as float32 weights, so both the quantized kernels and plain products are covered.
+as float32 weights, so both the quantized kernels and plain products are covered; gpt-oss's (a biased router
+softmaxed over its top 4 of 8, biased experts, the clamped SwiGLU) from the tiny-gpt-oss preset with its experts'
+gate|up weights scaled up so the clamp bites, in float32, bfloat16 and int8.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from gguf_files import write_gguf
 from kvreuse import LLM
@@ -21,6 +26,23 @@ def moe_llms(tiny_models, tmp_path_factory) -> dict[str, LLM]:
     path = write_gguf(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("moe") / "tiny-moe.q8_0.gguf", "Q8_0")
     return {"q8_0": LLM(str(path), dtype="float32", kv_cache_memory="8MiB"),
             "float32": LLM(str(tiny_models["qwen3_moe"]), dtype="float32", kv_cache_memory="8MiB")}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_llms(tiny_models, tmp_path_factory) -> dict[str, LLM]:
+    """tiny-gpt-oss with its experts' gate|up weights 100x the preset's: gate and up values of some 16 on a unit
+    input, well past swiglu_limit (7) on both sides, and some within it."""
+    folder = tmp_path_factory.mktemp("gpt-oss") / "scaled"
+    shutil.copytree(tiny_models["gpt_oss"], folder)
+    weights = load_file(folder / "model.safetensors")
+    for name in weights:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            weights[name] = weights[name] * 100.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return {"float32": LLM(str(folder), dtype="float32", kv_cache_memory="8MiB"),
+            "bfloat16": LLM(str(folder), dtype="bfloat16", kv_cache_memory="8MiB"),
+            "int8": LLM(str(folder), dtype="float32", quantization="int8", kv_cache_memory="8MiB"),
+            "int8-bfloat16": LLM(str(folder), dtype="bfloat16", quantization="int8", kv_cache_memory="8MiB")}
 
 
 def _layers(llm: LLM) -> list[SparseMoE]:
@@ -85,3 +107,66 @@ def test_native_layer_can_be_turned_off(moe_llms, monkeypatch):
         monkeypatch.delenv(moe.ENV)
         layer.prepare_native()
     assert layer.native is not None or moe.library() is None
+
+
+def _native_and_python(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        native = layer(x)
+        held_native, layer.native = layer.native, None
+        try:
+            python = layer(x)
+        finally:
+            layer.native = held_native
+    return native, python
+
+
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "int8", "int8-bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_native_gpt_oss_layer_equals_the_python_loop(gpt_oss_llms, held, rows):
+    """The router's bias and softmax over the top k, the experts' biases (added by at::linear on float weights, after
+    the quantized product on int8 ones) and the clamped SwiGLU, bit for bit."""
+    if moe.library() is None:
+        pytest.skip("the native MoE layer is not built here")
+    layers = _layers(gpt_oss_llms[held])
+    assert layers and all(layer.native is not None and layer.native_max_rows >= 8 for layer in layers)
+    assert all(layer.softmax_after_topk and layer.expert_bias for layer in layers)
+    generator = torch.Generator().manual_seed(100 + rows)
+    dtype = torch.bfloat16 if "bfloat16" in held else torch.float32
+    clamped_gate = clamped_up = within = 0
+    for layer in layers:
+        x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(dtype)
+        native, python = _native_and_python(layer, x)
+        assert native.dtype == dtype and torch.equal(native, python)
+        # The clamp is reached: each routed expert's gate above the limit, its up past it on either side.
+        _, experts = layer.route(x)
+        with torch.inference_mode():
+            for expert in experts.unique().tolist():
+                mlp = layer.experts[expert]
+                gate, up = mlp.gate_up_proj(x).split(mlp.intermediate_size, dim=-1)
+                clamped_gate += int((gate > mlp.swiglu_limit).sum())
+                clamped_up += int((up.abs() > mlp.swiglu_limit).sum())
+                within += int((gate.abs() < mlp.swiglu_limit).sum())
+    assert clamped_gate > 0 and clamped_up > 0 and within > 0
+
+
+def test_native_gpt_oss_layer_routes_by_the_biased_router(gpt_oss_llms):
+    """Without the router's bias or with softmax-then-top-k, the layer's output would differ: a router bias large
+    enough to pin each row's experts gives the native layer the same pinned choice as the Python loop."""
+    if moe.library() is None:
+        pytest.skip("the native MoE layer is not built here")
+    layer = _layers(gpt_oss_llms["float32"])[0]
+    router = layer.router_layer
+    saved = router.bias.detach().clone()
+    try:
+        with torch.no_grad():
+            router.bias.copy_(torch.tensor([0.0, 50.0, 0.0, 50.0, 0.0, 50.0, 50.0, 0.0]))
+        assert layer.prepare_native() is None
+        x = torch.randn(3, router.input_size, generator=torch.Generator().manual_seed(7))
+        _, experts = layer.route(x)
+        assert experts.sort(-1).values.tolist() == [[1, 3, 5, 6]] * 3
+        native, python = _native_and_python(layer, x)
+        assert torch.equal(native, python)
+    finally:
+        with torch.no_grad():
+            router.bias.copy_(saved)
+        layer.prepare_native()

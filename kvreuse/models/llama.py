@@ -503,7 +503,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
         layers, or None where it can."""
         if self.config.o_proj_bias or (self.config.moe is not None and self.config.moe.expert_bias):
-            # csrc/decoder_layer.cpp makes Llama's calls: no output-projection bias, Qwen3-MoE's experts only.
+            # csrc/decoder_layer.cpp makes Llama's calls: no output-projection bias. Its experts (csrc/moe.h) would
+            # take gpt-oss's biases and clamped SwiGLU, but its attention has neither the bias nor sinks and
+            # windows, and that path is untested for gpt-oss: its layers decode op by op, each MoE layer in one
+            # native call (SparseMoE.native).
             return ("gpt-oss's layers (a bias on the output projection, biased experts with the clamped SwiGLU) "
                     "run op by op")
         if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):

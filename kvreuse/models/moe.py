@@ -2,8 +2,9 @@
 expert runs once per step for every row routed to it.
 
 gpt-oss differs in switches of ``MoEConfig``: its router (HF ``mlp.router``) has a bias and softmaxes the top k
-logits only; its experts have biases and a clamped SwiGLU (``GatedMLP``'s ``clamped_swiglu``). Those layers run
-from Python: the native layer below computes Qwen3-MoE's routing and silu experts without biases.
+logits only; its experts have biases and a clamped SwiGLU (``GatedMLP``'s ``clamped_swiglu``). The native layer
+below computes both kinds (csrc/moe.h: the same ops in the same order, so either equals the Python loop bit for
+bit).
 
 Every expert is a ``GatedMLP`` of ``Linear`` layers, so its weights take the same paths as a dense model's:
 float, or held quantized from a GGUF file (each expert's rows of the file's stacked tensor) or by
@@ -59,6 +60,13 @@ def library() -> Path | None:
         return None
     return rowdot.load_extension(SOURCE, rowdot.build_name(SOURCE, "kvreuse_moe"), "the native MoE layer",
                                  "mixture-of-experts layers run from Python")
+
+
+def _biases(linears: list[Linear]) -> list[torch.Tensor]:
+    """Every expert's bias of one kind (gpt-oss), as its Linear adds it (a quantized kernel holds its own); [] where
+    they have none."""
+    biases = [linear.kernel.bias if linear.quantized is not None else linear.bias for linear in linears]
+    return [] if biases[0] is None else [bias.detach() for bias in biases]
 
 
 def _product(linears: list[Linear], rows: int) -> tuple[list[torch.Tensor], int, list[int]] | str:
@@ -141,29 +149,34 @@ class SparseMoE(nn.Module):
         self.native = None
         if os.environ.get(ENV, "1").strip() == "0":
             return f"{ENV}=0"
-        if self.activation == CLAMPED_SWIGLU or self.expert_bias or self.softmax_after_topk:
-            # csrc/moe.h computes Qwen3-MoE's layer only.
-            return "gpt-oss experts (biases, the clamped SwiGLU, a biased router softmaxed over its top k)"
-        if self.activation != "silu":
+        if self.activation not in ("silu", CLAMPED_SWIGLU):
             return f"{self.activation} experts"
         router = self.router_layer
-        if router.weight is None or router.kernel is not None or router.bias is not None:
+        if router.weight is None or router.kernel is not None:
             return "a router held in another layout"
         if router.weight.device.type != "cpu":
             return f"not on {router.weight.device.type}"
         if library() is None:
             return "the native MoE layer could not be built (see the log)"
-        gate_up = _product([expert.gate_up_proj for expert in self.experts], NATIVE_MAX_ROWS)
-        down = _product([expert.down_proj for expert in self.experts], NATIVE_MAX_ROWS)
+        gate_up_linears = [expert.gate_up_proj for expert in self.experts]
+        down_linears = [expert.down_proj for expert in self.experts]
+        gate_up = _product(gate_up_linears, NATIVE_MAX_ROWS)
+        down = _product(down_linears, NATIVE_MAX_ROWS)
         for found in (gate_up, down):
             if isinstance(found, str):
                 return found
         expert = self.experts[0]
         # Steps up to this many rows run natively: every product's plan runs a GEMV kernel up to there.
         self.native_max_rows = min(len(gate_up[2]), len(down[2]))
-        # What the native layer is made of; the native decode step holds the same (csrc/decoder_layer.cpp).
+        clamped = self.activation == CLAMPED_SWIGLU
+        # What the native layer is made of; the native decode step holds the same (csrc/decoder_layer.cpp). The
+        # last six are gpt-oss's: the router's bias, the softmax over the top k, the experts' biases ([]: none),
+        # the clamped SwiGLU's limit (None: SiLU) and alpha.
         self.native_args = (router.weight.detach(), gate_up[0], gate_up[1], gate_up[2], down[0], down[1], down[2],
-                            router.input_size, expert.intermediate_size, self.top_k, self.norm_topk_prob)
+                            router.input_size, expert.intermediate_size, self.top_k, self.norm_topk_prob,
+                            None if router.bias is None else router.bias.detach(), self.softmax_after_topk,
+                            _biases(gate_up_linears), _biases(down_linears),
+                            float(expert.swiglu_limit) if clamped else None, float(expert.swiglu_alpha))
         self.native = torch.classes.kvreuse_moe.Experts(*self.native_args)
         return None
 

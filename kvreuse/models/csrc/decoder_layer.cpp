@@ -211,11 +211,14 @@ struct DecodeLayers : torch::CustomClassHolder {
   void set_experts(int64_t index, at::Tensor router, std::vector<at::Tensor> gate_up, int64_t gate_up_format,
                    std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down, int64_t down_format,
                    std::vector<int64_t> down_kernels, int64_t hidden, int64_t intermediate, int64_t top_k,
-                   bool norm_topk_prob) {
+                   bool norm_topk_prob, std::optional<at::Tensor> router_bias, bool softmax_after_topk,
+                   std::vector<at::Tensor> gate_up_biases, std::vector<at::Tensor> down_biases,
+                   std::optional<double> swiglu_limit, double swiglu_alpha) {
     TORCH_CHECK(0 <= index && index < num_layers(), "DecodeLayers.set_experts: no layer ", index);
     layers[index].experts = kvreuse_moe::make_moe_weights(
         std::move(router), std::move(gate_up), gate_up_format, std::move(gate_up_kernels), std::move(down),
-        down_format, std::move(down_kernels), hidden, intermediate, top_k, norm_topk_prob);
+        down_format, std::move(down_kernels), hidden, intermediate, top_k, norm_topk_prob, std::move(router_bias),
+        softmax_after_topk, std::move(gate_up_biases), std::move(down_biases), swiglu_limit, swiglu_alpha);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }

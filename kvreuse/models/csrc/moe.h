@@ -1,27 +1,42 @@
 // A mixture-of-experts layer's rows in one call, shared by the MoE layer (moe.cpp, models/moe.py) and the native
 // decode step (decoder_layer.cpp), over the kernels that already exist, found in the dispatcher by name.
 //
+//   Qwen3-MoE:
 //   probabilities = softmax(x @ router^T) in float32    at::linear, at::softmax
 //   weights, ids  = top_k(probabilities) (renormalised)  at::topk
 //   for each expert routed to, ascending:                rows grouped by expert (one counting sort)
 //     y = down(silu(gate(x_rows)) * up(x_rows))          kvreuse_cpu::qlinear / qlinear_int8 or at::linear;
 //                                                        kvreuse_fused::silu_mul
 //     out[rows] += y * weights                           a loop rounding as transformers' mul and index_add_ do
+//
+//   gpt-oss (the same, but):
+//   logits        = x @ router^T + bias                  at::linear
+//   top, ids      = top_k(logits); weights = softmax(top) in the logits' dtype
+//   gate|up       = x_rows @ W^T + b, down likewise      the product, then `out + bias` (quantized) as
+//                                                        QuantizedLinearKernel adds it, or at::linear's bias
+//   h             = clamped_swiglu(gate, up)             at:: ops in layers.py's order (bit for bit: the same
+//                                                        kernels on the same views, sigmoid's SLEEF included)
 #pragma once
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_add.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace kvreuse_moe {
@@ -51,19 +66,34 @@ struct ExpertProduct {
   int64_t format = -1;               // the quantized format's code; -1: float weights (at::linear)
   int64_t in_features = 0;
   std::vector<int64_t> kernel_by_rows;  // [r - 1]: the kernel for r rows; past the end, the last one
+  std::vector<at::Tensor> biases;       // per expert (gpt-oss), or none
 
+  // x @ W^T (+ b), as models/layers.py's Linear computes it: at::linear with the bias for float weights
+  // (F.linear), the quantized product and then `out + bias` (QuantizedLinearKernel).
   at::Tensor run(const MoEKernels& k, int64_t expert, const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     const int64_t code = kernel_by_rows[std::min<int64_t>(rows, kernel_by_rows.size()) - 1];
     const at::Tensor& w = weights[expert];
+    const bool biased = !biases.empty();
+    at::Tensor out;
     switch (code) {
-      case kMoEQdot: return k.qlinear.call(x, w, format, in_features);
-      case kMoEQdot8: return k.qlinear_int8.call(x, w, format, in_features);
-      case kMoEPlain: return at::linear(x, w);
+      case kMoEQdot: out = k.qlinear.call(x, w, format, in_features); break;
+      case kMoEQdot8: out = k.qlinear_int8.call(x, w, format, in_features); break;
+      case kMoEPlain: return biased ? at::linear(x, w, biases[expert]) : at::linear(x, w);
       default: TORCH_CHECK(false, "moe: unknown kernel code ", code);
     }
+    return biased ? at::add(out, biases[expert]) : out;
   }
 };
+
+// gpt-oss's expert activation, layers.py's clamped_swiglu op for op on the same views of gate|up:
+// (up.clamp(-limit, limit) + 1) * (gate * sigmoid(gate * alpha)), gate clamped from above at limit.
+inline at::Tensor clamped_swiglu(const at::Tensor& gate_up, int64_t intermediate, double limit, double alpha) {
+  using Bound = std::optional<at::Scalar>;
+  const at::Tensor gate = at::clamp(gate_up.narrow(-1, 0, intermediate), Bound(), Bound(limit));
+  const at::Tensor up = at::clamp(gate_up.narrow(-1, intermediate, intermediate), Bound(-limit), Bound(limit));
+  return at::mul(at::add(up, 1), at::mul(gate, at::sigmoid(at::mul(gate, alpha))));
+}
 
 // One layer's experts and router.
 struct MoEWeights {
@@ -71,31 +101,68 @@ struct MoEWeights {
   ExpertProduct gate_up, down;
   int64_t top_k = 1;
   bool norm_topk_prob = false;
+  // gpt-oss: the router's bias, the softmax over the top k logits (in their dtype), the clamped SwiGLU.
+  std::optional<at::Tensor> router_bias;
+  bool softmax_after_topk = false;
+  std::optional<double> swiglu_limit;  // set: clamped_swiglu; none: SiLU
+  double swiglu_alpha = 1.702;
+  int64_t intermediate = 0;
 };
 
 inline MoEWeights make_moe_weights(at::Tensor router, std::vector<at::Tensor> gate_up_weights, int64_t gate_up_format,
                                    std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down_weights,
                                    int64_t down_format, std::vector<int64_t> down_kernels, int64_t hidden,
-                                   int64_t intermediate, int64_t top_k, bool norm_topk_prob) {
+                                   int64_t intermediate, int64_t top_k, bool norm_topk_prob,
+                                   std::optional<at::Tensor> router_bias, bool softmax_after_topk,
+                                   std::vector<at::Tensor> gate_up_biases, std::vector<at::Tensor> down_biases,
+                                   std::optional<double> swiglu_limit, double swiglu_alpha) {
   const int64_t experts = router.size(0);
   TORCH_CHECK(router.dim() == 2 && router.size(1) == hidden, "moe: router must be [experts, hidden]");
   TORCH_CHECK(static_cast<int64_t>(gate_up_weights.size()) == experts &&
               static_cast<int64_t>(down_weights.size()) == experts, "moe: one gate|up and one down weight per expert");
   TORCH_CHECK(!gate_up_kernels.empty() && !down_kernels.empty(), "moe: a kernel for at least one row count");
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe: top_k must be between 1 and the expert count");
-  return MoEWeights{std::move(router),
-                    ExpertProduct{std::move(gate_up_weights), gate_up_format, hidden, std::move(gate_up_kernels)},
-                    ExpertProduct{std::move(down_weights), down_format, intermediate, std::move(down_kernels)}, top_k,
-                    norm_topk_prob};
+  TORCH_CHECK(gate_up_biases.empty() || static_cast<int64_t>(gate_up_biases.size()) == experts,
+              "moe: gate|up biases: one per expert or none");
+  TORCH_CHECK(down_biases.empty() || static_cast<int64_t>(down_biases.size()) == experts,
+              "moe: down biases: one per expert or none");
+  for (const at::Tensor& b : gate_up_biases) {
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == 2 * intermediate, "moe: a gate|up bias must be [2 * intermediate]");
+  }
+  for (const at::Tensor& b : down_biases) {
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == hidden, "moe: a down bias must be [hidden]");
+  }
+  TORCH_CHECK(!router_bias || (router_bias->dim() == 1 && router_bias->size(0) == experts),
+              "moe: the router bias must be [experts]");
+  TORCH_CHECK(!swiglu_limit || *swiglu_limit > 0, "moe: swiglu_limit must be positive");
+  MoEWeights m{std::move(router),
+               ExpertProduct{std::move(gate_up_weights), gate_up_format, hidden, std::move(gate_up_kernels),
+                             std::move(gate_up_biases)},
+               ExpertProduct{std::move(down_weights), down_format, intermediate, std::move(down_kernels),
+                             std::move(down_biases)},
+               top_k, norm_topk_prob};
+  m.router_bias = std::move(router_bias);
+  m.softmax_after_topk = softmax_after_topk;
+  m.swiglu_limit = swiglu_limit;
+  m.swiglu_alpha = swiglu_alpha;
+  m.intermediate = intermediate;
+  return m;
 }
 
 inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == m.router.size(1), "moe: x must be contiguous [rows, hidden]");
   const MoEKernels& k = moe_kernels();
   const int64_t rows = x.size(0), experts = m.router.size(0);
-  at::Tensor probabilities = at::softmax(at::linear(x, m.router), -1, at::kFloat);
-  auto [weights, ids] = at::topk(probabilities, m.top_k, -1);
-  if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
+  at::Tensor weights, ids;
+  if (m.softmax_after_topk) {  // gpt-oss's GptOssTopKRouter: softmax over the top k logits, in their dtype
+    auto [top, chosen] = at::topk(at::linear(x, m.router, m.router_bias), m.top_k, -1);
+    weights = at::softmax(top, -1, top.scalar_type());
+    ids = chosen;
+  } else {
+    at::Tensor probabilities = at::softmax(at::linear(x, m.router, m.router_bias), -1, at::kFloat);
+    std::tie(weights, ids) = at::topk(probabilities, m.top_k, -1);
+    if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
+  }
   weights = weights.to(x.scalar_type());
   at::Tensor out = at::zeros_like(x);
 
@@ -128,7 +195,10 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = routed[i], count = start[e + 1] - start[e];
       at::Tensor xe = rows == 1 ? x : x.index_select(0, pair_rows.narrow(0, start[e], count));
-      results[i] = m.down.run(k, e, k.silu_mul.call(m.gate_up.run(k, e, xe))).contiguous();
+      const at::Tensor gate_up = m.gate_up.run(k, e, xe);
+      const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
+                                          : k.silu_mul.call(gate_up);
+      results[i] = m.down.run(k, e, h).contiguous();
     }
   };
   if (m.gate_up.format >= 0 && m.down.format >= 0) {
