@@ -11,6 +11,7 @@ Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 quantize the folder's weights (``gguf.qu
 stay F32, as llama.cpp keeps them); the K-quants (Q4_K, Q5_K, Q6_K), which gguf-py cannot quantize, get
 seeded random blocks with small scales instead of the folder's values, so a file of them is a valid model
 that both readers must dequantize alike (matrices whose input size is not a multiple of 256 stay Q8_0).
+MXFP4 is llama-quantize's MXFP4_MOE: the experts MXFP4, every other matrix Q8_0.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+# gpt-oss under llama.cpp's names (its converter's GptOssModel): the router with its bias, the sinks, the norm
+# after attention.
+GPT_OSS_NAMES = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp",
+                 "self_attn.sinks": "attn_sinks"}
 
 
 def gguf_name(name: str, arch: str = "llama") -> str:
@@ -43,9 +48,35 @@ def gguf_name(name: str, arch: str = "llama") -> str:
         return GLOBAL_NAMES[name]
     parts = name.split(".")
     assert parts[:2] == ["model", "layers"], name
+    if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
+        return f"blk.{parts[2]}.attn_sinks.weight"
     module = ".".join(parts[3:-1])
-    names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {})}
+    names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+
+
+def gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: ``gate_up_proj`` [E, H, 2I] (gate and up
+    interleaved along the last dim) as ffn_gate_exps / ffn_up_exps [E, I, H], ``down_proj`` [E, I, H] as
+    ffn_down_exps [E, H, I], and their biases split the same way; every other tensor as it is."""
+    out = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if not (len(parts) == 6 and parts[3:5] == ["mlp", "experts"]):
+            out[name] = tensor
+            continue
+        prefix = f"blk.{parts[2]}"
+        if parts[5] == "gate_up_proj":
+            matrix = tensor.transpose(1, 2)  # [E, 2I, H]
+            out[f"{prefix}.ffn_gate_exps.weight"], out[f"{prefix}.ffn_up_exps.weight"] = matrix[:, 0::2], matrix[:, 1::2]
+        elif parts[5] == "gate_up_proj_bias":
+            out[f"{prefix}.ffn_gate_exps.bias"], out[f"{prefix}.ffn_up_exps.bias"] = tensor[:, 0::2], tensor[:, 1::2]
+        elif parts[5] == "down_proj":
+            out[f"{prefix}.ffn_down_exps.weight"] = tensor.transpose(1, 2)
+        else:
+            assert parts[5] == "down_proj_bias", name
+            out[f"{prefix}.ffn_down_exps.bias"] = tensor
+    return out
 
 
 def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,7 +127,8 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     config = json.loads((model_dir / "config.json").read_text())
     arch_class = config["architectures"][0]
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3"}[arch_class]
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
+            "GptOssForCausalLM": "gpt-oss"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -119,6 +151,19 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "gpt-oss":  # the keys llama.cpp's converter writes; the layer pattern and the clamp are in its code
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        scaling = config["rope_scaling"]
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
     if arch == "gemma3":  # llama.cpp fixes the pattern (6), the local rope base and the query scale in code
         writer.add_sliding_window(config["sliding_window"])
         writer.add_key_length(head_dim)
@@ -130,6 +175,8 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         tensors.update(load_file(str(file)))
     if arch == "qwen3moe":
         tensors = stack_experts(tensors)
+    if arch == "gpt-oss":
+        tensors = gpt_oss_experts(tensors)
     rng = np.random.default_rng(seed)
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
@@ -138,7 +185,9 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        kind = tensor_type if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else "F32"
+        kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", ".bias")) else "F32"
+        if kind == "MXFP4" and "_exps." not in name:  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
+            kind = "Q8_0"
         if kind in K_QUANTS and array.shape[-1] % 256:
             kind = "Q8_0"
         qtype = gguf.GGMLQuantizationType[kind]

@@ -184,6 +184,48 @@ def test_moe_and_gemma3_gguf_greedy_equals_transformers(tiny_models, gguf_dir, a
     assert ours(llm, prompts) == reference
 
 
+@pytest.mark.parametrize("kind", ["F32", "MXFP4"])
+def test_gpt_oss_gguf_greedy_equals_transformers_on_its_weights(tiny_models, gguf_dir, kind):
+    """gpt-oss as llama.cpp stores it (arch ``gpt-oss``): gate and up de-interleaved and transposed, stacked
+    biases, sinks, a biased router, YaRN keys, even layers sliding; MXFP4 experts held in that format and read
+    by the kernels. transformers' GGUF reader fails on gpt-oss files' rope keys, so the reference is
+    transformers built from the folder with every weight replaced by the file's dequantized value."""
+    from kvreuse.models.gguf import iterate_gguf_weights
+
+    path = made_gguf(tiny_models, gguf_dir, "gpt_oss", kind)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    config = llm.engine.model_config
+    assert config.architecture == "GptOssForCausalLM" and config.rope_scaling.__class__.__name__ == "YarnRopeScaling"
+    assert [config.layer_window(layer) for layer in range(config.num_hidden_layers)] == [16, None, 16, None]
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    held = experts[0].gate_up_proj.quantized  # gate's and up's parts
+    assert [part.format.name for part in held or []] == (["mxfp4", "mxfp4"] if kind == "MXFP4" else [])
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_models["gpt_oss"]), dtype=torch.float32).eval()
+    weights = dict(iterate_gguf_weights(path))
+    state = {}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        count = config.moe.num_experts
+        for suffix in ("weight", "bias"):
+            gate = torch.stack([weights.pop(f"{prefix}.{e}.gate_proj.{suffix}") for e in range(count)])
+            up = torch.stack([weights.pop(f"{prefix}.{e}.up_proj.{suffix}") for e in range(count)])
+            down = torch.stack([weights.pop(f"{prefix}.{e}.down_proj.{suffix}") for e in range(count)])
+            gate_up = torch.stack((gate, up), dim=-2 if suffix == "weight" else -1).flatten(-3 if suffix == "weight" else -2,
+                                                                                         -2 if suffix == "weight" else -1)
+            name = "" if suffix == "weight" else "_bias"
+            state[f"{prefix}.gate_up_proj{name}"] = gate_up.transpose(1, 2) if suffix == "weight" else gate_up
+            state[f"{prefix}.down_proj{name}"] = down.transpose(1, 2) if suffix == "weight" else down
+    state.update(weights)
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} - set(state)
+    reference.generation_config.eos_token_id = None
+    prompts = [llm.engine.tokenizer.encode(TEXT * 2), list(range(3, 40))]  # past the 16-token window
+    assert ours(llm, prompts) == transformers_greedy(reference, prompts)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gemma3"])
 def test_float32_gguf_runs_as_its_folder(tiny_models, gguf_dir, arch):
     """Written and read back (the llama permutation both ways, Llama 3 rope scaling as llama.cpp's frequency

