@@ -168,6 +168,8 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_fused_ops.py --json-out fused_ops.json": SCRIPT,
     "python benchmarks/bench_native_step.py --json-out native_step.json": SCRIPT,
     "python benchmarks/bench_paged_attention.py --json-out paged_attention.json": SCRIPT,
+    # docs/benchmarks.md: the quantized kernels at decode sizes (issue 38, second session)
+    "python benchmarks/bench_quant_kernels.py --out 16384 --in 2048 --threads 1,2": SCRIPT,
     # docs/ray.md
     'pip install -e ".[ray]"': CI_INSTALL,
     "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100": RAY,
@@ -229,6 +231,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_native_step.py": (r"one call\s+\d", r"per layer\s+\d", r"op by op\s+\d", r"wrote native_step.json"),
     "bench_paged_attention.py": (r"qwen2.5-0.5b, 1 row after 4,000\s+\d+\.\d", r"SmolLM2-135M, 16 rows after 128\s+\d",
                                  r"wrote paged_attention.json"),
+    "bench_quant_kernels.py": (r"(?m)^q4_k\s+1 thread\(s\): qdot\s+\d+\.\d GB/s", r"(?m)^mxfp4\s+2 thread\(s\): qdot\s+\d"),
     "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),

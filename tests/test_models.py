@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from kvreuse.cache.kv import KVCache
 from kvreuse.models import ModelConfig, load_model, resolve_dtype, resolve_model_path
+from kvreuse.models import qlinear
 from kvreuse.models.cpu import cpu_supports_bfloat16
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.attention.forward_batch import ForwardBatch
@@ -401,7 +402,7 @@ def test_mxfp4_dequantization_equals_transformers():
 
 def test_gpt_oss_mxfp4_folder_loads_as_its_dequantized_weights(checkpoints, tmp_path):
     """A folder in OpenAI's release format (experts as *_blocks / *_scales, quantization_config mxfp4) gives
-    transformers' logits for the same weights dequantized."""
+    transformers' logits for the same weights dequantized; on CPU its experts stay MXFP4."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     folder, _ = checkpoints["gpt_oss"]
@@ -425,6 +426,10 @@ def test_gpt_oss_mxfp4_folder_loads_as_its_dequantized_weights(checkpoints, tmp_
     save_file({**tensors, **dense}, tmp_path / "dense" / "model.safetensors")
     hf_model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
     runner, _ = _runner(tmp_path / "mxfp4")
+    if qlinear.available():  # held as MXFP4 (4.25 bits a weight), read by the quantized kernels
+        expert = runner.model.model.layers[0].mlp.experts[0]
+        assert [part.format.name for part in expert.gate_up_proj.quantized] == ["mxfp4", "mxfp4"]
+        assert [part.format.name for part in expert.down_proj.quantized] == ["mxfp4"]
     prompt = [int(t) for t in torch.randint(0, 256, (19,), generator=generator)]
     logits = runner.execute(_make_batch([(PagedSequence(SCATTERED_BLOCKS), prompt)]))
     torch.testing.assert_close(logits[0], _hf_logits(hf_model, prompt)[-1], atol=1e-4, rtol=1e-4)

@@ -34,7 +34,7 @@ from kvreuse.models.layers import (GatedMLP, GemmaRMSNorm, Linear, QuantizedEmbe
                                    apply_rotary)
 from kvreuse.models.moe import SparseMoE
 from kvreuse.models.qlinear import QuantizedLinearKernel
-from kvreuse.models.quant import QuantizedTensor, quantize_int8
+from kvreuse.models.quant import QuantizedTensor, quantize_int8, repack_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -437,7 +437,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         expected = set(self.expected_weight_names())
         loaded: set[str] = set()
         quantized: dict[Linear, dict[int, QuantizedTensor]] = {}
-        for name, tensor in _per_expert(weights, self.config):
+        # An MXFP4 folder's experts stay MXFP4 (quantized kernels on CPU), else they are dequantized.
+        keep_mxfp4 = self.model.embed_tokens.weight.device.type == "cpu" and qlinear.available()
+        for name, tensor in _per_expert(weights, self.config, keep_mxfp4):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -552,8 +554,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                 parameter.data.normal_(0.0, 0.02, generator=generator)
 
 
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], config: ModelConfig
-                ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], config: ModelConfig,
+                keep_mxfp4: bool = False) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The checkpoint's tensors, with a layer's stacked experts split into per-expert names
     (``mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}``), the names Qwen3-MoE checkpoints are saved with:
 
@@ -562,7 +564,9 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], c
       columns, up the odd), ``gate_up_proj_bias`` [E, 2I] likewise, ``down_proj`` [E, I, H], ``down_proj_bias``
       [E, H] (transformers computes x @ W + b, so each matrix is transposed into a Linear's [out, in]);
     - gpt-oss's MXFP4 folders: ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales``,
-      dequantized (``dequantize_mxfp4``) once both halves of a pair have been read: already [E, out, in]."""
+      once both halves of a pair have been read: held as MXFP4 (``mxfp4_experts``: models/quant.py's layout,
+      4.25 bits a weight) where ``keep_mxfp4`` (CPU, the quantized kernels built), else dequantized
+      (``dequantize_mxfp4``): already [E, out, in]."""
     gpt_oss = config.architecture == "GptOssForCausalLM"
     pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 pair waiting for its other half
     for name, tensor in weights:
@@ -579,6 +583,9 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], c
             if len(halves) < 2:
                 continue
             del pending[f"{layer}.{kind}"]
+            if keep_mxfp4:
+                yield from mxfp4_experts(layer, kind, halves["_blocks"], halves["_scales"], config)
+                continue
             stacked = dequantize_mxfp4(halves["_blocks"], halves["_scales"], name.removesuffix(suffix))
             yield from _split_stacked(layer, kind, "", stacked, config, transposed=False)
             continue
@@ -618,6 +625,32 @@ def _split_stacked(layer: str, kind: str, suffix: str, tensor: torch.Tensor, con
             gate, up = value.chunk(2, dim=0)
             yield f"{prefix}.gate_proj.{kind_name}", gate
             yield f"{prefix}.up_proj.{kind_name}", up
+
+
+def mxfp4_experts(layer: str, kind: str, blocks: torch.Tensor, scales: torch.Tensor, config: ModelConfig
+                  ) -> Iterable[tuple[str, QuantizedTensor]]:
+    """An MXFP4 folder's stacked experts (``blocks`` [E, out, G, 16], ``scales`` [E, out, G]) as per-expert
+    ``QuantizedTensor``s in models/quant.py's mxfp4 layout, losslessly: OpenAI's blocks hold two codes a
+    byte, value 2j in the low nibble and 2j + 1 in the high one; GGUF's (and the layout's) hold value i low
+    and value i + 16 high. The E8M0 byte is the same (OpenAI's 2^(e - 127) times an E2M1 value is the
+    layout's 2^(e - 128) times twice it). gate_up's rows interleave gate and up, as its float form does."""
+    name = f"model.layers.{layer}.mlp.experts.{kind}"
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+                         "(blocks [E, out, G, 16] uint8, scales [E, out, G] uint8)")
+    experts, out_features, groups = scales.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(experts, out_features, groups, 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # byte i: value i low, value i + 16 high
+    gguf_blocks = torch.cat((scales.unsqueeze(-1), packed), dim=-1).reshape(experts, out_features, groups * 17)
+    for expert in range(experts):
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+        matrix = gguf_blocks[expert]
+        if kind == "down_proj":
+            yield f"{prefix}.down_proj.weight", repack_gguf(matrix.contiguous(), "MXFP4", (out_features, groups * 32))
+        else:  # gate and up interleaved along the output rows
+            for part, rows in (("gate_proj", matrix[0::2]), ("up_proj", matrix[1::2])):
+                yield f"{prefix}.{part}.weight", repack_gguf(rows.contiguous(), "MXFP4", (rows.shape[0], groups * 32))
 
 
 # The 16 values of an E2M1 (FP4) code, by its 4 bits: sign, 2 exponent bits, 1 mantissa bit.
