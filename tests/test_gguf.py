@@ -210,14 +210,13 @@ def test_gpt_oss_gguf_greedy_equals_transformers_on_its_weights(tiny_models, ggu
         prefix = f"model.layers.{layer}.mlp.experts"
         count = config.moe.num_experts
         for suffix in ("weight", "bias"):
-            gate = torch.stack([weights.pop(f"{prefix}.{e}.gate_proj.{suffix}") for e in range(count)])
-            up = torch.stack([weights.pop(f"{prefix}.{e}.up_proj.{suffix}") for e in range(count)])
-            down = torch.stack([weights.pop(f"{prefix}.{e}.down_proj.{suffix}") for e in range(count)])
-            gate_up = torch.stack((gate, up), dim=-2 if suffix == "weight" else -1).flatten(-3 if suffix == "weight" else -2,
-                                                                                         -2 if suffix == "weight" else -1)
-            name = "" if suffix == "weight" else "_bias"
-            state[f"{prefix}.gate_up_proj{name}"] = gate_up.transpose(1, 2) if suffix == "weight" else gate_up
-            state[f"{prefix}.down_proj{name}"] = down.transpose(1, 2) if suffix == "weight" else down
+            gate, up, down = (torch.stack([weights.pop(f"{prefix}.{e}.{kind}.{suffix}") for e in range(count)])
+                              for kind in ("gate_proj", "up_proj", "down_proj"))
+            gate_up = torch.stack((gate, up), dim=2).flatten(1, 2)  # rows interleaved: gate, up, gate, up, ...
+            if suffix == "weight":  # transformers holds [E, in, out]
+                state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"] = gate_up.transpose(1, 2), down.transpose(1, 2)
+            else:
+                state[f"{prefix}.gate_up_proj_bias"], state[f"{prefix}.down_proj_bias"] = gate_up, down
     state.update(weights)
     missing, unexpected = reference.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"} - set(state)

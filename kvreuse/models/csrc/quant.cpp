@@ -805,31 +805,25 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
           sums[r] = _mm512_dpwssd_epi32(sums[r], _mm512_maddubs_epi16(wv, xv), scale);
         }
       }
-      if constexpr (F::has_min) {  // - dmin * sum over chunks of min * (the inputs' sum over the chunk)
-        const float dmin = half_at(sp + sl.dmin);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins)));
-        for (int r = 0; r < R; ++r) {
-          const int64_t at = (r0 + r) * spans + s;
-          const float xs = xscales[r * spans + s];
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
-          const __m128i xsum = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8));
-          const __m128i m = _mm_madd_epi16(mins, xsum);
-          const int32_t total = _mm_extract_epi32(m, 0) + _mm_extract_epi32(m, 1) + _mm_extract_epi32(m, 2) + _mm_extract_epi32(m, 3);
-          offset[r] -= dmin * xs * static_cast<float>(total);
+      // The offsets: Q4_K / Q5_K's - dmin * sum over chunks of min * (the inputs' sum over the chunk); Q6_K's
+      // values are (q - 32) * code, so - 32 * d * sum over groups of code * (the inputs' group sum).
+      const float factor = F::has_min ? half_at(sp + sl.dmin) : static_cast<float>(F::zero) * d;
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * spans + s;
+        const float xs = xscales[r * spans + s];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
+        __m128i m;
+        if constexpr (F::has_min) {
+          const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins)));
+          m = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8)));
+        } else {
+          const __m256i codes16 = _mm512_castsi512_si256(sc);
+          const __m256i m8 = _mm256_madd_epi16(codes16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16)));
+          m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
         }
-      } else {  // Q6_K: values (q - 32) * code: - 32 * d * sum over groups of code * (the inputs' group sum)
-        const __m256i codes16 = _mm512_castsi512_si256(sc);
-        for (int r = 0; r < R; ++r) {
-          const int64_t at = (r0 + r) * spans + s;
-          const float xs = xscales[r * spans + s];
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
-          const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16));
-          const __m256i m = _mm256_madd_epi16(codes16, xsum);
-          __m128i t = _mm_add_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-          t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-          t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-          offset[r] -= static_cast<float>(F::zero) * d * xs * static_cast<float>(_mm_cvtsi128_si32(t));
-        }
+        m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+        m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+        offset[r] -= factor * xs * static_cast<float>(_mm_cvtsi128_si32(m));
       }
     }
     for (int r = 0; r < R; ++r) out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + offset[r];
