@@ -4,13 +4,19 @@ For a session lent a GPU (the project's CI has none). One process:
 
   1. correctness: for each model (the tiny preset in float32, the qwen2.5-0.5b preset in float32 and in
      bfloat16), kvreuse's greedy tokens cold and warm (the second run served from the prefix cache) against
-     transformers' greedy decoding with its own KV cache, both on the GPU; the count of equal outputs and,
-     where one differs, the first differing position and the reference's top-2 logit margin there;
-  2. prefix reuse: time to the first token of a new 2,048-token prompt (cold) and of the same prompt with
-     a new 64-token end (warm) on kvreuse, and transformers' full prefill of the warm prompt;
-  3. decode: tokens/s at 1 and 16 concurrent streams (64-token prompts, 128 tokens, ignore_eos) on kvreuse,
-     and transformers' one-stream greedy decode.
-Medians of --repeats; every timing synchronizes the device.
+     transformers' greedy decoding with its own KV cache, both on the GPU, with the engine's CUDA defaults
+     (triton attention, CUDA graphs); the count of equal outputs and, where one differs, the first differing
+     position and the reference's top-2 logit margin there;
+  2. for each engine configuration (--configs: torch_eager, what ran before issue 40; triton_eager;
+     triton_graphs, the default), on the qwen2.5-0.5b preset in bfloat16:
+     - prefix reuse: time to the first token of a new 2,048-token prompt (cold) and of the same prompt with
+       a new 64-token end (warm);
+     - decode: tokens/s at 1 and 16 concurrent streams (64-token prompts, 128 tokens, ignore_eos);
+     - one stream's decode steps under torch.profiler: host launch calls and GPU kernels per step, GPU time
+       per step, and its share of the unprofiled step's wall time (the GPU-busy share);
+  3. transformers' full prefill of the warm prompt and its one-stream greedy decode.
+Medians of --repeats; every timing synchronizes the device; the ratios against torch_eager come from the same
+run.
 
     python benchmarks/bench_cuda.py --json cuda.json
 """
@@ -22,6 +28,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,9 +84,63 @@ def correctness(model_dir: str, dtype: str, device: torch.device, prompts: list[
     return result
 
 
-def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
+CONFIGS = {
+    # What the engine ran on CUDA before issue 40 (the reference backend, every op launched from Python) ...
+    "torch_eager": {"attention_backend": "torch", "enforce_eager": True},
+    # ... the Triton kernels alone ...
+    "triton_eager": {"attention_backend": "triton", "enforce_eager": True},
+    # ... and the default: the Triton kernels with decode steps replayed from CUDA graphs.
+    "triton_graphs": {},
+}
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
 
+
+def profile_decode(llm, prompt: list[int], steps: int, device: torch.device, trace: Path) -> dict:
+    """One stream's decode steps under torch.profiler: host launch calls per step, and GPU time per step (kernels,
+    copies and sets in the trace, graph-launched kernels included); then the same steps unprofiled for their wall
+    time. The GPU-busy share is GPU time over unprofiled wall time."""
+    from kvreuse import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16, ignore_eos=True)
+
+    def start() -> None:
+        engine.add_request(f"profile-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+        for _ in range(4):  # the prefill, then decode steps out of the figures
+            engine.step()
+
+    def finish() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    start()
+    torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize(device)
+    wall = (time.perf_counter() - begin) / steps
+    finish()
+    start()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize(device)
+    finish()
+    profiler.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    launches = sum(1 for event in events if event.get("name") in LAUNCH_CALLS)
+    gpu = [event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu_seconds = sum(float(event.get("dur", 0)) for event in gpu) / 1e6 / steps
+    return {"wall_ms_per_step": wall * 1e3, "gpu_ms_per_step": gpu_seconds * 1e3,
+            "gpu_busy_share": gpu_seconds / wall, "host_launch_calls_per_step": launches / steps,
+            "gpu_kernels_per_step": sum(1 for event in gpu if event.get("cat") == "kernel") / steps}
+
+
+def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Namespace, config: str,
+          out_dir: Path) -> dict:
     from kvreuse import LLM, SamplingParams
 
     rng = random.Random(0)
@@ -88,7 +149,13 @@ def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Names
     def tokens(count: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(count)]
 
-    llm = LLM(model_dir, dtype=dtype, device=str(device), kv_cache_memory="8GiB")
+    begin = time.perf_counter()
+    llm = LLM(model_dir, dtype=dtype, device=str(device), kv_cache_memory="8GiB", **CONFIGS[config])
+    figures: dict = {"engine_start_s": time.perf_counter() - begin}
+    graphs = llm.engine.runner.cuda_graphs
+    if graphs is not None:
+        figures["graph_sizes"] = graphs.sizes
+        figures["graph_memory_mib"] = graphs.memory_bytes / 2**20
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": tokens(256)}], one, use_tqdm=False)  # lazy set-up out of the figures
     cold, warm = [], []
@@ -97,7 +164,7 @@ def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Names
         cold.append(timed(lambda: llm.generate([{"prompt_token_ids": prefix}], one, use_tqdm=False), device))
         suffixed = prefix + tokens(args.suffix_len)
         warm.append(timed(lambda: llm.generate([{"prompt_token_ids": suffixed}], one, use_tqdm=False), device))
-    figures = {"kvreuse_ttft_cold_s": statistics.median(cold), "kvreuse_ttft_warm_s": statistics.median(warm)}
+    figures.update({"ttft_cold_s": statistics.median(cold), "ttft_warm_s": statistics.median(warm)})
     decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for streams in (1, 16):
         rates = []
@@ -105,23 +172,32 @@ def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Names
             prompts = [{"prompt_token_ids": tokens(64)} for _ in range(streams)]
             seconds = timed(lambda: llm.generate(prompts, decode, use_tqdm=False), device)
             rates.append(streams * args.decode_tokens / seconds)
-        figures[f"kvreuse_decode_tok_s_{streams}_streams"] = statistics.median(rates)
+        figures[f"decode_tok_s_{streams}_streams"] = statistics.median(rates)
+    figures["profile_1_stream"] = profile_decode(llm, tokens(64), args.profile_steps, device,
+                                                 out_dir / f"trace_{config}.json")
+    llm.engine.check_integrity()
     del llm
+    torch.cuda.empty_cache()
+    return figures
+
+
+def transformers_speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(0)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     full, rates = [], []
     with torch.no_grad():
-        hf(torch.tensor([tokens(256)], device=device))
+        hf(torch.tensor([[rng.randrange(100, 30_000) for _ in range(256)]], device=device))
         for _ in range(args.repeats):
-            ids = torch.tensor([tokens(args.prefix_len + args.suffix_len)], device=device)
+            ids = torch.tensor([[rng.randrange(100, 30_000) for _ in range(args.prefix_len + args.suffix_len)]],
+                               device=device)
             full.append(timed(lambda: hf(ids), device))
-            prompt = torch.tensor([tokens(64)], device=device)
-            seconds = timed(lambda: hf.generate(prompt, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
-                                                do_sample=False), device)
+            prompt = torch.tensor([[rng.randrange(100, 30_000) for _ in range(64)]], device=device)
+            seconds = timed(lambda: hf.generate(prompt, max_new_tokens=args.decode_tokens,
+                                                min_new_tokens=args.decode_tokens, do_sample=False), device)
             rates.append(args.decode_tokens / seconds)
-    figures["transformers_full_prefill_s"] = statistics.median(full)
-    figures["transformers_decode_tok_s_1_stream"] = statistics.median(rates)
-    figures["kvreuse_warm_over_transformers_prefill"] = figures["kvreuse_ttft_warm_s"] / figures["transformers_full_prefill_s"]
-    return figures
+    return {"full_prefill_s": statistics.median(full), "decode_tok_s_1_stream": statistics.median(rates)}
 
 
 def main() -> int:
@@ -130,6 +206,9 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=32)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
+    parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -141,17 +220,33 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     print(f"device: {results['device']}, torch {torch.__version__}", flush=True)
     rng = random.Random(1)
-    for preset, dtype in (("tiny", "float32"), ("qwen2.5-0.5b", "float32"), ("qwen2.5-0.5b", "bfloat16")):
+    out_dir = Path(tempfile.mkdtemp(prefix="kvreuse-cuda-traces-"))  # profiler traces: large, read then left there
+    for preset, dtype in (() if args.skip_correctness else
+                          (("tiny", "float32"), ("qwen2.5-0.5b", "float32"), ("qwen2.5-0.5b", "bfloat16"))):
         model_dir = str(ensure_model(preset, dtype="float32" if dtype == "float32" else "bfloat16"))
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         prompts = [[rng.randrange(0, vocab) for _ in range(length)] for length in (7, 33, 100, 257)]
         figures = correctness(model_dir, dtype, device, prompts, 24)
         results[f"greedy_{preset}_{dtype}"] = figures
         print(f"greedy {preset} {dtype}: " + json.dumps(figures), flush=True)
-    figures = speed(str(ensure_model("qwen2.5-0.5b", dtype="bfloat16")), "bfloat16", device, args)
-    results["speed_qwen2.5-0.5b_bfloat16"] = figures
-    for key, value in figures.items():
-        print(f"{key:48s} {value:.4g}", flush=True)
+    model_dir = str(ensure_model("qwen2.5-0.5b", dtype="bfloat16"))
+    for config in args.configs.split(","):
+        figures = speed(model_dir, "bfloat16", device, args, config, out_dir)
+        results[f"speed_{config}"] = figures
+        print(f"{config}: " + json.dumps(figures), flush=True)
+        if args.json:  # after every configuration: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    results["transformers"] = transformers_speed(model_dir, "bfloat16", device, args)
+    print("transformers: " + json.dumps(results["transformers"]), flush=True)
+    base = results.get("speed_torch_eager")
+    for config in ("triton_eager", "triton_graphs"):
+        if base and f"speed_{config}" in results:
+            figures = results[f"speed_{config}"]
+            ratios = {f"{key}_over_torch_eager": figures[key] / base[key]
+                      for key in ("decode_tok_s_1_streams", "decode_tok_s_16_streams")}
+            ratios["ttft_warm_over_torch_eager"] = figures["ttft_warm_s"] / base["ttft_warm_s"]
+            results[f"ratios_{config}"] = ratios
+            print(f"{config} vs torch_eager: " + json.dumps(ratios), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

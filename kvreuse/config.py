@@ -201,8 +201,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is
 QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as models/loader.py's
 # Which paged attention the model runs (vLLM's option name): auto picks the in-place C++ kernel on CPU
 # (models/paged_attention.py) where it builds, else torch (gather + SDPA, attention/torch_paged.py: the
-# reference, and the only one on CUDA or with enable_torch_compile).
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged")
+# reference, and what enable_torch_compile traces); on CUDA auto picks triton (attention/triton_paged.py: Triton kernels
+# reading the blocks in place) where triton is installed.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton")
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
     enable_torch_compile: bool = False  # decode steps through torch.compile (runner/compiled_decode.py)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # vLLM's name: no CUDA graphs; on CUDA with the triton backend pure decode steps replay captured graphs
+    # (runner/cuda_graphs.py). Nothing else uses graphs, so elsewhere it changes nothing.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

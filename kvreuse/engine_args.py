@@ -70,8 +70,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="run decode steps through torch.compile (as SGLang's flag): compiled at start-up, "
                              "minutes the first time on a machine, seconds once inductor's disk cache has them")
     parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                        help="paged attention: auto (the in-place C++ kernel on CPU where it builds, else torch), "
-                             "cpu_paged (that kernel, or fail), torch (gather + SDPA: the reference)")
+                        help="paged attention: auto (the in-place C++ kernel on CPU where it builds, Triton kernels "
+                             "on CUDA, else torch), cpu_paged or triton (that kernel, or fail), torch (gather + "
+                             "SDPA: the reference)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (as vLLM's flag): on CUDA, pure decode steps otherwise replay one "
+                             "captured graph per padded batch size")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                         help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
                              'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
@@ -168,4 +172,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         attention_backend=getattr(args, "attention_backend", "auto"),
+        enforce_eager=getattr(args, "enforce_eager", False),
     )

@@ -57,6 +57,7 @@ class LLM:
         enable_torch_compile: bool = False,
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
@@ -72,7 +73,10 @@ class LLM:
         "fp8_e5m2" store one byte per value with a scale per token and KV head (about 1.9x the tokens of
         bfloat16 in the same ``kv_cache_memory``).
         ``attention_backend`` (vLLM's name): "auto" attends in place with the C++ kernel on CPU
-        (models/paged_attention.py), "cpu_paged" insists on it, "torch" gathers and runs SDPA (the reference)."""
+        (models/paged_attention.py) and with Triton kernels on CUDA (attention/triton_paged.py), "cpu_paged" and
+        "triton" insist on theirs, "torch" gathers and runs SDPA (the reference).
+        ``enforce_eager`` (vLLM's name): no CUDA graphs (on CUDA, pure decode steps otherwise replay one captured
+        graph per padded batch size: runner/cuda_graphs.py)."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -103,6 +107,7 @@ class LLM:
             speculative=SpeculativeConfig.from_value(speculative_config),
             enable_torch_compile=enable_torch_compile,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer. Its outputs and

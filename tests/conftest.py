@@ -114,6 +114,8 @@ def _build_cpu_kernels() -> None:
     one: otherwise the first engines to start build them side by side (each waiting on the others' locks), and
     a cache made fresh for a test rebuilds them all (minutes of the suite on 2 cores). A cache made fresh
     links its ``kernels`` here instead (``fresh_cache_dir``)."""
+    if os.environ.get("KVREUSE_TEST_NO_CPU_KERNELS") == "1":
+        return  # benchmarks/gpu_checks.sh: its tests run on CUDA, and a lent GPU's minutes are few
     from kvreuse.models import fused_ops, kv_codec, moe, native_step, paged_attention, qlinear, rowdot
 
     for module in (qlinear, rowdot, fused_ops, paged_attention, kv_codec, native_step, moe):

@@ -14,7 +14,9 @@ import dataclasses
 import gc
 import json
 import logging
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,7 @@ from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf
 from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_quantization,
                                    resolve_tokenizer_path, safetensors_files)
+from kvreuse.runner.cuda_graphs import estimate_graph_memory, why_no_graphs
 from kvreuse.runner.host_allocator import return_free_heap
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
@@ -114,7 +117,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cpu":
         gc.collect()
         return_free_heap()  # what loading freed (a GGUF header, repacking's intermediates) back to the system
-    num_blocks, max_model_len = size_kv_pool(config, model_config, dtype, extra_bytes_per_token)
+    attention_backend = choose_attention_backend(config, device, dtype)
+    sizing = config  # what the pool is sized from: kv_cache_memory less what the decode graphs take
+    if why_no_graphs(model, device, attention_backend or model.attention_backend, config.enforce_eager) is None:
+        # The decode graphs' memory comes out of kv_cache_memory: measured now, on a one-block scratch pool.
+        model.set_attention_backend(attention_backend)
+        scratch = KVCache(model_config.num_hidden_layers, 1, config.cache.block_size, model_config.num_key_value_heads,
+                          model_config.head_dim, dtype, device, kv_cache_dtype=config.cache.kv_cache_dtype)
+        graph_bytes = estimate_graph_memory(model, scratch, device, config.scheduler.max_num_seqs)
+        del scratch
+        logger.info("CUDA graphs: about %.1f MiB of activations for %d rows, taken from kv_cache_memory",
+                    graph_bytes / 2**20, config.scheduler.max_num_seqs)
+        sizing = dataclasses.replace(config, cache=dataclasses.replace(
+            config.cache, kv_cache_memory=max(1, config.cache.kv_cache_memory - graph_bytes)))
+    num_blocks, max_model_len = size_kv_pool(sizing, model_config, dtype, extra_bytes_per_token)
     kv_cache = KVCache(
         num_layers=model_config.num_hidden_layers + (1 if draft is not None else 0),
         num_blocks=num_blocks,
@@ -129,8 +145,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         codec=cpu_kv_codec() if device.type == "cpu" and config.cache.kv_cache_dtype != "auto" else None,
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
-                         max_num_seqs=config.scheduler.max_num_seqs,
-                         attention_backend=choose_attention_backend(config, device, dtype))
+                         max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
+                         enforce_eager=config.enforce_eager, max_model_len=max_model_len)
     held = model.weight_memory_bytes()
     on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if gguf_file else ""
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
@@ -189,12 +205,15 @@ def resolve_device(device: str) -> torch.device:
 
 def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> AttentionBackend | None:
     """The attention backend ``config.attention_backend`` asks for; None keeps the model's TorchPagedAttention.
-    auto: the in-place C++ kernel on CPU where it builds, except under enable_torch_compile (whose graphs
-    trace the torch backend). Logged once, with the reason where it is not the kernel."""
+    auto: the in-place C++ kernel on CPU where it builds and the Triton kernels on CUDA where triton is installed,
+    except under enable_torch_compile (whose graphs trace the torch backend). Logged once, with the reason where
+    it is not the kernel."""
     choice = config.attention_backend
     if choice == "torch":
         logger.info("attention: torch (gather + SDPA), as asked")
         return None
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        return _triton_backend(config, device, asked=choice == "triton")
     backend = paged_attention.paged_attention_backend(device, dtype)
     if choice == "cpu_paged":
         if config.enable_torch_compile:
@@ -211,6 +230,29 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
     logger.info("attention: cpu_paged (the in-place C++ kernel; chunks over cached context of more than %d "
                 "tokens gather and run SDPA)", paged_attention.MAX_PAGED_QUERIES)
     return backend
+
+
+def _triton_backend(config: EngineConfig, device: torch.device, asked: bool) -> AttentionBackend | None:
+    """The Triton backend, or (under auto, when it cannot run) None with the reason logged. On CPU it runs only
+    where ``TRITON_INTERPRET=1`` makes Triton interpret its kernels with NumPy: how the tests run it."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    problem = None
+    if importlib.util.find_spec("triton") is None:
+        problem = "triton is not installed (pip install triton; torch's CUDA wheels bring it)"
+    elif config.enable_torch_compile:
+        problem = "enable_torch_compile traces the torch backend"
+    elif device.type != "cuda" and not interpreted:
+        problem = f"its kernels run on CUDA (on {device} only under TRITON_INTERPRET=1, for tests)"
+    if problem is not None:
+        if asked:
+            raise ValueError(f"attention_backend 'triton' cannot run here: {problem}")
+        logger.info("attention: torch (gather + SDPA): %s", problem)
+        return None
+    from kvreuse.attention.triton_paged import TritonPagedAttention
+
+    logger.info("attention: triton (paged kernels reading the blocks in place%s)",
+                ", interpreted on CPU" if device.type != "cuda" else "")
+    return TritonPagedAttention()
 
 
 def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,

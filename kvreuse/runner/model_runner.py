@@ -9,6 +9,7 @@ function of (tokens, positions, cache, metadata) and the engine never touches a 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import NamedTuple
@@ -21,9 +22,12 @@ from kvreuse.models import native_step
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.runner.compiled_decode import CompiledDecode
+from kvreuse.runner.cuda_graphs import CudaGraphDecode, why_no_graphs
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.host_allocator import keep_activations_in_heap
 from kvreuse.runner.step_threads import StepThreads
+
+logger = logging.getLogger(__name__)
 
 
 class StepOutput(NamedTuple):
@@ -42,6 +46,8 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         compile_decode: bool = False,
         max_num_seqs: int = 64,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         # More KV layers than the model's: a draft model keeps its K/V in the extra ones.
         if kv_cache.num_layers < model_config.num_hidden_layers:
@@ -76,6 +82,18 @@ class ModelRunner:
         if compile_decode:
             self.compiled_decode = CompiledDecode(model, kv_cache, self.device)
             self.compiled_decode.warm_up(kv_cache.block_size, max_num_seqs)
+        # On CUDA with the triton backend: pure decode steps replay captured graphs (runner/cuda_graphs.py).
+        self.cuda_graphs: CudaGraphDecode | None = None
+        self.no_graphs_reason = why_no_graphs(model, self.device, self.attention_backend, enforce_eager)
+        if self.no_graphs_reason is None:
+            self.cuda_graphs = CudaGraphDecode(model, kv_cache, self.device, max_num_seqs,
+                                               max_model_len or model_config.max_position_embeddings)
+            seconds = self.cuda_graphs.capture()
+            logger.info("CUDA graphs: decode batch sizes %s captured in %.1f s, %.1f MiB; eager: prefill, chunks over "
+                        "cached context, mixed steps, LoRA rows, speculative steps", self.cuda_graphs.sizes,
+                        seconds, self.cuda_graphs.memory_bytes / 2**20)
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs: off (%s); every step runs eagerly", self.no_graphs_reason)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
@@ -107,6 +125,12 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         batch = self._to_device(batch)
         self.kv_cache.copy_blocks(batch.block_copies)
+        if self.cuda_graphs is not None and self.cuda_graphs.applies(batch, aux_layers):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                hidden, logits = self.cuda_graphs(batch)
+            self.last_forward_seconds = time.perf_counter() - start
+            return StepOutput(logits, hidden, [])
         metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
         aux: list[torch.Tensor] = []
         start = time.perf_counter()
