@@ -67,11 +67,11 @@ def test_greedy_equals_transformers_on_the_gpu_cold_and_warm(tiny_models: dict[s
     assert isinstance(runner.attention_backend, TritonPagedAttention)
     cold, cold_cached = run_checked(llm, prompts)
     warm, warm_cached = run_checked(llm, prompts)
-    if arch == "qwen3_moe":
+    assert cold == expected and warm == expected
+    if arch in ("qwen3_moe", "gpt_oss"):
         assert runner.cuda_graphs is None and "mixture-of-experts" in runner.no_graphs_reason
     else:
         assert runner.cuda_graphs is not None and runner.cuda_graphs.replays > 0
-    assert cold == expected and warm == expected
     # Token-granular reuse: all of each prompt but its last token, which is computed to sample from.
     assert cold_cached == [0, 0, 0] and warm_cached == [len(prompt) - 1 for prompt in prompts]
 
@@ -120,7 +120,7 @@ def test_cuda_graphs_equal_eager_and_the_torch_reference(tiny_models: dict[str, 
         runs[name] = (cold, warm, llm.engine.runner, llm.engine.kv_cache.num_blocks)
     assert runs["graphs"][:2] == runs["eager"][:2] == runs["torch"][:2]
     graphs = runs["graphs"][2].cuda_graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.replays > 0 and graphs.memory_bytes > 0
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.replays > 0
     assert runs["eager"][2].cuda_graphs is None and runs["eager"][2].no_graphs_reason == "enforce_eager"
     assert runs["graphs"][3] < runs["eager"][3]  # the graphs' activations came out of the pool's budget
 
