@@ -154,3 +154,21 @@ def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: 
     graphs = runs["graphs"][1]
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.replays > 10
     assert runs["eager"][1] is None
+
+
+def test_commands_take_enforce_eager_and_the_triton_backend(tiny_model: Path):
+    """``--enforce-eager`` and ``--attention-backend triton`` reach the engine from every command's options."""
+    import argparse
+
+    from kvreuse.engine_args import add_engine_arguments, llm_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model), "--device", DEVICE, "--dtype", "float32",
+                              "--kv-cache-memory", "2MiB", "--attention-backend", "triton", "--enforce-eager"])
+    llm = llm_from_args(args)
+    assert llm.engine.config.enforce_eager and llm.engine.config.attention_backend == "triton"
+    assert isinstance(llm.engine.runner.attention_backend, TritonPagedAttention)
+    assert llm.engine.runner.cuda_graphs is None and llm.engine.runner.no_graphs_reason == "enforce_eager"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", str(tiny_model), "--attention-backend", "flash"])
