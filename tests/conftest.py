@@ -37,6 +37,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py
     # tests the measured choice and the other kernels against plain.
     os.environ.setdefault("KVREUSE_LINEAR_KERNEL", "plain")
+    # Without a GPU the Triton kernels' tests run them in Triton's interpreter, which works only if the variable is
+    # set before anything imports triton (torch.compile's tests do, and triton.language's own helpers are then
+    # compiled-only): so here, before any test module is imported.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     config.addinivalue_line("markers", "alone: under pytest-xdist, run while no other worker runs a test "
                                        "(tests that a busy CPU would fail)")
     _build_cpu_kernels()

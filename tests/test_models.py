@@ -366,7 +366,10 @@ def test_gpt_oss_router_and_experts_equal_transformers(checkpoints):
                 assert torch.equal(layer.mlp(x[:8]), layer.mlp.native.forward(x[:8]))
                 native, layer.mlp.native = layer.mlp.native, None
                 assert torch.equal(layer.mlp(x[:8]), native.forward(x[:8]))
-    assert "biased experts" in model.native_step_refusal
+                layer.mlp.native = native
+    # Its biased experts, sinks, windows and output bias all run in the native decode step (test_native_step.py).
+    if moe.library() is not None:
+        assert model.native_step_refusal is None
 
 
 def test_clamped_swiglu_equals_transformers_apply_gate():

@@ -3,10 +3,11 @@ makes the op-by-op path's kernel calls from C++, so its outputs are that path's 
 
 Compared in the engine, on the same prompts (cold, hits ending mid-block, batched decode rows, a pool small
 enough to preempt), with the cache invariants checked after every step: the tiny float32 folder of every
-architecture (q/k/v biases, q/k norms, rope scaling, tied embeddings) and GGUF files of quantized
-formats on both quantized kernels, against ``KVREUSE_NATIVE_STEP=0``. That the native step is what ran
-is checked too, and what it does not cover (quantized KV, LoRA rows, products on dequantized tiles, layers
-with a sliding window, a scale of their own or sinks) is said and runs op by op.
+architecture (q/k/v biases, q/k norms, rope scaling, tied embeddings; gpt-oss's windows, sinks, output bias,
+YaRN and biased experts) and GGUF files of quantized formats on both quantized kernels, against
+``KVREUSE_NATIVE_STEP=0``; layers with windows, scales and sinks. That the native step is what ran is checked
+too, and what it does not cover (quantized KV, LoRA rows, products on dequantized tiles) is said and runs op
+by op.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _native_rows(llm: LLM) -> set[int]:
     return {rows for rows, args in step._args.items() if not isinstance(args, str)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, arch):
     native, op_by_op = _both(monkeypatch, str(tiny_models[arch]), dtype="float32", device="cpu", block_size=4,
                              kv_cache_memory="256KiB", max_num_batched_tokens=24)
@@ -75,7 +76,7 @@ def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, ar
 
 @pytest.mark.parametrize("arch,kind,kernel", [("llama-plain", "Q4_1", "qdot"), ("llama-plain", "Q4_1", "qdot8"),
                                               ("qwen2", "Q8_0", "qdot8"), ("qwen2", "Q5_0", "qdot"),
-                                              ("qwen3_moe", "Q8_0", "qdot8")])
+                                              ("qwen3_moe", "Q8_0", "qdot8"), ("gpt_oss", "MXFP4", "qdot8")])
 def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, monkeypatch, arch, kind, kernel):
     """Both quantized kernels (qdot8 where this CPU runs the format on int8 inputs, else its qdot fallback,
     as op by op), a file whose q/k/v have a bias and Q5_0 parts."""
@@ -89,7 +90,7 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
     qkv = native.engine.runner.model.native_step._args[1][0]
     expected = native_step.KERNEL_CODES[kernel if kind.lower() in native_step.qlinear.int8_formats() else "qdot"]
     assert set(qkv.kernels) == {expected}
-    if arch == "qwen3_moe":  # the experts run inside the native step (DecodeLayers.set_experts)
+    if arch in ("qwen3_moe", "gpt_oss"):  # the experts run inside the native step (DecodeLayers.set_experts)
         assert qkv.experts is not None and qkv.parts[2:] == [0, 0]
         assert set(qkv.experts[3]) == {expected}  # the gate|up products' kernel per row count
 
@@ -117,24 +118,24 @@ def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir,
     assert f"decode step: op by op ({native_step.ENV}=0)" in caplog.text
 
 
-def test_a_model_with_windowed_or_sink_layers_runs_op_by_op(tiny_models, caplog):
-    """The native layer's attention is plain: a layer with a window, its own scale or sinks refuses it."""
-    from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+def test_layers_with_windows_scales_and_sinks_equal_op_by_op(tiny_models, monkeypatch):
+    """A layer's window, its own softmax scale and its sinks reach the native layer's kernel call as the op-by-op
+    path hands them over (DecodeLayers.set_attention): with each on a different layer, outputs are equal bit for bit,
+    cold and from the cache, windows shorter than the prompts."""
+    from kvreuse.attention.backend import LayerAttention
 
-    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
-    model = llm.engine.runner.model
-    assert native_step.for_model(model, torch.device("cpu"), False) is not None
-    for layer in model.model.layers:
-        layer.self_attn.layer_attention = PLAIN_ATTENTION
-    assert native_step.for_model(model, torch.device("cpu"), False) is not None
-    assert native_step.attention_not_plain(model) is None
-    model.model.layers[1].self_attn.layer_attention = LayerAttention(sliding_window=4)
-    with caplog.at_level(logging.INFO, logger="kvreuse"):
-        assert native_step.for_model(model, torch.device("cpu"), False) is None
-    assert "decode step: op by op (" in caplog.text  # the model's own refusal, where it has one, says it first
-    assert native_step.attention_not_plain(model) == "layer 1 attends with a sliding window, its own softmax scale or sinks"
-    model.model.layers[1].self_attn.layer_attention = LayerAttention(sinks=torch.zeros(4))
-    assert native_step.attention_not_plain(model) is not None
+    native, op_by_op = _both(monkeypatch, str(tiny_models["qwen2"]), dtype="float32", device="cpu", block_size=4,
+                             kv_cache_memory="256KiB", max_num_batched_tokens=24)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for llm in (native, op_by_op):
+        layers = llm.engine.runner.model.model.layers
+        layers[0].self_attn.layer_attention = LayerAttention(sliding_window=5, sinks=sinks)
+        layers[1].self_attn.layer_attention = LayerAttention(scale=0.3, sliding_window=9)
+    rounds = _rounds(seed=7)
+    assert _runs(native, rounds) == _runs(op_by_op, rounds)
+    assert {1, 2} <= _native_rows(native)
+    held = native.engine.runner.model.native_step._args[1]
+    assert held[0].attention.sinks is sinks and held[1].attention.scale == 0.3
 
 
 def test_lora_rows_run_op_by_op(tiny_models):

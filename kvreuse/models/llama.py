@@ -504,18 +504,11 @@ class LlamaFamilyForCausalLM(nn.Module):
     def native_step_refusal(self) -> str | None:
         """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
         layers, or None where it can."""
-        if self.config.o_proj_bias or (self.config.moe is not None and self.config.moe.expert_bias):
-            # csrc/decoder_layer.cpp makes Llama's calls: no output-projection bias. Its experts (csrc/moe.h) would
-            # take gpt-oss's biases and clamped SwiGLU, but its attention has neither the bias nor sinks and
-            # windows, and that path is untested for gpt-oss: its layers decode op by op, each MoE layer in one
-            # native call (SparseMoE.native).
-            return ("gpt-oss's layers (a bias on the output projection, biased experts with the clamped SwiGLU) "
-                    "run op by op")
         if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):
             return "mixture-of-experts layers without their native layer run op by op"
         if self.config.norm_style != "llama":
             return "Gemma's norms run op by op"
-        return None  # windows, scales and sinks: native_step.attention_not_plain says so for any model
+        return None  # windows, scales, sinks and o_proj's bias go to DecodeLayers.set_attention
 
     def quantize_int8(self) -> int:
         """Quantize every linear layer's float weight to int8 (models/quant.py's q8_0 layout: a fp16 scale

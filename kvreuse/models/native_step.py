@@ -15,10 +15,10 @@ context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool hold
 no LoRA adapter is in the batch, and each projection's plan for the step's row count is one of those
 kernels. Anything else runs op by op for that step: prefills, quantized KV pools, LoRA rows, products
 on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).
-Its attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks): a model any of whose
-layers has a sliding window, its own softmax scale or learned sinks (``self_attn.layer_attention``, a
-``LayerAttention``) runs op by op throughout, where the attention backend serves each layer as it is; so does
-one with Gemma's norms. A mixture-of-experts layer's MLP is its experts, held as models/moe.py's native layer
+Each layer's attention is what its ``self_attn.layer_attention`` (a ``LayerAttention``) says: a sliding window,
+a softmax scale of its own, learned sinks, handed to the paged kernel as the op-by-op path hands them
+(``DecodeLayers.set_attention``), with the output projection's bias (gpt-oss). A model with Gemma's norms runs op
+by op. A mixture-of-experts layer's MLP is its experts, held as models/moe.py's native layer
 holds them (``DecodeLayers.set_experts``, csrc/moe.h), for the row counts their GEMV kernels are planned for.
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models import fused_ops, paged_attention, qlinear, rowdot
 from kvreuse.models.kernels import LAYOUT, LinearKernel
@@ -76,6 +77,8 @@ class LayerArgs:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     experts: tuple[Any, ...] | None = None  # a mixture-of-experts layer's native arguments (models/moe.py)
+    attention: LayerAttention = PLAIN_ATTENTION  # the layer's window, scale and sinks
+    o_bias: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
 
 
 def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
@@ -111,9 +114,9 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     if experts and (mlp.native is None or rows > mlp.native_max_rows):
         return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
     linears = (attention.qkv_proj, attention.o_proj) + (() if experts else (mlp.gate_up_proj, mlp.down_proj))
-    for linear in linears[1:]:
+    for linear in linears[2:]:
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
-            return "a bias outside q/k/v"
+            return "a bias on an MLP projection"
     weights, kernels, formats, parts = [], [], [], []
     for linear in linears:
         found = projection(linear, rows)
@@ -125,13 +128,18 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
         parts.append(len(found[0]))
     if experts:
         parts += [0, 0]  # the layer's MLP is its experts (DecodeLayers.set_experts)
-    qkv = attention.qkv_proj
-    bias = qkv.kernel.bias if qkv.kernel is not None else qkv.bias
-    return LayerArgs(weights, kernels, formats, parts, None if bias is None else bias.detach(),
+    bias, o_bias = (_bias(linear) for linear in (attention.qkv_proj, attention.o_proj))
+    return LayerArgs(weights, kernels, formats, parts, bias,
                      layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                      layer.input_layernorm.eps, None if attention.q_norm is None else attention.q_norm.weight.detach(),
                      None if attention.k_norm is None else attention.k_norm.weight.detach(),
-                     mlp.native_args if experts else None)
+                     mlp.native_args if experts else None, attention.layer_attention, o_bias)
+
+
+def _bias(linear: Linear) -> torch.Tensor | None:
+    """A projection's bias as its product adds it (a float kernel holds its own copy)."""
+    bias = linear.kernel.bias if linear.kernel is not None else linear.bias
+    return None if bias is None else bias.detach()
 
 
 class NativeDecodeStep:
@@ -179,6 +187,10 @@ class NativeDecodeStep:
                            layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
             if layer.experts is not None:
                 held.set_experts(index, *layer.experts)
+            attention = layer.attention
+            if not attention.is_plain or layer.o_bias is not None:
+                held.set_attention(index, attention.sliding_window or 0, attention.scale or 0.0, attention.sinks,
+                                   layer.o_bias)
         return held
 
     def _make(self, rows: int) -> list[LayerArgs] | str:
@@ -199,16 +211,6 @@ class NativeDecodeStep:
                  rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
 
 
-def attention_not_plain(model: Any) -> str | None:
-    """Why ``model``'s attention is more than the native layer passes to the kernel (a layer's window, scale
-    or sinks, as its ``self_attn.layer_attention`` says), or None where every layer's is plain."""
-    for index, layer in enumerate(getattr(getattr(model, "model", None), "layers", ())):
-        attention = getattr(getattr(layer, "self_attn", None), "layer_attention", None)
-        if attention is not None and not attention.is_plain:
-            return f"layer {index} attends with a sliding window, its own softmax scale or sinks"
-    return None
-
-
 def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecodeStep | None:
     """The native step for ``model`` where it can run (logged once either way), else None."""
     if os.environ.get(ENV, "1").strip() == "0":
@@ -221,8 +223,6 @@ def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecode
         reason = model.native_step_refusal
     elif not isinstance(model.attention_backend, NativePagedAttention):
         reason = "the attention backend is not cpu_paged"
-    elif (layer_refusal := attention_not_plain(model)) is not None:
-        reason = layer_refusal
     elif library() is None:
         reason = "the native decoder layer could not be built (see the log)"
     else:

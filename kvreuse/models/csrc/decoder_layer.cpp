@@ -21,9 +21,10 @@
 // The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
 // first, and this one finds them by name in the dispatcher once per process.
 //
-// Only plain layers come here (attention over the whole causal context, scale 1 / sqrt(head_dim), no
-// sinks): models/native_step.py refuses a model whose layers have a sliding window, their own softmax
-// scale or learned sinks, so the attention call passes window 0 and no sinks.
+// A layer's attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks) unless
+// `set_attention` gives it what its `LayerAttention` holds: a sliding window, a softmax scale of its own,
+// learned sinks (gpt-oss), and the output projection's bias; the kernel takes the first three as the
+// op-by-op path hands them to it, and the bias is added as the Linear adds it.
 #include "moe.h"
 
 #include <ATen/core/Tensor.h>
@@ -121,6 +122,10 @@ struct Layer {
   OptTensor qkv_bias, q_norm, k_norm;
   at::Tensor input_norm, post_norm, k_pool, v_pool;
   std::optional<kvreuse_moe::MoEWeights> experts;  // set_experts: the layer's MLP is its experts
+  // set_attention: the layer's window (0: none), softmax scale (0: the model's), sinks and o_proj's bias.
+  int64_t window = 0;
+  double scale = 0.0;
+  OptTensor sinks, o_bias;
 };
 
 // What the model's shape fixes for every layer.
@@ -141,7 +146,8 @@ Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel
   TORCH_CHECK(parts.size() == kProjections, "decoder_layer: parts must count the parts of qkv, o, gate_up and down");
   TORCH_CHECK(weights.size() == kernel_codes.size() && weights.size() == formats.size(),
               "decoder_layer: one kernel code and one format per weight part");
-  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool, std::nullopt};
+  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool, std::nullopt, 0, 0.0,
+              c10::nullopt, c10::nullopt};
   size_t at = 0;
   for (int j = 0; j < kProjections; ++j) {
     // gate_up and down may have no parts: a mixture-of-experts layer's MLP comes with set_experts.
@@ -176,9 +182,10 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
   }
   at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
   k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
-                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1, shape.scale,
-                         /*window=*/0, /*sinks=*/c10::nullopt, /*partition_size=*/0, k_new, v_new, in.slot_mapping);
-  const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}));
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
+                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
+                         /*partition_size=*/0, k_new, v_new, in.slot_mapping);
+  const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}), layer.o_bias);
   // hidden += attended, then the post-attention norm of the sum (one pass).
   const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
   if (layer.experts.has_value()) {
@@ -221,6 +228,18 @@ struct DecodeLayers : torch::CustomClassHolder {
         softmax_after_topk, std::move(gate_up_biases), std::move(down_biases), swiglu_limit, swiglu_alpha);
   }
 
+  // Layer ``index``'s attention as its LayerAttention has it, and its output projection's bias.
+  void set_attention(int64_t index, int64_t window, double scale, std::optional<at::Tensor> sinks,
+                     std::optional<at::Tensor> o_bias) {
+    TORCH_CHECK(0 <= index && index < num_layers(), "DecodeLayers.set_attention: no layer ", index);
+    TORCH_CHECK(window >= 0 && scale >= 0.0, "DecodeLayers.set_attention: window and scale must not be negative");
+    Layer& layer = layers[index];
+    layer.window = window;
+    layer.scale = scale;
+    layer.sinks = std::move(sinks);
+    layer.o_bias = std::move(o_bias);
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored.
@@ -243,6 +262,7 @@ TORCH_LIBRARY(kvreuse_step, m) {
       .def(torch::init<double, double, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("set_experts", &DecodeLayers::set_experts)
+      .def("set_attention", &DecodeLayers::set_attention)
       .def("num_layers", &DecodeLayers::num_layers)
       .def("run", &DecodeLayers::run);
 }
