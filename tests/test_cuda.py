@@ -37,11 +37,14 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[
     return results
 
 
-def run_checked(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Step the engine by hand, checking the cache invariants after every step."""
+def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
+                ) -> tuple[list[list[int]], list[int]]:
+    """Step the engine by hand, checking the cache invariants after every step; (tokens, cached tokens) per prompt.
+    ``params``: one for every prompt, or a list with one per prompt. (tests/test_triton_backend.py uses it too.)"""
     engine = llm.engine
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"r{id(prompts)}-{index}", {"prompt_token_ids": prompt}, GREEDY)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for index, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt)):
+        engine.add_request(f"r{id(prompts)}-{index}", {"prompt_token_ids": prompt}, prompt_params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

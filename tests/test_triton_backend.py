@@ -24,25 +24,11 @@ pytest.importorskip("triton")
 
 from kvreuse import LLM, SamplingParams  # noqa: E402
 from kvreuse.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from test_cuda import run_checked  # noqa: E402
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def run_checked(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[int]]:
-    """Step the engine by hand, checking the cache invariants after every step; (tokens, cached tokens)."""
-    engine = llm.engine
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{index}", {"prompt_token_ids": prompt}, GREEDY)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.check_integrity()
-    ordered = [finished[f"{tag}-{index}"] for index in range(len(prompts))]
-    return [list(o.outputs[0].token_ids) for o in ordered], [o.num_cached_tokens for o in ordered]
 
 
 def outputs(model_dir: Path, backend: str, prompts: list[list[int]], **options) -> tuple[list, list, list, list]:
@@ -50,8 +36,8 @@ def outputs(model_dir: Path, backend: str, prompts: list[list[int]], **options) 
               attention_backend=backend, enforce_eager=True, **options)
     if backend == "triton":
         assert isinstance(llm.engine.runner.attention_backend, TritonPagedAttention)
-    cold, cold_cached = run_checked(llm, prompts, "cold")
-    warm, warm_cached = run_checked(llm, prompts, "warm")
+    cold, cold_cached = run_checked(llm, prompts, GREEDY)
+    warm, warm_cached = run_checked(llm, prompts, GREEDY)
     return cold, warm, cold_cached, warm_cached
 
 
@@ -133,23 +119,11 @@ def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: 
     for name, eager in (("graphs", False), ("eager", True)):
         llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="2MiB", block_size=4,
                   attention_backend="triton", enforce_eager=eager, max_num_seqs=8)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        engine = llm.engine
-        results = []
-        for round_ in ("cold", "warm"):
-            for index, prompt in enumerate(prompts):
-                # Staggered lengths of output: the batch shrinks through the sizes 8, 4, 2, 1 as requests finish.
-                engine.add_request(f"{round_}-{index}", {"prompt_token_ids": prompt},
-                                   SamplingParams(temperature=0.0, max_tokens=MAX_NEW + index, ignore_eos=True))
-            finished = {}
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = list(output.outputs[0].token_ids)
-                engine.check_integrity()
-            results.append([finished[f"{round_}-{index}"] for index in range(len(prompts))])
-        del params
-        runs[name] = (results, engine.runner.cuda_graphs)
+        # Staggered lengths of output: the batch shrinks through the sizes 8, 4, 2, 1 as requests finish.
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW + index, ignore_eos=True)
+                  for index in range(len(prompts))]
+        results = [run_checked(llm, prompts, params)[0] for _ in ("cold", "warm")]
+        runs[name] = (results, llm.engine.runner.cuda_graphs)
     assert runs["graphs"][0] == runs["eager"][0]
     graphs = runs["graphs"][1]
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.replays > 10

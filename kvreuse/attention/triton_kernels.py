@@ -112,6 +112,53 @@ def _dot(a, b):
     return c
 
 
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, table_row, positions, valid, seen,
+                 kv_head, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+                 offs_d, mask_d, scale_log2, BLOCK_SIZE: tl.constexpr, KV_CODE: tl.constexpr,
+                 QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr):
+    """One tile of keys (``positions``, found through the block table) folded into the online softmax of the rows
+    of ``q``: (m, l, acc) updated. ``valid``: the tile's positions that exist; ``seen``: which of them each row may
+    attend to (broadcasting to [rows, keys]). Both kernels' inner step."""
+    blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0)
+    slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    # K as [head_dim, keys] straight from the pool (no transpose), V as [keys, head_dim].
+    k = tl.load(k_ptr + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+                mask=valid[None, :] & mask_d[:, None], other=0)
+    scores = _dot(q, _codes_to_dot(k, KV_CODE, QK_DTYPE)) * scale_log2
+    if KV_CODE != 0:
+        scores = scores * _load_scales(k_scales_ptr, slots, kv_head, stride_kss, stride_ksh, valid, KV_CODE)[None, :]
+    scores = tl.where(seen, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                mask=valid[:, None] & mask_d[None, :], other=0)
+    if KV_CODE != 0:
+        p = p * _load_scales(v_scales_ptr, slots, kv_head, stride_vss, stride_vsh, valid, KV_CODE)[None, :]
+    acc = acc * alpha[:, None] + _dot(p.to(PV_DTYPE), _codes_to_dot(v, KV_CODE, PV_DTYPE))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _normalised(acc, m_i, l_i, sinks_ptr, heads, mask, HAS_SINKS: tl.constexpr):
+    """The rows' outputs from their online softmax state: acc / l, with each head's sink (a logit that joins the
+    denominator only) where the layer has sinks. A row that saw nothing (context 0) gets 0, never NaN."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - top)
+        denom = l_i * keep + tl.exp2(sink - top)
+        acc = acc * keep[:, None]
+    else:
+        denom = l_i
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    return acc / denom[:, None]
+
+
 # --- store ---------------------------------------------------------------------------------------------------------
 
 
@@ -219,42 +266,14 @@ def _decode_split_kernel(
     for tile in range(start, end, BLOCK_N):
         positions = tile + offs_n
         valid = positions < end
-        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0)
-        slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        # K as [head_dim, keys] straight from the pool (no transpose), V as [keys, head_dim].
-        k = tl.load(k_ptr + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0)
-        scores = _dot(q, _codes_to_dot(k, KV_CODE, QK_DTYPE)) * scale_log2
-        if KV_CODE != 0:
-            scores = scores * _load_scales(k_scales_ptr, slots, kv_head, stride_kss, stride_ksh, valid,
-                                           KV_CODE)[None, :]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0)
-        if KV_CODE != 0:
-            p = p * _load_scales(v_scales_ptr, slots, kv_head, stride_vss, stride_vsh, valid, KV_CODE)[None, :]
-        acc = acc * alpha[:, None] + _dot(p.to(PV_DTYPE), _codes_to_dot(v, KV_CODE, PV_DTYPE))
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, table_row, positions, valid, valid[None, :],
+            kv_head, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+            offs_d, mask_d, scale_log2, BLOCK_SIZE, KV_CODE, QK_DTYPE, PV_DTYPE)
 
     if NUM_SPLITS == 1:
         # The whole row was this program's: normalise here, no merge kernel.
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32) * 1.4426950408889634
-            top = tl.maximum(m_i, sink)
-            keep = tl.exp2(m_i - top)
-            denom = l_i * keep + tl.exp2(sink - top)
-            acc = acc * keep[:, None]
-        else:
-            denom = l_i
-        denom = tl.where(denom == 0.0, 1.0, denom)  # nothing seen (context 0): acc is 0, the output 0
-        out = acc / denom[:, None]
+        out = _normalised(acc, m_i, l_i, sinks_ptr, heads, mask_g, HAS_SINKS)
         tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
     else:
@@ -496,41 +515,15 @@ def _prefill_kernel(
     for tile in range(start, end, BLOCK_N):
         positions = tile + offs_n
         valid = positions < end
-        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0)
-        slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        k = tl.load(k_ptr + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0)
-        scores = _dot(q, _codes_to_dot(k, KV_CODE, QK_DTYPE)) * scale_log2
-        if KV_CODE != 0:
-            scores = scores * _load_scales(k_scales_ptr, slots, kv_head, stride_kss, stride_ksh, valid,
-                                           KV_CODE)[None, :]
         seen = valid[None, :] & (positions[None, :] <= q_positions[:, None])
         if HAS_WINDOW:
             seen = seen & (positions[None, :] > q_positions[:, None] - window)
-        scores = tl.where(seen, scores, float("-inf"))
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, table_row, positions, valid, seen,
+            kv_head, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+            offs_d, mask_d, scale_log2, BLOCK_SIZE, KV_CODE, QK_DTYPE, PV_DTYPE)
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0)
-        if KV_CODE != 0:
-            p = p * _load_scales(v_scales_ptr, slots, kv_head, stride_vss, stride_vsh, valid, KV_CODE)[None, :]
-        acc = acc * alpha[:, None] + _dot(p.to(PV_DTYPE), _codes_to_dot(v, KV_CODE, PV_DTYPE))
-        m_i = m_new
-
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
-        top = tl.maximum(m_i, sink)
-        keep = tl.exp2(m_i - top)
-        denom = l_i * keep + tl.exp2(sink - top)
-        acc = acc * keep[:, None]
-    else:
-        denom = l_i
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    out = acc / denom[:, None]
+    out = _normalised(acc, m_i, l_i, sinks_ptr, heads, row_valid, HAS_SINKS)
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
 
