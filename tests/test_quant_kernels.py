@@ -272,6 +272,41 @@ def test_bad_input_is_refused_naming_the_problem(built):
         linear.set_quantized([qt])
 
 
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_int8_products_equal_one_call_per_group(built, ggml_type, dtype):
+    """A MoE layer's experts in one call (qlinear_int8_grouped): each group's rows against its own weight give
+    what qlinear_int8 gives per group, bit for bit, for groups of 0, 1, 3 and more than the kernel's 8 rows
+    per pass; one row repeated (a decode row's k experts) included."""
+    fmt = FORMATS[GGUF_TYPES[ggml_type]]
+    if fmt.name not in qlinear.int8_formats():
+        pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
+    in_features = 512
+    weights = [repack_gguf(gguf_blocks(ggml_type, 40, in_features, seed=s), ggml_type, (40, in_features))
+               for s in range(5)]
+    rows = [1, 0, 3, 11, 2]
+    x = torch.randn(sum(rows), in_features).to(dtype)
+    x[4:7] = x[0]  # the same row in several groups rounds the same in each
+    out = qlinear.qlinear_int8_grouped(x, rows, weights)
+    assert out.shape == (sum(rows), 40) and out.dtype == dtype
+    at = 0
+    for count, weight in zip(rows, weights):
+        expected = qlinear.qlinear_int8(x[at:at + count], weight)
+        assert torch.equal(out[at:at + count].float().view(torch.int32), expected.float().view(torch.int32))
+        at += count
+    op = torch.ops.kvreuse_cpu.qlinear_int8_grouped
+    data = [w.data for w in weights]
+    with pytest.raises(RuntimeError, match="the groups' row counts add up to 16, x has 17 rows"):
+        op(x, [1, 0, 3, 11, 1], data, fmt.code, in_features)
+    with pytest.raises(RuntimeError, match="one row count per weight, got 2 row counts and 5 weights"):
+        op(x, [1, 16], data, fmt.code, in_features)
+    with pytest.raises(RuntimeError, match="every weight must have the same output rows, got 20 and 40"):
+        op(x, rows, [*data[:4], data[4][:20]], fmt.code, in_features)
+    with pytest.raises(ValueError, match="the weights must share one format"):
+        other = repack_gguf(gguf_blocks("Q4_0", 40, in_features), "Q4_0", (40, in_features))
+        qlinear.qlinear_int8_grouped(x[:2], [1, 1], [weights[0], other])
+
+
 @needs_compiler
 def test_ops_under_torch_compile(built):
     """Fake implementations let a fullgraph compile with inductor's C++ wrapper (the compiled decode's

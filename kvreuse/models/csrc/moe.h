@@ -6,7 +6,9 @@
 //   weights, ids  = top_k(probabilities) (renormalised)  at::topk
 //   for each expert routed to, ascending:                rows grouped by expert (one counting sort)
 //     y = down(silu(gate(x_rows)) * up(x_rows))          kvreuse_cpu::qlinear / qlinear_int8 or at::linear;
-//                                                        kvreuse_fused::silu_mul
+//                                                        kvreuse_fused::silu_mul; where every routed expert
+//                                                        runs on the int8 kernel, all of them in one call
+//                                                        per product (qlinear_int8_grouped)
 //     out[rows] += y * weights                           a loop rounding as transformers' mul and index_add_ do
 //
 //   gpt-oss (the same, but):
@@ -43,6 +45,8 @@ namespace kvreuse_moe {
 
 struct MoEKernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>
+      qlinear_int8_grouped;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
 };
 
@@ -52,6 +56,8 @@ inline const MoEKernels& moe_kernels() {
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_int8", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_int8_grouped", "")
+          .typed<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_fused::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
   };
   return k;
@@ -83,6 +89,34 @@ struct ExpertProduct {
       default: TORCH_CHECK(false, "moe: unknown kernel code ", code);
     }
     return biased ? at::add(out, biases[expert]) : out;
+  }
+
+  int64_t kernel_for(int64_t rows) const { return kernel_by_rows[std::min<int64_t>(rows, kernel_by_rows.size()) - 1]; }
+
+  // The routed experts' products at once, x's rows grouped by expert (counts[i] rows for experts[i]), when
+  // every one of them runs on the int8 kernel at its row count: kvreuse_cpu::qlinear_int8_grouped, each
+  // expert's bias then added to its rows as `run` adds it. Numbers as `run` per expert, bit for bit.
+  bool grouped(const std::vector<int64_t>& counts) const {
+    if (format < 0) return false;
+    for (const int64_t count : counts) {
+      if (kernel_for(count) != kMoEQdot8) return false;
+    }
+    return true;
+  }
+  at::Tensor run_grouped(const MoEKernels& k, const std::vector<int64_t>& experts, const std::vector<int64_t>& counts,
+                         const at::Tensor& x) const {
+    std::vector<at::Tensor> ws;
+    ws.reserve(experts.size());
+    for (const int64_t e : experts) ws.push_back(weights[e]);
+    at::Tensor out = k.qlinear_int8_grouped.call(x, counts, ws, format, in_features);
+    if (!biases.empty()) {
+      int64_t at_row = 0;
+      for (size_t i = 0; i < experts.size(); ++i) {
+        out.narrow(0, at_row, counts[i]).add_(biases[experts[i]]);
+        at_row += counts[i];
+      }
+    }
+    return out;
   }
 };
 
@@ -179,32 +213,43 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   at::Tensor pair_rows = order.div(m.top_k, "floor");
   at::Tensor pair_weights = weights.reshape({pairs}).index_select(0, order).unsqueeze(1);
 
-  std::vector<int64_t> routed;  // the experts with rows, ascending
+  std::vector<int64_t> routed, counts;  // the experts with rows, ascending, and their row counts
   for (int64_t e = 0; e < experts; ++e) {
-    if (start[e + 1] > start[e]) routed.push_back(e);
+    if (start[e + 1] > start[e]) routed.push_back(e), counts.push_back(start[e + 1] - start[e]);
   }
-  // Quantized experts side by side on the threads, each expert's two products on one thread: a decode row's expert
-  // is a few hundred kB of weights, too little to split each product between threads without the fork and
-  // join costing more than the split saves (qwen3-moe-1b: 11 GB/s of weights split per product, against
-  // the 20-28 the dense products stream). A product called inside the parallel region runs on its thread
-  // alone; its outputs do not depend on how its rows are split, so the numbers are the same either way.
-  // Float weights' products (the library GEMM) may sum in another order on one thread than on several, so
-  // they keep the Python loop's threading: one expert after another.
+  // y: each (row, choice) pair's expert output, in pair order (grouped by expert), or per expert.
+  at::Tensor grouped_y;
   std::vector<at::Tensor> results(routed.size());
-  auto run_experts = [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = routed[i], count = start[e + 1] - start[e];
-      at::Tensor xe = rows == 1 ? x : x.index_select(0, pair_rows.narrow(0, start[e], count));
-      const at::Tensor gate_up = m.gate_up.run(k, e, xe);
-      const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
-                                          : k.silu_mul.call(gate_up);
-      results[i] = m.down.run(k, e, h).contiguous();
-    }
-  };
-  if (m.gate_up.format >= 0 && m.down.format >= 0) {
-    at::parallel_for(0, static_cast<int64_t>(routed.size()), 1, run_experts);
+  if (m.gate_up.grouped(counts) && m.down.grouped(counts)) {
+    // Every routed expert on the int8 kernel: each of the two products is one parallel region over all the
+    // experts' output rows (qlinear_int8_grouped), and the activation one call over all the pairs' rows.
+    const at::Tensor xs = x.index_select(0, pair_rows);
+    const at::Tensor gate_up = m.gate_up.run_grouped(k, routed, counts, xs);
+    const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
+                                        : k.silu_mul.call(gate_up);
+    grouped_y = m.down.run_grouped(k, routed, counts, h.contiguous());
   } else {
-    run_experts(0, static_cast<int64_t>(routed.size()));
+    // Quantized experts side by side on the threads, each expert's two products on one thread: a decode
+    // row's expert is a few hundred kB of weights, too little to split each product between threads
+    // without the fork and join costing more than the split saves. A product called inside the parallel
+    // region runs on its thread alone; its outputs do not depend on how its rows are split, so the numbers
+    // are the same either way. Float weights' products (the library GEMM) may sum in another order on one
+    // thread than on several, so they keep the Python loop's threading: one expert after another.
+    auto run_experts = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t e = routed[i], count = counts[i];
+        at::Tensor xe = rows == 1 ? x : x.index_select(0, pair_rows.narrow(0, start[e], count));
+        const at::Tensor gate_up = m.gate_up.run(k, e, xe);
+        const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
+                                            : k.silu_mul.call(gate_up);
+        results[i] = m.down.run(k, e, h).contiguous();
+      }
+    };
+    if (m.gate_up.format >= 0 && m.down.format >= 0) {
+      at::parallel_for(0, static_cast<int64_t>(routed.size()), 1, run_experts);
+    } else {
+      run_experts(0, static_cast<int64_t>(routed.size()));
+    }
   }
   // out[row] += y * weight, in ascending expert order, each product and each sum rounded to the model's dtype
   // as transformers' `y * weights` and `index_add_` round them; a loop, not those two ops per expert: at a
@@ -220,7 +265,8 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
     std::vector<scalar_t> product(hidden);
     for (size_t i = 0; i < routed.size(); ++i) {
       const int64_t e = routed[i];
-      const scalar_t* y = results[i].const_data_ptr<scalar_t>();
+      const scalar_t* y = grouped_y.defined() ? grouped_y.const_data_ptr<scalar_t>() + start[e] * hidden
+                                              : results[i].const_data_ptr<scalar_t>();
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
         const scalar_t w = static_cast<scalar_t>(pw[p]);  // the weight as the model's dtype holds it
         scalar_t* row = o + prow[p] * hidden;

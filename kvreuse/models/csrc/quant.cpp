@@ -741,12 +741,6 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
   return q;
 }
 
-// The byte mask of a pair's high bits: plane words wc (chunk c) and wc1 (chunk c + 1) as v = wc | wc1 << 32,
-// their 16-bit halves put in pair_codes' lane order [c 0-15, c+1 0-15, c 16-31, c+1 16-31].
-inline __mmask64 pair_plane_mask(uint64_t v) {
-  return (v & 0xFFFF00000000FFFFull) | ((v & 0x00000000FFFF0000ull) << 16) | ((v & 0x0000FFFF00000000ull) >> 16);
-}
-
 template <class F, int R>
 void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, const Layout& l, float* out,
                      int64_t out_features, int64_t begin, int64_t end) {
@@ -766,16 +760,43 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
     }
     idx[p] = _mm512_load_si512(lanes);
   }
+  // The high-bit planes as byte masks in pair_codes' lane order, for all four pairs of a super-block in one
+  // 16-bit permutation of its plane words (pair_plane_mask's shuffle, done in a vector, not per pair in
+  // scalar code, which cost Q6_K a third of its time): mask 2p + k is pair p's plane k (Q5_K: mask p).
+  // Planes are a 32-bit word per chunk and plane, chunk-major; in 16-bit halves, chunk c's plane k is
+  // (c * planes + k) * 2 (low) and + 1 (high); the mask of chunks c, c + 1 is [c lo, c+1 lo, c hi, c+1 hi].
+  constexpr int planes = F::bits - 4;
+  __m512i plane_order = _mm512_setzero_si512();
+  if constexpr (planes > 0) {
+    alignas(64) int16_t order[32] = {};
+    for (int p = 0; p < 4; ++p) {
+      for (int k = 0; k < planes; ++k) {
+        const int c = 2 * p, word = (p * planes + k) * 4;
+        order[word + 0] = static_cast<int16_t>((c * planes + k) * 2);
+        order[word + 1] = static_cast<int16_t>(((c + 1) * planes + k) * 2);
+        order[word + 2] = static_cast<int16_t>((c * planes + k) * 2 + 1);
+        order[word + 3] = static_cast<int16_t>(((c + 1) * planes + k) * 2 + 1);
+      }
+    }
+    plane_order = _mm512_load_si512(order);
+  }
   const int8_t* codes = q.codes.data() + r0 * spans * kSuper;
   const float* xscales = q.scales.data() + r0 * spans;
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
     __m512 acc[R];
-    float offset[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.f;
+    __m256 offset[R];  // per lane, summed once per row (not a horizontal sum per super-block)
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < spans; ++s) {
       const uint8_t* sp = row + s * sl.bytes;
       const float d = half_at(sp + sl.d);
+      alignas(64) uint64_t masks[8];
+      if constexpr (planes == 2) {
+        _mm512_store_si512(masks, _mm512_permutexvar_epi16(plane_order, _mm512_loadu_si512(sp + sl.planes)));
+      } else if constexpr (planes == 1) {
+        const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.planes)));
+        _mm512_store_si512(masks, _mm512_permutexvar_epi16(plane_order, words));
+      }
       __m512i sc;  // the group codes as int16
       if constexpr (F::group == 32) {
         sc = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.scales))));
@@ -787,17 +808,11 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
       for (int p = 0; p < 4; ++p) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + 32 * p));
         __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), shifts), nibble);
-        if constexpr (F::bits == 5) {
-          uint64_t words;
-          std::memcpy(&words, sp + sl.planes + 8 * p, 8);
-          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(words), wv, _mm512_set1_epi8(16));
-        } else if constexpr (F::bits == 6) {  // per chunk two words: plane 0, plane 1
-          uint32_t words[4];
-          std::memcpy(words, sp + sl.planes + 16 * p, 16);
-          const uint64_t plane0 = words[0] | static_cast<uint64_t>(words[2]) << 32;
-          const uint64_t plane1 = words[1] | static_cast<uint64_t>(words[3]) << 32;
-          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(plane0), wv, _mm512_set1_epi8(16));
-          wv = _mm512_mask_add_epi8(wv, pair_plane_mask(plane1), wv, _mm512_set1_epi8(32));
+        if constexpr (planes == 1) {
+          wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[p]), wv, _mm512_set1_epi8(16));
+        } else if constexpr (planes == 2) {
+          wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[2 * p]), wv, _mm512_set1_epi8(16));
+          wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[2 * p + 1]), wv, _mm512_set1_epi8(32));
         }
         const __m512i scale = _mm512_permutexvar_epi16(idx[p], sc);
         for (int r = 0; r < R; ++r) {
@@ -812,31 +827,37 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
         const int64_t at = (r0 + r) * spans + s;
         const float xs = xscales[r * spans + s];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
-        __m128i m;
-        if constexpr (F::has_min) {
-          const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins)));
-          m = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8)));
+        // The group products as int32 lanes (exact: at most 8 * 127 * 2,032), made float32 exactly, scaled.
+        __m256 m;
+        if constexpr (F::has_min) {  // four lanes, the upper four zero
+          m = _mm256_zextps128_ps256(_mm_cvtepi32_ps(
+              _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins))),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8)))));
         } else {
-          const __m256i codes16 = _mm512_castsi512_si256(sc);
-          const __m256i m8 = _mm256_madd_epi16(codes16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16)));
-          m = _mm_add_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+          m = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm512_castsi512_si256(sc),
+                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16))));
         }
-        m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-        m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
-        offset[r] -= factor * xs * static_cast<float>(_mm_cvtsi128_si32(m));
+        offset[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(-factor * xs), offset[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + offset[r];
+    for (int r = 0; r < R; ++r) {
+      const __m256 o = offset[r];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(h);
+    }
   }
 }
 
+// Rows [first, first + rows) of q against weight rows [begin, end); out points at row `first`'s outputs.
 template <class F>
-void dot_range_kquant(const QuantizedSpans& q, int64_t rows, const uint8_t* w, const Layout& l, float* out,
-                      int64_t out_features, int64_t begin, int64_t end) {
+void dot_range_kquant(const QuantizedSpans& q, int64_t first, int64_t rows, const uint8_t* w, const Layout& l,
+                      float* out, int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     float* o = out + r0 * out_features;
     with_rows(rows - r0, [&](auto r) {
-      dot_rows_kquant<F, decltype(r)::value>(q, r0, w, l, o, out_features, begin, end);
+      dot_rows_kquant<F, decltype(r)::value>(q, first + r0, w, l, o, out_features, begin, end);
     });
   }
 }
@@ -1014,13 +1035,14 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
 #endif
 
 #if defined(KVREUSE_INT8_DOT)
+// Rows [first, first + rows) of q against weight rows [begin, end); out points at row `first`'s outputs.
 template <class F>
-void dot_range_int8(const QuantizedRows& q, int64_t rows, int64_t in, const uint8_t* w, const Layout& l, float* out,
-                    int64_t out_features, int64_t begin, int64_t end) {
+void dot_range_int8(const QuantizedRows& q, int64_t first, int64_t rows, int64_t in, const uint8_t* w, const Layout& l,
+                    float* out, int64_t out_features, int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     float* o = out + r0 * out_features;
     with_rows(rows - r0, [&](auto r) {
-      dot_rows_int8<F, decltype(r)::value>(q, r0, in, w, l, o, out_features, begin, end);
+      dot_rows_int8<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
     });
   }
 }
@@ -1213,44 +1235,86 @@ std::string format_names(const std::vector<int64_t>& codes) {
   return names;
 }
 
-at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
-  const Layout l = checked_layout("qlinear_int8", weight, format, in);
-  TORCH_CHECK(x.device().is_cpu(), "qlinear_int8: x must be a CPU tensor");
+// y = x W_g^T for groups of x's rows, each group against its own weight (a mixture-of-experts layer's experts:
+// every expert's rows at once). The rows are rounded to int8 once, and one parallel region splits all the
+// groups' output rows between the threads, so a decode row's eight small expert products stream side by side
+// on every thread, not one product per thread. Each output is computed exactly as a call per group would.
+at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef group_rows, at::TensorList weights,
+                         int64_t format, int64_t in) {
+  TORCH_CHECK(!weights.empty() && group_rows.size() == weights.size(), op, ": one row count per weight, got ",
+              group_rows.size(), " row counts and ", weights.size(), " weights");
+  std::vector<Layout> layouts;
+  std::vector<at::Tensor> contiguous;
+  for (const at::Tensor& w : weights) {
+    layouts.push_back(checked_layout(op, w, format, in));
+    contiguous.push_back(w.contiguous());
+    TORCH_CHECK(w.size(0) == weights[0].size(0), op, ": every weight must have the same output rows, got ", w.size(0),
+                " and ", weights[0].size(0));
+  }
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "qlinear_int8: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "qlinear_int8: x must be [rows, in], got ", x.sizes());
-  TORCH_CHECK(x.size(1) == in, "qlinear_int8: x has ", x.size(1), " features, weight expects ", in);
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == in, op, ": x has ", x.size(1), " features, weight expects ", in);
+  std::vector<int64_t> first(group_rows.size() + 1, 0);
+  for (size_t g = 0; g < group_rows.size(); ++g) {
+    TORCH_CHECK(group_rows[g] >= 0, op, ": a group's row count must not be negative, got ", group_rows[g]);
+    first[g + 1] = first[g] + group_rows[g];
+  }
+  TORCH_CHECK(first.back() == x.size(0), op, ": the groups' row counts add up to ", first.back(), ", x has ",
+              x.size(0), " rows");
   static const std::vector<int64_t> formats = int8_formats();  // fixed by the build; checked on every call
-  TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), "qlinear_int8: ", kNames[format],
+  TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), op, ": ", kNames[format],
               formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX2 and AVX512-VNNI"
                               : " is not run on int8 inputs on this CPU (" + format_names(formats) + " are)");
-  const at::Tensor wc = weight.contiguous();
-  const int64_t rows = x.size(0), out_features = wc.size(0);
+  const int64_t rows = x.size(0), out_features = contiguous[0].size(0), groups = static_cast<int64_t>(weights.size());
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
 #if defined(KVREUSE_INT8_DOT)
   if (rows > 0 && out_features > 0) {
-    const uint8_t* wp = wc.const_data_ptr<uint8_t>();
-    float* op = out.mutable_data_ptr<float>();
+    float* op_out = out.mutable_data_ptr<float>();
+    // Calls run(g, begin, end) for weight rows [begin, end) of each group that units [b, e) cover (unit
+    // g * out_features + j: group g's weight row j).
+    const auto split = [&](auto&& run) {
+      at::parallel_for(0, groups * out_features, 16, [&](int64_t b, int64_t e) {
+        for (int64_t g = b / out_features; g < groups && g * out_features < e; ++g) {
+          const int64_t begin = std::max(b - g * out_features, int64_t{0});
+          const int64_t end = std::min(e - g * out_features, out_features);
+          if (group_rows[g] > 0) run(g, begin, end);
+        }
+      });
+    };
     with_format(format, [&](auto f) {
       using F = decltype(f);
 #if defined(KVREUSE_KQUANT_DOT)
       if constexpr (F::kquant) {
         const QuantizedSpans q = quantize_spans(x, rows, in);
-        at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-          dot_range_kquant<F>(q, rows, wp, l, op, out_features, begin, end);
+        split([&](int64_t g, int64_t begin, int64_t end) {
+          dot_range_kquant<F>(q, first[g], group_rows[g], contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
+                              op_out + first[g] * out_features, out_features, begin, end);
         });
       } else
 #endif
       if constexpr (int8_dot_format<F>()) {
         const QuantizedRows q = quantize_rows<F>(x, rows, in);
-        at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-          dot_range_int8<F>(q, rows, in, wp, l, op, out_features, begin, end);
+        split([&](int64_t g, int64_t begin, int64_t end) {
+          dot_range_int8<F>(q, first[g], group_rows[g], in, contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
+                            op_out + first[g] * out_features, out_features, begin, end);
         });
       }
     });
   }
 #endif
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
+  const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
+  return int8_products("qlinear_int8", x, {rows}, {weight}, format, in);
+}
+
+at::Tensor qlinear_int8_grouped(const at::Tensor& x, c10::IntArrayRef group_rows, at::TensorList weights,
+                                int64_t format, int64_t in) {
+  return int8_products("qlinear_int8_grouped", x, group_rows, weights, format, in);
 }
 
 at::Tensor qdequant(const at::Tensor& weight, int64_t format, int64_t in) {
@@ -1277,6 +1341,7 @@ TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("qlinear(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
   m.def("qdequant(Tensor weight, int format, int in_features) -> Tensor");
   m.def("qlinear_int8(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
+  m.def("qlinear_int8_grouped(Tensor x, int[] group_rows, Tensor[] weights, int format, int in_features) -> Tensor");
   m.def("int8_formats() -> int[]", &int8_formats);
   m.def("int8_group(int format) -> int", &int8_group);
 }
@@ -1285,4 +1350,5 @@ TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("qdequant", &qdequant);
   m.impl("qlinear_int8", &qlinear_int8);
+  m.impl("qlinear_int8_grouped", &qlinear_int8_grouped);
 }
