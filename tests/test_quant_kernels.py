@@ -274,12 +274,13 @@ def test_bad_input_is_refused_naming_the_problem(built):
 
 @pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "Q8_0", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_int8_products_equal_one_call_per_group(built, ggml_type, dtype):
-    """A MoE layer's experts in one call (qlinear_int8_grouped): each group's rows against its own weight give
-    what qlinear_int8 gives per group, bit for bit, for groups of 0, 1, 3 and more than the kernel's 8 rows
-    per pass; one row repeated (a decode row's k experts) included."""
+@pytest.mark.parametrize("int8", [False, True], ids=["qdot", "qdot8"])
+def test_grouped_products_equal_one_call_per_group(built, ggml_type, dtype, int8):
+    """A MoE layer's experts in one call (qlinear_grouped, qlinear_int8_grouped): each group's rows against its
+    own weight give what qlinear / qlinear_int8 gives per group, bit for bit, for groups of 0, 1, 3 and more
+    than the kernel's 8 rows per pass; one row repeated (a decode row's k experts) included."""
     fmt = FORMATS[GGUF_TYPES[ggml_type]]
-    if fmt.name not in qlinear.int8_formats():
+    if int8 and fmt.name not in qlinear.int8_formats():
         pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
     in_features = 512
     weights = [repack_gguf(gguf_blocks(ggml_type, 40, in_features, seed=s), ggml_type, (40, in_features))
@@ -287,14 +288,14 @@ def test_grouped_int8_products_equal_one_call_per_group(built, ggml_type, dtype)
     rows = [1, 0, 3, 11, 2]
     x = torch.randn(sum(rows), in_features).to(dtype)
     x[4:7] = x[0]  # the same row in several groups rounds the same in each
-    out = qlinear.qlinear_int8_grouped(x, rows, weights)
+    out = qlinear.qlinear_grouped(x, rows, weights, int8=int8)
     assert out.shape == (sum(rows), 40) and out.dtype == dtype
     at = 0
     for count, weight in zip(rows, weights):
-        expected = qlinear.qlinear_int8(x[at:at + count], weight)
+        expected = (qlinear.qlinear_int8 if int8 else qlinear.qlinear)(x[at:at + count], weight)
         assert torch.equal(out[at:at + count].float().view(torch.int32), expected.float().view(torch.int32))
         at += count
-    op = torch.ops.kvreuse_cpu.qlinear_int8_grouped
+    op = torch.ops.kvreuse_cpu.qlinear_int8_grouped if int8 else torch.ops.kvreuse_cpu.qlinear_grouped
     data = [w.data for w in weights]
     with pytest.raises(RuntimeError, match="the groups' row counts add up to 16, x has 17 rows"):
         op(x, [1, 0, 3, 11, 1], data, fmt.code, in_features)
@@ -304,7 +305,7 @@ def test_grouped_int8_products_equal_one_call_per_group(built, ggml_type, dtype)
         op(x, rows, [*data[:4], data[4][:20]], fmt.code, in_features)
     with pytest.raises(ValueError, match="the weights must share one format"):
         other = repack_gguf(gguf_blocks("Q4_0", 40, in_features), "Q4_0", (40, in_features))
-        qlinear.qlinear_int8_grouped(x[:2], [1, 1], [weights[0], other])
+        qlinear.qlinear_grouped(x[:2], [1, 1], [weights[0], other], int8=int8)
 
 
 @needs_compiler

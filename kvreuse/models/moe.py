@@ -121,7 +121,12 @@ class SparseMoE(nn.Module):
         self.softmax_after_topk = moe.softmax_after_topk
         # Registered under the checkpoint's name, so the weights load by their HF names.
         self.router_name = "router" if moe.router_bias else "gate"
-        router = Linear(hidden_size, [moe.num_experts], moe.router_bias, dtype, device)
+        # The router is held and run in float32 whatever the model's dtype, as llama.cpp runs a GGUF file's
+        # (stored F32): its logits choose the experts, so bf16 rounding there flips near-tied choices; and on
+        # CPU a [1, hidden] x [hidden, experts] product in bf16 cost 4x the float32 one (27 against 6 us).
+        # In float32 models this is transformers' arithmetic exactly; in bf16 ones the choice is closer to
+        # the float32 model's than transformers' bf16 router is.
+        router = Linear(hidden_size, [moe.num_experts], moe.router_bias, torch.float32, device)
         router.keep_float = True  # quantize_int8 leaves the router as it is
         self.add_module(self.router_name, router)
         if moe.swiglu_limit is not None:
@@ -184,7 +189,7 @@ class SparseMoE(nn.Module):
         """(weights [T, k] in x's dtype, expert ids [T, k]): softmax over all experts in float32, the top k,
         renormalised where the config says so (transformers' Qwen3MoeTopKRouter); or, for gpt-oss, the top k
         logits softmaxed among themselves in the logits' dtype (GptOssTopKRouter)."""
-        logits = self.router_layer(x)
+        logits = self.router_layer(x.float())
         if self.softmax_after_topk:
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), experts

@@ -90,6 +90,11 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("kvreuse_cpu::qlinear_grouped")
+    def _(x: torch.Tensor, group_rows: list[int], weights: list[torch.Tensor], format: int,
+          in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weights[0].shape[0]))
+
     @torch.library.register_fake("kvreuse_cpu::qlinear_int8_grouped")
     def _(x: torch.Tensor, group_rows: list[int], weights: list[torch.Tensor], format: int,
           in_features: int) -> torch.Tensor:
@@ -129,16 +134,17 @@ def qlinear_int8(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     return torch.ops.kvreuse_cpu.qlinear_int8(x, weight.data, weight.format.code, weight.in_features)
 
 
-def qlinear_int8_grouped(x: torch.Tensor, group_rows: list[int], weights: list[QuantizedTensor]) -> torch.Tensor:
-    """``qlinear_int8`` for groups of x's rows, group g (``group_rows[g]`` rows, in order) against
-    ``weights[g]``: one parallel region for all of them (a MoE layer's routed experts). The weights share one
-    format and shape."""
+def qlinear_grouped(x: torch.Tensor, group_rows: list[int], weights: list[QuantizedTensor], *,
+                    int8: bool = False) -> torch.Tensor:
+    """``qlinear`` (``int8``: ``qlinear_int8``) for groups of x's rows, group g (``group_rows[g]`` rows, in order)
+    against ``weights[g]``: one parallel region for all of them (a MoE layer's routed experts). The weights
+    share one format and shape."""
     fmt = weights[0].format
     if any(w.format is not fmt for w in weights):
-        raise ValueError(f"qlinear_int8_grouped: the weights must share one format, got "
+        raise ValueError(f"qlinear_grouped: the weights must share one format, got "
                          f"{sorted({w.format.name for w in weights})}")
-    return torch.ops.kvreuse_cpu.qlinear_int8_grouped(x, group_rows, [w.data for w in weights], fmt.code,
-                                                      weights[0].in_features)
+    op = torch.ops.kvreuse_cpu.qlinear_int8_grouped if int8 else torch.ops.kvreuse_cpu.qlinear_grouped
+    return op(x, group_rows, [w.data for w in weights], fmt.code, weights[0].in_features)
 
 
 def kernels_for(fmt: str, dtype: torch.dtype) -> tuple[str, ...]:

@@ -2,13 +2,14 @@
 // decode step (decoder_layer.cpp), over the kernels that already exist, found in the dispatcher by name.
 //
 //   Qwen3-MoE:
-//   probabilities = softmax(x @ router^T) in float32    at::linear, at::softmax
+//   probabilities = softmax(x @ router^T) in float32    at::linear (the router held in float32), at::softmax
 //   weights, ids  = top_k(probabilities) (renormalised)  at::topk
 //   for each expert routed to, ascending:                rows grouped by expert (one counting sort)
 //     y = down(silu(gate(x_rows)) * up(x_rows))          kvreuse_cpu::qlinear / qlinear_int8 or at::linear;
 //                                                        kvreuse_fused::silu_mul; where every routed expert
-//                                                        runs on the int8 kernel, all of them in one call
-//                                                        per product (qlinear_int8_grouped)
+//                                                        runs on one quantized GEMV kernel, all of them in
+//                                                        one call per product (qlinear_grouped,
+//                                                        qlinear_int8_grouped)
 //     out[rows] += y * weights                           a loop rounding as transformers' mul and index_add_ do
 //
 //   gpt-oss (the same, but):
@@ -46,7 +47,7 @@ namespace kvreuse_moe {
 struct MoEKernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>
-      qlinear_int8_grouped;
+      qlinear_grouped, qlinear_int8_grouped;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
 };
 
@@ -56,6 +57,8 @@ inline const MoEKernels& moe_kernels() {
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_int8", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_grouped", "")
+          .typed<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_int8_grouped", "")
           .typed<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_fused::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
@@ -94,21 +97,25 @@ struct ExpertProduct {
   int64_t kernel_for(int64_t rows) const { return kernel_by_rows[std::min<int64_t>(rows, kernel_by_rows.size()) - 1]; }
 
   // The routed experts' products at once, x's rows grouped by expert (counts[i] rows for experts[i]), when
-  // every one of them runs on the int8 kernel at its row count: kvreuse_cpu::qlinear_int8_grouped, each
-  // expert's bias then added to its rows as `run` adds it. Numbers as `run` per expert, bit for bit.
-  bool grouped(const std::vector<int64_t>& counts) const {
-    if (format < 0) return false;
+  // every one of them runs on one quantized GEMV kernel at its row count: kvreuse_cpu::qlinear_grouped or
+  // qlinear_int8_grouped, each expert's bias then added to its rows as `run` adds it. Numbers as `run` per
+  // expert, bit for bit. Returns that kernel's code, or -1 (float weights, or kernels that differ).
+  int64_t grouped_kernel(const std::vector<int64_t>& counts) const {
+    if (format < 0 || counts.empty()) return -1;
+    const int64_t code = kernel_for(counts[0]);
+    if (code != kMoEQdot && code != kMoEQdot8) return -1;
     for (const int64_t count : counts) {
-      if (kernel_for(count) != kMoEQdot8) return false;
+      if (kernel_for(count) != code) return -1;
     }
-    return true;
+    return code;
   }
-  at::Tensor run_grouped(const MoEKernels& k, const std::vector<int64_t>& experts, const std::vector<int64_t>& counts,
-                         const at::Tensor& x) const {
+  at::Tensor run_grouped(const MoEKernels& k, int64_t code, const std::vector<int64_t>& experts,
+                         const std::vector<int64_t>& counts, const at::Tensor& x) const {
     std::vector<at::Tensor> ws;
     ws.reserve(experts.size());
     for (const int64_t e : experts) ws.push_back(weights[e]);
-    at::Tensor out = k.qlinear_int8_grouped.call(x, counts, ws, format, in_features);
+    at::Tensor out = code == kMoEQdot8 ? k.qlinear_int8_grouped.call(x, counts, ws, format, in_features)
+                                       : k.qlinear_grouped.call(x, counts, ws, format, in_features);
     if (!biases.empty()) {
       int64_t at_row = 0;
       for (size_t i = 0; i < experts.size(); ++i) {
@@ -188,12 +195,14 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   const MoEKernels& k = moe_kernels();
   const int64_t rows = x.size(0), experts = m.router.size(0);
   at::Tensor weights, ids;
+  // The router's logits in its dtype (float32: models/moe.py says why).
+  const at::Tensor logits = at::linear(x.to(m.router.scalar_type()), m.router, m.router_bias);
   if (m.softmax_after_topk) {  // gpt-oss's GptOssTopKRouter: softmax over the top k logits, in their dtype
-    auto [top, chosen] = at::topk(at::linear(x, m.router, m.router_bias), m.top_k, -1);
+    auto [top, chosen] = at::topk(logits, m.top_k, -1);
     weights = at::softmax(top, -1, top.scalar_type());
     ids = chosen;
   } else {
-    at::Tensor probabilities = at::softmax(at::linear(x, m.router, m.router_bias), -1, at::kFloat);
+    at::Tensor probabilities = at::softmax(logits, -1, at::kFloat);
     std::tie(weights, ids) = at::topk(probabilities, m.top_k, -1);
     if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
   }
@@ -220,14 +229,16 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   // y: each (row, choice) pair's expert output, in pair order (grouped by expert), or per expert.
   at::Tensor grouped_y;
   std::vector<at::Tensor> results(routed.size());
-  if (m.gate_up.grouped(counts) && m.down.grouped(counts)) {
-    // Every routed expert on the int8 kernel: each of the two products is one parallel region over all the
-    // experts' output rows (qlinear_int8_grouped), and the activation one call over all the pairs' rows.
+  const int64_t gate_up_code = m.gate_up.grouped_kernel(counts), down_code = m.down.grouped_kernel(counts);
+  if (gate_up_code >= 0 && down_code >= 0) {
+    // Every routed expert on a quantized GEMV kernel: each of the two products is one parallel region over all
+    // the experts' output rows (qlinear_grouped / qlinear_int8_grouped), and the activation one call over all
+    // the pairs' rows.
     const at::Tensor xs = x.index_select(0, pair_rows);
-    const at::Tensor gate_up = m.gate_up.run_grouped(k, routed, counts, xs);
+    const at::Tensor gate_up = m.gate_up.run_grouped(k, gate_up_code, routed, counts, xs);
     const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
                                         : k.silu_mul.call(gate_up);
-    grouped_y = m.down.run_grouped(k, routed, counts, h.contiguous());
+    grouped_y = m.down.run_grouped(k, down_code, routed, counts, h.contiguous());
   } else {
     // Quantized experts side by side on the threads, each expert's two products on one thread: a decode
     // row's expert is a few hundred kB of weights, too little to split each product between threads

@@ -188,6 +188,18 @@ inline void span_params(const uint8_t* sp, const SpanLayout& l, int n, Span& s) 
       }
     }
   } else if constexpr (F::mx) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    if (n == 8) {  // e8m0_half on eight lanes: (e - 1) << 23, or 0x00200000 << e for the two subnormal bytes
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + l.scales)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      const __m256 a = _mm256_castsi256_ps(
+          _mm256_mask_blend_epi32(_mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2)), normal, subnormal));
+      _mm256_storeu_ps(s.a, a);
+      _mm256_storeu_ps(s.b, _mm256_mul_ps(a, _mm256_set1_ps(static_cast<float>(-F::zero))));
+      return;
+    }
+#endif
     for (int g = 0; g < n; ++g) {
       s.a[g] = e8m0_half(sp[l.scales + g]);
       s.b[g] = -F::zero * s.a[g];
@@ -531,11 +543,12 @@ void dot_range_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, 
 
 #if defined(__AVX2__)
 // MXFP4's levels of 32 byte codes 0..15 (vpshufb looks up each 128-bit half in its own copy of the table).
-inline __m256i mx_levels(__m256i codes) {
+inline __m256i mx_level_table() {
   alignas(32) static const int8_t table[32] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                                12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-  return _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)), codes);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(table));
 }
+inline __m256i mx_levels(__m256i codes) { return _mm256_shuffle_epi8(mx_level_table(), codes); }
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -560,37 +573,50 @@ constexpr int64_t int8_input_group() {
   return F::kquant ? kSuper : kChunk;
 }
 
-// The weight bytes of chunks c and c + 1 of a span (c + 1 < n, else the second half zero), in the lane
-// order the inputs are stored in (see quantize_rows): 8-bit codes as stored; 4-bit codes as
-// [c: 0-15, c+1: 0-15, c: 16-31, c+1: 16-31].
+// Chunks per step of the int8 kernels: 8-bit weights go two chunks to a 64-byte register, 4-bit ones four (their
+// 64 packed bytes as two registers, low nibbles and high nibbles, whose int32 lanes sum the same chunks, so the
+// two products add as integers and become float32 once per four chunks).
+template <class F>
+constexpr int step_chunks() {
+  return F::bits == 8 ? 2 : 4;
+}
+
+// The weight bytes of 8-bit chunks c and c + 1 of a span (c + 1 < n, else the second half zero).
 template <class F>
 inline __m512i pair_codes(const uint8_t* sp, const SpanLayout& l, int c, bool both) {
-  if constexpr (F::bits == 8) {
-    const uint8_t* v = sp + l.values + kChunk * c;
-    return both ? _mm512_loadu_si512(v) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
-  } else {
-    const uint8_t* v = sp + l.values + kChunk / 2 * c;
-    const __m256i b = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))
-                           : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
-    const __m256i mask = _mm256_set1_epi8(15);
-    __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-    if constexpr (F::mx) lo = mx_levels(lo), hi = mx_levels(hi);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  const uint8_t* v = sp + l.values + kChunk * c;
+  return both ? _mm512_loadu_si512(v) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+}
+
+// 4-bit chunks c .. c + count - 1 (count <= 4; the rest zero codes): low nibbles (values 0-15 of each chunk, 16
+// bytes a chunk) and high nibbles (values 16-31), as unsigned levels (MXFP4's through its table).
+template <class F>
+inline void quad_codes(const uint8_t* sp, const SpanLayout& l, int c, int count, __m512i& low, __m512i& high) {
+  const uint8_t* v = sp + l.values + kChunk / 2 * c;
+  const __m512i b = count == 4 ? _mm512_loadu_si512(v) : _mm512_maskz_loadu_epi8((1ull << (16 * count)) - 1, v);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  low = _mm512_and_si512(b, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+  if constexpr (F::mx) {  // a 16-entry table per 128-bit lane
+    const __m512i table = _mm512_broadcast_i32x4(_mm256_castsi256_si128(mx_level_table()));
+    low = _mm512_shuffle_epi8(table, low);
+    high = _mm512_shuffle_epi8(table, high);
   }
 }
 
-// Which of a pair's two chunks each int32 lane sums: 8-bit [c x8, c+1 x8]; 4-bit [c x4, c+1 x4] twice.
+// Which chunk of a step each int32 lane sums: 8-bit [c x8, c+1 x8]; 4-bit [c x4, c+1 x4, c+2 x4, c+3 x4].
 template <class F>
-inline __m512i pair_lane_chunk() {
+inline __m512i step_lane_chunk() {
   if constexpr (F::bits == 8) return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
 }
 
-// The rows' int8 codes, 64 bytes per pair of chunks in pair_codes' lane order (an odd last chunk's
-// partner zero), unsigned (code + 128) for 8-bit weights; per pair 16 float32 lane scales (the chunk's
-// scale in each lane that sums it); per chunk the sum of its values as rounded (scale * sum of codes).
+// The rows' int8 codes, per step of chunks in the weights' lane order (missing chunks of a last step zero):
+// 8-bit, 64 bytes a pair, unsigned (code + 128); 4-bit, 128 bytes a quad, values 0-15 of its four chunks then
+// values 16-31. Per step 16 float32 lane scales (the chunk's scale in each lane that sums it); per chunk the
+// sum of its values as rounded (scale * sum of codes).
 struct QuantizedRows {
-  int64_t pairs = 0;
+  int64_t steps = 0;
   std::vector<uint8_t> codes;
   std::vector<float> lane_scales, sums;
 };
@@ -598,10 +624,11 @@ struct QuantizedRows {
 template <class F>
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
   QuantizedRows q;
+  constexpr int per = step_chunks<F>(), step_bytes = per * kChunk;
   const int64_t chunks = in / kChunk;
-  q.pairs = (chunks + 1) / 2;
-  q.codes.assign(rows * q.pairs * 64, F::bits == 8 ? 128 : 0);
-  q.lane_scales.assign(rows * q.pairs * 16, 0.f);
+  q.steps = (chunks + per - 1) / per;
+  q.codes.assign(rows * q.steps * step_bytes, F::bits == 8 ? 128 : 0);
+  q.lane_scales.assign(rows * q.steps * 16, 0.f);
   q.sums.assign(rows * chunks, 0.f);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.const_data_ptr<float>();
@@ -617,19 +644,20 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
       const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
       __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);  // |code| <= 127: exact
-      uint8_t* out = q.codes.data() + (r * q.pairs + c / 2) * 64;
+      const int i = static_cast<int>(c % per);
+      uint8_t* out = q.codes.data() + (r * q.steps + c / per) * step_bytes;
       if constexpr (F::bits == 8) {  // unsigned: code + 128
         b0 = _mm_xor_si128(b0, _mm_set1_epi8(static_cast<char>(0x80)));
         b1 = _mm_xor_si128(b1, _mm_set1_epi8(static_cast<char>(0x80)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 32), b0);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 32 + 16), b1);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * 32), b0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * 32 + 16), b1);
       } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c & 1) * 16), b0);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 + (c & 1) * 16), b1);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * i), b0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * i), b1);
       }
       // The chunk's scale in the lanes that sum it.
-      float* scales = q.lane_scales.data() + (r * q.pairs + c / 2) * 16;
-      const __mmask16 mine = _mm512_cmpeq_epi32_mask(pair_lane_chunk<F>(), _mm512_set1_epi32(static_cast<int>(c & 1)));
+      float* scales = q.lane_scales.data() + (r * q.steps + c / per) * 16;
+      const __mmask16 mine = _mm512_cmpeq_epi32_mask(step_lane_chunk<F>(), _mm512_set1_epi32(i));
       _mm512_storeu_ps(scales, _mm512_mask_mov_ps(_mm512_loadu_ps(scales), mine, _mm512_set1_ps(d)));
       q.sums[r * chunks + c] = d * static_cast<float>(total);
     }
@@ -640,11 +668,12 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
 template <class F, int R>
 void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
                    int64_t out_features, int64_t begin, int64_t end) {
+  constexpr int per = step_chunks<F>(), step_bytes = per * kChunk;
   const int64_t chunks = in / kChunk;
-  const __m512i lane_chunk = pair_lane_chunk<F>();
+  const __m512i lane_chunk = step_lane_chunk<F>();
   const __m512i ones_128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  const uint8_t* codes = q.codes.data() + r0 * q.pairs * 64;
-  const float* lane_scales = q.lane_scales.data() + r0 * q.pairs * 16;
+  const uint8_t* codes = q.codes.data() + r0 * q.steps * step_bytes;
+  const float* lane_scales = q.lane_scales.data() + r0 * q.steps * 16;
   const float* sums = q.sums.data() + r0 * chunks;
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
@@ -657,25 +686,36 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
       const uint8_t* sp = row + c0 / 8 * l.span.bytes;
       const int n = last ? static_cast<int>(l.tail) : 8;
       Span s;
-      if (n < 8) std::fill(std::begin(s.a), std::end(s.a), 0.f);  // a lone last chunk's partner lanes
+      if (n < 8) std::fill(std::begin(s.a), std::end(s.a), 0.f);  // lanes of missing chunks: zero, not garbage
       span_params<F>(sp, sl, n, s);
       const __m512 a = _mm512_loadu_ps(s.a);  // lanes past n unused
+      // The int32 sums of step c (chunks c ..), their float32 scales applied, into acc.
       const auto step = [&](int c, __m512 (&acc)[R]) {
-        const __m512i wv = pair_codes<F>(sp, sl, c, c + 1 < n);
-        __m512i base = _mm512_setzero_si512();
-        if constexpr (F::bits == 8) base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones_128, wv));
+        const int64_t at = (c0 + c) / per;
         const __m512 wscale = _mm512_permutexvar_ps(_mm512_add_epi32(lane_chunk, _mm512_set1_epi32(c)), a);
-        const int64_t pair = (c0 + c) / 2;
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_loadu_si512(codes + (r * q.pairs + pair) * 64);
-          const __m512i t = F::bits == 8 ? _mm512_dpbusd_epi32(base, xv, wv) : _mm512_dpbusd_epi32(base, wv, xv);
-          const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.pairs + pair) * 16));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
+        if constexpr (F::bits == 8) {
+          const __m512i wv = pair_codes<F>(sp, sl, c, c + 1 < n);
+          const __m512i base = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones_128, wv));
+          for (int r = 0; r < R; ++r) {
+            const __m512i t = _mm512_dpbusd_epi32(base, _mm512_loadu_si512(codes + (r * q.steps + at) * step_bytes), wv);
+            const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
+          }
+        } else {
+          __m512i low, high;
+          quad_codes<F>(sp, sl, c, std::min(4, n - c), low, high);
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* xr = codes + (r * q.steps + at) * step_bytes;
+            const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xr)),
+                                                  high, _mm512_loadu_si512(xr + 64));
+            const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
+          }
         }
       };
       int c = 0;
-      for (; c + 3 < n; c += 4) step(c, even), step(c + 2, odd);
-      for (; c < n; c += 2) step(c, even);
+      for (; c + per < n; c += 2 * per) step(c, even), step(c + per, odd);
+      for (; c < n; c += per) step(c, even);
       if constexpr (F::bits == 4) offsets.add(s, sums, chunks, c0, n);  // 4-bit codes: b * sum(x) per group
     }
     for (int r = 0; r < R; ++r) {
@@ -1129,19 +1169,62 @@ Layout checked_layout(const char* op, const at::Tensor& weight, int64_t format, 
   return l;
 }
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
-  const Layout l = checked_layout("qlinear", weight, format, in);
-  TORCH_CHECK(x.device().is_cpu(), "qlinear: x must be a CPU tensor");
+// Checks what a grouped product needs (one row count per weight, counts adding up to x's rows, one output
+// width) and returns each weight's layout; first[g]: group g's first row.
+std::vector<Layout> checked_groups(const char* op, const at::Tensor& x, c10::IntArrayRef group_rows,
+                                   at::TensorList weights, int64_t format, int64_t in, std::vector<int64_t>& first) {
+  TORCH_CHECK(!weights.empty() && group_rows.size() == weights.size(), op, ": one row count per weight, got ",
+              group_rows.size(), " row counts and ", weights.size(), " weights");
+  std::vector<Layout> layouts;
+  for (const at::Tensor& w : weights) {
+    layouts.push_back(checked_layout(op, w, format, in));
+    TORCH_CHECK(w.size(0) == weights[0].size(0), op, ": every weight must have the same output rows, got ", w.size(0),
+                " and ", weights[0].size(0));
+  }
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "qlinear: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "qlinear: x must be [rows, in], got ", x.sizes());
-  TORCH_CHECK(x.size(1) == in, "qlinear: x has ", x.size(1), " features, weight expects ", in);
-  const at::Tensor wc = weight.contiguous();
-  const int64_t rows = x.size(0), out_features = wc.size(0);
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == in, op, ": x has ", x.size(1), " features, weight expects ", in);
+  first.assign(group_rows.size() + 1, 0);
+  for (size_t g = 0; g < group_rows.size(); ++g) {
+    TORCH_CHECK(group_rows[g] >= 0, op, ": a group's row count must not be negative, got ", group_rows[g]);
+    first[g + 1] = first[g] + group_rows[g];
+  }
+  TORCH_CHECK(first.back() == x.size(0), op, ": the groups' row counts add up to ", first.back(), ", x has ",
+              x.size(0), " rows");
+  return layouts;
+}
+
+// Calls run(g, begin, end) for the weight rows [begin, end) of every group with rows, all the groups' output rows
+// split between the threads in one parallel region (unit g * out_features + j: group g's weight row j).
+template <class Run>
+void split_groups(c10::IntArrayRef group_rows, int64_t out_features, Run&& run) {
+  const int64_t groups = static_cast<int64_t>(group_rows.size());
+  // 16 weight rows per task at least: thread hand-off stays cheap against a row's work.
+  at::parallel_for(0, groups * out_features, 16, [&](int64_t b, int64_t e) {
+    for (int64_t g = b / out_features; g < groups && g * out_features < e; ++g) {
+      const int64_t begin = std::max(b - g * out_features, int64_t{0});
+      const int64_t end = std::min(e - g * out_features, out_features);
+      if (group_rows[g] > 0) run(g, begin, end);
+    }
+  });
+}
+
+// y = x W_g^T for groups of x's rows, each group against its own weight: one weight (qlinear), or a mixture-of-
+// experts layer's routed experts (qlinear_grouped), whose every product is then one parallel region over all
+// their output rows, so a decode row's small expert products stream side by side on every thread, not one
+// product per thread. Each output is computed exactly as a call per group would.
+at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef group_rows, at::TensorList weights,
+                          int64_t format, int64_t in) {
+  std::vector<int64_t> first;
+  const std::vector<Layout> layouts = checked_groups(op, x, group_rows, weights, format, in, first);
+  std::vector<at::Tensor> contiguous(weights.begin(), weights.end());
+  for (at::Tensor& w : contiguous) w = w.contiguous();
+  const int64_t rows = x.size(0), out_features = contiguous[0].size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
   if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
-  const uint8_t* wp = wc.const_data_ptr<uint8_t>();
-  float* op = out.mutable_data_ptr<float>();
+  float* op_out = out.mutable_data_ptr<float>();
 #if defined(KVREUSE_BF16_DOT)
   // The inputs as bf16 (a float32 one as three bf16 parts that add up to it exactly), and their sums per
   // chunk of 32 values.
@@ -1176,14 +1259,18 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
       sums[r * chunks + c] = total;
     }
   }
-  const float* xs = sums.data();
   with_format(format, [&](auto f) {
     using F = decltype(f);
-    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+      const int64_t at = first[g] * in;
+      const uint8_t* wp = contiguous[g].const_data_ptr<uint8_t>();
+      float* o = op_out + first[g] * out_features;
       if (split) {
-        dot_range_bf16<F, true>(xh, mid, low, xs, rows, in, wp, l, op, out_features, begin, end);
+        dot_range_bf16<F, true>(xh + at, mid + at, low + at, sums.data() + first[g] * chunks, group_rows[g], in, wp,
+                                layouts[g], o, out_features, begin, end);
       } else {
-        dot_range_bf16<F, false>(xh, nullptr, nullptr, xs, rows, in, wp, l, op, out_features, begin, end);
+        dot_range_bf16<F, false>(xh + at, nullptr, nullptr, sums.data() + first[g] * chunks, group_rows[g], in, wp,
+                                 layouts[g], o, out_features, begin, end);
       }
     });
   });
@@ -1192,13 +1279,22 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format
   const float* xp = xf.const_data_ptr<float>();
   with_format(format, [&](auto f) {
     using F = decltype(f);
-    // 16 weight rows per task at least: thread hand-off stays cheap against a row's work.
-    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-      dot_range<F>(xp, rows, in, wp, l, op, out_features, begin, end);
+    split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+      dot_range<F>(xp + first[g] * in, group_rows[g], in, contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
+                   op_out + first[g] * out_features, out_features, begin, end);
     });
   });
 #endif
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
+  return float_products("qlinear", x, {x.dim() == 2 ? x.size(0) : 0}, {weight}, format, in);
+}
+
+at::Tensor qlinear_grouped(const at::Tensor& x, c10::IntArrayRef group_rows, at::TensorList weights, int64_t format,
+                           int64_t in) {
+  return float_products("qlinear_grouped", x, group_rows, weights, format, in);
 }
 
 // The formats qlinear_int8 runs here (none without AVX2 or AVX512-VNNI).
@@ -1235,60 +1331,28 @@ std::string format_names(const std::vector<int64_t>& codes) {
   return names;
 }
 
-// y = x W_g^T for groups of x's rows, each group against its own weight (a mixture-of-experts layer's experts:
-// every expert's rows at once). The rows are rounded to int8 once, and one parallel region splits all the
-// groups' output rows between the threads, so a decode row's eight small expert products stream side by side
-// on every thread, not one product per thread. Each output is computed exactly as a call per group would.
+// float_products over inputs rounded to int8 (qlinear_int8, qlinear_int8_grouped): all rows rounded once.
 at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef group_rows, at::TensorList weights,
                          int64_t format, int64_t in) {
-  TORCH_CHECK(!weights.empty() && group_rows.size() == weights.size(), op, ": one row count per weight, got ",
-              group_rows.size(), " row counts and ", weights.size(), " weights");
-  std::vector<Layout> layouts;
-  std::vector<at::Tensor> contiguous;
-  for (const at::Tensor& w : weights) {
-    layouts.push_back(checked_layout(op, w, format, in));
-    contiguous.push_back(w.contiguous());
-    TORCH_CHECK(w.size(0) == weights[0].size(0), op, ": every weight must have the same output rows, got ", w.size(0),
-                " and ", weights[0].size(0));
-  }
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in], got ", x.sizes());
-  TORCH_CHECK(x.size(1) == in, op, ": x has ", x.size(1), " features, weight expects ", in);
-  std::vector<int64_t> first(group_rows.size() + 1, 0);
-  for (size_t g = 0; g < group_rows.size(); ++g) {
-    TORCH_CHECK(group_rows[g] >= 0, op, ": a group's row count must not be negative, got ", group_rows[g]);
-    first[g + 1] = first[g] + group_rows[g];
-  }
-  TORCH_CHECK(first.back() == x.size(0), op, ": the groups' row counts add up to ", first.back(), ", x has ",
-              x.size(0), " rows");
+  std::vector<int64_t> first;
+  const std::vector<Layout> layouts = checked_groups(op, x, group_rows, weights, format, in, first);
   static const std::vector<int64_t> formats = int8_formats();  // fixed by the build; checked on every call
   TORCH_CHECK(std::find(formats.begin(), formats.end(), format) != formats.end(), op, ": ", kNames[format],
               formats.empty() ? " is not run on int8 inputs here: this CPU (or build) lacks AVX2 and AVX512-VNNI"
                               : " is not run on int8 inputs on this CPU (" + format_names(formats) + " are)");
-  const int64_t rows = x.size(0), out_features = contiguous[0].size(0), groups = static_cast<int64_t>(weights.size());
+  std::vector<at::Tensor> contiguous(weights.begin(), weights.end());
+  for (at::Tensor& w : contiguous) w = w.contiguous();
+  const int64_t rows = x.size(0), out_features = contiguous[0].size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
 #if defined(KVREUSE_INT8_DOT)
   if (rows > 0 && out_features > 0) {
     float* op_out = out.mutable_data_ptr<float>();
-    // Calls run(g, begin, end) for weight rows [begin, end) of each group that units [b, e) cover (unit
-    // g * out_features + j: group g's weight row j).
-    const auto split = [&](auto&& run) {
-      at::parallel_for(0, groups * out_features, 16, [&](int64_t b, int64_t e) {
-        for (int64_t g = b / out_features; g < groups && g * out_features < e; ++g) {
-          const int64_t begin = std::max(b - g * out_features, int64_t{0});
-          const int64_t end = std::min(e - g * out_features, out_features);
-          if (group_rows[g] > 0) run(g, begin, end);
-        }
-      });
-    };
     with_format(format, [&](auto f) {
       using F = decltype(f);
 #if defined(KVREUSE_KQUANT_DOT)
       if constexpr (F::kquant) {
         const QuantizedSpans q = quantize_spans(x, rows, in);
-        split([&](int64_t g, int64_t begin, int64_t end) {
+        split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
           dot_range_kquant<F>(q, first[g], group_rows[g], contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                               op_out + first[g] * out_features, out_features, begin, end);
         });
@@ -1296,7 +1360,7 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
 #endif
       if constexpr (int8_dot_format<F>()) {
         const QuantizedRows q = quantize_rows<F>(x, rows, in);
-        split([&](int64_t g, int64_t begin, int64_t end) {
+        split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
           dot_range_int8<F>(q, first[g], group_rows[g], in, contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                             op_out + first[g] * out_features, out_features, begin, end);
         });
@@ -1339,6 +1403,7 @@ at::Tensor qdequant(const at::Tensor& weight, int64_t format, int64_t in) {
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("qlinear(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
+  m.def("qlinear_grouped(Tensor x, int[] group_rows, Tensor[] weights, int format, int in_features) -> Tensor");
   m.def("qdequant(Tensor weight, int format, int in_features) -> Tensor");
   m.def("qlinear_int8(Tensor x, Tensor weight, int format, int in_features) -> Tensor");
   m.def("qlinear_int8_grouped(Tensor x, int[] group_rows, Tensor[] weights, int format, int in_features) -> Tensor");
@@ -1348,6 +1413,7 @@ TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_grouped", &qlinear_grouped);
   m.impl("qdequant", &qdequant);
   m.impl("qlinear_int8", &qlinear_int8);
   m.impl("qlinear_int8_grouped", &qlinear_int8_grouped);
