@@ -20,6 +20,9 @@ that produced it; the text around it is encoded as before, split at those points
 
 from __future__ import annotations
 
+import logging
+import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,33 +31,42 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from kvreuse.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from kvreuse.messages import CHAT_ROLES, validate_messages, validate_tools
+from kvreuse.messages import CHAT_ROLES, placeholder_messages, validate_messages, validate_tools
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer
 
 __all__ = [
-    "CHAT_ROLES", "GenerationMemory", "InputProcessor", "PromptInput", "TokenizedPrompt", "common_prefix_length",
-    "validate_messages", "validate_prompt_tokens", "validate_tools",
+    "CHAT_ROLES", "ChunkSpans", "GenerationMemory", "InputProcessor", "PromptInput", "TokenizedPrompt",
+    "common_prefix_length", "validate_chunk_spans", "validate_messages", "validate_prompt_tokens", "validate_tools",
 ]
 
+logger = logging.getLogger("kvreuse.inputs")
+
 # A prompt as the engine and LLM.generate take it: text, token ids, or {"prompt_token_ids": [...]}
-# (optionally with "prompt", its text) / {"prompt": "..."}.
+# (optionally with "prompt", its text, and "chunk_spans", its chunks) / {"prompt": "..."}.
 PromptInput = str | list[int] | dict[str, Any]
+
+# Where a prompt's chunks lie: (start, end) token positions, end exclusive, in prompt order.
+ChunkSpans = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class TokenizedPrompt:
-    """A validated prompt: its token ids, its text when known, and the conversation it came from."""
+    """A validated prompt: its token ids, its text when known, the conversation it came from, and where its
+    chunks lie (issue 39; empty when nothing was marked)."""
 
     token_ids: list[int]
     text: str | None = None
     messages: list[dict[str, Any]] | None = None  # the flattened messages, when rendered from a chat
+    chunk_spans: ChunkSpans = ()
 
     def as_engine_prompt(self) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
         if self.text is not None:
             prompt["prompt"] = self.text
+        if self.chunk_spans:
+            prompt["chunk_spans"] = [list(span) for span in self.chunk_spans]
         return prompt
 
 
@@ -85,6 +97,32 @@ def validate_prompt_tokens(token_ids: Sequence[int], max_model_len: int | None, 
                 raise InvalidRequestError(
                     f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab_size})", param
                 )
+
+
+def validate_chunk_spans(spans: Any, num_tokens: int, param: str = "chunk_spans") -> ChunkSpans:
+    """Chunk spans a prompt of ``num_tokens`` tokens can hold: [start, end) pairs of ints, each non-empty,
+    inside the prompt, in order and not overlapping. Errors name ``param[i]``."""
+    if spans is None:
+        return ()
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise InvalidRequestError(f"{param} must be a list of [start, end] pairs, got {type(spans).__name__}", param)
+    checked: list[tuple[int, int]] = []
+    previous_end = 0
+    for index, span in enumerate(spans):
+        where = f"{param}[{index}]"
+        if (isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2
+                or not all(isinstance(bound, int) and not isinstance(bound, bool) for bound in span)):
+            raise InvalidRequestError(f"{where} must be a [start, end] pair of token positions, got {span!r}", where)
+        start, end = span
+        if not 0 <= start < end <= num_tokens:
+            raise InvalidRequestError(f"{where} = [{start}, {end}] must be a non-empty span inside the prompt's "
+                                      f"{num_tokens} tokens (0 <= start < end <= {num_tokens})", where)
+        if start < previous_end:
+            raise InvalidRequestError(f"{where} = [{start}, {end}] starts before the span before it ends "
+                                      f"({previous_end}): spans must be in order and not overlap", where)
+        checked.append((start, end))
+        previous_end = end
+    return tuple(checked)
 
 
 class GenerationMemory:
@@ -199,6 +237,33 @@ def _as_token_list(value: Any, param: str) -> list[int]:
 # Not computed yet (None means the template has no assistant turn marker).
 _UNKNOWN = object()
 
+# A chunk's placeholder in the rendered chat: letters and digits only, which templates write as they are (no
+# escaping, no trimming); the nonce is digits, so a template that changes the letters' case still leaves it to be
+# found. It is drawn per prompt, so no message can hold it.
+_NONCE_DIGITS = 16
+
+
+def _chunk_placeholder(nonce: str, index: int) -> str:
+    return f"KVREUSECHUNK{nonce}N{index}E"
+
+
+def _split_at_placeholders(rendered: str, chunk_texts: list[str], nonce: str) -> list[tuple[str, bool]] | None:
+    """The rendered chat as (text, is a chunk) pieces, chunk texts in their placeholders' places; None when the
+    nonce is left anywhere but in a whole placeholder (the template altered one)."""
+    pieces: list[tuple[str, bool]] = []
+    parts = re.split(f"KVREUSECHUNK{nonce}N([0-9]+)E", rendered)
+    for position, part in enumerate(parts):
+        if position % 2 == 0:  # text between placeholders
+            if nonce in part:
+                return None
+            if part:
+                pieces.append((part, False))
+        elif int(part) < len(chunk_texts):
+            pieces.append((chunk_texts[int(part)], True))
+        else:
+            return None
+    return pieces
+
 
 class InputProcessor:
     """Renders, encodes and validates prompts for one model; owned by a single thread.
@@ -216,6 +281,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.generation_memory = generation_memory
         self._assistant_marker: Any = _UNKNOWN
+        self._encodings_concatenate: bool | None = None
+        self._warned: set[str] = set()
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, tools: list[Any] | None = None,
                param: str = "messages") -> str:
@@ -239,9 +306,21 @@ class InputProcessor:
         template, which lists them in the prompt. Tool calls in the history have their JSON arguments
         parsed, so the template serialises them (see kvreuse.messages). Generated turns found in the
         generation memory (under ``memory_scope``: the request's cache salt) are encoded as the ids that were
-        generated."""
-        flattened = validate_messages(messages, param=param)
+        generated. Chunk parts are encoded on their own (`_encode_chunked`); a conversation without them is
+        encoded exactly as it always was."""
+        nonce = f"{secrets.randbelow(10 ** _NONCE_DIGITS):0{_NONCE_DIGITS}d}"
+        placeheld, chunk_texts = placeholder_messages(messages, lambda index: _chunk_placeholder(nonce, index),
+                                                      param=param)
         checked_tools = validate_tools(tools, param="tools")
+        flattened = validate_messages(messages, param=param) if chunk_texts else placeheld
+        if chunk_texts:
+            chunked = self._encode_chunked(placeheld, chunk_texts, nonce, add_generation_prompt, checked_tools,
+                                           messages, param, memory_scope)
+            if chunked is not None:
+                token_ids, text, spans = chunked
+                if validate:
+                    self.validate(token_ids, param)
+                return TokenizedPrompt(token_ids, text, flattened, spans)
         text = self._render(flattened, add_generation_prompt, checked_tools or None, param)
         if not _is_valid_unicode(text):
             raise _refuse_invalid_text(_first_invalid_text(messages, param) or _first_invalid_text(tools, "tools")
@@ -250,6 +329,72 @@ class InputProcessor:
         if validate:
             self.validate(token_ids, param)
         return TokenizedPrompt(token_ids, text, flattened)
+
+    def _encode_chunked(self, placeheld: list[dict[str, Any]], chunk_texts: list[str], nonce: str,
+                        add_generation_prompt: bool, tools: list[dict[str, Any]], messages: Any, param: str,
+                        scope: str) -> tuple[list[int], str, ChunkSpans] | None:
+        """A chat with chunk parts as (ids, text, chunk spans): the template rendered with a placeholder in each
+        chunk's place, the rendered text split at the placeholders, every piece between them encoded as a chat
+        is (generated turns spliced in) and every chunk's text encoded on its own, without special tokens; the
+        ids concatenated. A span is where a chunk's ids lie in the prompt, one per placeholder the template wrote
+        (a template that drops a message drops its chunks; one that repeats it repeats them).
+
+        Why apart: a BPE tokenizer merges across any boundary in the text it is given, so a chunk encoded with
+        its neighbours could start or end with a token that also holds their characters, and its ids would
+        depend on what surrounds it. Encoded alone they are the same in any position, any order, any
+        conversation, which is what reusing its KV elsewhere needs. The template never sees a chunk's text, so
+        the chunk is written exactly as sent (a template that trims or rewrites content leaves it as it is).
+
+        The cost: a token boundary is forced at each edge of a chunk, so the prompt may be a token or two longer
+        (or spelled otherwise) than plain encoding of the same text; decoded, it is the same text.
+
+        None (the caller encodes the chat as if nothing were marked, and the prompt has no spans) where the split
+        would not be the same text: a template that altered a placeholder, or a tokenizer whose encodings do not
+        concatenate (one that marks the start of every text it encodes, as SentencePiece's "\u2581" prefix
+        does)."""
+        rendered = self._render(placeheld, add_generation_prompt, tools or None, param)
+        pieces = _split_at_placeholders(rendered, chunk_texts, nonce)
+        if pieces is None:
+            self._warn_once("the chat template altered a chunk's placeholder; chunk marks are ignored for such "
+                            "prompts (encoded as if unmarked)")
+            return None
+        if not self.encodings_concatenate():
+            self._warn_once("this tokenizer's encodings do not concatenate (it marks the start of each text it "
+                            "encodes); chunk marks are ignored (prompts encoded as if unmarked)")
+            return None
+        text = "".join(piece for piece, _ in pieces)
+        if not _is_valid_unicode(text):
+            raise _refuse_invalid_text(_first_invalid_text(messages, param) or _first_invalid_text(tools, "tools")
+                                       or param)
+        token_ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for piece, is_chunk in pieces:
+            if not is_chunk:
+                token_ids += self._encode_chat(piece, scope)
+                continue
+            start = len(token_ids)
+            token_ids += self.tokenizer.encode(piece, add_special_tokens=False)
+            if len(token_ids) > start:
+                spans.append((start, len(token_ids)))
+        return token_ids, text, tuple(spans)
+
+    def encodings_concatenate(self) -> bool:
+        """Whether ids of texts encoded apart, put together, decode to the texts put together: true of byte-level
+        BPE (GPT-2's, Llama 3's, Qwen's); false where every encoding starts with a marker (SentencePiece's
+        prefix space, a bos). Chunks are encoded apart only where it holds. Probed once."""
+        if self._encodings_concatenate is None:
+            probes = (("Hello", " world"), ("line one\n", "\nline two"), ("a", "b"))
+            encode, decode = self.tokenizer.encode, self.tokenizer.decode
+            self._encodings_concatenate = all(
+                decode(encode(first, add_special_tokens=False) + encode(second, add_special_tokens=False),
+                       skip_special_tokens=False) == first + second
+                for first, second in probes)
+        return self._encodings_concatenate
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
 
     def _encode_chat(self, text: str, scope: str = "") -> list[int]:
         """The rendered chat's ids: each remembered generated text that starts right after an assistant turn
@@ -307,10 +452,16 @@ class InputProcessor:
         """A prompt given as text, token ids, or a dict with ``prompt_token_ids`` and/or ``prompt``."""
         if isinstance(prompt, str):
             return self.from_text(prompt, param=param, validate=validate)
+        chunk_spans: ChunkSpans = ()
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 token_ids = _as_token_list(prompt["prompt_token_ids"], "prompt_token_ids")
                 text = prompt.get("prompt")
+                # Chunk spans are token positions: they come only with the ids they point into.
+                chunk_spans = validate_chunk_spans(prompt.get("chunk_spans"), len(token_ids))
+            elif "chunk_spans" in prompt:
+                raise InvalidRequestError("chunk_spans are token positions: they go with prompt_token_ids",
+                                          "chunk_spans")
             elif isinstance(prompt.get("prompt"), str):
                 return self.from_text(prompt["prompt"], param=param, validate=validate)
             else:
@@ -323,7 +474,7 @@ class InputProcessor:
                 f"{param} must be a string, a list of token ids or a dict, got {type(prompt).__name__}", param)
         if validate:
             self.validate(token_ids, param)
-        return TokenizedPrompt(token_ids, text if isinstance(text, str) else None)
+        return TokenizedPrompt(token_ids, text if isinstance(text, str) else None, chunk_spans=chunk_spans)
 
     def validate(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         validate_prompt_tokens(token_ids, self.max_model_len, self.vocab_size, param)

@@ -162,7 +162,10 @@ class LLM:
 
         ``tools`` (OpenAI's shape) are listed in the prompt by the template; assistant messages may carry
         ``tool_calls`` and ``role: "tool"`` messages answer them (kvreuse.messages). Enforcing a
-        ``tool_choice`` is the sampling params' grammar (kvreuse.tool_parsers ``structured_outputs``)."""
+        ``tool_choice`` is the sampling params' grammar (kvreuse.tool_parsers ``structured_outputs``).
+        A text part with ``"cache_control": {"type": "ephemeral", "scope": "chunk"}`` marks a chunk: its text is
+        encoded on its own, the same ids at any position, and its span goes to the engine with the prompt
+        (issue 39: the reuse of a chunk's KV at another position is not built yet)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.inputs.from_messages(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
                                              memory_scope=cache_salt or "")

@@ -13,13 +13,20 @@ it. The checked copy carries ``arguments`` parsed into an object (text that is n
 ``tojson`` (Qwen2.5's, Llama 3.1's, Mistral's and ours), which would quote a string a second time, and
 the serialisation ``tojson`` gives back is the one the tool-call grammars make the model generate, so
 a replayed turn renders the text the model produced.
+
+Chunks (the first part of issue 39): a text part with ``"cache_control": {"type": "ephemeral", "scope": "chunk"}``
+marks text that may be reused at any position of a prompt (a retrieved document). The checked copy flattens it
+like any text part; `placeholder_messages` puts a placeholder in its place instead, so kvreuse.inputs can encode
+the chunk's text on its own. A ``cache_control`` without a scope, or with scope ``"prefix"``, is accepted on any
+text part and means what it always meant on the OpenAI side: nothing beyond automatic prefix caching.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.errors import InvalidRequestError
@@ -29,14 +36,61 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI's rule for function names, with dots (MCP servers name tools "server.tool"). A name is written
 # into the prompt and into grammars as is, so nothing in it may need JSON escaping.
 TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# What a content part's cache_control may say about its scope (absent or None: "prefix").
+PREFIX_SCOPE = "prefix"
+CHUNK_SCOPE = "chunk"
+CACHE_CONTROL_SCOPES = (PREFIX_SCOPE, CHUNK_SCOPE)
+
+
+def cache_control_scope(cache_control: Any, where: str) -> str | None:
+    """The scope a content part's ``cache_control`` (at ``where``) gives: None, "prefix" or "chunk". Only the
+    scope is read; a chunk mark must be ephemeral, as Anthropic's cache_control is."""
+    if cache_control is None:
+        return None
+    if not isinstance(cache_control, Mapping):
+        raise InvalidRequestError(f"{where} must be an object such as {{\"type\": \"ephemeral\", \"scope\": "
+                                  f"\"chunk\"}}, got {type(cache_control).__name__}", where)
+    scope = cache_control.get("scope")
+    if scope is not None and scope not in CACHE_CONTROL_SCOPES:
+        raise InvalidRequestError(f"{where}.scope must be 'prefix' or 'chunk' (or absent), got {scope!r}",
+                                  f"{where}.scope")
+    if scope == CHUNK_SCOPE and cache_control.get("type") != "ephemeral":
+        raise InvalidRequestError(f"{where}.type must be 'ephemeral' for a chunk, got {cache_control.get('type')!r}",
+                                  f"{where}.type")
+    return scope
 
 
 def validate_messages(messages: Any, *, param: str = "messages") -> list[dict[str, Any]]:
     """Check a conversation and flatten OpenAI-style text parts into plain strings.
 
     Text parts are joined with "\\n"; any other part type (image, audio, ...) is refused, naming the
-    message and part, since the engine only handles text. Roles must be one of `CHAT_ROLES`.
+    message and part, since the engine only handles text. Roles must be one of `CHAT_ROLES`. A chunk part's
+    text is flattened like any other (see `placeholder_messages`).
     """
+    return _checked_messages(messages, param, _Chunks(None))
+
+
+def placeholder_messages(messages: Any, placeholder: Callable[[int], str], *,
+                         param: str = "messages") -> tuple[list[dict[str, Any]], list[str]]:
+    """`validate_messages` with the k-th chunk part's text replaced by ``placeholder(k)``, and the chunks' texts
+    in the order they were found (empty: no chunk, and the messages are exactly `validate_messages`')."""
+    chunks = _Chunks(placeholder)
+    return _checked_messages(messages, param, chunks), chunks.texts
+
+
+@dataclass
+class _Chunks:
+    """The chunk parts found while flattening, and what stands in their place."""
+
+    placeholder: Callable[[int], str] | None  # None: the chunk's own text
+    texts: list[str] = field(default_factory=list)
+
+    def stand_in(self, text: str) -> str:
+        self.texts.append(text)
+        return text if self.placeholder is None else self.placeholder(len(self.texts) - 1)
+
+
+def _checked_messages(messages: Any, param: str, chunks: _Chunks) -> list[dict[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidRequestError(f"{param} must be a list of message objects, got {type(messages).__name__}", param)
     if not messages:
@@ -51,7 +105,7 @@ def validate_messages(messages: Any, *, param: str = "messages") -> list[dict[st
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                                       f"{where}.role")
-        checked = {**message, "content": _content_text(message.get("content"), f"{where}.content")}
+        checked = {**message, "content": _content_text(message.get("content"), f"{where}.content", chunks)}
         if message.get("tool_calls") is not None:
             if role != "assistant":
                 raise InvalidRequestError(f"{where}.tool_calls: only assistant messages carry tool calls, "
@@ -188,7 +242,7 @@ def _check_schema(schema: Any, where: str) -> None:
                                   f"{where}{path}") from None
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, chunks: _Chunks) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -208,5 +262,10 @@ def _content_text(content: Any, where: str) -> str:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{part_where}.text must be a string, got {type(text).__name__}",
                                       f"{part_where}.text")
+        if cache_control_scope(part.get("cache_control"), f"{part_where}.cache_control") == CHUNK_SCOPE:
+            if not text:
+                raise InvalidRequestError(f"{part_where}.text: a chunk (cache_control scope 'chunk') must not be "
+                                          "empty", f"{part_where}.text")
+            text = chunks.stand_in(text)
         texts.append(text)
     return "\n".join(texts)

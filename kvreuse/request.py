@@ -34,6 +34,9 @@ class Request:
     index: int = 0  # which of the n completions this is
     sampling_state: SamplingState | None = None  # built by the engine in add_request
     adapter: str | None = None  # digest of the LoRA adapter's weights (None: the base model)
+    # Where the prompt's chunks lie, (start, end) token positions in order (kvreuse.inputs, issue 39). Carried
+    # only: the prompt runs as one without marks; reusing a chunk's KV at any position is built on top of these.
+    chunk_spans: tuple[tuple[int, int], ...] = ()
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -92,12 +92,18 @@ class LLMEngine:
         ``pins``: prefixes of this request to pin once their KV is computed (explicit caching).
         ``lora_request``: the adapter to run with; its KV lives in a namespace keyed by the digest
         of its weights (``adapter_digest``), so no other adapter, nor the base model, can hit it.
+        A prompt dict's ``chunk_spans`` (checked against its ids: in order, non-empty, inside the prompt)
+        go on each sample's `Request`.
         """
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         tokenized = self.inputs.from_prompt(prompt)
         prompt_text, token_ids = tokenized.text, tokenized.token_ids
+        # The chunks' spans arrive here and ride on the requests; the engine does nothing else with them yet: the
+        # prompt is scheduled, cached and run exactly as one without marks. Reusing a chunk's KV at any position
+        # (re-rotation, selective recompute) is built on top of them in issue 39.
+        chunk_spans = tokenized.chunk_spans
         vocab = self.model_config.vocab_size
         for position, token_id in enumerate(params.stop_token_ids):
             if token_id >= vocab:
@@ -121,7 +127,7 @@ class LLMEngine:
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
                 prompt_token_ids=list(token_ids), sampling_params=params, namespace=namespace,
                 arrival_time=arrival, eos_token_ids=self.eos_token_ids, prompt=prompt_text, parent_id=request_id,
-                index=index, adapter=adapter,
+                index=index, adapter=adapter, chunk_spans=chunk_spans,
             )
             request.sampling_state = SamplingState.create(
                 params, self.device, eos_token_ids=sorted(self.eos_token_ids),

@@ -18,6 +18,11 @@ the prompt up to that tool, system prompt included: the template writes the tool
 so the last tool's breakpoint holds the system prompt and every tool (Anthropic caches tools, then system,
 then messages, in that order). The tools stay in the prompt whatever ``tool_choice`` says: the choice acts
 on the logits only, so switching it never costs a cache hit.
+
+``cache_control: {"type": "ephemeral", "scope": "chunk"}`` on a ``text`` or ``document`` block marks a chunk
+(issue 39): its text is encoded on its own and its span goes to the engine with the prompt. A chunk mark is no
+breakpoint (it pins nothing and does not count against the 4). Plain-text ``document`` blocks are accepted in
+user messages, written into the prompt as their title, context and text.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.anthropic_protocol import (
-    ContentBlocks, MessagesRequest, blocks_of, breakpoint_prefixes, check_tool_history, openai_messages, tool_setup,
-    validation_message,
+    ContentBlocks, MessagesRequest, blocks_of, breakpoint_prefixes, check_chunk_marks, check_tool_history,
+    openai_messages, tool_setup, validation_message,
 )
 from kvreuse.server.errors import APIError
 
@@ -112,6 +117,7 @@ def anthropic_router(state: ServerState) -> APIRouter:
             adapter = state.adapters.get(body.model)
             lora_request = adapter.lora_request if adapter is not None else None
             check_tool_history(body.messages)
+            check_chunk_marks(body)
             tools = tool_setup(body, state.tool_parser)
             salt = state.auth.cache_salt(tenant, None)
             conversation = openai_messages(blocks_of(body.system), [blocks_of(m.content) for m in body.messages],

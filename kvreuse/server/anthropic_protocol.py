@@ -7,6 +7,13 @@ OpenAI's shape, which the chat template renders (``tool_use`` blocks as an assis
 ``cache_control`` breakpoint pins (`breakpoint_prefixes`); and a reply's content blocks as its text reveals
 them (`ContentBlocks`), shared by the streamed and the whole reply. The route itself is
 kvreuse.server.anthropic.
+
+Chunks (the first part of issue 39): a ``text`` or ``document`` block whose ``cache_control`` has
+``"scope": "chunk"`` marks text that may be reused at any position (a retrieved document). It becomes a text part
+with the same mark in the OpenAI-shaped conversation, which kvreuse.inputs encodes on its own. A chunk mark is not a
+prefix breakpoint: it pins nothing, is not counted against the 4 breakpoints and adds nothing to
+``cache_creation_input_tokens`` (`check_chunk_marks`, `is_breakpoint`). Without a scope, or with ``"prefix"``, a
+cache_control is the breakpoint it always was.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor, common_prefix_length
-from kvreuse.messages import validate_tools
+from kvreuse.messages import CHUNK_SCOPE, validate_tools
 from kvreuse.sampling import MAX_STOP_STRINGS
 from kvreuse.server.errors import APIError
 from kvreuse.structured_outputs import StructuredOutputsParams
@@ -35,6 +42,18 @@ class CacheControl(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"
+    # kvreuse's extension (issue 39): None or "prefix" is a prefix breakpoint; "chunk" marks a text or document
+    # block as a chunk, reusable at any position, and is no breakpoint.
+    scope: Literal["prefix", "chunk"] | None = None
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.scope == CHUNK_SCOPE
+
+
+def is_breakpoint(cache_control: CacheControl | None) -> bool:
+    """Whether a cache_control pins the prompt prefix that ends with its block (a chunk mark does not)."""
+    return cache_control is not None and not cache_control.is_chunk
 
 
 class TextBlock(BaseModel):
@@ -66,8 +85,42 @@ class ToolResultBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-_BLOCK_TAGS = ("text", "tool_use", "tool_result")  # how pydantic names the union's members in error locations
+class DocumentSource(BaseModel):
+    """A document's text (PDFs, images and URLs are not read here)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    media_type: Literal["text/plain"] = "text/plain"
+    data: str = Field(min_length=1)
+
+
+class DocumentCitations(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: Literal[False] = False  # citations are not generated here: only "off" is accepted
+
+
+class DocumentBlock(BaseModel):
+    """A plain-text document in a user message; the prompt holds its title, context and text
+    (`document_text`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+    citations: DocumentCitations | None = None
+    cache_control: CacheControl | None = None
+
+
+def document_text(block: DocumentBlock) -> str:
+    """A document as the prompt holds it: its title and its context, where given, each a paragraph before its
+    text (a chunk mark covers all three, so the same document with the same title is the same chunk)."""
+    return "\n\n".join(part for part in (block.title, block.context, block.source.data) if part)
+
+
+ContentBlock = Annotated[TextBlock | DocumentBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+# How pydantic names the union's members in error locations.
+_BLOCK_TAGS = ("text", "document", "tool_use", "tool_result")
 
 
 class AnthropicMessage(BaseModel):
@@ -150,7 +203,9 @@ def validation_message(error: ValidationError) -> str:
 
 
 # --- the prompt, its tools and its breakpoints ------------------------------------------------------------
-Block = TextBlock | ToolUseBlock | ToolResultBlock
+Block = TextBlock | DocumentBlock | ToolUseBlock | ToolResultBlock
+# A chunk's mark in the OpenAI-shaped conversation kvreuse.inputs encodes.
+CHUNK_MARK = {"type": "ephemeral", "scope": CHUNK_SCOPE}
 
 
 def blocks_of(content: str | list[Block] | None) -> list[Block]:
@@ -161,8 +216,20 @@ def blocks_of(content: str | list[Block] | None) -> list[Block]:
     return list(content)
 
 
-def _text_parts(blocks: Sequence[Block]) -> list[dict[str, str]]:
-    return [{"type": "text", "text": block.text} for block in blocks if isinstance(block, TextBlock)]
+def _text_parts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
+    """Text and document blocks as OpenAI text parts, a chunk's part with the chunk mark."""
+    parts: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            part: dict[str, Any] = {"type": "text", "text": block.text}
+        elif isinstance(block, DocumentBlock):
+            part = {"type": "text", "text": document_text(block)}
+        else:
+            continue
+        if block.cache_control is not None and block.cache_control.is_chunk:
+            part["cache_control"] = dict(CHUNK_MARK)
+        parts.append(part)
+    return parts
 
 
 def _result_text(block: ToolResultBlock) -> str:
@@ -214,7 +281,9 @@ def check_tool_history(messages: list[AnthropicMessage]) -> None:
         seen_text = False
         for block_index, block in enumerate(blocks):
             where = f"messages[{index}].content[{block_index}]"
-            if isinstance(block, TextBlock):
+            if isinstance(block, DocumentBlock) and message.role != "user":
+                raise APIError(400, f"{where}.type: document blocks belong to user messages", param=f"{where}.type")
+            if isinstance(block, (TextBlock, DocumentBlock)):
                 seen_text = True
             elif isinstance(block, ToolUseBlock) and message.role != "assistant":
                 raise APIError(400, f"{where}.type: tool_use blocks belong to assistant messages", param=f"{where}.type")
@@ -228,6 +297,37 @@ def check_tool_history(messages: list[AnthropicMessage]) -> None:
                 if block.tool_use_id not in called:
                     raise APIError(400, f"{where}.tool_use_id: {block.tool_use_id!r} names no tool_use block of "
                                         "the assistant message just before", param=f"{where}.tool_use_id")
+
+
+def check_chunk_marks(body: MessagesRequest) -> None:
+    """A chunk mark (cache_control scope "chunk") only on a non-empty text or document block of the system prompt
+    or a message: a tool, a tool call, a tool result or the request itself is no text to reuse elsewhere, so a chunk
+    mark there is a 400 naming it rather than a mark silently read as something else."""
+    def refuse(where: str, what: str) -> APIError:
+        return APIError(400, f"{where}.cache_control.scope: 'chunk' marks a text or document block; {what} cannot "
+                             "be a chunk", param=f"{where}.cache_control.scope")
+
+    if body.cache_control is not None and body.cache_control.is_chunk:
+        raise APIError(400, "cache_control.scope: the request-level cache_control is a prefix breakpoint; mark "
+                            "chunks on their text or document blocks", param="cache_control.scope")
+    for index, tool in enumerate(body.tools or []):
+        if tool.cache_control is not None and tool.cache_control.is_chunk:
+            raise refuse(f"tools[{index}]", "a tool")
+    located = [(f"system[{index}]", block) for index, block in enumerate(blocks_of(body.system))]
+    located += [(f"messages[{index}].content[{block_index}]", block) for index, message in enumerate(body.messages)
+                for block_index, block in enumerate(blocks_of(message.content))]
+    for where, block in located:
+        if isinstance(block, ToolResultBlock):
+            inner = block.content if isinstance(block.content, list) else []
+            for inner_index, part in enumerate(inner):
+                if part.cache_control is not None and part.cache_control.is_chunk:
+                    raise refuse(f"{where}.content[{inner_index}]", "a tool result's text")
+        if block.cache_control is None or not block.cache_control.is_chunk:
+            continue
+        if isinstance(block, (ToolUseBlock, ToolResultBlock)):
+            raise refuse(where, f"a {block.type} block")
+        if isinstance(block, TextBlock) and not block.text:
+            raise APIError(400, f"{where}.text: a chunk must not be empty", param=f"{where}.text")
 
 
 def _tools_error(error: InvalidRequestError) -> APIError:
@@ -288,7 +388,8 @@ def tool_setup(body: MessagesRequest, parser: ToolParser | None) -> ToolSetup:
 
 def breakpoint_prefixes(inputs: InputProcessor, body: MessagesRequest, prompt_ids: list[int],
                         tools: list[dict[str, Any]] | None = None, memory_scope: str = "") -> list[tuple[int, float]]:
-    """(prefix length in tokens, ttl seconds) for each cache_control block, in prompt order.
+    """(prefix length in tokens, ttl seconds) for each cache_control breakpoint, in prompt order (a chunk mark is
+    none: `is_breakpoint`).
 
     The prefix of a breakpoint is the conversation rendered up to and including its block; its
     length is where those tokens stop agreeing with the full prompt's (robust to any template). A
@@ -301,20 +402,20 @@ def breakpoint_prefixes(inputs: InputProcessor, body: MessagesRequest, prompt_id
     tools = tools or []
     marked: list[tuple[int, int, float]] = []  # (message index; -1 = system, -2 = tools, block index, ttl)
     for tool_index, tool in enumerate(body.tools or []):
-        if tool.cache_control is not None:
+        if is_breakpoint(tool.cache_control):
             marked.append((-2, tool_index, TTL_SECONDS[tool.cache_control.ttl]))
     for block_index, block in enumerate(system):
-        if block.cache_control is not None:
+        if is_breakpoint(block.cache_control):
             marked.append((-1, block_index, TTL_SECONDS[block.cache_control.ttl]))
     for message_index, blocks in enumerate(messages):
         for block_index, block in enumerate(blocks):
-            if block.cache_control is not None:
+            if is_breakpoint(block.cache_control):
                 marked.append((message_index, block_index, TTL_SECONDS[block.cache_control.ttl]))
-    if body.cache_control is not None and messages and messages[-1]:
+    if is_breakpoint(body.cache_control) and messages and messages[-1]:
         marked.append((len(messages) - 1, len(messages[-1]) - 1, TTL_SECONDS[body.cache_control.ttl]))
     if len(marked) > MAX_BREAKPOINTS:
-        raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(marked)}",
-                       param="cache_control")
+        raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have a cache_control breakpoint (chunk marks "
+                            f"do not count), got {len(marked)}", param="cache_control")
     def agreed(partial: list[dict], listed: list[dict[str, Any]]) -> int:
         ids = inputs.from_messages(partial, add_generation_prompt=False, tools=listed or None, validate=False,
                                    memory_scope=memory_scope).token_ids

@@ -67,6 +67,7 @@ def openai_router(state: ServerState) -> APIRouter:
         cache_salt = state.auth.cache_salt(tenant, body.cache_salt)
         # The tools are in the prompt whatever tool_choice says: constraints act on the logits only. Replayed
         # turns are encoded with the ids generated under the same cache salt (the tenant's), never another's.
+        # Text parts marked as chunks are encoded on their own; their spans go to the engine in the prompt dict.
         tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
                                                       tools=body.tools, memory_scope=cache_salt or "")
         tools = body.tool_setup(state.tool_parser)
@@ -144,7 +145,10 @@ def openai_router(state: ServerState) -> APIRouter:
             tokenized = inputs.from_text(body.prompt or "", add_special_tokens=body.add_special_tokens,
                                          validate=False)
         token_ids = tokenized.token_ids
-        return JSONResponse({"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids})
+        result: dict[str, Any] = {"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids}
+        if tokenized.chunk_spans:  # kvreuse's extension: where the messages' chunk parts lie (issue 39)
+            result["chunk_spans"] = [list(span) for span in tokenized.chunk_spans]
+        return JSONResponse(result)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
