@@ -247,11 +247,16 @@ def _chunk_placeholder(nonce: str, index: int) -> str:
     return f"KVREUSECHUNK{nonce}N{index}E"
 
 
+def _placeholder_pattern(nonce: str) -> re.Pattern[str]:
+    """Any of `_chunk_placeholder`'s placeholders for ``nonce``, the chunk's index captured."""
+    return re.compile(f"KVREUSECHUNK{nonce}N([0-9]+)E")
+
+
 def _split_at_placeholders(rendered: str, chunk_texts: list[str], nonce: str) -> list[tuple[str, bool]] | None:
     """The rendered chat as (text, is a chunk) pieces, chunk texts in their placeholders' places; None when the
     nonce is left anywhere but in a whole placeholder (the template altered one)."""
     pieces: list[tuple[str, bool]] = []
-    parts = re.split(f"KVREUSECHUNK{nonce}N([0-9]+)E", rendered)
+    parts = _placeholder_pattern(nonce).split(rendered)
     for position, part in enumerate(parts):
         if position % 2 == 0:  # text between placeholders
             if nonce in part:
