@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from gguf_files import write_gguf
 from kvreuse import LLM
-from kvreuse.models import moe
-from kvreuse.models.moe import SparseMoE
+from kvreuse.models import moe, qlinear
+from kvreuse.models.kernels import ALWAYS, LinearPlan
+from kvreuse.models.moe import KERNEL_CODES, SparseMoE
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,42 @@ def test_native_gpt_oss_layer_equals_the_python_loop(gpt_oss_llms, held, rows):
                 clamped_up += int((up.abs() > mlp.swiglu_limit).sum())
                 within += int((gate.abs() < mlp.swiglu_limit).sum())
     assert clamped_gate > 0 and clamped_up > 0 and within > 0
+
+
+@pytest.mark.parametrize("held", ["q8_0", "gpt-oss int8", "gpt-oss int8-bfloat16"])
+def test_grouped_experts_on_two_kernels_equal_the_python_loop(moe_llms, gpt_oss_llms, held):
+    """The native layer runs all routed experts' products in one grouped call per kernel: with plans that put
+    odd row counts on the int8-input kernel and even ones on the float one, a step's experts split between the
+    two (gathered, multiplied, put back in place), and the output is the Python loop's bit for bit, biases
+    (gpt-oss) included."""
+    if moe.library() is None:
+        pytest.skip("the native MoE layer is not built here")
+    if "q8_0" not in qlinear.int8_formats():
+        pytest.skip("q8_0 does not run on int8 inputs on this CPU")
+    llm = moe_llms["q8_0"] if held == "q8_0" else gpt_oss_llms[held.split()[1]]
+    layer = _layers(llm)[0]
+    plan = LinearPlan(tuple((rows, "qdot8" if rows % 2 else "qdot") for rows in range(1, 12)) + ((ALWAYS, "qdot"),))
+    kernels = [linear.kernel for expert in layer.experts for linear in (expert.gate_up_proj, expert.down_proj)]
+    saved = [kernel.plans for kernel in kernels]
+    try:
+        for kernel in kernels:
+            kernel.plans = [plan] * len(kernel.parts)
+        assert layer.prepare_native() is None
+        assert layer.native_args[3][:4] == [KERNEL_CODES[name] for name in ("qdot8", "qdot", "qdot8", "qdot")]
+        dtype = torch.bfloat16 if "bfloat16" in held else torch.float32
+        generator = torch.Generator().manual_seed(11)
+        for rows in (1, 2, 7, 12):
+            x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(dtype)
+            _, experts = layer.route(x)
+            counts = torch.bincount(experts.reshape(-1))
+            native, python = _native_and_python(layer, x)
+            assert torch.equal(native, python), rows
+            if rows == 12:  # both kernels in one step
+                assert {int(c) % 2 for c in counts if c > 0} == {0, 1}
+    finally:
+        for kernel, plans in zip(kernels, saved):
+            kernel.plans = plans
+        layer.prepare_native()
 
 
 def test_native_gpt_oss_layer_routes_by_the_biased_router(gpt_oss_llms):

@@ -29,10 +29,13 @@
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_add.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -40,6 +43,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace kvreuse_moe {
@@ -96,32 +100,51 @@ struct ExpertProduct {
 
   int64_t kernel_for(int64_t rows) const { return kernel_by_rows[std::min<int64_t>(rows, kernel_by_rows.size()) - 1]; }
 
-  // The routed experts' products at once, x's rows grouped by expert (counts[i] rows for experts[i]), when
-  // every one of them runs on one quantized GEMV kernel at its row count: kvreuse_cpu::qlinear_grouped or
-  // qlinear_int8_grouped, each expert's bias then added to its rows as `run` adds it. Numbers as `run` per
-  // expert, bit for bit. Returns that kernel's code, or -1 (float weights, or kernels that differ).
-  int64_t grouped_kernel(const std::vector<int64_t>& counts) const {
-    if (format < 0 || counts.empty()) return -1;
-    const int64_t code = kernel_for(counts[0]);
-    if (code != kMoEQdot && code != kMoEQdot8) return -1;
+  // Whether every routed expert's product (counts[i] rows each) runs on a quantized GEMV kernel (qdot or qdot8)
+  // at its row count, so `run_grouped` can make it.
+  bool groups(const std::vector<int64_t>& counts) const {
+    if (format < 0) return false;
     for (const int64_t count : counts) {
-      if (kernel_for(count) != code) return -1;
+      const int64_t code = kernel_for(count);
+      if (code != kMoEQdot && code != kMoEQdot8) return false;
     }
-    return code;
+    return true;
   }
-  at::Tensor run_grouped(const MoEKernels& k, int64_t code, const std::vector<int64_t>& experts,
-                         const std::vector<int64_t>& counts, const at::Tensor& x) const {
-    std::vector<at::Tensor> ws;
-    ws.reserve(experts.size());
-    for (const int64_t e : experts) ws.push_back(weights[e]);
-    at::Tensor out = code == kMoEQdot8 ? k.qlinear_int8_grouped.call(x, counts, ws, format, in_features)
-                                       : k.qlinear_grouped.call(x, counts, ws, format, in_features);
-    if (!biases.empty()) {
-      int64_t at_row = 0;
-      for (size_t i = 0; i < experts.size(); ++i) {
-        out.narrow(0, at_row, counts[i]).add_(biases[experts[i]]);
-        at_row += counts[i];
+
+  // The routed experts' products at once, x's rows grouped by expert (counts[i] rows for experts[i], in that
+  // order): one kvreuse_cpu::qlinear_grouped / qlinear_int8_grouped call for the experts on each kernel (one
+  // call where their row counts pick one kernel; otherwise each kernel's experts' rows gathered, multiplied
+  // and put back in place), each expert's bias then added to its rows as `run` adds it. Numbers as `run` per
+  // expert, bit for bit. `groups(counts)` must hold.
+  at::Tensor run_grouped(const MoEKernels& k, const std::vector<int64_t>& experts, const std::vector<int64_t>& counts,
+                         const at::Tensor& x) const {
+    std::vector<int64_t> first(counts.size() + 1, 0);
+    for (size_t i = 0; i < counts.size(); ++i) first[i + 1] = first[i] + counts[i];
+    const auto product = [&](int64_t code, const std::vector<size_t>& which, const at::Tensor& rows) {
+      std::vector<at::Tensor> ws;
+      std::vector<int64_t> row_counts;
+      for (const size_t i : which) ws.push_back(weights[experts[i]]), row_counts.push_back(counts[i]);
+      return code == kMoEQdot8 ? k.qlinear_int8_grouped.call(rows, row_counts, ws, format, in_features)
+                               : k.qlinear_grouped.call(rows, row_counts, ws, format, in_features);
+    };
+    std::vector<size_t> on_qdot, on_qdot8;
+    for (size_t i = 0; i < counts.size(); ++i) (kernel_for(counts[i]) == kMoEQdot8 ? on_qdot8 : on_qdot).push_back(i);
+    at::Tensor out;
+    if (on_qdot.empty() || on_qdot8.empty()) {
+      out = product(on_qdot.empty() ? kMoEQdot8 : kMoEQdot, on_qdot.empty() ? on_qdot8 : on_qdot, x);
+    } else {
+      out = at::empty({x.size(0), weights[experts[0]].size(0)}, x.options());
+      for (const auto& [code, which] : {std::pair{kMoEQdot, &on_qdot}, std::pair{kMoEQdot8, &on_qdot8}}) {
+        std::vector<int64_t> rows;
+        for (const size_t i : *which) {
+          for (int64_t r = first[i]; r < first[i + 1]; ++r) rows.push_back(r);
+        }
+        const at::Tensor index = at::tensor(rows, x.options().dtype(at::kLong));
+        out.index_copy_(0, index, product(code, *which, x.index_select(0, index)));
       }
+    }
+    if (!biases.empty()) {
+      for (size_t i = 0; i < experts.size(); ++i) out.narrow(0, first[i], counts[i]).add_(biases[experts[i]]);
     }
     return out;
   }
@@ -229,16 +252,15 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   // y: each (row, choice) pair's expert output, in pair order (grouped by expert), or per expert.
   at::Tensor grouped_y;
   std::vector<at::Tensor> results(routed.size());
-  const int64_t gate_up_code = m.gate_up.grouped_kernel(counts), down_code = m.down.grouped_kernel(counts);
-  if (gate_up_code >= 0 && down_code >= 0) {
+  if (m.gate_up.groups(counts) && m.down.groups(counts)) {
     // Every routed expert on a quantized GEMV kernel: each of the two products is one parallel region over all
-    // the experts' output rows (qlinear_grouped / qlinear_int8_grouped), and the activation one call over all
-    // the pairs' rows.
+    // the experts' output rows per kernel (qlinear_grouped / qlinear_int8_grouped), and the activation one
+    // call over all the pairs' rows.
     const at::Tensor xs = x.index_select(0, pair_rows);
-    const at::Tensor gate_up = m.gate_up.run_grouped(k, gate_up_code, routed, counts, xs);
+    const at::Tensor gate_up = m.gate_up.run_grouped(k, routed, counts, xs);
     const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
                                         : k.silu_mul.call(gate_up);
-    grouped_y = m.down.run_grouped(k, down_code, routed, counts, h.contiguous());
+    grouped_y = m.down.run_grouped(k, routed, counts, h.contiguous());
   } else {
     // Quantized experts side by side on the threads, each expert's two products on one thread: a decode
     // row's expert is a few hundred kB of weights, too little to split each product between threads
