@@ -229,7 +229,9 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
     std::tie(weights, ids) = at::topk(probabilities, m.top_k, -1);
     if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
   }
-  weights = weights.to(x.scalar_type());
+  // The weights as float32 (exact for any float dtype they come in); each is rounded to the model's dtype where
+  // it is used, as transformers' `weights.to(x.dtype)` rounds it.
+  const at::Tensor weights_f = weights.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros_like(x);
 
   // The (row, choice) pairs grouped by expert, rows ascending within each (a stable counting sort).
@@ -242,8 +244,9 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   int64_t* slot = order.data_ptr<int64_t>();
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t p = 0; p < pairs; ++p) slot[next[id[p]]++] = p;
-  at::Tensor pair_rows = order.div(m.top_k, "floor");
-  at::Tensor pair_weights = weights.reshape({pairs}).index_select(0, order).unsqueeze(1);
+  at::Tensor pair_rows = at::empty({pairs}, ids.options());  // each pair's row, in that order
+  int64_t* prow = pair_rows.mutable_data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) prow[p] = slot[p] / m.top_k;
 
   std::vector<int64_t> routed, counts;  // the experts with rows, ascending, and their row counts
   for (int64_t e = 0; e < experts; ++e) {
@@ -288,9 +291,7 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   // as transformers' `y * weights` and `index_add_` round them; a loop, not those two ops per expert: at a
   // decode row they cost ~12 us an expert in dispatch and allocation, a tenth of the layer.
   const int64_t hidden = x.size(1);
-  const at::Tensor pair_weights_f = pair_weights.to(at::kFloat).contiguous();
-  const float* pw = pair_weights_f.const_data_ptr<float>();
-  const int64_t* prow = pair_rows.const_data_ptr<int64_t>();
+  const float* pw = weights_f.const_data_ptr<float>();  // by (row, choice), pair p's at slot[p]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_accumulate", [&] {
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     // The products go through memory before the sums, in two loops: one expression would let the compiler
@@ -301,7 +302,7 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
       const scalar_t* y = grouped_y.defined() ? grouped_y.const_data_ptr<scalar_t>() + start[e] * hidden
                                               : results[i].const_data_ptr<scalar_t>();
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
-        const scalar_t w = static_cast<scalar_t>(pw[p]);  // the weight as the model's dtype holds it
+        const scalar_t w = static_cast<scalar_t>(pw[slot[p]]);  // the weight as the model's dtype rounds it
         scalar_t* row = o + prow[p] * hidden;
         const scalar_t* yr = y + (p - start[e]) * hidden;
         for (int64_t c = 0; c < hidden; ++c) product[c] = yr[c] * w;
