@@ -132,6 +132,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.int64, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2], float32
         cos, sin = freqs.cos(), freqs.sin()
+        # What the tables' cos and sin are multiplied by (YaRN's attention factor, else 1): a rotation by a
+        # position delta (models/rope_shift.py) divides it out, since the rows it turns carry it already.
+        self.attention_factor = scaling.attention_factor if isinstance(scaling, YarnRopeScaling) else 1.0
         if isinstance(scaling, YarnRopeScaling):
             # YaRN scales the attention logits by attention_factor**2 through q and k: transformers multiplies
             # cos and sin in float32 before rounding them to the activations' dtype, and so do these tables

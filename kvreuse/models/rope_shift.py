@@ -1,0 +1,90 @@
+"""Moving rotated keys to other positions (issue 39, part two: chunks reused at any position).
+
+A chunk's K/V computed where it first appeared can serve the chunk somewhere else. V carries no position.
+K was rotated by RoPE at its old positions p..p+n-1, and must look as if computed at q..q+n-1.
+
+**Rotate by the delta; keep no un-rotated K.** RoPE turns each pair of a head's dimensions (i, i + d/2 in
+the rotate-half layout kvreuse uses for every family) by the angle position * inv_freq[i]. Rotations of a
+plane compose: R(q) = R(q - p) R(p). So K rotated at p, turned once more by the delta q - p, is K at q.
+Why this and not un-rotated K:
+
+- The paged pool already holds rotated K, as attention reads it: every kernel, the fused rotary included,
+  writes K rotated. Un-rotated K would need either a second copy of every chunk's K (memory the pool
+  could spend on tokens), or kernels that rotate K as they read it (every backend changed, and a rotation
+  per token per step instead of one per reuse).
+- A block computed for a plain prefix can serve as a chunk as it stands: its K is already rotated.
+- The cost is float rounding: the angle used is fl(p * f) + fl(d * f) instead of fl(q * f) (each product
+  rounded in float32, as the tables are), and one more rounding of the result to the pool's dtype. In
+  float32 that is at most about 1.5 ulp of the largest angle, times the pair's length: about 2e-4 of a
+  pair's norm at positions up to 2,047, 2e-3 up to 16,383 (tests/test_rope_shift.py holds it to that bound).
+  In bfloat16 the extra rounding of K to the pool's dtype is what counts. Measured on SmolLM2-135M's first
+  layer, 512 tokens moved from 0 to 1,536, against float32 K computed there: RMS error 3.77e-3 of K's RMS
+  shifted, 3.48e-3 computed directly in bfloat16 (the rounding K has anyway).
+
+What it relies on:
+
+- Q/K norms (Qwen3, Gemma 3) act on K before rotary: norm-then-rotate, so a rotation after is exact.
+- YaRN's tables carry its attention factor in cos and sin. K rotated at p carries it once already, so the
+  delta's rotation divides it out (``RotaryEmbedding.attention_factor``).
+- Each layer rotates with its own table: Gemma 3's sliding layers with their local base
+  (``rotary_for_layer``).
+- Partial rotary (rope over fewer dimensions than head_dim) is refused at load (models/gguf.py), so every
+  dimension pair turns.
+
+Quantized K (``kv_cache_dtype`` int8 / fp8) is not handled here: it has to be dequantized, turned and
+quantized again with fresh scales. That belongs with the chunk store, which reads and writes the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvreuse.models.layers import RotaryEmbedding
+from kvreuse.models.llama import LlamaFamilyForCausalLM
+
+
+def rotary_for_layer(model: LlamaFamilyForCausalLM, layer: int) -> RotaryEmbedding:
+    """The table layer ``layer`` rotates its K with: Gemma 3's sliding layers have their own base."""
+    if model.local_rotary is not None and model.model.layers[layer].self_attn.uses_local_rope:
+        return model.local_rotary
+    return model.rotary
+
+
+def delta_cos_sin(rotary: RotaryEmbedding, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, 1, head_dim // 2] in float32 of the rotation by each of ``deltas`` [n] positions (any
+    sign), from the model's own table: cos is even and sin odd, so a move back reads the table at -delta."""
+    distance = deltas.abs()
+    if int(distance.max()) >= rotary.max_position:
+        raise ValueError(f"a position delta of {int(distance.max())} is beyond the rotary table's "
+                         f"{rotary.max_position} positions")
+    cos = rotary.cos_cache.index_select(0, distance)
+    sin = rotary.sin_cache.index_select(0, distance) * deltas.sign().to(torch.float32)[:, None]
+    if rotary.attention_factor != 1.0:
+        cos, sin = cos / rotary.attention_factor, sin / rotary.attention_factor
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def shift_rotated_keys(keys: torch.Tensor, delta: int | torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    """K rows [n, kv_heads, head_dim] rotated at positions p..p+n-1, returned as if rotated at p+delta.. .
+
+    ``delta`` is one int (a chunk moves as a whole) or an int tensor [n], a delta per row (several chunks,
+    each moved by its own amount, in one call). The rotation runs in float32 and rounds once to ``keys``'
+    dtype. A delta of 0 returns ``keys`` itself; a zero row in a tensor of deltas comes back bit for bit
+    (cos 1 and sin 0 exactly). Returns a new tensor otherwise: the caller writes it where it belongs.
+    """
+    if keys.shape[-1] != rotary.head_dim:
+        raise ValueError(f"keys have head_dim {keys.shape[-1]}, the rotary table {rotary.head_dim}")
+    if isinstance(delta, int):
+        if delta == 0:
+            return keys
+        deltas = torch.full((keys.shape[0],), delta, dtype=torch.int64, device=keys.device)
+    else:
+        deltas = delta.to(device=keys.device, dtype=torch.int64)
+        if deltas.shape != (keys.shape[0],):
+            raise ValueError(f"one delta per row: {keys.shape[0]} rows, deltas of shape {tuple(deltas.shape)}")
+    cos, sin = delta_cos_sin(rotary, deltas)
+    rows = keys.float()
+    half = rows.shape[-1] // 2
+    first, second = rows[..., :half], rows[..., half:]
+    turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return turned.to(keys.dtype)
