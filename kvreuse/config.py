@@ -80,6 +80,13 @@ class CacheConfig:
     # How the pool stores K and V (vLLM's name and values): "auto" (the model's dtype), "int8", "fp8" /
     # "fp8_e4m3", "fp8_e5m2" (kvreuse.cache.kv_quant: one byte per value, a scale per token and head).
     kv_cache_dtype: str = "auto"
+    # Reuse beyond the prefix (issue 39, attention/blend.py): marked chunks at any position and an earlier
+    # turn's tokens moved earlier, their K/V moved and partly recomputed: the share of moved tokens recomputed
+    # (chosen by deviation after chunk_check_layer), and the first tokens of each moved span always recomputed.
+    chunk_reuse: bool = False
+    chunk_recompute_fraction: float = 0.15
+    chunk_check_layer: int = 1
+    chunk_recompute_first: int = 0
 
     @property
     def has_tiers(self) -> bool:
@@ -104,6 +111,14 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if (self.kv_disk_dir or self.kv_remote_url or self.kv_host_memory) and not self.enable_prefix_caching:
             raise ValueError("KV tiers need prefix caching (enable_prefix_caching=True)")
+        if not 0.0 <= self.chunk_recompute_fraction <= 1.0:
+            raise ValueError(f"chunk_recompute_fraction must be between 0 and 1, got {self.chunk_recompute_fraction}")
+        if self.chunk_check_layer < 0:
+            raise ValueError(f"chunk_check_layer must be >= 0, got {self.chunk_check_layer}")
+        if self.chunk_recompute_first < 0:
+            raise ValueError(f"chunk_recompute_first must be >= 0, got {self.chunk_recompute_first}")
+        if self.chunk_reuse and not self.enable_prefix_caching:
+            raise ValueError("chunk_reuse needs prefix caching (enable_prefix_caching=True): its sources are cached blocks")
 
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")

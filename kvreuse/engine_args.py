@@ -55,6 +55,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                              "fp8_e5m2: one byte per value and a scale per token and head, ~1.9x the tokens of "
                              "bfloat16 in the same --kv-cache-memory")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--chunk-reuse", action="store_true",
+                        help="reuse chunks marked cache_control scope 'chunk' at any position, and an earlier turn's "
+                             "tokens moved earlier: their K/V moved and partly recomputed (docs/chunks.md)")
+    parser.add_argument("--chunk-recompute-fraction", type=float, default=0.15,
+                        help="share of moved tokens recomputed, those whose K/V deviates most after "
+                             "--chunk-check-layer (0: a pure shift)")
+    parser.add_argument("--chunk-check-layer", type=int, default=1, help="the layer whose K/V deviation picks them")
+    parser.add_argument("--chunk-recompute-first", type=int, default=0,
+                        help="first tokens of each moved span always recomputed (EPIC-style)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -173,4 +182,8 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         attention_backend=getattr(args, "attention_backend", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
+        chunk_reuse=getattr(args, "chunk_reuse", False),
+        chunk_recompute_fraction=getattr(args, "chunk_recompute_fraction", 0.15),
+        chunk_check_layer=getattr(args, "chunk_check_layer", 1),
+        chunk_recompute_first=getattr(args, "chunk_recompute_first", 0),
     )

@@ -58,6 +58,10 @@ class LLM:
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        chunk_reuse: bool = False,
+        chunk_recompute_fraction: float = 0.15,
+        chunk_check_layer: int = 1,
+        chunk_recompute_first: int = 0,
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
@@ -76,7 +80,11 @@ class LLM:
         (models/paged_attention.py) and with Triton kernels on CUDA (attention/triton_paged.py), "cpu_paged" and
         "triton" insist on theirs, "torch" gathers and runs SDPA (the reference).
         ``enforce_eager`` (vLLM's name): no CUDA graphs (on CUDA, pure decode steps otherwise replay one captured
-        graph per padded batch size: runner/cuda_graphs.py)."""
+        graph per padded batch size: runner/cuda_graphs.py).
+        ``chunk_reuse`` (issue 39, docs/chunks.md): chunks marked ``"scope": "chunk"`` are reused at any position,
+        and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``
+        of it that deviates most after layer ``chunk_check_layer`` is recomputed, with the first
+        ``chunk_recompute_first`` tokens of each moved span. Reused tokens count as cached."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -96,6 +104,10 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 max_pinned_fraction=max_pinned_fraction,
+                chunk_reuse=chunk_reuse,
+                chunk_recompute_fraction=chunk_recompute_fraction,
+                chunk_check_layer=chunk_check_layer,
+                chunk_recompute_first=chunk_recompute_first,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvreuse.cache.chunks import MovedSpan
 from kvreuse.cache.prefix import CacheNode
 from kvreuse.sampling import SamplingParams, SamplingState
 
@@ -34,9 +35,16 @@ class Request:
     index: int = 0  # which of the n completions this is
     sampling_state: SamplingState | None = None  # built by the engine in add_request
     adapter: str | None = None  # digest of the LoRA adapter's weights (None: the base model)
-    # Where the prompt's chunks lie, (start, end) token positions in order (kvreuse.inputs, issue 39). Carried
-    # only: the prompt runs as one without marks; reusing a chunk's KV at any position is built on top of these.
+    # Where the prompt's chunks lie, (start, end) token positions in order (kvreuse.inputs, issue 39): with
+    # chunk reuse on, each is recorded once computed and looked up at any position in later prompts.
     chunk_spans: tuple[tuple[int, int], ...] = ()
+    chunks_recorded: int = 0  # chunk spans already looked at for the chunk index
+    # Spans this request's next step reads from elsewhere in the pool (set at admission, taken by the batch
+    # builder), and the position from which its K/V is a blend and never cached (None: all exact).
+    moved_spans: list[MovedSpan] = field(default_factory=list)
+    exact_tokens: int | None = None
+    num_moved_tokens: int = 0  # prompt tokens whose K/V was moved in from elsewhere (counted as cached)
+    num_recomputed_tokens: int = 0  # of those, the ones the blend recomputed
 
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

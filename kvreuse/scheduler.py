@@ -155,12 +155,18 @@ class Scheduler:
             if self.kv.is_next_block_pending(request, match):
                 continue  # another prefill is computing this prefix; it will be a hit next step
             num_new = min(request.num_tokens - match.num_tokens, budget)
+            # Tokens whose K/V the pool holds at other positions (issue 39). A blend computes the rest of the
+            # prompt in one step, so it needs the budget for all of it; else the prompt runs as usual.
+            moved = self.kv.match_moved(request, match) if self.kv.chunk_reuse else []
+            if moved and num_new < request.num_tokens - match.num_tokens:
+                moved = []
             lookahead = self.config.num_lookahead_tokens if match.num_tokens + num_new >= request.num_tokens else 0
-            if not self.kv.admit(request, match, num_new + lookahead):
+            if not self.kv.admit(request, match, num_new + lookahead, moved):
                 break  # the pool is full of running requests; wait for some to finish
+            request.moved_spans = moved
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = match.num_tokens
+                request.num_cached_tokens = match.num_tokens + sum(span.num_tokens for span in moved)
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             if request.adapter is not None:

@@ -9,11 +9,14 @@ the attention backend read. Sequences are concatenated: sequence i owns tokens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
+
+if TYPE_CHECKING:
+    from kvreuse.attention.blend import BlendPlan, KVMoves
 
 
 class ProjectionDeltas(Protocol):
@@ -22,6 +25,8 @@ class ProjectionDeltas(Protocol):
     knows nothing else of adapters, so the model code sits below the LoRA package."""
 
     def apply(self, linear: Any, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def narrowed(self, keep: torch.Tensor, num_tokens: int) -> ProjectionDeltas: ...  # the same, for rows ``keep``
 
 
 @dataclass
@@ -35,6 +40,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_seqs] int64: row of the token whose logits are sampled
     block_copies: list[BlockCopy] = field(default_factory=list)  # done before the forward
     lora: ProjectionDeltas | None = None  # adapters of this step and their token rows (None: base model only)
+    # Issue 39 (attention/blend.py). Per sequence, the positions of its rows when they are not the last
+    # query_lens[i] positions of its context (a blend kept only some rows); None: every sequence is contiguous.
+    listed_positions: list[list[int] | None] | None = None
+    moves: KVMoves | None = None  # K/V moved within the pool before the forward
+    blend: BlendPlan | None = None  # which moved rows the forward recomputes
 
     @property
     def num_seqs(self) -> int:

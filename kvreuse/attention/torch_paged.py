@@ -39,16 +39,19 @@ class ContextChunk:
     mask: torch.Tensor  # [query_len, context_len] bool, True where a query may attend
     # window -> (slots, mask) of the keys its queries can see under that window, built on first use
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The queries' positions when they are not the last query_len of the context (a blend's kept rows).
+    query_positions: torch.Tensor | None = None
 
     def for_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots from the first query's window start on, and the banded causal mask over them."""
         found = self.windowed.get(window)
         if found is None:
             query_len, context_len = self.token_end - self.token_start, int(self.context_slots.shape[0])
-            first = max(0, context_len - query_len - window + 1)  # no query sees a key before this
             device = self.context_slots.device
+            query_positions = (self.query_positions if self.query_positions is not None else
+                               torch.arange(context_len - query_len, context_len, device=device))[:, None]
+            first = max(0, int(query_positions[0, 0]) - window + 1)  # no query sees a key before this
             key_positions = torch.arange(first, context_len, device=device)
-            query_positions = torch.arange(context_len - query_len, context_len, device=device)[:, None]
             mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - window)
             found = self.windowed[window] = (self.context_slots[first:], mask)
         return found
@@ -147,15 +150,18 @@ def _context_slots(
 
 
 def context_chunk(token_start: int, query_len: int, context_len: int, table: list[int], block_size: int,
-                  device: torch.device) -> ContextChunk:
+                  device: torch.device, positions: list[int] | None = None) -> ContextChunk:
     """A prefill chunk of ``query_len`` tokens whose sequence holds ``context_len`` tokens after it (the chunk
-    included): its context's slots and its offset causal mask."""
+    included): its context's slots and its offset causal mask. ``positions``: the queries' positions, ascending,
+    where they are not the context's last ``query_len`` (a blend's kept rows, attention/blend.py)."""
     slots = _context_slots([table], [context_len], block_size, device)[0]
-    # Query i sits at absolute position context_len - query_len + i and sees keys 0..that.
+    # Query i sits at absolute position context_len - query_len + i (or positions[i]) and sees keys 0..that.
     key_positions = torch.arange(context_len, device=device)
-    query_positions = torch.arange(context_len - query_len, context_len, device=device)
+    listed = torch.tensor(positions, dtype=torch.int64, device=device) if positions is not None else None
+    query_positions = listed if listed is not None else torch.arange(context_len - query_len, context_len,
+                                                                     device=device)
     mask = key_positions[None, :] <= query_positions[:, None]
-    return ContextChunk(token_start, token_start + query_len, slots, mask)
+    return ContextChunk(token_start, token_start + query_len, slots, mask, query_positions=listed)
 
 
 def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk,
@@ -184,6 +190,15 @@ def validate_batch(batch: ForwardBatch, block_size: int) -> None:
             raise ValueError(f"{name} has {length} entries but input_ids has {batch.num_tokens}")
     # A prefill chunk that does not finish its prompt samples nothing, so fewer rows are fine.
     # Verifying drafted tokens samples several rows of one sequence, so the bound is the token count.
+    if batch.listed_positions is not None:
+        if len(batch.listed_positions) != num_seqs:
+            raise ValueError(f"listed_positions has {len(batch.listed_positions)} entries for {num_seqs} sequences")
+        for index, (listed, query_len, context_len) in enumerate(
+                zip(batch.listed_positions, batch.query_lens, batch.context_lens)):
+            if listed is not None and (len(listed) != query_len or listed != sorted(set(listed))
+                                       or listed[0] < 0 or listed[-1] >= context_len):
+                raise ValueError(f"listed_positions[{index}] must be {query_len} ascending positions below "
+                                 f"context_lens[{index}] = {context_len}")
     if int(batch.logits_indices.shape[0]) > batch.num_tokens:
         raise ValueError(
             f"logits_indices has {int(batch.logits_indices.shape[0])} entries, more than the {batch.num_tokens} tokens"
@@ -218,9 +233,14 @@ class TorchPagedAttention(AttentionBackend):
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         token_start = 0
-        for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+        listed = batch.listed_positions or [None] * batch.num_seqs
+        for query_len, context_len, table, positions in zip(batch.query_lens, batch.context_lens,
+                                                            batch.block_tables, listed):
             token_end = token_start + query_len
-            if context_len == query_len:
+            if positions is not None:
+                context_chunks.append(context_chunk(token_start, query_len, context_len, table, block_size, device,
+                                                    positions))
+            elif context_len == query_len:
                 fresh_prefills.append((token_start, token_end))
             elif query_len == 1:
                 decode_rows.append(token_start)

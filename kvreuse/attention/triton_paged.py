@@ -61,6 +61,9 @@ class TritonPagedAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
         if self.validate:
             validate_batch(batch, block_size)
+        if batch.listed_positions is not None:
+            raise NotImplementedError("the Triton backend attends contiguous queries only; a blended prefill (chunk "
+                                      "reuse, attention/blend.py) runs on the torch and native CPU backends")
         device = batch.input_ids.device
         decode_only = all(length == 1 for length in batch.query_lens)
         widths = [-(-length // block_size) for length in batch.context_lens]

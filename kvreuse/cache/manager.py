@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvreuse.cache.blocks import BlockCopy, BlockPool
+from kvreuse.cache.chunks import ChunkIndex, MovedSpan
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import block_key, extend_block_keys
 from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
@@ -35,6 +36,11 @@ class CacheSequence(Protocol):
     block_keys: list[bytes]  # chained keys of the full blocks
     tier_checked_blocks: int  # blocks below this index were already looked up in the KV tiers
     tier_tokens: dict[str, int]  # tokens loaded from each tier
+    # Issue 39: the prompt's chunk spans, how many of them were looked at for recording, and where its K/V
+    # stops being exact (moved K/V from there on is never cached; None: all exact).
+    chunk_spans: tuple[tuple[int, int], ...]
+    chunks_recorded: int
+    exact_tokens: int | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -51,6 +57,8 @@ class CacheStats:
     hit_tokens: int  # of which served from the cache
     evicted_blocks: int
     cached_blocks: int
+    moved_tokens: int = 0  # prompt tokens whose K/V was moved in from other positions (issue 39), not in hit_tokens
+    chunk_entries: int = 0  # chunks the chunk index holds
 
     @property
     def hit_rate(self) -> float:
@@ -71,7 +79,7 @@ class TierSource(Protocol):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, chunk_reuse: bool = False) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -79,6 +87,7 @@ class KVCacheManager:
         self.index.on_evict = self._evicted
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.moved_tokens = 0
         self._copies: list[BlockCopy] = []
         self._copy_sources: list[int] = []  # blocks held until their copy has run
         self._pending: Counter[bytes] = Counter()  # block keys running prefills will compute
@@ -87,6 +96,12 @@ class KVCacheManager:
         # last took them, for the write-through tiers: (node, namespace).
         self.tiers: TierSource | None = None
         self._new_blocks: list[tuple[CacheNode, bytes]] = []
+        # Reuse beyond the prefix (issue 39): marked chunks found at any position, and the tokens of an
+        # earlier turn found moved earlier. Both need the prefix index (their sources are its blocks).
+        self.chunk_reuse = chunk_reuse and enable_prefix_caching
+        self.chunks = ChunkIndex(block_size)
+        self.min_turn_tokens = 8  # a moved turn must match at least this many tokens
+        self.max_turn_blocks = 512  # how far past the divergence a moved turn is looked for
 
     # --- lookup -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -158,6 +173,84 @@ class KVCacheManager:
     def divergence(self, request: CacheSequence, match: PrefixMatch) -> Divergence:
         return self.index.divergence(request.namespace, request.all_token_ids, match)
 
+    # --- reuse beyond the prefix (issue 39) ---------------------------------------------------------
+    def match_moved(self, request: CacheSequence, match: PrefixMatch) -> list[MovedSpan]:
+        """The prompt's tokens after ``match`` whose K/V the pool holds at other positions, in prompt order:
+        first an earlier turn's tokens moved earlier (right after the prefix hit: a template that dropped a
+        turn's thinking), then each marked chunk found in the chunk index. Never the last prompt token."""
+        if not self.chunk_reuse:
+            return []
+        limit = request.num_tokens - 1
+        tokens = request.all_token_ids
+        spans: list[MovedSpan] = []
+        turn = self._moved_turn(request, match, limit)
+        if turn is not None:
+            spans.append(turn)
+        covered = spans[-1].end if spans else match.num_tokens
+        for start, end in request.chunk_spans:
+            if start < covered or start >= limit:
+                continue
+            source = self.chunks.lookup(request.namespace, tokens[start:end])
+            if source is None:
+                continue
+            count = min(end, limit) - start
+            spans.append(MovedSpan(start, start + count, source.start,
+                                   tuple(source.slots(self.block_size, 0, count)), source.nodes, "chunk"))
+            covered = end
+        return spans
+
+    def _moved_turn(self, request: CacheSequence, match: PrefixMatch, limit: int) -> MovedSpan | None:
+        """The prompt's tokens right after the prefix hit, found further along the cached sequence the hit
+        followed (its most recently used continuation): what a template leaves when it drops the text between
+        (a reasoning turn's thinking). At least ``min_turn_tokens`` must match; the match runs as far as the
+        tokens agree."""
+        start = match.num_tokens
+        want = request.all_token_ids
+        width = self.min_turn_tokens
+        if limit - start < width:
+            return None
+        size = self.block_size
+        parent = match.nodes[-1] if match.nodes else self.index.roots.get(request.namespace)
+        node = match.partial.node if match.partial is not None else (
+            max(parent.children.values(), key=lambda child: child.last_access) if parent and parent.children else None)
+        chain: list[CacheNode] = []
+        while node is not None and len(chain) < self.max_turn_blocks:
+            chain.append(node)
+            node = max(node.children.values(), key=lambda child: child.last_access) if node.children else None
+        if not chain:
+            return None
+        base = (start // size) * size  # the position of the chain's first token
+        held = [token for node in chain for token in node.tokens]
+        probe = want[start:start + width]
+        first = probe[0]
+        for offset in range(start - base + 1, len(held) - width + 1):
+            if held[offset] != first or held[offset:offset + width] != probe:
+                continue
+            count = width
+            while start + count < limit and offset + count < len(held) and held[offset + count] == want[start + count]:
+                count += 1
+            first_block, last_block = offset // size, (offset + count - 1) // size
+            slots = tuple(chain[(offset + i) // size].block_id * size + (offset + i) % size for i in range(count))
+            return MovedSpan(start, start + count, base + offset, slots, tuple(chain[first_block:last_block + 1]),
+                             "turn")
+        return None
+
+    def _record_chunks(self, request: CacheSequence) -> None:
+        """Put the request's chunks whose blocks are now cached (and exact) in the chunk index."""
+        size = self.block_size
+        covered = len(request.cached_nodes) * size
+        spans = request.chunk_spans
+        while request.chunks_recorded < len(spans):
+            start, end = spans[request.chunks_recorded]
+            if request.exact_tokens is not None and end > request.exact_tokens:
+                request.chunks_recorded = len(spans)  # from here on its K/V is a blend's: never a source
+                return
+            if end > covered:
+                return  # its last block is not cached yet
+            nodes = request.cached_nodes[start // size:(end - 1) // size + 1]
+            self.chunks.record(request.namespace, request.all_token_ids[start:end], start, nodes)
+            request.chunks_recorded += 1
+
     def is_next_block_pending(self, request: CacheSequence, match: PrefixMatch) -> bool:
         """Is the first block this request would compute already being computed by another one?"""
         next_block = match.num_blocks
@@ -170,25 +263,26 @@ class KVCacheManager:
             self.index.evict(shortfall)
         return self.pool.num_free >= num_blocks
 
-    def admit(self, request: CacheSequence, match: PrefixMatch, num_new_tokens: int) -> bool:
-        """Give a waiting request its matched blocks plus room for ``num_new_tokens``.
+    def admit(self, request: CacheSequence, match: PrefixMatch, num_new_tokens: int,
+              moved: Sequence[MovedSpan] = ()) -> bool:
+        """Give a waiting request its matched blocks plus room for ``num_new_tokens``. ``moved``: spans whose
+        K/V this step reads from other blocks (``match_moved``); their sources are held until the step ran,
+        and the request's K/V from the first of them on is never cached (it is a blend, not exact).
 
         On failure nothing changes (apart from idle leaves evicted on the way) and False is returned.
         """
         assert not request.block_ids, "admit() is for requests that hold no blocks"
         # Hold what we reuse first, so making room cannot evict it.
-        for node in match.nodes:
+        sources = [node for span in moved for node in span.nodes]
+        held = list(match.nodes) + ([match.partial.node] if match.partial is not None else []) + sources
+        for node in held:
             self.pool.acquire(node.block_id)
         partial = match.partial
-        if partial is not None:
-            self.pool.acquire(partial.node.block_id)
         num_needed = self.blocks_for(match.num_tokens + num_new_tokens) - match.num_blocks
         if not self._ensure_free(num_needed):
-            for node in match.nodes:
+            for node in held:
                 self.pool.release(node.block_id)
-            if partial is not None:
-                self.pool.release(partial.node.block_id)
-            self.index.release(match.nodes + ([partial.node] if partial else []))
+            self.index.release(held)
             return False
         new_blocks = self.pool.allocate(num_needed)
         request.block_ids = [node.block_id for node in match.nodes] + new_blocks
@@ -196,12 +290,16 @@ class KVCacheManager:
         if partial is not None:
             self._copies.append(BlockCopy(partial.node.block_id, new_blocks[0], partial.num_tokens))
             self._copy_sources.append(partial.node.block_id)
-        self.index.touch(match.nodes)
+        self._copy_sources.extend(node.block_id for node in sources)
+        self.index.touch(list(match.nodes) + sources)
         request.num_computed_tokens = match.num_tokens
+        request.exact_tokens = min(span.start for span in moved) if moved else None
         self.query_tokens += request.num_tokens
         self.hit_tokens += match.num_tokens
+        self.moved_tokens += sum(span.num_tokens for span in moved)
         if self.enable_prefix_caching:
-            keys = deque(request.block_keys[match.num_blocks :])
+            exact_blocks = len(request.block_keys) if not moved else min(span.start for span in moved) // self.block_size
+            keys = deque(request.block_keys[match.num_blocks:exact_blocks])
             self._pending_of[id(request)] = keys
             self._pending.update(keys)
         return True
@@ -235,7 +333,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         self.update_block_keys(request)
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_keys))
+        computed = request.num_computed_tokens
+        if request.exact_tokens is not None:  # a blend's K/V from there on: never cached
+            computed = min(computed, request.exact_tokens)
+        num_full = min(computed // self.block_size, len(request.block_keys))
         size = self.block_size
         pending = self._pending_of.get(id(request))
         for i in range(len(request.cached_nodes), num_full):
@@ -256,12 +357,14 @@ class KVCacheManager:
             if pending and pending[0] == key:
                 pending.popleft()
                 self._drop_pending(key)
+        if self.chunk_reuse and request.chunk_spans:
+            self._record_chunks(request)
 
     def _cache_tail(self, request: CacheSequence) -> None:
         size = self.block_size
         num_full, tail_len = divmod(request.num_computed_tokens, size)
         if (not self.enable_prefix_caching or tail_len == 0 or len(request.cached_nodes) != num_full
-                or len(request.block_ids) <= num_full):
+                or len(request.block_ids) <= num_full or request.exact_tokens is not None):
             return
         parent = request.cached_nodes[-1] if request.cached_nodes else None
         tokens = request.all_token_ids[num_full * size : num_full * size + tail_len]
@@ -309,6 +412,8 @@ class KVCacheManager:
             blocks_free=self.pool.num_free,
             query_tokens=self.query_tokens,
             hit_tokens=self.hit_tokens,
+            moved_tokens=self.moved_tokens,
+            chunk_entries=len(self.chunks),
             evicted_blocks=self.index.num_evicted_blocks,
             cached_blocks=self.index.num_cached_blocks,
         )
@@ -317,6 +422,7 @@ class KVCacheManager:
         """Every block accounted for: ref counts equal the holders, nodes match block tables."""
         self.pool.check_integrity()
         self.index.check_integrity()
+        self.chunks.check_integrity()
         holders = Counter(self._copy_sources)
         for request in requests:
             holders.update(request.block_ids)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
@@ -152,7 +153,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
     # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
     kv_events = KVEventLog()
-    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events)
+    if config.cache.chunk_reuse:
+        refuse_chunk_reuse(config, model_config, runner)
+    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events,
+                        chunk_reuse=config.cache.chunk_reuse)
     tier_store = tier_glue = None
     if config.cache.has_tiers:
         fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path,
@@ -369,3 +373,17 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
     return TieredStore(fingerprint, layout, tiers)
+
+
+def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner) -> None:
+    """A ValueError naming why chunk reuse (issue 39) cannot run with this configuration, if it cannot."""
+    if config.speculative is not None:
+        raise ValueError("chunk_reuse with speculative decoding is not implemented: a blended prefill returns the "
+                         "recomputed rows' hidden states only, and the draft reads every row's")
+    if not isinstance(runner.attention_backend, (TorchPagedAttention, paged_attention.NativePagedAttention)):
+        raise ValueError(f"chunk_reuse runs on the torch and native CPU attention backends, not on "
+                         f"{type(runner.attention_backend).__name__}, which attends contiguous queries only")
+    if config.cache.chunk_check_layer >= model_config.num_hidden_layers - 1:
+        raise ValueError(f"chunk_check_layer must be below {model_config.num_hidden_layers - 1} (the model has "
+                         f"{model_config.num_hidden_layers} layers; some must run after it), got "
+                         f"{config.cache.chunk_check_layer}")

@@ -34,6 +34,7 @@ from kvreuse.observatory.admissions import AdmissionRecorder
 from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.request import Request
+from kvreuse.attention.blend import BlendSettings
 from kvreuse.runner.input_batch import StepItem, build_forward_batch
 from kvreuse.runner.step_threads import StepThreads
 from kvreuse.sampling import SamplingParams, SamplingState
@@ -69,6 +70,9 @@ class LLMEngine:
         self.observatory = AdmissionRecorder(self.kv, self.tokenizer.decode)
         # The latest steps' time split (forward vs the rest), for benchmarks and the overhead figure.
         self.step_timings: deque[StepTiming] = deque(maxlen=4096)
+        cache = config.cache
+        self.blend = (BlendSettings(cache.chunk_check_layer, cache.chunk_recompute_fraction, cache.chunk_recompute_first)
+                      if cache.chunk_reuse else None)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -216,8 +220,12 @@ class LLMEngine:
             self.observatory.admitted(request, match, group.owner, wall_now)
 
         batch, items = build_forward_batch(scheduled.scheduled, self.kv.block_size, self.device, self.kv.take_copies(),
-                                           self.lora, copy_tables=self.spec is not None)
+                                           self.lora, copy_tables=self.spec is not None, blend=self.blend)
         logits = self.spec.forward(self.runner, batch) if self.spec is not None else self.runner.execute(batch)
+        if batch.blend is not None:  # how many moved tokens each blended sequence recomputed
+            for item in items:
+                if item.blend_segment is not None:
+                    item.request.num_recomputed_tokens += batch.blend.recomputed[item.blend_segment]
         sampling = [item for item in items if item.first_row is not None]
         results = self._take_tokens(logits, sampling)
         now = time.monotonic()

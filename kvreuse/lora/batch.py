@@ -36,6 +36,18 @@ class LoRASegment:
 class LoRABatch:
     segments: Sequence[LoRASegment]
 
+    def narrowed(self, keep: torch.Tensor, num_tokens: int) -> LoRABatch:
+        """The same adapters for the rows ``keep`` (ascending) of a step of ``num_tokens`` rows, renumbered
+        (a blended prefill dropping rows after its check layer: attention/blend.py)."""
+        segments = []
+        for segment in self.segments:
+            mine = torch.zeros(num_tokens, dtype=torch.bool, device=keep.device)
+            mine[segment.rows if segment.rows is not None else slice(None)] = True
+            rows = mine[keep].nonzero().squeeze(1)
+            if len(rows):
+                segments.append(LoRASegment(segment.adapter, None if len(rows) == len(keep) else rows))
+        return LoRABatch(segments)
+
     def apply(self, linear: AdaptableLinear, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every segment's adapter delta to ``out`` (= base projection of ``x``), in place."""
         if linear.lora_layer is None:

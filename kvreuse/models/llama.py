@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvreuse.attention.backend import AttentionBackend, LayerAttention
+from kvreuse.attention.blend import Narrowing
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
@@ -279,10 +280,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
         lora: ProjectionDeltas | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
+        narrowing: Narrowing | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
         ``lora`` adds each adapter's deltas to its own token rows. For each layer index in ``aux_layers``
         a copy of the residual stream entering that layer is appended to ``aux_out`` (EAGLE-3's features).
+        ``narrowing`` (a blended prefill, attention/blend.py): from layer ``narrowing.at_layer`` on only the rows
+        it keeps run, and the hidden states returned are theirs.
 
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
@@ -293,7 +297,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         rope = RopeInputs(positions, self.rotary, hidden.dtype, fused)  # shared by every layer
         local_rope = rope if self.local_rotary is None else RopeInputs(positions, self.local_rotary, hidden.dtype, fused)
         native = self.native_step
-        held = native.layers_for(hidden, kv_caches, attn_metadata, lora) if native is not None else None
+        held = (native.layers_for(hidden, kv_caches, attn_metadata, lora)
+                if native is not None and narrowing is None else None)
         captured: dict[int, torch.Tensor] = {}
         if held is not None:  # every layer in one native call, in stretches between the captured layers
             first = 0
@@ -304,6 +309,12 @@ class LlamaFamilyForCausalLM(nn.Module):
             native.run(held, hidden, rope, attn_metadata, first, len(self.model.layers))
         else:
             for index, layer in enumerate(self.model.layers):
+                if narrowing is not None and index == narrowing.at_layer:
+                    keep, narrowed, attn_metadata = narrowing.apply()
+                    hidden, lora = hidden.index_select(0, keep), narrowed.lora
+                    rope = RopeInputs(narrowed.positions, self.rotary, hidden.dtype, fused)
+                    local_rope = rope if self.local_rotary is None else RopeInputs(narrowed.positions, self.local_rotary,
+                                                                                   hidden.dtype, fused)
                 if index in aux_layers:
                     captured[index] = hidden.clone()
                 layer_rope = local_rope if layer.self_attn.uses_local_rope else rope

@@ -155,8 +155,13 @@ class NativePagedAttention(AttentionBackend):
         paged_tables: list[list[int]] = []
         paged_starts: list[int] = []
         token_start = 0
-        for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
-            if context_len == query_len:
+        listed = batch.listed_positions or [None] * batch.num_seqs
+        for query_len, context_len, table, positions in zip(batch.query_lens, batch.context_lens,
+                                                            batch.block_tables, listed):
+            if positions is not None:  # a blend's kept rows: the kernel reads contiguous queries only
+                chunks.append(context_chunk(token_start, query_len, context_len, table, block_size,
+                                            batch.input_ids.device, positions))
+            elif context_len == query_len:
                 fresh.append((token_start, token_start + query_len))
             elif query_len > self.max_paged_queries:
                 chunks.append(context_chunk(token_start, query_len, context_len, table, block_size,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from kvreuse.cache.kv import KVCache
 from kvreuse.models.layers import RotaryEmbedding
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 
@@ -88,3 +89,21 @@ def shift_rotated_keys(keys: torch.Tensor, delta: int | torch.Tensor, rotary: Ro
     first, second = rows[..., :half], rows[..., half:]
     turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     return turned.to(keys.dtype)
+
+
+def move_kv(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor,
+            deltas: torch.Tensor, capture_layer: int = -1) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Copy every layer's K/V from slots ``src`` to ``dst`` [M], each K row turned by its delta with the layer's
+    own table, in float32, rounded once as the pool stores it (a quantized pool dequantizes and quantizes again
+    with fresh scales: ``KVCache.gather`` / ``write``). Returns the K and V written at ``capture_layer``, float32,
+    as the blend's deviation reference (None for -1). A source slot is read before any destination is written
+    in each layer, so sources and destinations may overlap."""
+    captured = None
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = kv_cache.gather(layer, src, torch.float32)
+        keys = shift_rotated_keys(keys, deltas, rotary_for_layer(model, layer))
+        kv_cache.write(layer, dst, keys, values)
+        if layer == capture_layer:
+            # What the pool now holds (rounded to its dtype), so an unchanged token deviates by exactly 0.
+            captured = kv_cache.gather(layer, dst, torch.float32)
+    return captured

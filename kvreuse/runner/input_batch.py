@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvreuse.attention.blend import BlendSettings, KVMoves
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.blocks import BlockCopy
 from kvreuse.lora.batch import LoRABatch, LoRASegment
@@ -34,6 +35,7 @@ class StepItem:
     draft_token_ids: list[int]  # drafted tokens among them, verified this step
     table: list[int]  # its block table as the forward used it
     first_row: int | None  # its first logits row (None: a prefill chunk that samples nothing)
+    blend_segment: int | None = None  # its place in the step's BlendPlan.segments (None: nothing moved)
 
 
 def build_forward_batch(
@@ -43,10 +45,17 @@ def build_forward_batch(
     block_copies: list[BlockCopy],
     lora: LoRAManager | None = None,
     copy_tables: bool = False,
+    blend: BlendSettings | None = None,
 ) -> tuple[ForwardBatch, list[StepItem]]:
     """The step's ForwardBatch and its items, in the batch's order. ``copy_tables``: keep a copy of each
     block table as it is now (the draft's catch-up reads the table the forward used, after the request
-    may have grown)."""
+    may have grown). ``blend``: how sequences with moved spans (``Request.moved_spans``, taken here) recompute
+    them; their moves and the blend plan go in the batch."""
+    move_src: list[int] = []
+    move_dst: list[int] = []
+    move_deltas: list[int] = []
+    moved_rows: list[int] = []
+    segments: list[tuple[int, int]] = []
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -77,7 +86,25 @@ def build_forward_batch(
         if end - len(drafts) == request.num_tokens:  # the prompt is complete: this step yields tokens
             first_row = len(logits_indices)
             logits_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
-        items.append(StepItem(request, start, count, drafts, list(table) if copy_tables else table, first_row))
+        segment = None
+        if request.moved_spans:
+            assert blend is not None and end == request.num_tokens and not drafts, "a blend runs the whole rest"
+            segment, first_moved = len(segments), len(moved_rows)
+            row_of_start = len(input_ids) - count
+            for span in request.moved_spans:
+                forced = min(blend.recompute_first, span.num_tokens)
+                request.num_recomputed_tokens += forced
+                request.num_moved_tokens += span.num_tokens
+                for offset in range(forced, span.num_tokens):
+                    position = span.start + offset
+                    move_src.append(span.source_slots[offset])
+                    move_dst.append(table[position // block_size] * block_size + position % block_size)
+                    move_deltas.append(span.delta)
+                    moved_rows.append(row_of_start + position - start)
+            segments.append((first_moved, len(moved_rows) - first_moved))
+            request.moved_spans = []
+        items.append(StepItem(request, start, count, drafts, list(table) if copy_tables else table, first_row,
+                              segment))
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
         positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
@@ -89,6 +116,11 @@ def build_forward_batch(
         block_copies=block_copies,
         lora=_lora_batch(lora, adapter_rows, len(input_ids), device),
     )
+    if moved_rows:
+        assert blend is not None
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+        batch.moves = KVMoves(as_tensor(move_src), as_tensor(move_dst), as_tensor(move_deltas))
+        batch.blend = blend.plan(as_tensor(moved_rows), segments)
     return batch, items
 
 

@@ -21,6 +21,8 @@ from kvreuse.models.config import ModelConfig
 from kvreuse.models import native_step
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.blend import Narrowing, narrow_batch, select_rows
+from kvreuse.models.rope_shift import move_kv
 from kvreuse.runner.compiled_decode import CompiledDecode
 from kvreuse.runner.cuda_graphs import CudaGraphDecode, why_no_graphs
 from kvreuse.attention.forward_batch import ForwardBatch
@@ -135,16 +137,41 @@ class ModelRunner:
         aux: list[torch.Tensor] = []
         start = time.perf_counter()
         with torch.inference_mode():
+            narrowing, narrowed = self._blend(batch, aux_layers)
             if self.compiled_decode is not None and self.compiled_decode.applies(batch, metadata, aux_layers):
                 hidden, logits = self.compiled_decode(batch, metadata)
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora,
-                                    aux_layers, aux)
-                logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+                                    aux_layers, aux, narrowing)
+                rows = narrowed[0].logits_indices if narrowed else batch.logits_indices
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
         self.last_forward_seconds = time.perf_counter() - start
         if policy is not None and threads is not None:
             policy.record(batch.num_tokens, threads, self.last_forward_seconds, longest)
         return StepOutput(logits, hidden, aux)
+
+    def _blend(self, batch: ForwardBatch, aux_layers: tuple[int, ...]) -> tuple[Narrowing | None, list[ForwardBatch]]:
+        """Move the step's moved K/V into place (turned to its new positions) and, for a blend, the narrowing the
+        forward applies after the check layer; the list receives the narrowed batch once the forward made it."""
+        narrowed: list[ForwardBatch] = []
+        plan = batch.blend
+        if batch.moves is not None:
+            capture = plan.check_layer if plan is not None and plan.recompute_fraction > 0 else -1
+            reference = move_kv(self.model, self.kv_cache, batch.moves.src, batch.moves.dst, batch.moves.deltas, capture)
+            if plan is not None:
+                plan.reference = reference
+        if plan is None:
+            return None, narrowed
+        if aux_layers:
+            raise NotImplementedError("a blended prefill returns the kept rows' hidden states only; speculative "
+                                      "decoding with chunk reuse is not implemented")
+
+        def apply() -> tuple[torch.Tensor, ForwardBatch, object]:
+            keep = select_rows(plan, batch, self.kv_cache)
+            narrowed.append(narrow_batch(batch, keep))
+            return keep, narrowed[0], self.attention_backend.prepare(narrowed[0], self.kv_cache.block_size)
+
+        return Narrowing(plan.narrow_before, apply), narrowed
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.slot_mapping.device == self.device:
