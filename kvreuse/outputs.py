@@ -51,9 +51,13 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_cached_tokens: int  # prompt tokens served from the cache: prefix hits and moved tokens (issue 39)
     metrics: RequestMetrics
     pins_saved: list[str] = field(default_factory=list)  # pins this request created (explicit caching)
     pins_hit: list[str] = field(default_factory=list)  # pinned entries this request reused
     # Where the cached tokens came from when KV tiers are on: device, host, disk, remote (None: no tiers).
     cached_tokens_by_tier: dict[str, int] | None = None
+    # Reuse beyond the prefix (chunk_reuse): cached tokens whose K/V was moved in from other positions, and how
+    # many of them the blend recomputed.
+    num_moved_tokens: int = 0
+    num_recomputed_tokens: int = 0

@@ -183,7 +183,9 @@ class KVCacheManager:
         limit = request.num_tokens - 1
         tokens = request.all_token_ids
         spans: list[MovedSpan] = []
-        turn = self._moved_turn(request, match, limit)
+        # A moved turn stops where the first marked chunk begins: chunks are looked up by their own spans.
+        next_chunk = min((start for start, _ in request.chunk_spans if start >= match.num_tokens), default=limit)
+        turn = self._moved_turn(request, match, min(limit, next_chunk))
         if turn is not None:
             spans.append(turn)
         covered = spans[-1].end if spans else match.num_tokens
@@ -200,8 +202,8 @@ class KVCacheManager:
         return spans
 
     def _moved_turn(self, request: CacheSequence, match: PrefixMatch, limit: int) -> MovedSpan | None:
-        """The prompt's tokens right after the prefix hit, found further along the cached sequence the hit
-        followed (its most recently used continuation): what a template leaves when it drops the text between
+        """The prompt's tokens right after the prefix hit, found further along a cached sequence the hit
+        followed (its continuations tried most recently used first): what a template leaves when it drops the text between
         (a reasoning turn's thinking). At least ``min_turn_tokens`` must match; the match runs as far as the
         tokens agree."""
         start = match.num_tokens
@@ -211,34 +213,38 @@ class KVCacheManager:
             return None
         size = self.block_size
         parent = match.nodes[-1] if match.nodes else self.index.roots.get(request.namespace)
-        node = match.partial.node if match.partial is not None else (
-            max(parent.children.values(), key=lambda child: child.last_access) if parent and parent.children else None)
-        chain: list[CacheNode] = []
-        while node is not None and len(chain) < self.max_turn_blocks:
-            chain.append(node)
-            node = max(node.children.values(), key=lambda child: child.last_access) if node.children else None
-        if not chain:
-            return None
+        # Every cached block that agrees with the partial hit, most recently used first: the index's partial match
+        # is only one of them, and may be a dead end (a prompt-only tail an earlier request left ties with the block
+        # that goes on into the turn, and a request that copies that tail makes it the most recently used).
         base = (start // size) * size  # the position of the chain's first token
-        held = [token for node in chain for token in node.tokens]
+        agreeing = sorted((child for child in parent.children.values() if child.tokens[:start - base] == want[base:start]),
+                          key=lambda child: child.last_access, reverse=True) if parent is not None else []
         probe = want[start:start + width]
         first = probe[0]
-        for offset in range(start - base + 1, len(held) - width + 1):
-            if held[offset] != first or held[offset:offset + width] != probe:
-                continue
-            count = width
-            while start + count < limit and offset + count < len(held) and held[offset + count] == want[start + count]:
-                count += 1
-            first_block, last_block = offset // size, (offset + count - 1) // size
-            slots = tuple(chain[(offset + i) // size].block_id * size + (offset + i) % size for i in range(count))
-            return MovedSpan(start, start + count, base + offset, slots, tuple(chain[first_block:last_block + 1]),
-                             "turn")
+        for node in agreeing:
+            chain: list[CacheNode] = []
+            while node is not None and len(chain) < self.max_turn_blocks:
+                chain.append(node)
+                node = max(node.children.values(), key=lambda child: child.last_access) if node.children else None
+            held = [token for node in chain for token in node.tokens]
+            for offset in range(start - base + 1, len(held) - width + 1):
+                if held[offset] != first or held[offset:offset + width] != probe:
+                    continue
+                count = width
+                while (start + count < limit and offset + count < len(held)
+                       and held[offset + count] == want[start + count]):
+                    count += 1
+                first_block, last_block = offset // size, (offset + count - 1) // size
+                slots = tuple(chain[(offset + i) // size].block_id * size + (offset + i) % size for i in range(count))
+                return MovedSpan(start, start + count, base + offset, slots, tuple(chain[first_block:last_block + 1]),
+                                 "turn")
         return None
 
     def _record_chunks(self, request: CacheSequence) -> None:
         """Put the request's chunks whose blocks are now cached (and exact) in the chunk index."""
         size = self.block_size
-        covered = len(request.cached_nodes) * size
+        nodes = request.cached_nodes
+        covered = (len(nodes) - 1) * size + len(nodes[-1].tokens) if nodes else 0  # the last may be a tail
         spans = request.chunk_spans
         while request.chunks_recorded < len(spans):
             start, end = spans[request.chunks_recorded]
@@ -387,6 +393,8 @@ class KVCacheManager:
         for key in self._pending_of.pop(id(request), ()):
             self._drop_pending(key)
         self._cache_tail(request)
+        if self.chunk_reuse and request.chunk_spans:  # a chunk that ends in the tail is complete now
+            self._record_chunks(request)
         for block in reversed(request.block_ids):
             self.pool.release(block)
         self.index.release(request.cached_nodes)

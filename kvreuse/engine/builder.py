@@ -383,7 +383,7 @@ def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: 
     if not isinstance(runner.attention_backend, (TorchPagedAttention, paged_attention.NativePagedAttention)):
         raise ValueError(f"chunk_reuse runs on the torch and native CPU attention backends, not on "
                          f"{type(runner.attention_backend).__name__}, which attends contiguous queries only")
-    if config.cache.chunk_check_layer >= model_config.num_hidden_layers - 1:
+    if config.cache.chunk_recompute_fraction > 0 and config.cache.chunk_check_layer >= model_config.num_hidden_layers - 1:
         raise ValueError(f"chunk_check_layer must be below {model_config.num_hidden_layers - 1} (the model has "
                          f"{model_config.num_hidden_layers} layers; some must run after it), got "
                          f"{config.cache.chunk_check_layer}")

@@ -81,6 +81,8 @@ class RequestGroup:
             finished=self.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             cached_tokens_by_tier=cached_by_tier(first),
+            num_moved_tokens=first.num_moved_tokens,
+            num_recomputed_tokens=first.num_recomputed_tokens,
             metrics=self.metrics,
             pins_saved=list(self.pins_saved),
             pins_hit=list(self.pins_hit),

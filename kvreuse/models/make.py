@@ -157,6 +157,35 @@ CHATML_TEMPLATE = (
 )
 
 
+# Qwen3's thinking, on the ChatML template above: an assistant message in the history loses everything up to and
+# including its last ``</think>`` and the newlines after it, as Qwen3's template renders it
+# (``content.split('</think>')[-1].lstrip('\n')``), so a reasoning turn's thinking is dropped from the next turn's
+# prompt. Qwen3 keeps the thinking of the assistant messages after the last user message (a tool loop within one
+# turn); so does this one. The generation prompt is plain ``<|im_start|>assistant\n``: the model writes its own
+# ``<think>``. ``<think>`` and ``</think>`` are plain text to the trained tokenizer (a few tokens each). Any other
+# message renders exactly as CHATML_TEMPLATE renders it.
+_CHATML_CONTENT = "{%- set content = text_of(message['content']) %}"
+_CHATML_LOOP = "{%- for message in messages %}"
+QWEN3_THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
+    _CHATML_LOOP,
+    "{%- set think = namespace(last_query=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- set think.last_query = loop.index0 %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    + _CHATML_LOOP,
+).replace(
+    _CHATML_CONTENT,
+    _CHATML_CONTENT
+    + "{%- if message['role'] == 'assistant' and loop.index0 < think.last_query and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}",
+)
+assert CHATML_TEMPLATE.count(_CHATML_LOOP) == 1 and CHATML_TEMPLATE.count(_CHATML_CONTENT) == 1, (
+    "CHATML_TEMPLATE changed: update QWEN3_THINKING_TEMPLATE")
+
+
 # gpt-oss's harmony format, simplified but faithful to its chat template: a system message naming the channels
 # (and, with tools, that function calls go to the commentary channel); a system or developer message's text as the
 # developer message's "# Instructions", the tools after it as a `functions` namespace (each tool's JSON schema
@@ -261,6 +290,8 @@ class ModelPreset:
     query_pre_attn_scalar: int | None = None
     # gpt_oss: YaRN over the original context (factor 32 in gpt-oss); windows alternate with global layers
     yarn_original_max_position: int | None = None
+    # Qwen3's thinking: the chat template drops earlier turns' <think>...</think> (QWEN3_THINKING_TEMPLATE)
+    thinking_template: bool = False
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -329,6 +360,20 @@ PRESETS: dict[str, ModelPreset] = {
             rope_theta=150000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, tokenizer_vocab_size=1024,
             qwen3_head_dim=32, num_experts=8, num_experts_per_tok=4, sliding_window=16,
             yarn_original_max_position=64,
+        ),
+        # Qwen3 with its thinking template (issue 39's reasoning turns): tiny shapes with 4 layers (so chunk reuse's
+        # default check layer 1 has layers after it), and SmolLM2-135M's shapes written as qwen3.
+        ModelPreset(
+            name="tiny-qwen3-think", arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, thinking_template=True,
+        ),
+        ModelPreset(
+            name="qwen3-think-135m", arch="qwen3", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
+            qwen3_head_dim=64, thinking_template=True,
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
@@ -730,9 +775,9 @@ def _write_weights(out_dir: Path, specs: Sequence[TensorSpec], dtype: torch.dtyp
 
 
 def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int],
-                      harmony_token_ids: dict[str, int] | None = None) -> dict:
-    """tokenizer_config.json: ChatML's special tokens and template, or with ``harmony_token_ids`` (gpt-oss)
-    harmony's, its end of a final answer as eos."""
+                      harmony_token_ids: dict[str, int] | None = None, thinking: bool = False) -> dict:
+    """tokenizer_config.json: ChatML's special tokens and template (``thinking``: Qwen3's, which drops earlier
+    turns' thinking), or with ``harmony_token_ids`` (gpt-oss) harmony's, its end of a final answer as eos."""
     added_tokens = {
         str(token_id): {
             "content": token, "lstrip": False, "rstrip": False, "normalized": False,
@@ -782,7 +827,7 @@ def _tokenizer_config(max_length: int, tool_token_ids: dict[str, int],
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
         "split_special_tokens": False,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": QWEN3_THINKING_TEMPLATE if thinking else CHATML_TEMPLATE,
     }
 
 
@@ -883,7 +928,7 @@ def make_model(
     })
     _write_json(out_path / "tokenizer_config.json",
                 _tokenizer_config(preset_spec.max_position_embeddings, _tool_token_ids(tokenizer_json),
-                                  harmony_ids or None))
+                                  harmony_ids or None, thinking=preset_spec.thinking_template))
     _write_json(out_path / "special_tokens_map.json", {
         "eos_token": HARMONY_RETURN if harmony else IM_END,
         "pad_token": ENDOFTEXT,

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from kvreuse.cache.chunks import MovedSpan
 from kvreuse.cache.manager import CacheSequence, KVCacheManager
 from kvreuse.cache.prefix import Divergence, PrefixMatch
 from kvreuse.observatory.drift import DriftLog, cached_continuation
@@ -39,6 +40,7 @@ class AdmittedSequence(CacheSequence, Protocol):
     """A sequence as the observatory sees it at admission (``kvreuse.request.Request``)."""
 
     prompt_token_ids: list[int]
+    moved_spans: list[MovedSpan]  # spans its next step reads from elsewhere in the pool (issue 39)
     index: int  # which of the request's n samples (the drift log records sample 0 only)
     num_preemptions: int
 
@@ -54,6 +56,8 @@ class AdmissionRecorder:
         self.drift = DriftLog()
         self.prefix_hits = PrefixHits()
         self._hits_by_owner: dict[Owner, list[int]] = {}  # owner -> [prompt tokens looked up, tokens hit]
+        # Reuse beyond the prefix (issue 39), by kind ("chunk", "turn"): [spans, tokens] moved in at admission.
+        self.moved: dict[str, list[int]] = {"chunk": [0, 0], "turn": [0, 0]}
         self._prune_owners_at = MAX_TRACKED_NAMESPACES
 
     def note_owner(self, namespace: bytes, owner: Owner, in_flight: Callable[[], set[bytes]]) -> None:
@@ -75,9 +79,13 @@ class AdmissionRecorder:
             if logger.isEnabledFor(logging.DEBUG):
                 self.log_admission(request, match)
             return
-        counters = self._hits_by_owner.setdefault(owner, [0, 0])
+        counters = self._hits_by_owner.setdefault(owner, [0, 0, 0])
         counters[0] += request.num_prompt_tokens
         counters[1] += match.num_tokens
+        for span in request.moved_spans:
+            counters[2] += span.num_tokens
+            self.moved[span.kind][0] += 1
+            self.moved[span.kind][1] += span.num_tokens
         divergence = None
         if self.kv.enable_prefix_caching:
             self.prefix_hits.record(match)
@@ -92,14 +100,17 @@ class AdmissionRecorder:
 
     # --- reports (kvreuse.observatory.drift / tree; the server's /v1/cache/* routes and the dashboard) ----
     def drift_report(self, scope: Scope = ALL, top: int = 10) -> dict[str, Any]:
-        return self.drift.report(scope, top, self.decode, self.namespace_owners)
+        report = self.drift.report(scope, top, self.decode, self.namespace_owners)
+        # Moved spans are hits beyond the prefix: each miss above may have been partly served by one.
+        report["moved"] = {kind: {"spans": spans, "tokens": tokens} for kind, (spans, tokens) in self.moved.items()}
+        return report
 
     def cache_tree(self, scope: Scope = ALL, top: int = 8) -> list[dict[str, Any]]:
         return largest_subtrees(self.kv.index, scope, self.namespace_owners, self.prefix_hits, self.decode, top)
 
     def hit_counters(self, scope: Scope = ALL) -> dict[str, dict[str, int]]:
-        return {SHARED_OWNER if owner is None else owner: {"query_tokens": query, "hit_tokens": hit}
-                for owner, (query, hit) in self._hits_by_owner.items() if scope.may_see_owner(owner)}
+        return {SHARED_OWNER if owner is None else owner: {"query_tokens": query, "hit_tokens": hit, "moved_tokens": moved}
+                for owner, (query, hit, moved) in self._hits_by_owner.items() if scope.may_see_owner(owner)}
 
     # --- the --debug explanation ------------------------------------------------------------------------
     def log_admission(self, request: AdmittedSequence, match: PrefixMatch, divergence: Divergence | None = None) -> None:
@@ -110,6 +121,11 @@ class AdmissionRecorder:
             request.request_id, total, reused, total - reused,
             f" (after {request.num_preemptions} preemption(s))" if request.num_preemptions else "",
         )
+        for span in request.moved_spans:
+            logger.debug("request %s: %s hit: tokens [%d, %d) %r... moved in from position %d (delta %+d), blended",
+                         request.request_id, "chunk" if span.kind == "chunk" else "earlier turn's tokens",
+                         span.start, span.end, self.decode(request.all_token_ids[span.start:span.start + 8]),
+                         span.source_start, span.delta)
         if not self.kv.enable_prefix_caching or reused >= total - 1:
             return
         if divergence is None:

@@ -78,11 +78,17 @@ def _usage(output: RequestOutput, last_breakpoint: int, output_tokens: int) -> d
                              "cache_read_input_tokens": read, "output_tokens": output_tokens}
     if output.cached_tokens_by_tier is not None:  # KV tiers: where cache_read_input_tokens came from
         usage[CACHE_READ_BY_TIER_FIELD] = dict(output.cached_tokens_by_tier)
+    if output.num_moved_tokens:  # chunk reuse: read tokens moved in from other positions, and the recomputed
+        usage[MOVED_INPUT_FIELD] = output.num_moved_tokens
+        usage[RECOMPUTED_INPUT_FIELD] = output.num_recomputed_tokens
     return usage
 
 
 # kvreuse's extension of the Messages usage object (only with KV tiers), as the OpenAI routes' one.
 CACHE_READ_BY_TIER_FIELD = "kvreuse_cache_read_input_tokens_by_tier"
+# Chunk reuse (issue 39): of cache_read_input_tokens, those moved in from other positions, and the recomputed.
+MOVED_INPUT_FIELD = "kvreuse_moved_input_tokens"
+RECOMPUTED_INPUT_FIELD = "kvreuse_recomputed_input_tokens"
 
 
 def _sse(event: str, data: dict) -> bytes:

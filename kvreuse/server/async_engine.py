@@ -367,6 +367,9 @@ class AsyncEngine:
                 if ttft is not None:
                     metrics.time_to_first_token.observe(ttft)
                 metrics.prompt_tokens_cached.inc(output.num_cached_tokens)
+                if output.num_moved_tokens:
+                    metrics.prompt_tokens_moved.inc(output.num_moved_tokens)
+                    metrics.prompt_tokens_recomputed.inc(output.num_recomputed_tokens)
             else:
                 metrics.inter_token_latency.observe(now - stream.last_output_time)
             stream.last_output_time = now

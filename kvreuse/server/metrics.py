@@ -94,6 +94,16 @@ class ServerMetrics:
             f"{PREFIX}prompt_tokens_cached", "Prompt tokens of requests that were served from the prefix cache.",
             labels, registry=self.registry,
         ).labels(model_name)
+        # Chunk reuse (issue 39): of the cached prompt tokens, those moved in from other positions, and the
+        # ones among them recomputed to blend them in.
+        self.prompt_tokens_moved = Counter(
+            f"{PREFIX}prompt_tokens_moved", "Cached prompt tokens whose K/V was moved in from other positions "
+            "(chunk hits and turns moved earlier).", labels, registry=self.registry,
+        ).labels(model_name)
+        self.prompt_tokens_recomputed = Counter(
+            f"{PREFIX}prompt_tokens_recomputed", "Moved prompt tokens recomputed to blend them into their new context.",
+            labels, registry=self.registry,
+        ).labels(model_name)
         # Requests per LoRA adapter (mirrors vLLM's lora_requests_info; "" is the base model).
         self._lora_requests = Counter(
             f"{PREFIX}lora_requests", "Generation requests by the LoRA adapter they ran with ('' = base model).",

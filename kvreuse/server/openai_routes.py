@@ -495,7 +495,9 @@ def _usage(generation: _Generation, outputs: dict[int, RequestOutput]) -> dict[s
     completion_tokens = sum(len(c.token_ids) for output in outputs.values() for c in output.outputs)
     cached_tokens = sum(output.num_cached_tokens for output in outputs.values())
     by_tier = sum_cached_by_tier(output.cached_tokens_by_tier for output in outputs.values())
-    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens, by_tier)
+    moved = (sum(output.num_moved_tokens for output in outputs.values()),
+             sum(output.num_recomputed_tokens for output in outputs.values()))
+    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens, by_tier, moved)
 
 
 def _full_response(state: ServerState, generation: _Generation, finals: dict[int, RequestOutput]) -> dict[str, Any]:

@@ -384,16 +384,23 @@ def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
 
 # kvreuse's extension of usage.prompt_tokens_details (only with KV tiers): cached_tokens split by tier.
 CACHED_BY_TIER_FIELD = "kvreuse_cached_tokens_by_tier"
+# Chunk reuse (issue 39): cached tokens moved in from other positions, and of them the ones recomputed.
+MOVED_FIELD = "kvreuse_moved_tokens"
+RECOMPUTED_FIELD = "kvreuse_recomputed_tokens"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-          cached_by_tier: dict[str, int] | None = None) -> dict[str, Any]:
+          cached_by_tier: dict[str, int] | None = None, moved: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """OpenAI's usage object; with KV tiers, ``prompt_tokens_details`` also splits ``cached_tokens`` by
     the tier the tokens came from (``{"device": .., "host": .., "disk": .., "remote": ..}``, the tiers
-    the server has; they add up to ``cached_tokens``)."""
+    the server has; they add up to ``cached_tokens``). ``moved``: (moved, recomputed) tokens of chunk reuse;
+    where any moved, ``cached_tokens`` includes them and two kvreuse fields say how many, and how many of
+    them were recomputed to blend them in."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     if cached_by_tier is not None:
         details[CACHED_BY_TIER_FIELD] = cached_by_tier
+    if moved[0]:
+        details[MOVED_FIELD], details[RECOMPUTED_FIELD] = moved
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
