@@ -62,13 +62,19 @@ from kvreuse.bench.report import machine_description, write_json
 from kvreuse.inputs import TokenizedPrompt
 
 CHUNK_MARK = {"type": "ephemeral", "scope": "chunk"}
-# Issue 39's chunk-reuse modes, to be measured here once the engine has them (part two).
+# Issue 39's chunk-reuse modes: (chunk_recompute_fraction, chunk_recompute_first) of the engine; None: its default.
 CHUNK_REUSE_MODES = {
     "shift": "pure shift: each section's K re-rotated to its new position, nothing recomputed (llama.cpp's method)",
     "recompute-5": "shift, then the 5% of tokens that deviate most recomputed",
     "recompute-15": "shift, then the 15% of tokens that deviate most recomputed",
     "recompute-30": "shift, then the 30% of tokens that deviate most recomputed",
-    "default": "the default chosen from these measurements",
+    "epic-16": "shift, then the first 16 tokens of each section recomputed (EPIC-style)",
+    "both": "recompute-15 and epic-16 together",
+    "default": "the engine's default settings (CacheConfig)",
+}
+MODE_SETTINGS: dict[str, tuple[float, int] | None] = {
+    "shift": (0.0, 0), "recompute-5": (0.05, 0), "recompute-15": (0.15, 0), "recompute-30": (0.30, 0),
+    "epic-16": (0.0, 16), "both": (0.15, 16), "default": None,
 }
 SEEN_QUESTION = "Which of these sections is the longest? Answer with its title."
 
@@ -214,8 +220,9 @@ def shared_before_difference(answer: list[int], reference: list[int]) -> int:
 
 
 def measure_kvreuse(model: str, prompts: list[RagPrompt], warmup: TokenizedPrompt,
-                    args: argparse.Namespace) -> dict[str, RunFigures]:
-    """Full prefill, prefix caching and the noise floor over one prompt set."""
+                    args: argparse.Namespace) -> tuple[dict[str, RunFigures], list[torch.Tensor]]:
+    """Full prefill, prefix caching and the noise floor over one prompt set, and full prefill's teacher-forced
+    distributions (the KL yardstick's reference)."""
     figures = {"full prefill": RunFigures(), "prefix caching": RunFigures()}
     reference = make(model, args.dtype, prefix_caching=False, memory=args.kv_cache_memory)
     dtype = str(reference.engine.dtype).removeprefix("torch.")
@@ -265,7 +272,70 @@ def measure_kvreuse(model: str, prompts: list[RagPrompt], warmup: TokenizedPromp
         floor.kl.append(kl_divergence(full_distributions[index], forced))
     del other
     gc.collect()
-    return figures
+    return figures, full_distributions
+
+
+def blend_teacher_forced(llm: LLM, prompt: TokenizedPrompt, answer: list[int], kl_tokens: int) -> torch.Tensor:
+    """``teacher_forced`` through the engine's own blended prefill: the prompt and the answer's first
+    kl_tokens - 1 tokens run as one request with the prompt's chunk spans (the sections move in and blend as they
+    did for the prompt alone; the answer rows are computed), its step made to return the logits of its last
+    kl_tokens rows. The engine samples its one token from the first of them, as it would."""
+    import kvreuse.engine.engine as engine_module
+
+    tokens = prompt.token_ids + answer[:kl_tokens - 1]
+    build, execute = engine_module.build_forward_batch, llm.engine.runner.execute
+    kept: list[torch.Tensor] = []
+
+    def build_all_rows(*a, **k):
+        batch, items = build(*a, **k)
+        if batch.num_seqs == 1 and items[0].first_row is not None:
+            batch.logits_indices = torch.arange(batch.num_tokens - kl_tokens, batch.num_tokens)
+        return batch, items
+
+    def execute_and_keep(batch):
+        logits = execute(batch)
+        kept.append(logits)
+        return logits
+
+    engine_module.build_forward_batch, llm.engine.runner.execute = build_all_rows, execute_and_keep
+    try:
+        llm.generate([{"prompt_token_ids": tokens, "chunk_spans": [list(span) for span in prompt.chunk_spans]}],
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    finally:
+        engine_module.build_forward_batch, llm.engine.runner.execute = build, execute
+    logits = kept[-1]
+    assert logits.shape[0] == kl_tokens, "the prompt ran in one step"
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def measure_mode(model: str, mode: str, prompts: list[RagPrompt], warmup: TokenizedPrompt,
+                 figures: dict[str, RunFigures], full_distributions: list[torch.Tensor],
+                 args: argparse.Namespace) -> RunFigures:
+    """One chunk-reuse mode: per prompt the seen prompt (its sections computed and recorded), then the measured
+    one, whose sections move in and blend."""
+    settings = MODE_SETTINGS[mode]
+    options: dict[str, Any] = {"chunk_reuse": True}
+    if settings is not None:
+        options["chunk_recompute_fraction"], options["chunk_recompute_first"] = settings
+    if args.check_layer is not None:
+        options["chunk_check_layer"] = args.check_layer
+    llm = LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
+              max_num_batched_tokens=8192, **options)
+    timed_first_token(llm, warmup)
+    run = RunFigures()
+    full = figures["full prefill"]
+    for index, prompt in enumerate(prompts):
+        timed_first_token(llm, prompt.seen)
+        seconds, cached = timed_first_token(llm, prompt.measured)
+        run.ttft_s.append(seconds)
+        run.cached_tokens.append(cached)
+        run.answers.append(greedy_answer(llm, prompt.measured, args.answer_tokens))
+        run.shared_answer_tokens.append(shared_before_difference(run.answers[-1], full.answers[index]))
+        forced = blend_teacher_forced(llm, prompt.measured, full.answers[index], args.kl_tokens)
+        run.kl.append(kl_divergence(full_distributions[index], forced))
+    del llm
+    gc.collect()
+    return run
 
 
 def measure_llama_server(binary: str, gguf: str, prompts: list[RagPrompt], warmup: TokenizedPrompt,
@@ -330,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-tokens", type=int, default=16, help="answer positions whose distributions are compared")
     parser.add_argument("--seeds", default="0,1", help="one prompt set per seed (its sections and orders)")
     parser.add_argument("--kv-cache-memory", default="256MiB")
-    parser.add_argument("--modes", default="", help="issue 39's chunk-reuse modes, comma-separated: "
-                        + ", ".join(CHUNK_REUSE_MODES) + " (not built yet: asking for one exits saying so)")
+    parser.add_argument("--modes", default=",".join(CHUNK_REUSE_MODES),
+                        help="issue 39's chunk-reuse modes, comma-separated (default: all): " + ", ".join(CHUNK_REUSE_MODES))
+    parser.add_argument("--check-layer", type=int, default=None, help="chunk_check_layer (default: the engine's)")
     parser.add_argument("--llama-server", default=None, metavar="BIN",
                         help="llama-server's binary: also run it with --cache-reuse 256 on the same prompts (GGUF only)")
     parser.add_argument("--json-out", default=None)
@@ -342,15 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [mode for mode in modes if mode not in CHUNK_REUSE_MODES]
     if unknown:
         parser.error(f"unknown --modes {unknown}; the chunk-reuse modes are {list(CHUNK_REUSE_MODES)}")
-    if modes:
-        # No stand-in figures: the engine does not reuse chunks yet (issue 39, part two).
-        raise SystemExit("chunk-reuse mode(s) " + ", ".join(f"{mode!r} ({CHUNK_REUSE_MODES[mode]})" for mode in modes)
-                         + " not implemented yet: the engine does not reuse chunk K/V yet (issue 39, part two). "
-                         "Run without --modes for the baselines.")
+    args.modes = modes
     smoke = os.environ.get("KVREUSE_BENCH_SMOKE") == "1"
     if smoke:  # the suite runs the documented command this way
         args.num_prompts, args.section_tokens, args.answer_tokens, args.kl_tokens = 2, 24, 6, 4
         args.seeds, args.kv_cache_memory = "0", "16MiB"
+        args.check_layer = 0  # the tiny preset has two layers
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing",
               flush=True)
 
@@ -393,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
                               "args": vars(args), "model": model, "sets": {}}
     for seed, (prompts, warmup) in sets.items():
         print(f"prompt set {seed}: {len(prompts)} prompts", flush=True)
-        figures = measure_kvreuse(model, prompts, warmup, args)
+        figures, full_distributions = measure_kvreuse(model, prompts, warmup, args)
+        for mode in args.modes:
+            figures[f"chunk reuse: {mode}"] = measure_mode(model, mode, prompts, warmup, figures, full_distributions,
+                                                           args)
         if llama_server:
             figures |= measure_llama_server(llama_server, model, prompts, warmup, args)
         report["sets"][str(seed)] = {

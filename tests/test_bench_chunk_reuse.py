@@ -1,5 +1,5 @@
-"""benchmarks/bench_chunk_reuse.py's pieces that no smoke run shows: the chunk-reuse modes not built yet are
-refused with a message (never stand-in figures), and the yardsticks count what they say. The smoke run of
+"""benchmarks/bench_chunk_reuse.py's pieces that no smoke run shows: the blended teacher-forced distributions
+are the engine's own, an unknown mode is a usage error, and the yardsticks count what they say. The smoke run of
 the documented command is tests/test_documented_commands.py's."""
 
 from __future__ import annotations
@@ -28,12 +28,25 @@ def run_script(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
 
 
-def test_modes_not_built_exit_saying_so() -> None:
-    result = run_script("--modes", "shift,recompute-15")
-    assert result.returncode == 1
-    assert "'shift'" in result.stderr and "'recompute-15'" in result.stderr
-    assert "not implemented yet" in result.stderr
-    assert "prompt set" not in result.stdout  # refused before anything was measured
+def test_the_blended_teacher_forced_distributions_equal_full_prefills_at_full_recompute(tiny_model: Path) -> None:
+    """The KL yardstick of the chunk-reuse modes runs the engine's own blend: recomputing every moved token, its
+    distributions are full prefill's (float32), and a pure shift's are not."""
+    from kvreuse import LLM
+
+    bench = load_script()
+    sections = [bench.Section(f"s{i}", f"Section {i}: " + " ".join(f"word{i}x{j}" for j in range(30))) for i in range(3)]
+    reference = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    seen = reference.engine.inputs.from_messages(bench.conversation(sections, [0, 1, 2], bench.SEEN_QUESTION))
+    measured = reference.engine.inputs.from_messages(bench.conversation(sections, [2, 0, 1], "What is s0 about?"))
+    answer = bench.greedy_answer(reference, measured, 6)
+    full = bench.teacher_forced(reference, measured.token_ids, answer, 4)
+    kl = {}
+    for fraction in (1.0, 0.0):
+        llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="16MiB", chunk_reuse=True,
+                  chunk_check_layer=0, chunk_recompute_fraction=fraction)
+        bench.timed_first_token(llm, seen)
+        kl[fraction] = bench.kl_divergence(full, bench.blend_teacher_forced(llm, measured, answer, 4))
+    assert kl[1.0] == pytest.approx(0.0, abs=1e-6) and kl[0.0] > 1e-6
 
 
 def test_unknown_modes_are_a_usage_error() -> None:
