@@ -20,7 +20,7 @@ The model: a ``kvreuse make-model`` preset with Qwen3's thinking template (rando
 
 Per turn: prompt tokens; cached tokens of each run (chunk reuse: with the moved answer, and how many of the
 moved tokens the blend recomputed); TTFT (one greedy token, the engine idle), the median over --repeats
-replays of the whole loop, each from an empty cache.
+replays of the whole loop, each from an empty cache (the three engines take turns, repeat by repeat).
 
     python benchmarks/bench_reasoning_turns.py --json-out reasoning_turns.json
 
@@ -167,24 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"kind": "kvreuse-bench-reasoning-turns", "machine": machine_description(),
                               "torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv),
                               "args": vars(args), "model": model, "runs": {}}
-    system, turns = None, None
-    for name, options in RUNS.items():
-        # One prefill step per prompt (no chunked prefill): TTFT is the prompt's forward.
-        llm = LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
-                  max_num_batched_tokens=16384, **options)
-        if turns is None:
-            system, turns = make_turns(llm.engine.tokenizer, args)
-            check_template(llm, system, turns)
-        assert system is not None
-        figures = [TurnFigures() for _ in turns]
-        print(f"{name}: {args.repeats} + 1 passes of {len(turns)} turns", flush=True)
+    # One prefill step per prompt (no chunked prefill): TTFT is the prompt's forward. The three engines run their
+    # loops in turn, repeat by repeat, so a busy machine slows them alike.
+    engines = {name: LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
+                         max_num_batched_tokens=16384, **options) for name, options in RUNS.items()}
+    first = next(iter(engines.values()))
+    system, turns = make_turns(first.engine.tokenizer, args)
+    check_template(first, system, turns)
+    figures = {name: [TurnFigures() for _ in turns] for name in engines}
+    print(f"{args.repeats} + 1 passes of {len(turns)} turns on each of: {', '.join(engines)}", flush=True)
+    for name, llm in engines.items():
         run_loop(llm, system, turns, [TurnFigures() for _ in turns], record=False)  # warm-up, out of the figures
-        for repeat in range(args.repeats):
-            run_loop(llm, system, turns, figures, record=repeat == 0)
+    for repeat in range(args.repeats):
+        for name, llm in engines.items():
+            run_loop(llm, system, turns, figures[name], record=repeat == 0)
             llm.engine.check_integrity()
-        report["runs"][name] = [{**asdict(f), "ttft_p50_s": statistics.median(f.ttft_s)} for f in figures]
-        del llm
-        gc.collect()
+    for name, run in figures.items():
+        report["runs"][name] = [{**asdict(f), "ttft_p50_s": statistics.median(f.ttft_s)} for f in run]
+    del engines, first
+    gc.collect()
     if args.json_out:
         write_json(args.json_out, report)
     print_table(report, args)
