@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.forward_batch import BlendPlan, ForwardBatch
 from kvreuse.cache.kv import KVCache
 
 
@@ -43,34 +43,6 @@ class BlendSettings:
     def plan(self, moved_rows: torch.Tensor, segments: list[tuple[int, int]]) -> BlendPlan:
         check_layer = self.check_layer if self.recompute_fraction > 0 else -1
         return BlendPlan(moved_rows, segments, check_layer, self.recompute_fraction)
-
-
-@dataclass
-class KVMoves:
-    """K/V to copy within the pool before the forward: slot ``src[i]`` to ``dst[i]``, K turned by ``deltas[i]``
-    positions."""
-
-    src: torch.Tensor  # [M] int64
-    dst: torch.Tensor  # [M] int64
-    deltas: torch.Tensor  # [M] int64
-
-
-@dataclass
-class BlendPlan:
-    """The moved rows of a step, grouped by sequence, and how many of them to recompute."""
-
-    moved_rows: torch.Tensor  # [M] rows of the step's tokens whose K/V ``KVMoves`` writes (in the same order)
-    segments: list[tuple[int, int]]  # per blended sequence: (first index into moved_rows, count)
-    check_layer: int  # select after this layer; -1: before layer 0 (no moved row kept)
-    recompute_fraction: float  # of each sequence's moved rows, the share kept by deviation
-    # The moved K and V at check_layer, float32 [M, kv_heads, head_dim] (set when the moves run).
-    reference: tuple[torch.Tensor, torch.Tensor] | None = None
-    recomputed: list[int] = field(default_factory=list)  # per segment, moved rows kept (set by narrow)
-
-    @property
-    def narrow_before(self) -> int:
-        """The index of the first layer that runs the narrowed rows."""
-        return self.check_layer + 1
 
 
 @dataclass

@@ -9,14 +9,11 @@ the attention backend read. Sequences are concatenated: sequence i owns tokens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
-
-if TYPE_CHECKING:
-    from kvreuse.attention.blend import BlendPlan, KVMoves
 
 
 class ProjectionDeltas(Protocol):
@@ -27,6 +24,34 @@ class ProjectionDeltas(Protocol):
     def apply(self, linear: Any, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
     def narrowed(self, keep: torch.Tensor, num_tokens: int) -> ProjectionDeltas: ...  # the same, for rows ``keep``
+
+
+@dataclass
+class KVMoves:
+    """K/V to copy within the pool before the forward: slot ``src[i]`` to ``dst[i]``, K turned by ``deltas[i]``
+    positions."""
+
+    src: torch.Tensor  # [M] int64
+    dst: torch.Tensor  # [M] int64
+    deltas: torch.Tensor  # [M] int64
+
+
+@dataclass
+class BlendPlan:
+    """The moved rows of a step, grouped by sequence, and how many of them to recompute."""
+
+    moved_rows: torch.Tensor  # [M] rows of the step's tokens whose K/V ``KVMoves`` writes (in the same order)
+    segments: list[tuple[int, int]]  # per blended sequence: (first index into moved_rows, count)
+    check_layer: int  # select after this layer; -1: before layer 0 (no moved row kept)
+    recompute_fraction: float  # of each sequence's moved rows, the share kept by deviation
+    # The moved K and V at check_layer, float32 [M, kv_heads, head_dim] (set when the moves run).
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None
+    recomputed: list[int] = field(default_factory=list)  # per segment, moved rows kept (set by narrow)
+
+    @property
+    def narrow_before(self) -> int:
+        """The index of the first layer that runs the narrowed rows."""
+        return self.check_layer + 1
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreuse.attention.blend import BlendSettings, KVMoves
-from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.blend import BlendSettings
+from kvreuse.attention.forward_batch import ForwardBatch, KVMoves
 from kvreuse.cache.blocks import BlockCopy
 from kvreuse.lora.batch import LoRABatch, LoRASegment
 from kvreuse.lora.manager import LoRAManager
