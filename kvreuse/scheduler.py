@@ -154,9 +154,13 @@ class Scheduler:
                 match = self.kv.match(request)
             if self.kv.is_next_block_pending(request, match):
                 continue  # another prefill is computing this prefix; it will be a hit next step
+            # Reuse beyond the prefix (issue 39): the blended blocks an earlier blend cached after the exact hit,
+            # then tokens whose K/V the pool holds at other positions. A blend computes the rest of the prompt in
+            # one step, so it needs the budget for all of it; else the prompt runs with its exact hit only.
+            blended = 0
+            if self.kv.chunk_reuse:
+                match, blended = self.kv.match_blended(request, match)
             num_new = min(request.num_tokens - match.num_tokens, budget)
-            # Tokens whose K/V the pool holds at other positions (issue 39). A blend computes the rest of the
-            # prompt in one step, so it needs the budget for all of it; else the prompt runs as usual.
             moved = self.kv.match_moved(request, match) if self.kv.chunk_reuse else []
             if moved and num_new < request.num_tokens - match.num_tokens:
                 moved = []
@@ -167,6 +171,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = match.num_tokens + sum(span.num_tokens for span in moved)
+                request.num_moved_tokens += blended  # reused, and not exact: reported with the moved tokens
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             if request.adapter is not None:

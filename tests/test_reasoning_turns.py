@@ -160,10 +160,13 @@ def test_the_answer_is_found_after_the_prompt_was_sent_alone_first(think_model: 
     llm.chat(history(), greedy(), use_tqdm=False)
     turn = cache_turn(llm)
     prefix, answer = expected_counts(llm, turn)
-    for _ in range(2):
-        out = llm.chat(next_turn(), greedy(), use_tqdm=False)[0]
-        llm.engine.check_integrity()
-        assert out.num_moved_tokens == answer and out.num_cached_tokens == prefix + answer
+    out = llm.chat(next_turn(), greedy(), use_tqdm=False)[0]
+    llm.engine.check_integrity()
+    assert out.num_moved_tokens == answer and out.num_cached_tokens == prefix + answer
+    # Again: the first one's blend was cached under blend keys, so the prompt now continues into it.
+    again = llm.chat(next_turn(), greedy(), use_tqdm=False)[0]
+    llm.engine.check_integrity()
+    assert again.num_cached_tokens >= prefix + answer and again.num_moved_tokens >= answer
 
 
 def test_an_answer_that_is_not_cached_moves_nothing(think_model: Path) -> None:
@@ -191,8 +194,6 @@ def test_another_tenants_turn_is_never_moved(think_model: Path) -> None:
     assert same.num_moved_tokens == answer and same.num_cached_tokens == prefix + answer
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39: blended K/V is never cached, so from turn N+2 on the prompt of "
-                   "turn N+1 (everything after its moved span) is computed again; prefix caching alone keeps it")
 def test_turn_n_plus_2_caches_at_least_what_prefix_caching_alone_does(think_model: Path) -> None:
     cached = {}
     for chunk_reuse in (False, True):

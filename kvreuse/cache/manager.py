@@ -18,6 +18,13 @@ from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.chunks import ChunkIndex, MovedSpan
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import block_key, extend_block_keys
+
+BLEND_TAG = b"kvreuse-blend"  # salts the keys of blended blocks, so no exact chain ever leads to one
+
+
+def blend_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a blended block under ``parent_key`` (a namespace, an exact block's key or a blended one's)."""
+    return block_key(parent_key + BLEND_TAG, tokens)
 from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.cache.tiers.store import BlockRef
 
@@ -174,6 +181,40 @@ class KVCacheManager:
         return self.index.divergence(request.namespace, request.all_token_ids, match)
 
     # --- reuse beyond the prefix (issue 39) ---------------------------------------------------------
+    def match_blended(self, request: CacheSequence, match: PrefixMatch) -> tuple[PrefixMatch, int]:
+        """``match`` extended by the blended blocks an earlier blend cached after it, and how many of its tokens
+        they hold.
+
+        A blend's K/V from its first moved token on is approximate, so it is cached under keys of its own
+        (``blend_key``): exact matching never reaches it, and only a request on an engine with chunk reuse on
+        (which accepts blended K/V anyway) continues into it, token-verified, after its exact hit. That is what
+        lets turn N+2 of an agent loop reuse turn N+1, whose own prompt was a blend. After its full blocks, a
+        blended block's first tokens are a partial match as an exact one's are (copied); the exact partial match,
+        if any, gives way to them."""
+        if not self.chunk_reuse:
+            return match, 0
+        node = match.nodes[-1] if match.nodes else self.index.roots.get(request.namespace)
+        if node is None:
+            return match, 0
+        size, tokens = self.block_size, request.all_token_ids
+        nodes = list(match.nodes)
+        for i in range(len(nodes), (request.num_tokens - 1) // size):
+            block = tokens[i * size:(i + 1) * size]
+            child = node.children.get(blend_key(node.key, block))
+            if child is None or child.tokens != block:
+                break
+            nodes.append(child)
+            node = child
+        start = len(nodes) * size
+        partial = self.index.best_partial(node, tokens, start, min(size, request.num_tokens - 1 - start), blended=True)
+        if partial is not None and partial.num_tokens == 0:
+            partial = None
+        reached = start + (partial.num_tokens if partial is not None else 0)
+        if reached <= match.num_tokens:
+            return match, 0  # the exact match reaches as far
+        # The tokens reused from blended blocks (the exact partial match, if any, gave way to them).
+        return PrefixMatch(nodes, partial, reached), reached - match.num_blocks * size
+
     def match_moved(self, request: CacheSequence, match: PrefixMatch) -> list[MovedSpan]:
         """The prompt's tokens after ``match`` whose K/V the pool holds at other positions, in prompt order:
         first an earlier turn's tokens moved earlier (right after the prefix hit: a template that dropped a
@@ -299,12 +340,21 @@ class KVCacheManager:
         self._copy_sources.extend(node.block_id for node in sources)
         self.index.touch(list(match.nodes) + sources)
         request.num_computed_tokens = match.num_tokens
-        request.exact_tokens = min(span.start for span in moved) if moved else None
+        # Where its K/V stops being exact: the first blended block it reuses, or the first moved token.
+        inexact = [span.start for span in moved]
+        blended = [i for i, node in enumerate(match.nodes) if node.blended]
+        if blended:
+            inexact.append(blended[0] * self.block_size)
+        request.exact_tokens = min(inexact) if inexact else None
         self.query_tokens += request.num_tokens
-        self.hit_tokens += match.num_tokens
-        self.moved_tokens += sum(span.num_tokens for span in moved)
+        inexact_hit = sum(self.block_size for node in match.nodes if node.blended)
+        if partial is not None and partial.node.blended:
+            inexact_hit += partial.num_tokens
+        self.hit_tokens += match.num_tokens - inexact_hit  # exact hits; blended ones count with the moved tokens
+        self.moved_tokens += inexact_hit + sum(span.num_tokens for span in moved)
         if self.enable_prefix_caching:
-            exact_blocks = len(request.block_keys) if not moved else min(span.start for span in moved) // self.block_size
+            exact_blocks = (len(request.block_keys) if request.exact_tokens is None
+                            else request.exact_tokens // self.block_size)
             keys = deque(request.block_keys[match.num_blocks:exact_blocks])
             self._pending_of[id(request)] = keys
             self._pending.update(keys)
@@ -340,24 +390,30 @@ class KVCacheManager:
             return
         self.update_block_keys(request)
         computed = request.num_computed_tokens
-        if request.exact_tokens is not None:  # a blend's K/V from there on: never cached
-            computed = min(computed, request.exact_tokens)
         num_full = min(computed // self.block_size, len(request.block_keys))
+        # A blend's K/V from its first inexact block on is cached under blend keys (match_blended).
+        exact_blocks = num_full if request.exact_tokens is None else min(num_full, request.exact_tokens // self.block_size)
         size = self.block_size
         pending = self._pending_of.get(id(request))
         for i in range(len(request.cached_nodes), num_full):
             parent = request.cached_nodes[-1] if request.cached_nodes else None
             own_block = request.block_ids[i]
-            key = request.block_keys[i]
+            blended = i >= exact_blocks
+            if blended:
+                parent_key = parent.key if parent is not None else request.namespace
+                key = blend_key(parent_key, request.all_token_ids[i * size:(i + 1) * size])
+            else:
+                key = request.block_keys[i]
             node = self.index.insert(
-                request.namespace, parent, key, request.all_token_ids[i * size : (i + 1) * size], own_block
+                request.namespace, parent, key, request.all_token_ids[i * size : (i + 1) * size], own_block,
+                blended=blended,
             )
             if node.block_id != own_block:
                 # Another request cached the same block first: share its block, free ours.
                 self.pool.acquire(node.block_id)
                 self.pool.release(own_block)
                 request.block_ids[i] = node.block_id
-            elif self.tiers is not None:
+            elif self.tiers is not None and not blended:
                 self._new_blocks.append((node, request.namespace))
             request.cached_nodes.append(node)
             if pending and pending[0] == key:

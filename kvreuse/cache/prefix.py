@@ -40,6 +40,9 @@ class CacheNode:
     last_access: int = 0
     pin_count: int = 0
     evicted: bool = False
+    # Blended K/V (issue 39): keyed under its own chain (``blend_key``), so exact matching never reaches it; no
+    # KV event, no tier copy (their readers look blocks up by exact keys).
+    blended: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -114,16 +117,20 @@ class PrefixIndex:
             nodes.append(child)
             node = child
         start = len(nodes) * size
-        partial = self._best_partial(node, token_ids, start, min(size, max_tokens - start))
+        partial = self.best_partial(node, token_ids, start, min(size, max_tokens - start))
         return PrefixMatch(nodes, partial, start + (partial.num_tokens if partial else 0))
 
-    def _best_partial(
-        self, node: CacheNode, token_ids: Sequence[int], start: int, limit: int
+    def best_partial(
+        self, node: CacheNode, token_ids: Sequence[int], start: int, limit: int, blended: bool = False
     ) -> PartialMatch | None:
+        """The child of ``node`` whose block agrees longest with ``token_ids[start:]`` (at most ``limit`` tokens),
+        among its exact children (``blended``: among its blended ones; an exact match never copies blended K/V)."""
         if limit <= 0 or start >= len(token_ids):
             return None
         best: PartialMatch | None = None
         for child in node.children_by_first_token.get(token_ids[start], ()):
+            if child.blended != blended:
+                continue
             common = 0
             for cached, wanted in zip(child.tokens[:limit], token_ids[start : start + limit]):
                 if cached != wanted:
@@ -156,7 +163,7 @@ class PrefixIndex:
             self._maybe_push_candidate(node)
 
     def insert(self, namespace: bytes, parent: CacheNode | None, key: bytes, tokens: Sequence[int], block_id: int,
-               tail: bool = False) -> CacheNode:
+               tail: bool = False, blended: bool = False) -> CacheNode:
         """Cache ``block_id`` as the child ``key`` of ``parent`` (None: the namespace root).
 
         If that child already exists (another request computed the same block), the existing node
@@ -184,7 +191,7 @@ class PrefixIndex:
                              f"got {len(tokens)}")
         node = CacheNode(
             key=key, tokens=list(tokens), block_id=block_id, parent=parent, depth=parent.depth + 1,
-            last_access=next(self._clock),
+            last_access=next(self._clock), blended=blended,
         )
         parent.children[key] = node
         parent.children_by_first_token.setdefault(node.tokens[0], []).append(node)
@@ -192,7 +199,7 @@ class PrefixIndex:
         self._node_of_block[block_id] = node
         self.num_cached_blocks += 1
         self._maybe_push_candidate(node)
-        if self.events is not None and not tail:
+        if self.events is not None and not tail and not blended:
             self.events.stored(key, None if parent.is_root else parent.key, node.tokens)  # shared, never mutated
         return node
 
@@ -235,7 +242,7 @@ class PrefixIndex:
             stamp, _, node = heapq.heappop(self._heap)
             if stamp != node.last_access or not self.is_evictable(node):
                 continue  # stale entry
-            if self.on_evict is not None and len(node.tokens) == self.block_size:  # tails stay in this pool
+            if self.on_evict is not None and len(node.tokens) == self.block_size and not node.blended:  # tails stay
                 self.on_evict(node)
             self._remove(node)
             freed += 1
@@ -256,7 +263,7 @@ class PrefixIndex:
         self.pool.mark_evicted(node.block_id)
         self.num_cached_blocks -= 1
         self.num_evicted_blocks += 1
-        if self.events is not None and len(node.tokens) == self.block_size:
+        if self.events is not None and len(node.tokens) == self.block_size and not node.blended:
             self.events.removed(node.key)
         if parent.is_root:
             if not parent.children:
