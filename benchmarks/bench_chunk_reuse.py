@@ -279,7 +279,9 @@ def blend_teacher_forced(llm: LLM, prompt: TokenizedPrompt, answer: list[int], k
     """``teacher_forced`` through the engine's own blended prefill: the prompt and the answer's first
     kl_tokens - 1 tokens run as one request with the prompt's chunk spans (the sections move in and blend as they
     did for the prompt alone; the answer rows are computed), its step made to return the logits of its last
-    kl_tokens rows. The engine samples its one token from the first of them, as it would."""
+    kl_tokens rows. The engine samples its one token from the first of them, as it would. The blended blocks the
+    prompt's own runs cached are not followed (they would cover the rows asked for): the request blends again
+    from the same exact sources, which selects the same rows and so gives the same K/V."""
     import kvreuse.engine.engine as engine_module
 
     tokens = prompt.token_ids + answer[:kl_tokens - 1]
@@ -297,12 +299,15 @@ def blend_teacher_forced(llm: LLM, prompt: TokenizedPrompt, answer: list[int], k
         kept.append(logits)
         return logits
 
+    kv = llm.engine.kv
     engine_module.build_forward_batch, llm.engine.runner.execute = build_all_rows, execute_and_keep
+    kv.match_blended = lambda request, match: (match, 0)  # an instance attribute, removed below
     try:
         llm.generate([{"prompt_token_ids": tokens, "chunk_spans": [list(span) for span in prompt.chunk_spans]}],
                      SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     finally:
         engine_module.build_forward_batch, llm.engine.runner.execute = build, execute
+        del kv.match_blended
     logits = kept[-1]
     assert logits.shape[0] == kl_tokens, "the prompt ran in one step"
     return torch.log_softmax(logits.float(), dim=-1)
