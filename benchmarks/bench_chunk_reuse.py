@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(why)
         model = str(found)
     llama_server = args.llama_server
-    if llama_server and (smoke or not Path(llama_server).is_file() or not model.endswith(".gguf")):
+    if smoke or (llama_server and (not Path(llama_server).is_file() or not model.endswith(".gguf"))):
         reason = ("smoke run" if smoke else f"{llama_server} is no file" if not Path(llama_server).is_file()
                   else "it serves GGUF files only")
         print(f"llama-server: skipped ({reason})", flush=True)

@@ -175,6 +175,8 @@ COMMANDS: dict[str, str] = {
     # docs/benchmarks.md: the figures' run
     "python benchmarks/bench_chunk_reuse.py --llama-server BIN --seeds 0 --num-prompts 6 --modes shift,recompute-5,"
     "recompute-15,recompute-30,epic-16,both --json-out chunk_reuse.json": SCRIPT,
+    "python benchmarks/bench_chunk_reuse.py --seeds 0 --num-prompts 6 --modes recompute-15,recompute-30 --check-layer 4 "
+    "--json-out chunk_reuse_layer4.json": SCRIPT,
     # docs/chunks.md: issue 39's reasoning turns (smoke: the tiny-qwen3-think preset, 3 turns)
     "python benchmarks/bench_reasoning_turns.py --json-out reasoning_turns.json": SCRIPT,
     # docs/ray.md
@@ -245,8 +247,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
     "bench_chunk_reuse.py": (r"(?m)^  full prefill\s+\d+\.\d\s+1\.00\s+\d", r"(?m)^  prefix caching\s+\d+\.\d\s+\d",
                              r"(?m)^  noise floor \(float32 compute\)\s+\d+\.\d", r"llama-server: skipped \(smoke run\)",
-                             r"(?m)^  chunk reuse: shift\s+\d+\.\d\s+\d\.\d\d\s+\d",
-                             r"wrote chunk_reuse.json"),
+                             r"(?m)^  chunk reuse: [\w-]+\s+\d+\.\d\s+\d\.\d\d\s+\d",
+                             r"wrote chunk_reuse(_layer4)?.json"),
     "bench_reasoning_turns.py": (r"machine: .+ cores, flags", r"(?m)^turn\s+prompt\s+cached\s+cached\s+moved",
                                  r"(?m)^\s+2\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d",
                                  r"wrote reasoning_turns.json"),
