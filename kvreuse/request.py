@@ -40,7 +40,7 @@ class Request:
     chunk_spans: tuple[tuple[int, int], ...] = ()
     chunks_recorded: int = 0  # chunk spans already looked at for the chunk index
     # Spans this request's next step reads from elsewhere in the pool (set at admission, taken by the batch
-    # builder), and the position from which its K/V is a blend and never cached (None: all exact).
+    # builder), and the position from which its K/V is a blend, cached under blend keys only (None: all exact).
     moved_spans: list[MovedSpan] = field(default_factory=list)
     exact_tokens: int | None = None
     num_moved_tokens: int = 0  # prompt tokens whose K/V was moved in from elsewhere (counted as cached)

@@ -157,11 +157,9 @@ class Scheduler:
             # Reuse beyond the prefix (issue 39): the blended blocks an earlier blend cached after the exact hit,
             # then tokens whose K/V the pool holds at other positions. A blend computes the rest of the prompt in
             # one step, so it needs the budget for all of it; else the prompt runs with its exact hit only.
-            blended = 0
-            if self.kv.chunk_reuse:
-                match, blended = self.kv.match_blended(request, match)
+            match, blended = self.kv.match_blended(request, match)  # both no-ops without chunk reuse
             num_new = min(request.num_tokens - match.num_tokens, budget)
-            moved = self.kv.match_moved(request, match) if self.kv.chunk_reuse else []
+            moved = self.kv.match_moved(request, match)
             if moved and num_new < request.num_tokens - match.num_tokens:
                 moved = []
             lookahead = self.config.num_lookahead_tokens if match.num_tokens + num_new >= request.num_tokens else 0

@@ -7,7 +7,7 @@ yardsticks of correctness:
   moves, the narrowed steps and the listed-position attention lose nothing;
 - layer 0's K/V depends only on a token and its position, so after a pure shift the moved layer-0 K/V equals
   full prefill's there (the slots, the rotation and the deltas are right);
-- no chunk is ever served across tenants, adapters or models, and blended K/V is never cached.
+- no chunk is ever served across tenants, adapters or models, and blended K/V is never reached by exact matching.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ What it holds and why:
 - **Token-verified.** A key only finds a candidate: a hit compares the chunk's tokens with the entry's and
   with each source block's own tokens, and checks that no source block was evicted. A collision, or a block
   reused for something else, is a miss.
-- **Only exact K/V is recorded:** blocks the prefix index caches, which are computed in full. K/V produced
-  by a blend (moved and partly recomputed) is never cached, so a chunk is never copied from a copy.
+- **Only exact K/V is recorded:** blocks the prefix index caches under exact keys, computed in full. K/V produced
+  by a blend (moved and partly recomputed) is cached under blend keys and never recorded, so a chunk is never
+  copied from a copy.
 
 The index is torch-free, as the rest of the cache core.
 """

@@ -44,7 +44,7 @@ class CacheSequence(Protocol):
     tier_checked_blocks: int  # blocks below this index were already looked up in the KV tiers
     tier_tokens: dict[str, int]  # tokens loaded from each tier
     # Issue 39: the prompt's chunk spans, how many of them were looked at for recording, and where its K/V
-    # stops being exact (moved K/V from there on is never cached; None: all exact).
+    # stops being exact (from there on its blocks are cached under blend keys only; None: all exact).
     chunk_spans: tuple[tuple[int, int], ...]
     chunks_recorded: int
     exact_tokens: int | None
@@ -314,7 +314,7 @@ class KVCacheManager:
               moved: Sequence[MovedSpan] = ()) -> bool:
         """Give a waiting request its matched blocks plus room for ``num_new_tokens``. ``moved``: spans whose
         K/V this step reads from other blocks (``match_moved``); their sources are held until the step ran,
-        and the request's K/V from the first of them on is never cached (it is a blend, not exact).
+        and the request's K/V from the first of them on is cached under blend keys only (it is a blend, not exact).
 
         On failure nothing changes (apart from idle leaves evicted on the way) and False is returned.
         """
