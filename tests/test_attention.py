@@ -21,6 +21,7 @@ import torch
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+from kvreuse.attention import torch_paged
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.blocks import BlockCopy
@@ -230,6 +231,43 @@ def test_a_fresh_prefill_and_a_decode_step_of_a_windowed_layer_alone():
     harness.add_sequence("a", [9, 3, 17, 40, 1, 22])
     harness.step([("a", 14)])
     harness.step([("a", 1)])
+
+
+@pytest.mark.parametrize("pair", ["plain", *LAYER_PAIRS])
+def test_chunks_over_context_in_small_tiles_equal_the_dense_reference(pair, monkeypatch):
+    # Tiles of 3 rows: every chunk over cached context spans several, each over only the keys its rows see
+    # (windows start mid-tile, the last tile is short).
+    monkeypatch.setattr(torch_paged, "CONTIGUOUS_TILE_ROWS", 3)
+    harness = Harness(6, 2, layers=LAYER_PAIRS.get(pair, (PLAIN_ATTENTION,) * NUM_LAYERS))
+    harness.add_sequence("a", [3, 8, 13, 30, 19])
+    harness.add_sequence("b", [21, 1, 34, 9, 17, 44, 42])
+    harness.step([("a", 4), ("b", 2)])
+    harness.step([("a", 11), ("b", 17)])
+    harness.step([("a", 1), ("b", 8)])
+
+
+@pytest.mark.parametrize("layer", [PLAIN_ATTENTION, LayerAttention(sliding_window=5, scale=0.3),
+                                   LayerAttention(sliding_window=4, sinks=_sinks(6, 4)), LayerAttention(sinks=_sinks(6, 5))],
+                         ids=["plain", "window", "window_sinks", "sinks"])
+def test_listed_query_positions_read_only_the_keys_their_tile_sees(layer, monkeypatch):
+    # A blend's kept rows: queries at scattered ascending positions of a 29-token context, in tiles of 2.
+    monkeypatch.setattr(torch_paged, "LISTED_TILE_ROWS", 2)
+    generator = torch.Generator().manual_seed(7)
+    cache = KVCache(1, 16, BLOCK_SIZE, 2, HEAD_DIM, torch.float32, "cpu")
+    table, length = [5, 2, 11, 0, 7, 13, 3, 9], 29
+    slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)])
+    keys, values = torch.randn(2, length, 2, HEAD_DIM, generator=generator)
+    cache.write(0, slots, keys, values)
+    positions = [3, 4, 9, 15, 16, 22, 28]
+    chunk = torch_paged.context_chunk(0, len(positions), length, table, BLOCK_SIZE, torch.device("cpu"), positions)
+    window = layer.sliding_window or 0
+    tiles = chunk.tiles(window)
+    assert len(tiles) == 4 and tiles[0][3] - tiles[0][2] < 6  # the first tile reads keys 0..4 at most
+    q = torch.randn(len(positions), 6, HEAD_DIM, generator=generator)
+    out = torch_paged.attend_chunk(q, cache, 0, chunk, layer)
+    for row, position in enumerate(positions):  # each row: the dense reference over its own context
+        expected = dense_causal_attention(q[row:row + 1], keys[:position + 1], values[:position + 1], layer)
+        torch.testing.assert_close(out[row:row + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_window_is_built_once_per_step_and_a_decode_row_reads_only_its_window():

@@ -4,8 +4,10 @@ It runs the same code on CPU and CUDA and splits a step three ways, because the 
 computation differs: a sequence with no cached context attends over its own new K/V with
 ``is_causal`` (no gather at all); decodes (one query each) are batched into one gather of padded slots
 and one masked SDPA call; a prefill chunk that continues cached context gathers its context and uses
-a causal mask shifted by ``context_len - query_len``. Index tensors and masks are built in ``prepare``
-so the per-layer work is gathers and SDPA calls only.
+a causal mask shifted by ``context_len - query_len`` (on CPU in tiles of queries, each SDPA call over only
+the keys its rows can see, so a long chunk costs a causal prefill's half square, not the full one). Index
+tensors, masks and tiles are built in ``prepare`` or on first use, so the per-layer work is gathers and SDPA
+calls only.
 
 A layer that is not plain (``LayerAttention``: Gemma 3's and gpt-oss's sliding windows, a softmax scale of
 its own, gpt-oss's learned sinks) takes the same three routes with Hugging Face's rules: a query at position
@@ -29,6 +31,14 @@ from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 
 
+# Queries per SDPA call of a chunk over cached context on CPU (ContextChunk.tiles). Measured on a 2-core AVX-512
+# EPYC, float32, 9 heads over 3 KV heads of 64, 2,082 keys: 2,056 contiguous queries 88.7 ms in one masked call,
+# 45.2 ms in tiles of 64 (a causal prefill of the same rows: 45.5 ms); 331 scattered queries 11.9 ms in one
+# call, 8.8 ms in tiles of 32, 9.4 in tiles of 64.
+CONTIGUOUS_TILE_ROWS = 64
+LISTED_TILE_ROWS = 32
+
+
 @dataclass
 class ContextChunk:
     """A prefill chunk whose sequence already has cached tokens before it."""
@@ -41,6 +51,11 @@ class ContextChunk:
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # The queries' positions when they are not the last query_len of the context (a blend's kept rows).
     query_positions: torch.Tensor | None = None
+    # The queries in tiles, each over only the keys its rows can see: (first row, end row, first key, end key),
+    # rows relative to token_start, keys indexing the gathered context (``tiles``, built on first use per window).
+    tile_rows: int = 0  # 0: one tile (every query over every gathered key)
+    first_positions: tuple[int, ...] = ()  # the queries' positions as ints (tile bounds need no device sync)
+    tiled: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
 
     def for_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots from the first query's window start on, and the banded causal mask over them."""
@@ -50,10 +65,31 @@ class ContextChunk:
             device = self.context_slots.device
             query_positions = (self.query_positions if self.query_positions is not None else
                                torch.arange(context_len - query_len, context_len, device=device))[:, None]
-            first = max(0, int(query_positions[0, 0]) - window + 1)  # no query sees a key before this
+            first = self._window_start(window)  # no query sees a key before this
             key_positions = torch.arange(first, context_len, device=device)
             mask = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - window)
             found = self.windowed[window] = (self.context_slots[first:], mask)
+        return found
+
+    def _window_start(self, window: int) -> int:
+        return max(0, self.first_positions[0] - window + 1) if window else 0
+
+    def tiles(self, window: int = 0) -> list[tuple[int, int, int, int]]:
+        """Row tiles and the key range each one reads, for the context gathered under ``window`` (0: all of it).
+
+        The queries are ascending, so a tile's last row sees the furthest key and its first row's window starts
+        first: keys outside [first key, end key) are masked for every row of the tile, and SDPA need not
+        visit them. A chunk continuing a short context then costs what a causal prefill does (half of the
+        masked square), and a blend's scattered kept rows read on average half the context."""
+        found = self.tiled.get(window)
+        if found is None:
+            positions, first = self.first_positions, self._window_start(window)
+            step = self.tile_rows or len(positions)
+            found = self.tiled[window] = [
+                (start, min(start + step, len(positions)),
+                 max(0, positions[start] - window + 1) - first if window else 0,
+                 positions[min(start + step, len(positions)) - 1] + 1 - first)
+                for start in range(0, len(positions), step)]
         return found
 
 
@@ -161,17 +197,32 @@ def context_chunk(token_start: int, query_len: int, context_len: int, table: lis
     query_positions = listed if listed is not None else torch.arange(context_len - query_len, context_len,
                                                                      device=device)
     mask = key_positions[None, :] <= query_positions[:, None]
-    return ContextChunk(token_start, token_start + query_len, slots, mask, query_positions=listed)
+    first_positions = tuple(positions) if positions is not None else tuple(range(context_len - query_len, context_len))
+    # Tiles on CPU only (one SDPA call per tile; a GPU would pay a launch for each).
+    tile_rows = ((LISTED_TILE_ROWS if positions is not None else CONTIGUOUS_TILE_ROWS) if device.type == "cpu"
+                 else 0)
+    return ContextChunk(token_start, token_start + query_len, slots, mask, query_positions=listed,
+                        tile_rows=tile_rows, first_positions=first_positions)
 
 
 def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk,
                  layer: LayerAttention = PLAIN_ATTENTION) -> torch.Tensor:
     """A context chunk's queries (``q``: the step's) over its gathered context -> [query_len, heads, head_dim]."""
-    slots, mask = chunk.context_slots, chunk.mask
+    slots, mask, window = chunk.context_slots, chunk.mask, 0
     if layer.sliding_window is not None and layer.sliding_window < int(slots.shape[0]):
-        slots, mask = chunk.for_window(layer.sliding_window)  # only the keys some query's window reaches
+        window = layer.sliding_window
+        slots, mask = chunk.for_window(window)  # only the keys some query's window reaches
     keys, values = kv_cache.gather(layer_idx, slots, _compute_dtype(q))
-    return _chunk_attention(q[chunk.token_start:chunk.token_end], keys, values, mask, layer)
+    queries = q[chunk.token_start:chunk.token_end]
+    tiles = chunk.tiles(window)
+    if len(tiles) == 1 and tiles[0][2] == 0 and tiles[0][3] == keys.shape[0]:
+        return _chunk_attention(queries, keys, values, mask, layer)
+    out = torch.empty_like(queries)
+    for row_start, row_end, key_start, key_end in tiles:
+        out[row_start:row_end] = _chunk_attention(queries[row_start:row_end], keys[key_start:key_end],
+                                                  values[key_start:key_end],
+                                                  mask[row_start:row_end, key_start:key_end], layer)
+    return out
 
 
 def validate_batch(batch: ForwardBatch, block_size: int) -> None:
