@@ -27,8 +27,10 @@ difference, and the mean KL(full || run) of the next-token distributions over th
 positions, teacher-forced on full prefill's answer (the runner's forward on the reference engine: one
 forward for full prefill and the noise floor, two for prefix caching, split where its hit ended).
 
-The chunk-reuse modes of issue 39's part two have their place: ``--modes shift,recompute-5,recompute-15,
-recompute-30,default``. They are not built yet, and asking for one exits saying so.
+Then issue 39's chunk-reuse modes (--modes, default all): a pure shift, CacheBlend-style recomputes of 5, 15
+and 30% of the moved tokens, EPIC-style recompute of each section's first 16 tokens, both, and the engine's
+defaults. --check-layer sets the layer after which the tokens to recompute are chosen, for every mode;
+MODE@L sets it for one (``recompute-30@3``).
 
     python benchmarks/bench_chunk_reuse.py --json-out chunk_reuse.json
 
@@ -67,13 +69,15 @@ CHUNK_REUSE_MODES = {
     "shift": "pure shift: each section's K re-rotated to its new position, nothing recomputed (llama.cpp's method)",
     "recompute-5": "shift, then the 5% of tokens that deviate most recomputed",
     "recompute-15": "shift, then the 15% of tokens that deviate most recomputed",
+    "recompute-20": "shift, then the 20% of tokens that deviate most recomputed",
     "recompute-30": "shift, then the 30% of tokens that deviate most recomputed",
     "epic-16": "shift, then the first 16 tokens of each section recomputed (EPIC-style)",
     "both": "recompute-15 and epic-16 together",
     "default": "the engine's default settings (CacheConfig)",
 }
 MODE_SETTINGS: dict[str, tuple[float, int] | None] = {
-    "shift": (0.0, 0), "recompute-5": (0.05, 0), "recompute-15": (0.15, 0), "recompute-30": (0.30, 0),
+    "shift": (0.0, 0), "recompute-5": (0.05, 0), "recompute-15": (0.15, 0), "recompute-20": (0.20, 0),
+    "recompute-30": (0.30, 0),
     "epic-16": (0.0, 16), "both": (0.15, 16), "default": None,
 }
 SEEN_QUESTION = "Which of these sections is the longest? Answer with its title."
@@ -318,11 +322,14 @@ def measure_mode(model: str, mode: str, prompts: list[RagPrompt], warmup: Tokeni
                  args: argparse.Namespace) -> RunFigures:
     """One chunk-reuse mode: per prompt the seen prompt (its sections computed and recorded), then the measured
     one, whose sections move in and blend."""
-    settings = MODE_SETTINGS[mode]
+    name, _, layer = mode.partition("@")
+    settings = MODE_SETTINGS[name]
     options: dict[str, Any] = {"chunk_reuse": True}
     if settings is not None:
         options["chunk_recompute_fraction"], options["chunk_recompute_first"] = settings
-    if args.check_layer is not None:
+    if layer:
+        options["chunk_check_layer"] = int(layer)
+    elif args.check_layer is not None:
         options["chunk_check_layer"] = args.check_layer
     llm = LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
               max_num_batched_tokens=8192, **options)
@@ -406,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1", help="one prompt set per seed (its sections and orders)")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--modes", default=",".join(CHUNK_REUSE_MODES),
-                        help="issue 39's chunk-reuse modes, comma-separated (default: all): " + ", ".join(CHUNK_REUSE_MODES))
+                        help="issue 39's chunk-reuse modes, comma-separated (default: all): " + ", ".join(CHUNK_REUSE_MODES)
+                        + "; MODE@L runs a mode with its check layer at L (recompute-30@3)")
     parser.add_argument("--check-layer", type=int, default=None, help="chunk_check_layer (default: the engine's)")
     parser.add_argument("--llama-server", default=None, metavar="BIN",
                         help="llama-server's binary: also run it with --cache-reuse 256 on the same prompts (GGUF only)")
@@ -415,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sections < 2:
         parser.error("--sections must be at least 2: the measured prompt puts them in another order")
     modes = [mode for mode in args.modes.split(",") if mode]
-    unknown = [mode for mode in modes if mode not in CHUNK_REUSE_MODES]
+    unknown = [mode for mode in modes if mode.partition("@")[0] not in CHUNK_REUSE_MODES
+               or "@" in mode and not mode.partition("@")[2].isdigit()]
     if unknown:
         parser.error(f"unknown --modes {unknown}; the chunk-reuse modes are {list(CHUNK_REUSE_MODES)}")
     args.modes = modes
@@ -424,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_prompts, args.section_tokens, args.answer_tokens, args.kl_tokens = 2, 24, 6, 4
         args.seeds, args.kv_cache_memory = "0", "16MiB"
         args.check_layer = 0  # the tiny preset has two layers
+        args.modes = [mode.partition("@")[0] + "@0" if "@" in mode else mode for mode in args.modes]
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing",
               flush=True)
 
