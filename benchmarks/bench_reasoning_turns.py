@@ -3,7 +3,7 @@
 Qwen3's and DeepSeek-R1's chat templates render an earlier assistant turn without its ``<think>...</think>``.
 Turn N+1's prompt then leaves turn N's cached sequence right after the assistant header: with prefix caching
 alone, turn N's answer (and all that follows it) is computed again. With ``chunk_reuse`` the answer is found
-further along turn N's cached sequence and its K/V moved earlier (re-rotated, 15% recomputed by default).
+further along turn N's cached sequence and its K/V moved earlier (re-rotated, 30% recomputed by default).
 
 The loop: a system prompt, then --turns turns; turn k's prompt is the history (every earlier assistant message
 holding its thinking, which the template drops) and a new user message. Each turn is measured, then written
@@ -16,7 +16,7 @@ The model: a ``kvreuse make-model`` preset with Qwen3's thinking template (rando
 
 - full prefill: prefix caching off (the reference for TTFT);
 - prefix caching: on, chunk reuse off;
-- chunk reuse: prefix caching and ``chunk_reuse=True`` (its defaults: 15% recomputed after layer 1).
+- chunk reuse: prefix caching and ``chunk_reuse=True`` (its defaults: 30% recomputed, chosen after a tenth of the layers).
 
 Per turn: prompt tokens; cached tokens of each run (chunk reuse: with the moved answer, and how many of the
 moved tokens the blend recomputed); TTFT (one greedy token, the engine idle), the median over --repeats

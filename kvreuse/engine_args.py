@@ -58,10 +58,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--chunk-reuse", action="store_true",
                         help="reuse chunks marked cache_control scope 'chunk' at any position, and an earlier turn's "
                              "tokens moved earlier: their K/V moved and partly recomputed (docs/chunks.md)")
-    parser.add_argument("--chunk-recompute-fraction", type=float, default=0.15,
+    parser.add_argument("--chunk-recompute-fraction", type=float, default=0.3,
                         help="share of moved tokens recomputed, those whose K/V deviates most after "
                              "--chunk-check-layer (0: a pure shift)")
-    parser.add_argument("--chunk-check-layer", type=int, default=1, help="the layer whose K/V deviation picks them")
+    parser.add_argument("--chunk-check-layer", type=int, default=None,
+                        help="the layer whose K/V deviation picks them (default: a tenth of the model's layers)")
     parser.add_argument("--chunk-recompute-first", type=int, default=0,
                         help="first tokens of each moved span always recomputed (EPIC-style)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -183,7 +184,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         attention_backend=getattr(args, "attention_backend", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
         chunk_reuse=getattr(args, "chunk_reuse", False),
-        chunk_recompute_fraction=getattr(args, "chunk_recompute_fraction", 0.15),
-        chunk_check_layer=getattr(args, "chunk_check_layer", 1),
+        chunk_recompute_fraction=getattr(args, "chunk_recompute_fraction", 0.3),
+        chunk_check_layer=getattr(args, "chunk_check_layer", None),
         chunk_recompute_first=getattr(args, "chunk_recompute_first", 0),
     )

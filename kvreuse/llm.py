@@ -59,8 +59,8 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         chunk_reuse: bool = False,
-        chunk_recompute_fraction: float = 0.15,
-        chunk_check_layer: int = 1,
+        chunk_recompute_fraction: float = 0.3,
+        chunk_check_layer: int | None = None,
         chunk_recompute_first: int = 0,
     ) -> None:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
@@ -83,7 +83,8 @@ class LLM:
         graph per padded batch size: runner/cuda_graphs.py).
         ``chunk_reuse`` (issue 39, docs/chunks.md): chunks marked ``"scope": "chunk"`` are reused at any position,
         and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``
-        of it that deviates most after layer ``chunk_check_layer`` is recomputed, with the first
+        of it that deviates most after layer ``chunk_check_layer`` (None: a tenth of the model's layers) is
+        recomputed, with the first
         ``chunk_recompute_first`` tokens of each moved span. Reused tokens count as cached."""
         config = EngineConfig(
             model=str(model),

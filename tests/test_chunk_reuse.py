@@ -22,6 +22,7 @@ import torch
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.attention.blend import default_check_layer, resolved_check_layer
 from kvreuse.cache.blocks import BlockPool
 from kvreuse.cache.chunks import ChunkIndex
 from kvreuse.cache.hashing import extend_block_keys, namespace_key
@@ -288,6 +289,18 @@ def test_token_verification_catches_a_key_collision(monkeypatch: pytest.MonkeyPa
 def test_bad_settings_are_refused_naming_the_field(tiny_model: Path, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="16MiB", chunk_reuse=True, **options)
+
+
+@pytest.mark.parametrize(("layers", "expected"), [(30, 3), (24, 2), (64, 6), (2, 0), (3, 0), (1, 0)])
+def test_the_default_check_layer_is_a_tenth_of_the_depth_below_the_last_layer(layers: int, expected: int) -> None:
+    assert default_check_layer(layers) == expected
+    assert resolved_check_layer(None, layers) == expected and resolved_check_layer(5, layers) == 5
+
+
+def test_an_engine_left_to_the_defaults_resolves_its_check_layer_from_its_model(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="16MiB", chunk_reuse=True)
+    assert llm.engine.config.cache.chunk_check_layer is None
+    assert llm.engine.blend.check_layer == 0 and llm.engine.blend.recompute_fraction == 0.3  # 2 layers
 
 
 def test_debug_log_names_chunk_hits(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -177,6 +177,10 @@ COMMANDS: dict[str, str] = {
     "recompute-15,recompute-30,epic-16,both --json-out chunk_reuse.json": SCRIPT,
     "python benchmarks/bench_chunk_reuse.py --seeds 0 --num-prompts 6 --modes recompute-15,recompute-30 --check-layer 4 "
     "--json-out chunk_reuse_layer4.json": SCRIPT,
+    # docs/benchmarks.md: the second run (MODE@L: a mode's own check layer; smoke makes it layer 0)
+    "python benchmarks/bench_chunk_reuse.py --llama-server BIN --seeds 0,1 --num-prompts 6 --modes shift,recompute-5,"
+    "recompute-15,recompute-20,recompute-30,epic-16,both,recompute-15@3,recompute-20@3,recompute-30@3 "
+    "--json-out chunk_reuse.json": SCRIPT,
     # docs/chunks.md: issue 39's reasoning turns (smoke: the tiny-qwen3-think preset, 3 turns)
     "python benchmarks/bench_reasoning_turns.py --json-out reasoning_turns.json": SCRIPT,
     # docs/ray.md

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.blend import resolved_check_layer
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
@@ -383,7 +384,7 @@ def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: 
     if not isinstance(runner.attention_backend, (TorchPagedAttention, paged_attention.NativePagedAttention)):
         raise ValueError(f"chunk_reuse runs on the torch and native CPU attention backends, not on "
                          f"{type(runner.attention_backend).__name__}, which attends contiguous queries only")
-    if config.cache.chunk_recompute_fraction > 0 and config.cache.chunk_check_layer >= model_config.num_hidden_layers - 1:
+    check_layer = resolved_check_layer(config.cache.chunk_check_layer, model_config.num_hidden_layers)
+    if config.cache.chunk_recompute_fraction > 0 and check_layer >= model_config.num_hidden_layers - 1:
         raise ValueError(f"chunk_check_layer must be below {model_config.num_hidden_layers - 1} (the model has "
-                         f"{model_config.num_hidden_layers} layers; some must run after it), got "
-                         f"{config.cache.chunk_check_layer}")
+                         f"{model_config.num_hidden_layers} layers; some must run after it), got {check_layer}")

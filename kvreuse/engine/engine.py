@@ -34,7 +34,7 @@ from kvreuse.observatory.admissions import AdmissionRecorder
 from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.request import Request
-from kvreuse.attention.blend import BlendSettings
+from kvreuse.attention.blend import BlendSettings, resolved_check_layer
 from kvreuse.runner.input_batch import StepItem, build_forward_batch
 from kvreuse.runner.step_threads import StepThreads
 from kvreuse.sampling import SamplingParams, SamplingState
@@ -71,7 +71,8 @@ class LLMEngine:
         # The latest steps' time split (forward vs the rest), for benchmarks and the overhead figure.
         self.step_timings: deque[StepTiming] = deque(maxlen=4096)
         cache = config.cache
-        self.blend = (BlendSettings(cache.chunk_check_layer, cache.chunk_recompute_fraction, cache.chunk_recompute_first)
+        self.blend = (BlendSettings(resolved_check_layer(cache.chunk_check_layer, self.model_config.num_hidden_layers),
+                                    cache.chunk_recompute_fraction, cache.chunk_recompute_first)
                       if cache.chunk_reuse else None)
 
     # --- requests ---------------------------------------------------------------------------------
