@@ -31,12 +31,17 @@ from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 
 
-# Queries per SDPA call of a chunk over cached context on CPU (ContextChunk.tiles). Measured on a 2-core AVX-512
-# EPYC, float32, 9 heads over 3 KV heads of 64, 2,082 keys: 2,056 contiguous queries 88.7 ms in one masked call,
-# 45.2 ms in tiles of 64 (a causal prefill of the same rows: 45.5 ms); 331 scattered queries 11.9 ms in one
-# call, 8.8 ms in tiles of 32, 9.4 in tiles of 64.
+# Queries per SDPA call of a chunk over cached context on CPU (ContextChunk.tiles): at least this many, and more
+# over long contexts, since each call streams its keys and values once (a tile per 1/16th of the context for
+# contiguous queries, per 1/64th for listed ones). Measured on a 2-core AVX-512 EPYC, float32, 9 heads over 3 KV
+# heads of 64: 2,056 contiguous queries over 2,082 keys 88.7 ms in one masked call, 45.2 ms in tiles of 64 (a
+# causal prefill of the same rows: 45.5 ms); 2,048 over 4,096 keys 157 ms in one call, 121 in tiles of 64, 113
+# in tiles of 256; 1,904 over 8,000 keys 283 ms in one call, 279 in tiles of 64, 259 in tiles of 512; 331
+# scattered queries over 2,082 keys 11.9 ms in one call, 8.8 ms in tiles of 32, 9.4 in tiles of 64.
 CONTIGUOUS_TILE_ROWS = 64
 LISTED_TILE_ROWS = 32
+CONTIGUOUS_TILES_PER_CONTEXT = 16
+LISTED_TILES_PER_CONTEXT = 64
 
 
 @dataclass
@@ -199,8 +204,10 @@ def context_chunk(token_start: int, query_len: int, context_len: int, table: lis
     mask = key_positions[None, :] <= query_positions[:, None]
     first_positions = tuple(positions) if positions is not None else tuple(range(context_len - query_len, context_len))
     # Tiles on CPU only (one SDPA call per tile; a GPU would pay a launch for each).
-    tile_rows = ((LISTED_TILE_ROWS if positions is not None else CONTIGUOUS_TILE_ROWS) if device.type == "cpu"
-                 else 0)
+    tile_rows = 0
+    if device.type == "cpu":
+        tile_rows = (max(LISTED_TILE_ROWS, context_len // LISTED_TILES_PER_CONTEXT) if positions is not None else
+                     max(CONTIGUOUS_TILE_ROWS, context_len // CONTIGUOUS_TILES_PER_CONTEXT))
     return ContextChunk(token_start, token_start + query_len, slots, mask, query_positions=listed,
                         tile_rows=tile_rows, first_positions=first_positions)
 
