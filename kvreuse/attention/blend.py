@@ -33,8 +33,8 @@ from kvreuse.cache.kv import KVCache
 
 
 # The check layer when none is given: about a tenth of the model's depth. On SmolLM2-135M (30 layers), choosing
-# after layer 3 rather than layer 1 took the answers shared with full prefill from 0.72x to 1.01x the float32
-# noise floor at 30% recomputed, for 0.03x more TTFT (docs/benchmarks.md, issue 39).
+# after layer 3 rather than layer 1 took the answers shared with full prefill from 0.71x to 1.01x the float32
+# noise floor at 30% recomputed, for 0.01x more TTFT (0.45x full prefill; docs/benchmarks.md, issue 39).
 CHECK_LAYER_DEPTH_SHARE = 0.1
 
 
