@@ -59,7 +59,7 @@ class ContextChunk:
     # The queries in tiles, each over only the keys its rows can see: (first row, end row, first key, end key),
     # rows relative to token_start, keys indexing the gathered context (``tiles``, built on first use per window).
     tile_rows: int = 0  # 0: one tile (every query over every gathered key)
-    first_positions: tuple[int, ...] = ()  # the queries' positions as ints (tile bounds need no device sync)
+    int_positions: tuple[int, ...] = ()  # the queries' positions as ints (tile bounds need no device sync)
     tiled: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
 
     def for_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +77,7 @@ class ContextChunk:
         return found
 
     def _window_start(self, window: int) -> int:
-        return max(0, self.first_positions[0] - window + 1) if window else 0
+        return max(0, self.int_positions[0] - window + 1) if window else 0
 
     def tiles(self, window: int = 0) -> list[tuple[int, int, int, int]]:
         """Row tiles and the key range each one reads, for the context gathered under ``window`` (0: all of it).
@@ -88,7 +88,7 @@ class ContextChunk:
         masked square), and a blend's scattered kept rows read on average half the context."""
         found = self.tiled.get(window)
         if found is None:
-            positions, first = self.first_positions, self._window_start(window)
+            positions, first = self.int_positions, self._window_start(window)
             step = self.tile_rows or len(positions)
             found = self.tiled[window] = [
                 (start, min(start + step, len(positions)),
@@ -202,14 +202,14 @@ def context_chunk(token_start: int, query_len: int, context_len: int, table: lis
     query_positions = listed if listed is not None else torch.arange(context_len - query_len, context_len,
                                                                      device=device)
     mask = key_positions[None, :] <= query_positions[:, None]
-    first_positions = tuple(positions) if positions is not None else tuple(range(context_len - query_len, context_len))
+    int_positions = tuple(positions) if positions is not None else tuple(range(context_len - query_len, context_len))
     # Tiles on CPU only (one SDPA call per tile; a GPU would pay a launch for each).
     tile_rows = 0
     if device.type == "cpu":
         tile_rows = (max(LISTED_TILE_ROWS, context_len // LISTED_TILES_PER_CONTEXT) if positions is not None else
                      max(CONTIGUOUS_TILE_ROWS, context_len // CONTIGUOUS_TILES_PER_CONTEXT))
     return ContextChunk(token_start, token_start + query_len, slots, mask, query_positions=listed,
-                        tile_rows=tile_rows, first_positions=first_positions)
+                        tile_rows=tile_rows, int_positions=int_positions)
 
 
 def attend_chunk(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, chunk: ContextChunk,

@@ -38,6 +38,14 @@ def block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_key + payload, digest_size=KEY_BYTES).digest()
 
 
+BLEND_TAG = b"kvreuse-blend"  # salts the keys of blended blocks (issue 39), so no exact chain ever leads to one
+
+
+def blend_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a blended block under ``parent_key`` (a namespace, an exact block's key or a blended one's)."""
+    return block_key(parent_key + BLEND_TAG, tokens)
+
+
 def extend_block_keys(keys: list[bytes], root_key: bytes, token_ids: Sequence[int], block_size: int) -> None:
     """Append the keys of every full block of ``token_ids`` not yet in ``keys`` (incremental)."""
     num_full = len(token_ids) // block_size

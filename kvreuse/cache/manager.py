@@ -17,14 +17,7 @@ from typing import Protocol
 from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.chunks import ChunkIndex, MovedSpan
 from kvreuse.cache.events import KVEventLog
-from kvreuse.cache.hashing import block_key, extend_block_keys
-
-BLEND_TAG = b"kvreuse-blend"  # salts the keys of blended blocks, so no exact chain ever leads to one
-
-
-def blend_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a blended block under ``parent_key`` (a namespace, an exact block's key or a blended one's)."""
-    return block_key(parent_key + BLEND_TAG, tokens)
+from kvreuse.cache.hashing import blend_key, block_key, extend_block_keys
 from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.cache.tiers.store import BlockRef
 
