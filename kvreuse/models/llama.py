@@ -399,6 +399,22 @@ class LlamaFamilyForCausalLM(nn.Module):
                 self._tied_head_kernel.weight_bytes if "plain" in self._tied_head_kernel.plan.layouts else 0)
         return total
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weights are held in, as `weight_memory_bytes` counts them: the linear layers'
+        kernel layouts or quantized blocks, the parameters, a quantized embedding table and a tied head's own
+        layouts (views of one storage may appear more than once)."""
+        kernels: list[Any] = [module.kernel for module in self.modules() if isinstance(module, Linear)]
+        kernels.append(self._tied_head_kernel)
+        tensors = [p.detach() for p in self.parameters()]
+        if isinstance(self.model.embed_tokens, QuantizedEmbedding):
+            tensors.append(self.model.embed_tokens.quantized.data)
+        for kernel in kernels:
+            if isinstance(kernel, QuantizedLinearKernel):
+                tensors += [part.data if isinstance(part, QuantizedTensor) else part for part in kernel.parts]
+            elif isinstance(kernel, LinearKernel):
+                tensors += list(kernel.layouts.values())
+        return tensors
+
     # ---- weights -------------------------------------------------------------------------------
 
     def expected_weight_names(self) -> list[str]:

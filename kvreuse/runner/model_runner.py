@@ -27,6 +27,7 @@ from kvreuse.runner.compiled_decode import CompiledDecode
 from kvreuse.runner.cuda_graphs import CudaGraphDecode, why_no_graphs
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.host_allocator import keep_activations_in_heap
+from kvreuse.runner.huge_pages import HugePageReport, back_weights_with_huge_pages, log_weight_pages
 from kvreuse.runner.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,14 @@ class ModelRunner:
             model.set_attention_backend(attention_backend)
         # Whether this process's malloc now keeps large CPU activations in the heap (host_allocator.py).
         self.activations_in_heap = False
+        # How much of the weights' memory is on 2 MiB pages (CPU; runner/huge_pages.py).
+        self.weight_pages = HugePageReport(reason=f"not on {self.device.type}")
         if self.device.type == "cpu":
             model.choose_cpu_kernels()
             self.activations_in_heap = keep_activations_in_heap()
+            # After the kernels chose their layouts: the weights are final (huge_pages.py).
+            self.weight_pages = back_weights_with_huge_pages(model.weight_tensors())
+            log_weight_pages(self.weight_pages)
         self.attention_backend = model.attention_backend
         model.native_step = native_step.for_model(model, self.device, compile_decode)
         # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
