@@ -308,6 +308,37 @@ def test_grouped_products_equal_one_call_per_group(built, ggml_type, dtype, int8
         qlinear.qlinear_grouped(x[:2], [1, 1], [weights[0], other], int8=int8)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["qdot", "qdot8"])
+def test_products_in_many_tasks_give_every_row_once_on_any_thread_count(built, int8):
+    """The threads take a product's rows in tasks of ~32 KiB of weight, their own share first, then from the
+    back of another's (split_groups): over 3 groups of 3,001 rows (tasks straddling the groups), repeated so
+    that threads finish at different times and take each other's tasks, every output row equals the one-thread
+    result bit for bit and the dequantized reference."""
+    if int8 and "q8_0" not in qlinear.int8_formats():
+        pytest.skip("q8_0 does not run on int8 inputs on this CPU")
+    in_features, out_features, rows = 512, 3001, [1, 2, 1]
+    weights = [repack_gguf(gguf_blocks("Q8_0", out_features, in_features, seed=s), "Q8_0", (out_features, in_features))
+               for s in range(3)]
+    x = torch.randn(sum(rows), in_features)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = qlinear.qlinear_grouped(x, rows, weights, int8=int8)
+        torch.set_num_threads(2)
+        for _ in range(20):
+            assert torch.equal(qlinear.qlinear_grouped(x, rows, weights, int8=int8).view(torch.int32),
+                               single.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+    at = 0
+    for count, weight in zip(rows, weights):
+        reference = F.linear(x[at:at + count], qlinear.dequantize(weight))
+        # qdot8 rounds the inputs to int8 (per 32 values): within 2% of the outputs' scale, as every row must be.
+        scale = reference.abs().max().item()
+        torch.testing.assert_close(single[at:at + count], reference, rtol=0, atol=(0.02 if int8 else 1e-5) * scale)
+        at += count
+
+
 @needs_compiler
 def test_ops_under_torch_compile(built):
     """Fake implementations let a fullgraph compile with inductor's C++ wrapper (the compiled decode's

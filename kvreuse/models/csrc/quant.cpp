@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1196,17 +1197,68 @@ std::vector<Layout> checked_groups(const char* op, const at::Tensor& x, c10::Int
   return layouts;
 }
 
+// Weight bytes per task of split_groups: a thread's own tasks are adjacent, so its stream stays one stream;
+// a task is what another thread can take over from it.
+constexpr int64_t kTaskBytes = 32 * 1024;
+
+// A thread's share of split_groups' tasks: [front, back) still to run, packed in one atomic word. The owner takes
+// tasks from the front (one contiguous stream of weight rows, as a fixed share would be) and the other threads,
+// once their own share is done, take from the back.
+class alignas(64) TaskShare {  // a cache line each: the owners take from their fronts without disturbing each other
+ public:
+  void reset(int64_t front, int64_t back) { range_.store(pack(front, back), std::memory_order_relaxed); }
+  // The next task from the front (owner) or the back (another thread), or -1 when none is left.
+  int64_t take(bool from_front) {
+    uint64_t now = range_.load(std::memory_order_relaxed);
+    while (true) {
+      const int64_t front = static_cast<int64_t>(now >> 32), back = static_cast<int64_t>(now & 0xffffffffu);
+      if (front >= back) return -1;
+      const uint64_t next = from_front ? pack(front + 1, back) : pack(front, back - 1);
+      if (range_.compare_exchange_weak(now, next, std::memory_order_relaxed)) return from_front ? front : back - 1;
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return (static_cast<uint64_t>(front) << 32) | static_cast<uint64_t>(back);
+  }
+  std::atomic<uint64_t> range_{0};
+};
+
 // Calls run(g, begin, end) for the weight rows [begin, end) of every group with rows, all the groups' output rows
-// split between the threads in one parallel region (unit g * out_features + j: group g's weight row j).
+// (unit g * out_features + j: group g's weight row j) in one parallel region. Each thread has its share of the
+// rows, in tasks of about kTaskBytes, and runs it front to back; a thread done with its share takes tasks from
+// the back of another's. A server's event loop and its clients share these cores: a thread they preempt in the
+// middle of a product then leaves the rest of its share to the others, instead of making them wait at the
+// region's end. Each output row is computed as before, whichever thread takes it: bit for bit.
 template <class Run>
-void split_groups(c10::IntArrayRef group_rows, int64_t out_features, Run&& run) {
-  const int64_t groups = static_cast<int64_t>(group_rows.size());
+void split_groups(c10::IntArrayRef group_rows, int64_t out_features, int64_t row_bytes, Run&& run) {
+  const int64_t groups = static_cast<int64_t>(group_rows.size()), units = groups * out_features;
   // 16 weight rows per task at least: thread hand-off stays cheap against a row's work.
-  at::parallel_for(0, groups * out_features, 16, [&](int64_t b, int64_t e) {
+  const int64_t task = std::max<int64_t>(16, kTaskBytes / std::max<int64_t>(row_bytes, 1));
+  const int64_t tasks = (units + task - 1) / task;
+  const auto run_task = [&](int64_t t) {
+    const int64_t b = t * task, e = std::min(units, b + task);
     for (int64_t g = b / out_features; g < groups && g * out_features < e; ++g) {
       const int64_t begin = std::max(b - g * out_features, int64_t{0});
       const int64_t end = std::min(e - g * out_features, out_features);
       if (group_rows[g] > 0) run(g, begin, end);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (threads <= 1 || at::in_parallel_region() || tasks >= (int64_t{1} << 31)) {
+    for (int64_t t = 0; t < tasks; ++t) run_task(t);
+    return;
+  }
+  std::vector<TaskShare> shares(threads);
+  for (int64_t i = 0; i < threads; ++i) shares[i].reset(tasks * i / threads, tasks * (i + 1) / threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t mine = first; mine < last; ++mine) {
+      for (int64_t t = shares[mine].take(true); t >= 0; t = shares[mine].take(true)) run_task(t);
+    }
+    for (int64_t other = 1; other < threads; ++other) {  // the others' shares, from their backs
+      TaskShare& share = shares[(last - 1 + other) % threads];
+      for (int64_t t = share.take(false); t >= 0; t = share.take(false)) run_task(t);
     }
   });
 }
@@ -1261,7 +1313,7 @@ at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef 
   }
   with_format(format, [&](auto f) {
     using F = decltype(f);
-    split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+    split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
       const int64_t at = first[g] * in;
       const uint8_t* wp = contiguous[g].const_data_ptr<uint8_t>();
       float* o = op_out + first[g] * out_features;
@@ -1279,7 +1331,7 @@ at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef 
   const float* xp = xf.const_data_ptr<float>();
   with_format(format, [&](auto f) {
     using F = decltype(f);
-    split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+    split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
       dot_range<F>(xp + first[g] * in, group_rows[g], in, contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                    op_out + first[g] * out_features, out_features, begin, end);
     });
@@ -1352,7 +1404,7 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
 #if defined(KVREUSE_KQUANT_DOT)
       if constexpr (F::kquant) {
         const QuantizedSpans q = quantize_spans(x, rows, in);
-        split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+        split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
           dot_range_kquant<F>(q, first[g], group_rows[g], contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                               op_out + first[g] * out_features, out_features, begin, end);
         });
@@ -1360,7 +1412,7 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
 #endif
       if constexpr (int8_dot_format<F>()) {
         const QuantizedRows q = quantize_rows<F>(x, rows, in);
-        split_groups(group_rows, out_features, [&](int64_t g, int64_t begin, int64_t end) {
+        split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
           dot_range_int8<F>(q, first[g], group_rows[g], in, contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                             op_out + first[g] * out_features, out_features, begin, end);
         });
