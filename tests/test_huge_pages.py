@@ -3,6 +3,7 @@ the switch and its refusals; the model lists every tensor its weights are held i
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def test_aligned_ranges_are_the_whole_huge_pages_inside_each_storage_once():
     small = torch.empty(HUGE_PAGE // 2, dtype=torch.uint8)
     ranges = aligned_ranges([big, big[10:], big.view(torch.int32), small])
     assert len(ranges) == 1  # the views share big's storage; small holds no whole huge page
+    assert aligned_ranges([torch.randn(2048, 1024).to_mkldnn()]) == []  # oneDNN's opaque layout: no storage
     start, length = ranges[0]
     assert start % HUGE_PAGE == 0 and length % HUGE_PAGE == 0 and length >= 4 * HUGE_PAGE
     assert big.data_ptr() <= start and start + length <= big.data_ptr() + big.numel()
@@ -42,7 +44,10 @@ def test_aligned_ranges_are_the_whole_huge_pages_inside_each_storage_once():
 @pytest.mark.skipif(not THP_USABLE, reason=f"transparent huge pages are {thp_mode()} here")
 def test_a_large_weight_is_collapsed_in_place_with_its_values(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV, "1")
-    weight = torch.randint(0, 255, (12 * HUGE_PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    # A fresh anonymous mapping, on 4 KiB pages until advised (the heap may hold ranges an engine advised).
+    mapping = mmap.mmap(-1, 12 * HUGE_PAGE + 12345, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    weight = torch.frombuffer(mapping, dtype=torch.uint8)[12345:]
+    weight.copy_(torch.randint(0, 255, weight.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     before, address = weight.clone(), weight.data_ptr()
     assert anon_huge_kib(weight) == 0 or thp_mode() == "always"
     report = back_weights_with_huge_pages([weight])

@@ -78,8 +78,8 @@ def aligned_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     seen: set[int] = set()
     ranges = []
     for tensor in tensors:
-        if tensor.device.type != "cpu":
-            continue
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            continue  # a oneDNN packed weight (the "packed" layout) is opaque: no storage to advise
         storage = tensor.untyped_storage()
         pointer, size = storage.data_ptr(), storage.nbytes()
         if pointer in seen:
