@@ -218,6 +218,8 @@ COMMANDS: dict[str, str] = {
     # issue 38, fifth session: one file, two rounds (the Xeon VM's figures)
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/qwen3-moe-1b.q4_k_m.gguf --systems "
     "llama-server,kvreuse --repeats 3 --rounds 2 --out moe_xeon.json": SCRIPT,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/qwen3-moe-1b.q8_0.gguf --systems "
+    "llama-server,kvreuse --repeats 3 --rounds 2 --out moe_xeon_q8.json": SCRIPT,
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/gemma3-1b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 1 --rounds 1 --chat-turns 8 --out gemma3.json": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
