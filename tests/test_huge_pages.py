@@ -51,6 +51,8 @@ def test_a_large_weight_is_collapsed_in_place_with_its_values(monkeypatch):
     before, address = weight.clone(), weight.data_ptr()
     assert anon_huge_kib(weight) == 0 or thp_mode() == "always"
     report = back_weights_with_huge_pages([weight])
+    if report.reason is not None and "EINVAL" in report.reason:
+        pytest.skip(f"this kernel has no MADV_COLLAPSE ({report.reason})")
     assert report.tensors == 1 and report.eligible_bytes >= 10 * HUGE_PAGE
     assert report.collapsed_bytes == report.eligible_bytes, report.reason
     assert anon_huge_kib(weight) * 1024 >= report.collapsed_bytes
