@@ -116,6 +116,19 @@ Layout layout_of(int64_t in) {
   return l;
 }
 
+// Weight bytes [from, from + bytes) clipped to limit, asked for into L2 (prefetcht1), a cache line at a time.
+// The products run prefetch_distance bytes ahead of their reads: a decode step's weights come from memory,
+// in matrices of 0.1-1 MB (experts, attention projections) that the hardware prefetchers start on late
+// (they restart at every 4 KiB page), and read cold the products streamed half as fast as from cache.
+constexpr int64_t kPrefetchAhead = 2048;
+
+inline void prefetch_weights(const uint8_t* from, int64_t bytes, const uint8_t* limit) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const uint8_t* stop = std::min(from + bytes, limit);
+  for (const uint8_t* p = from; p < stop; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+#endif
+}
+
 // Calls fn(std::integral_constant<int, R>{}) with R = min(count, kMaxRows): the kernels' input rows per
 // pass over the weights are a compile-time count, so their accumulators stay in registers.
 template <class Fn>
@@ -342,8 +355,11 @@ template <class F, int R>
 void dot_rows(const float* x, int64_t in, const uint8_t* w, const Layout& l, float* out, int64_t out_features,
               int64_t begin, int64_t end) {
   const int64_t chunks = in / kChunk;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
     V acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
@@ -478,8 +494,11 @@ void dot_rows_bf16(const uint16_t* xh, const uint16_t* xm, const uint16_t* xl, c
                    const uint8_t* w, const Layout& l, float* out, int64_t out_features, int64_t begin, int64_t end) {
   const int64_t chunks = in / kChunk;
   const Bf16Tables<F> tables;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
     __m512 even[R], odd[R];  // chunks alternate between two accumulators per row: two FMA chains
     GroupOffsets<R> offsets;
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -562,6 +581,7 @@ inline __m256i mx_levels(__m256i codes) { return _mm256_shuffle_epi8(mx_level_ta
 // come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, mxfp4, q4_k (5- and 6-bit codes stay on
 // the bf16 kernel). Only the inputs round: 7 bits plus sign against each chunk's largest value.
 #define KVREUSE_INT8_DOT 1
+#define KVREUSE_BLOCKED_INT8 1
 
 template <class F>
 constexpr bool int8_dot_format() {
@@ -620,7 +640,16 @@ struct QuantizedRows {
   int64_t steps = 0;
   std::vector<uint8_t> codes;
   std::vector<float> lane_scales, sums;
+  std::vector<int32_t> lane_bias;  // zero_in_sums formats: -zero * (the chunk's code sum), per step, in lane 4i of chunk i
 };
+
+// 4-bit formats whose value is (level - zero) * scale with an integer zero (q4_0, MXFP4): the zero is taken
+// in the int32 sums (-zero * the chunk's input code sum, one lane per chunk), so a chunk's four lanes sum its
+// exact integer product and no float offsets are kept per group.
+template <class F>
+constexpr bool zero_in_sums() {
+  return F::bits == 4 && !F::kquant && !F::has_min;
+}
 
 template <class F>
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
@@ -631,6 +660,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
   q.codes.assign(rows * q.steps * step_bytes, F::bits == 8 ? 128 : 0);
   q.lane_scales.assign(rows * q.steps * 16, 0.f);
   q.sums.assign(rows * chunks, 0.f);
+  if constexpr (zero_in_sums<F>()) q.lane_bias.assign(rows * q.steps * 16, 0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.const_data_ptr<float>();
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -661,6 +691,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
       const __mmask16 mine = _mm512_cmpeq_epi32_mask(step_lane_chunk<F>(), _mm512_set1_epi32(i));
       _mm512_storeu_ps(scales, _mm512_mask_mov_ps(_mm512_loadu_ps(scales), mine, _mm512_set1_ps(d)));
       q.sums[r * chunks + c] = d * static_cast<float>(total);
+      if constexpr (zero_in_sums<F>()) q.lane_bias[(r * q.steps + c / per) * 16 + 4 * i] = -F::zero * total;
     }
   }
   return q;
@@ -676,8 +707,11 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   const uint8_t* codes = q.codes.data() + r0 * q.steps * step_bytes;
   const float* lane_scales = q.lane_scales.data() + r0 * q.steps * 16;
   const float* sums = q.sums.data() + r0 * chunks;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
     __m512 even[R], odd[R];
     GroupOffsets<R> offsets;
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -727,6 +761,138 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   }
 }
 
+
+// The blocked kernel (q8_0, q4_0, MXFP4): J weight rows at once against R input rows, so one input row's
+// codes, lane scales and biases are loaded once per step for J weight rows, each row keeps one accumulator
+// chain (J independent chains in flight, not one per row), and J rows' sums reduce together. A span's chunk
+// scales are made once into 8 float32 lanes (MXFP4: its exponents e - 128, applied with vscalefps, which is
+// the product with the exact 2^(e - 128) that e8m0_half gives, rounded once, as before) and permuted per step.
+// q4_0 and MXFP4 keep their zero in the int32 sums (zero_in_sums). Decode products are this kernel's: one
+// stream multiplies one input row, and the per-row work of dot_rows_int8 (offsets per span, a horizontal sum
+// per row, a span's scales through memory) cost as much as the products on gpt-oss's [384, 1024] experts.
+template <class F>
+constexpr bool blocked_int8_format() {
+  return F::bits == 8 || zero_in_sums<F>();
+}
+
+// A span's n chunk scales in float32 lanes 0 .. n - 1 (the rest 0): fp16 scales as floats, MXFP4's E8M0
+// bytes e as the float e - 128 (its scale is 2^(e - 128)).
+template <class F>
+inline __m512 span_scales(const uint8_t* sp, const SpanLayout& l, int n) {
+  if constexpr (F::mx) {
+    const __m128i e = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), sp + l.scales);
+    const __m512i lanes = _mm512_sub_epi32(_mm512_cvtepu8_epi32(e), _mm512_set1_epi32(128));
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), _mm512_cvtepi32_ps(lanes));
+  } else {
+    const __m128i halves = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), sp + l.scales);
+    return _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));
+  }
+}
+
+// Lane scales of a step: the input's (per lane) times the weight's (permuted to the lanes that sum its chunk).
+template <class F>
+inline __m512 step_scale(__m512 input, __m512 weight) {
+  if constexpr (F::mx) return _mm512_scalef_ps(input, weight);
+  return _mm512_mul_ps(input, weight);
+}
+
+// The float sums of J accumulators into out[0 .. J): one tree for every J (halves 256, then pairs of
+// neighbours twice, then halves 128), so a row's sum has the same bits whichever block it was in.
+template <int J>
+inline void reduce_rows(const __m512 (&acc)[J], float* out) {
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = acc[i < J ? i : 0];
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  }
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+  if constexpr (J == 4) {
+    _mm_storeu_ps(out, sums);
+  } else {
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, sums);
+    for (int i = 0; i < J; ++i) out[i] = lanes[i];
+  }
+}
+
+template <class F, int R, int J>
+void dot_rows_int8_blocked(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l,
+                           float* out, int64_t out_features, int64_t j) {
+  static_assert(blocked_int8_format<F>());
+  constexpr int per = step_chunks<F>(), step_bytes = per * kChunk;
+  const int64_t chunks = in / kChunk;
+  const __m512i lane_chunk = step_lane_chunk<F>();
+  const __m512i ones_128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* codes = q.codes.data() + r0 * q.steps * step_bytes;
+  const float* lane_scales = q.lane_scales.data() + r0 * q.steps * 16;
+  const int32_t* bias = zero_in_sums<F>() ? q.lane_bias.data() + r0 * q.steps * 16 : nullptr;
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < J; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+    const bool last = c0 / 8 == l.full;  // the short last span
+    const SpanLayout& sl = last ? l.last : l.span;
+    const int n = last ? static_cast<int>(l.tail) : 8;
+    const uint8_t* sp[J];
+    __m512 scales[J];
+    for (int i = 0; i < J; ++i) {
+      sp[i] = w + (j + i) * l.row_bytes + c0 / 8 * l.span.bytes;
+      scales[i] = span_scales<F>(sp[i], sl, n);
+    }
+    for (int c = 0; c < n; c += per) {
+      const int64_t at = (c0 + c) / per;
+      const __m512i lanes = _mm512_add_epi32(lane_chunk, _mm512_set1_epi32(c));
+      __m512i wv[J][2];
+      __m512 ws[J];
+      for (int i = 0; i < J; ++i) {
+        ws[i] = _mm512_permutexvar_ps(lanes, scales[i]);
+        if constexpr (F::bits == 8) {
+          wv[i][0] = pair_codes<F>(sp[i], sl, c, c + 1 < n);
+          // -128 * sum(w) per lane: the inputs go unsigned (code + 128).
+          wv[i][1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones_128, wv[i][0]));
+        } else {
+          quad_codes<F>(sp[i], sl, c, std::min(4, n - c), wv[i][0], wv[i][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xr = codes + (r * q.steps + at) * step_bytes;
+        const __m512 xs = _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16);
+        if constexpr (F::bits == 8) {
+          const __m512i xv = _mm512_loadu_si512(xr);
+          for (int i = 0; i < J; ++i) {
+            const __m512i t = _mm512_dpbusd_epi32(wv[i][1], xv, wv[i][0]);
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step_scale<F>(xs, ws[i]), acc[r][i]);
+          }
+        } else {
+          const __m512i xlo = _mm512_loadu_si512(xr), xhi = _mm512_loadu_si512(xr + 64);
+          const __m512i b = _mm512_loadu_si512(bias + (r * q.steps + at) * 16);
+          for (int i = 0; i < J; ++i) {
+            const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b, wv[i][0], xlo), wv[i][1], xhi);
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step_scale<F>(xs, ws[i]), acc[r][i]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) reduce_rows<J>(acc[r], out + r * out_features + j);
+}
+
+// Weight rows [begin, end) for R input rows: blocks of J (4 for one input row, 2 for two, else 1), then
+// the rest one at a time (the same bits: reduce_rows).
+template <class F, int R>
+void dot_span_int8_blocked(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l,
+                           float* out, int64_t out_features, int64_t begin, int64_t end) {
+  constexpr int J = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t j = begin;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
+  for (; j + J <= end; j += J) {
+    prefetch_weights(w + j * l.row_bytes + kPrefetchAhead, J * l.row_bytes, limit);
+    dot_rows_int8_blocked<F, R, J>(q, r0, in, w, l, out, out_features, j);
+  }
+  for (; j < end; ++j) dot_rows_int8_blocked<F, R, 1>(q, r0, in, w, l, out, out_features, j);
+}
 
 #define KVREUSE_KQUANT_DOT 1
 // K-quants (q4_k, q5_k, q6_k) as llama.cpp multiplies them (its q8_K inputs): the inputs are rounded per
@@ -823,8 +989,11 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
   }
   const int8_t* codes = q.codes.data() + r0 * spans * kSuper;
   const float* xscales = q.scales.data() + r0 * spans;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
     __m512 acc[R];
     __m256 offset[R];  // per lane, summed once per row (not a horizontal sum per super-block)
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
@@ -1012,6 +1181,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
                           _mm256_permutevar8x32_epi32(packed, order));  // |code| <= 127: packing is exact
       q.scales[r * chunks + c] = d;
       q.sums[r * chunks + c] = d * static_cast<float>(total);
+      if constexpr (zero_in_sums<F>()) q.lane_bias[(r * q.steps + c / per) * 16 + 4 * i] = -F::zero * total;
     }
   }
   return q;
@@ -1025,8 +1195,11 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
   const int8_t* codes = q.codes.data() + r0 * in;
   const float* scales = q.scales.data() + r0 * chunks;
   const float* sums = q.sums.data() + r0 * chunks;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
     // Even and odd chunks add into their own accumulators where registers allow (one or two rows: a
     // decode step's products), so a row's chunks are not one chain of FMAs each waiting for the last.
     __m256 even[R], odd[R];
@@ -1083,6 +1256,12 @@ void dot_range_int8(const QuantizedRows& q, int64_t first, int64_t rows, int64_t
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     float* o = out + r0 * out_features;
     with_rows(rows - r0, [&](auto r) {
+#if defined(KVREUSE_BLOCKED_INT8)
+      if constexpr (blocked_int8_format<F>()) {
+        dot_span_int8_blocked<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
+        return;
+      }
+#endif
       dot_rows_int8<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
     });
   }
