@@ -339,6 +339,33 @@ def test_products_in_many_tasks_give_every_row_once_on_any_thread_count(built, i
         at += count
 
 
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "MXFP4"])
+def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml_type):
+    """On AVX512-VNNI, q8_0, q4_0 and MXFP4 multiply 4 weight rows at a time against one input row (2 against
+    two), the rest one at a time, with q4_0's and MXFP4's zero in the integer sums: each output equals its
+    weight row's product alone, bit for bit, whichever block it fell in (13 weight rows, or 12 from the
+    second, so the blocks start elsewhere; 1, 2 and 3 input rows; rows of 384 values, a short last span,
+    MXFP4's subnormal exponents among the scales), and the product of the rounded inputs within tolerance."""
+    fmt = FORMATS[GGUF_TYPES[ggml_type]]
+    if fmt.name not in qlinear.int8_formats():
+        pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
+    out_features, in_features = 13, 384
+    raw = gguf_blocks(ggml_type, out_features, in_features, seed=5)
+    weight = repack_gguf(raw, ggml_type, (out_features, in_features))
+    shifted = repack_gguf(raw[1:], ggml_type, (out_features - 1, in_features))
+    alone = [repack_gguf(raw[j:j + 1], ggml_type, (1, in_features)) for j in range(out_features)]
+    generator = torch.Generator().manual_seed(6)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, in_features, generator=generator)
+        full = qlinear.qlinear_int8(x, weight)
+        for j in range(out_features):
+            assert torch.equal(qlinear.qlinear_int8(x, alone[j]).view(torch.int32), full[:, j:j + 1].view(torch.int32))
+        assert torch.equal(qlinear.qlinear_int8(x, shifted).view(torch.int32), full[:, 1:].view(torch.int32))
+        rounded = _rounded_to_int8(x, qlinear.int8_group(fmt.name))
+        expected = F.linear(rounded.double(), weight.dequantize().double())
+        assert bool(((full.double() - expected).abs() <= _tolerance(rounded, weight.dequantize())).all())
+
+
 @needs_compiler
 def test_ops_under_torch_compile(built):
     """Fake implementations let a fullgraph compile with inductor's C++ wrapper (the compiled decode's
