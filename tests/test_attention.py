@@ -357,3 +357,38 @@ def test_malformed_batches_are_rejected():
         backend.prepare(batch([3], [6], [[0]], 3), BLOCK_SIZE)
     with pytest.raises(ValueError, match="query_lens sum to 3 but input_ids has 4"):
         backend.prepare(batch([3], [3], [[0]], 4), BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_long_prefill_with_sinks_in_slices_of_queries_equals_the_formula(monkeypatch, dtype):
+    """gpt-oss's prefill with sinks materialises its scores, so a long prompt goes in slices of queries
+    (SINK_SCORES_PER_SLICE): with slices of 3 queries (and, for comparison, one slice of all 37) over a
+    windowed causal mask after 5 cached keys, the output is the eager formula's (the sink a softmax column
+    dropped after), computed in float64, and the slices change nothing but the memory."""
+    generator = torch.Generator().manual_seed(11)
+    queries, cached, heads, kv_heads, head_dim, window = 37, 5, 4, 2, 16, 8
+    context = cached + queries
+    q = torch.randn(queries, heads, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(context, kv_heads, head_dim, generator=generator).to(dtype)
+    values = torch.randn(context, kv_heads, head_dim, generator=generator).to(dtype)
+    position = torch.arange(cached, context)[:, None]
+    key_position = torch.arange(context)[None, :]
+    mask = (key_position <= position) & (key_position > position - window)
+    layer = LayerAttention(sliding_window=window, scale=0.3, sinks=torch.randn(heads, generator=generator))
+    monkeypatch.setattr(torch_paged, "SINK_SCORES_PER_SLICE", 3 * heads * context)
+    sliced = torch_paged._prefill_sink_attention(q, keys, values, mask, layer)
+    monkeypatch.setattr(torch_paged, "SINK_SCORES_PER_SLICE", queries * heads * context)
+    whole = torch_paged._prefill_sink_attention(q, keys, values, mask, layer)
+    group = heads // kv_heads
+    k64 = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v64 = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k64.transpose(-1, -2) * 0.3
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = layer.sinks.double().view(heads, 1, 1).expand(heads, queries, 1)
+    probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    expected = (probs @ v64).transpose(0, 1)  # [Q, H, D]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got in (sliced, whole):
+        assert got.shape == (queries, heads, head_dim)
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)

@@ -458,8 +458,11 @@ def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 # Scores a layer with sinks materialises at once (its softmax is computed here, not by a fused kernel): a long
-# prefill is taken in slices of queries so that heads x queries x keys stays near this many (256 MB of float32).
-SINK_SCORES_PER_SLICE = 1 << 26
+# prefill is taken in slices of queries so that heads x queries x keys stays near this many (32 MiB of float32).
+# A slice holds about four such tensors at once (the product, its float32 copy, the scores with the sink column,
+# their softmax); at 2^26 scores a slice gpt-oss-1b's 2,048-token prefill peaked 1.6 GiB above the loaded
+# model, four times llama-server's whole process (docs/benchmarks.md).
+SINK_SCORES_PER_SLICE = 1 << 23
 
 
 def _sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -472,9 +475,10 @@ def _sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     [..., KV, 1, L, D]; mask broadcasts to the scores [..., KV, G, Q, L] (True: may attend) or is None."""
     kv_heads, group = q.shape[-4], q.shape[-3]
     scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float()
+    scores = scores.mul_(scale) if scores.dtype != q.dtype else scores * scale  # in place on a copy of its own
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill_(~mask, float("-inf"))
     sinks = layer.sinks.to(scores.device).view(kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs.to(values.dtype), values)
