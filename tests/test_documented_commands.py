@@ -222,6 +222,9 @@ COMMANDS: dict[str, str] = {
     "llama-server,kvreuse --repeats 3 --rounds 2 --out moe_xeon_q8.json": SCRIPT,
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/gpt-oss-1b.mxfp4_moe.gguf --systems "
     "llama-server,kvreuse --repeats 3 --rounds 1 --out gptoss_xeon.json": SCRIPT,
+    # issue 38, sixth session: gpt-oss in two rounds
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/gpt-oss-1b.mxfp4_moe.gguf --systems "
+    "llama-server,kvreuse --repeats 3 --rounds 2 --out gptoss_xeon_s18.json": SCRIPT,
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/gemma3-1b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 1 --rounds 1 --chat-turns 8 --out gemma3.json": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
