@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.models import native_step
+from kvreuse.models import native_step, qlinear
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
 pytestmark = pytest.mark.skipif(native_step.library() is None, reason="the native decoder layer does not build here")
@@ -196,3 +196,11 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
         llm.engine.flush_tiers()
         if count in (2, 4):
             assert len(list(disk.iterdir())) == count
+    # qdot8's arithmetic revised (its float sums round otherwise, qlinear.INT8_ARITHMETIC): the records an
+    # engine of the earlier revision stored are another's.
+    monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", "qdot8")
+    monkeypatch.setattr(qlinear, "INT8_ARITHMETIC", qlinear.INT8_ARITHMETIC + 1)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
+    llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
+    llm.engine.flush_tiers()
+    assert len(list(disk.iterdir())) == 5

@@ -29,7 +29,7 @@ from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
-from kvreuse.models import paged_attention
+from kvreuse.models import paged_attention, qlinear
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -348,7 +348,7 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         "config": model_json, **fields,
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
-        **({"activations": "int8 (qdot8)"} if int8_activations else {}),
+        **({"activations": f"int8 (qdot8, arithmetic {qlinear.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None

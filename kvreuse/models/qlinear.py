@@ -51,6 +51,10 @@ from kvreuse.models.quant import FORMATS, QuantizedTensor, cat_rows, random_quan
 
 SOURCE = Path(__file__).with_name("csrc") / "quant.cpp"
 DTYPES = (torch.float32, torch.bfloat16)  # activations; accumulation is float32 either way
+# The revision of qdot8's arithmetic, in the KV fingerprint: raised whenever the int8 products' float sums
+# round differently for the same inputs, so K/V a tier stored under an earlier revision are another's.
+# 2: q8_0, q4_0 and MXFP4 in blocks of rows, their zero in the int32 sums (issue 38, sixth session).
+INT8_ARITHMETIC = 2
 # Output rows per tile of tiled_linear: about this many weight values dequantized at once (4 MiB in
 # float32, within the L2 / L3 caches while the GEMM reads it).
 TILE_VALUES = 2**20
