@@ -367,6 +367,21 @@ def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml
 
 
 @needs_compiler
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_the_kernels_compile_for_cpus_without_avx512(march):
+    """quant.cpp holds a VNNI, an AVX2 and a scalar build of its kernels, chosen by -march=native at run time;
+    a machine with AVX-512 compiles only the first, so the others are compiled here (syntax and types)."""
+    import sysconfig
+    from torch.utils import cpp_extension
+    source = Path(qlinear.__file__).with_name("csrc") / "quant.cpp"
+    command = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", f"-march={march}", "-fopenmp", "-w",
+               *(f"-I{path}" for path in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+               str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@needs_compiler
 def test_ops_under_torch_compile(built):
     """Fake implementations let a fullgraph compile with inductor's C++ wrapper (the compiled decode's
     setting) trace the decode kernel, the tiled path and an embedding lookup, with work fused around."""

@@ -1181,7 +1181,6 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
                           _mm256_permutevar8x32_epi32(packed, order));  // |code| <= 127: packing is exact
       q.scales[r * chunks + c] = d;
       q.sums[r * chunks + c] = d * static_cast<float>(total);
-      if constexpr (zero_in_sums<F>()) q.lane_bias[(r * q.steps + c / per) * 16 + 4 * i] = -F::zero * total;
     }
   }
   return q;
