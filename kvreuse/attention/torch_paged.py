@@ -475,8 +475,7 @@ def _sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     [..., KV, 1, L, D]; mask broadcasts to the scores [..., KV, G, Q, L] (True: may attend) or is None."""
     kv_heads, group = q.shape[-4], q.shape[-3]
     scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float()
-    scores = scores.mul_(scale) if scores.dtype != q.dtype else scores * scale  # in place on a copy of its own
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # the product is a tensor of its own
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf"))
     sinks = layer.sinks.to(scores.device).view(kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)

@@ -697,13 +697,14 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
   return q;
 }
 
+// q4_1 (a float offset per group, so no integer zero): one weight row at a time, the offsets b * sum(x) per group.
 template <class F, int R>
 void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t* w, const Layout& l, float* out,
                    int64_t out_features, int64_t begin, int64_t end) {
+  static_assert(F::bits == 4 && F::has_min, "q8_0, q4_0 and MXFP4 run dot_rows_int8_blocked");
   constexpr int per = step_chunks<F>(), step_bytes = per * kChunk;
   const int64_t chunks = in / kChunk;
   const __m512i lane_chunk = step_lane_chunk<F>();
-  const __m512i ones_128 = _mm512_set1_epi8(static_cast<char>(0x80));
   const uint8_t* codes = q.codes.data() + r0 * q.steps * step_bytes;
   const float* lane_scales = q.lane_scales.data() + r0 * q.steps * 16;
   const float* sums = q.sums.data() + r0 * chunks;
@@ -728,35 +729,24 @@ void dot_rows_int8(const QuantizedRows& q, int64_t r0, int64_t in, const uint8_t
       const auto step = [&](int c, __m512 (&acc)[R]) {
         const int64_t at = (c0 + c) / per;
         const __m512 wscale = _mm512_permutexvar_ps(_mm512_add_epi32(lane_chunk, _mm512_set1_epi32(c)), a);
-        if constexpr (F::bits == 8) {
-          const __m512i wv = pair_codes<F>(sp, sl, c, c + 1 < n);
-          const __m512i base = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones_128, wv));
-          for (int r = 0; r < R; ++r) {
-            const __m512i t = _mm512_dpbusd_epi32(base, _mm512_loadu_si512(codes + (r * q.steps + at) * step_bytes), wv);
-            const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
-          }
-        } else {
-          __m512i low, high;
-          quad_codes<F>(sp, sl, c, std::min(4, n - c), low, high);
-          for (int r = 0; r < R; ++r) {
-            const uint8_t* xr = codes + (r * q.steps + at) * step_bytes;
-            const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xr)),
-                                                  high, _mm512_loadu_si512(xr + 64));
-            const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
-          }
+        __m512i low, high;
+        quad_codes<F>(sp, sl, c, std::min(4, n - c), low, high);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* xr = codes + (r * q.steps + at) * step_bytes;
+          const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xr)),
+                                                high, _mm512_loadu_si512(xr + 64));
+          const __m512 scale = _mm512_mul_ps(wscale, _mm512_loadu_ps(lane_scales + (r * q.steps + at) * 16));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[r]);
         }
       };
       int c = 0;
       for (; c + per < n; c += 2 * per) step(c, even), step(c + per, odd);
       for (; c < n; c += per) step(c, even);
-      if constexpr (F::bits == 4) offsets.add(s, sums, chunks, c0, n);  // 4-bit codes: b * sum(x) per group
+      offsets.add(s, sums, chunks, c0, n);  // q4_1's offsets: b * sum(x) per group
     }
     for (int r = 0; r < R; ++r) {
-      float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-      if constexpr (F::bits == 4) total += offsets.total(r);
-      out[r * out_features + j] = total;
+      const float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+      out[r * out_features + j] = total + offsets.total(r);
     }
   }
 }
@@ -1258,10 +1248,11 @@ void dot_range_int8(const QuantizedRows& q, int64_t first, int64_t rows, int64_t
 #if defined(KVREUSE_BLOCKED_INT8)
       if constexpr (blocked_int8_format<F>()) {
         dot_span_int8_blocked<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
-        return;
-      }
+      } else
 #endif
-      dot_rows_int8<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
+      {
+        dot_rows_int8<F, decltype(r)::value>(q, first + r0, in, w, l, o, out_features, begin, end);
+      }
     });
   }
 }
