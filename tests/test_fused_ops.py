@@ -78,6 +78,28 @@ def test_silu_mul_takes_pytorchs_own_exp():
         assert torch.equal(fused_ops.silu_mul(gate_up), fused_ops.reference_silu_mul(gate_up.clone()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_clamped_swiglu_is_the_eager_ops_bit_for_bit(dtype):
+    """gpt-oss's expert activation in one kernel equals layers.clamped_swiglu's eleven ops bit for bit (each
+    op's rounding kept, the clamps' bounds rounded to the dtype, sigmoid's exp PyTorch's own), on values far
+    past the limit on both sides, on widths of whole vectors: 1 row (decode), 4 (a decode row's experts),
+    64 rows of 384 (threads share them); and within one rounding on a width with a scalar tail."""
+    from kvreuse.models.layers import clamped_swiglu
+
+    for rows, width in ((1, 384), (4, 384), (64, 384), (3, 2880)):
+        gate_up = (6 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))).to(dtype)
+        gate_up[0, :4] = torch.tensor([7.0, 7.5, -30.0, 0.0])  # the gate at and past its bound
+        gate_up[0, width:width + 3] = torch.tensor([-7.0, -9.0, 12.0])  # up past both bounds
+        expected = clamped_swiglu(gate_up[:, :width], gate_up[:, width:], 7.0, 1.702)
+        assert torch.equal(fused_ops.clamped_swiglu(gate_up, 7.0, 1.702), expected), (rows, width)
+    gate_up = (6 * torch.randn(2, 2 * 77, generator=torch.Generator().manual_seed(7))).to(dtype)
+    torch.testing.assert_close(fused_ops.clamped_swiglu(gate_up, 7.0, 1.702),
+                               clamped_swiglu(gate_up[:, :77], gate_up[:, 77:], 7.0, 1.702),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="limit must be positive"):
+        fused_ops.clamped_swiglu(gate_up, 0.0, 1.702)
+
+
 def test_argmax_rows_is_torch_argmax():
     """Greedy sampling's argmax: the first index of the largest value, the first NaN where a row has one,
     across the spans the threads share (16,384 values each), on rows that are views of a wider tensor."""

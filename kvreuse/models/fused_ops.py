@@ -3,12 +3,14 @@
 Between its matrix products a decode step runs ~40 small PyTorch ops per layer (RMSNorms in float32 and
 back, rotary's slices, products and concatenation, SiLU and the multiply, the residual adds), each paying
 eager dispatch for a few hundred values: on a 2-core CPU that was more of SmolLM2-135M's decode step than
-its quantized products. Three kernels replace them, and a fourth does the sampler's argmax:
+its quantized products. Four kernels replace them, and a fifth does the sampler's argmax:
 
 - ``rms_norm(x, weight, eps, residual)``: the residual add (in place) and the RMSNorm after it;
 - ``rotary_(qkv, ...)``: Qwen3's q/k norms and the rotary embedding, in place on the fused q|k|v rows,
   reading the model's float32 cos/sin tables at each row's position;
 - ``silu_mul(gate_up)``: the gated MLP's activation, its exp PyTorch's own (SLEEF, which libtorch exports);
+- ``clamped_swiglu(gate_up, limit, alpha)``: gpt-oss's expert activation, eleven eager ops in one (its
+  reference is ``layers.clamped_swiglu``, transformers' order of operations);
 - ``argmax_rows(logits)``: greedy sampling's argmax over the vocabulary, vectorised and split between threads.
 
 Each equals the PyTorch code it replaces (the ``reference_*`` functions here, which are what the model
@@ -49,6 +51,10 @@ def library() -> Path | None:
         def _(gate_up):
             return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
+        @torch.library.register_fake("kvreuse_fused::clamped_swiglu")
+        def _(gate_up, limit, alpha):
+            return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
         @torch.library.register_fake("kvreuse_fused::argmax_rows")
         def _(logits):
             return logits.new_empty((logits.shape[0],), dtype=torch.long)
@@ -82,6 +88,12 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [rows, 2 x intermediate] (contiguous)."""
     return torch.ops.kvreuse_fused.silu_mul(gate_up)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation of gate_up [rows, 2 x intermediate] (contiguous), rounded op for op as
+    ``layers.clamped_swiglu`` rounds it."""
+    return torch.ops.kvreuse_fused.clamped_swiglu(gate_up, limit, alpha)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -121,3 +133,4 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # In place: the [T, intermediate] activations are the largest tensors of a prefill, and not
     # allocating a second one is measurably faster on CPU.
     return F.silu(gate).mul_(up)
+

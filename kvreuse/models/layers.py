@@ -292,6 +292,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
         if self.activation == CLAMPED_SWIGLU:
+            if gate_up.dim() == 2 and gate_up.is_contiguous() and fused_ops.applies(gate_up):
+                return self.down_proj(fused_ops.clamped_swiglu(gate_up, self.swiglu_limit, self.swiglu_alpha), lora)
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha), lora)
         if self.activation == "gelu_pytorch_tanh":

@@ -14,6 +14,7 @@
 //   rows, in place: q and k per head through their RMSNorm (Qwen3's q/k norms, where given), then rotated
 //   by position (rotate-half layout, the float32 cos/sin tables of the model);
 // - silu_mul(gate_up): silu(gate) * up of the fused [rows, 2 x intermediate] product;
+// - clamped_swiglu(gate_up, limit, alpha): gpt-oss's expert activation of the same fused product;
 // - argmax_rows(logits): torch.argmax(logits, dim=-1) of float32 logits, vectorised and threaded (greedy
 //   sampling's one op).
 #include <ATen/ATen.h>
@@ -211,6 +212,56 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// gpt-oss's expert activation on the fused [rows, gate | up] product, transformers' GptOssExperts._apply_gate
+// op for op: gate clamped from above at limit, up on both sides, (up + 1) * (gate * sigmoid(gate * alpha)),
+// each op's result rounded to the dtype as PyTorch rounds it (the bounds rounded to it first, as clamp rounds
+// its scalars; alpha kept in float32, as mul keeps a Python scalar for reduced precision), sigmoid as
+// 1 / (1 + exp(-t)) with PyTorch's own exp. Eleven eager ops (two views, two clamps, add, three products,
+// sigmoid) for a few hundred values each at a decode row: this is one. NaN propagates as through the ops.
+template <typename T>
+void clamped_swiglu_row(const T* gate, const T* up, T* dst, int64_t size, float limit, float alpha) {
+  const float high = to_float(from_float<T>(limit)), low = to_float(from_float<T>(-limit));
+  float clamped[8], negated[8], e[8];
+  for (int64_t i0 = 0; i0 < size; i0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, size - i0));
+    for (int i = 0; i < n; ++i) {
+      const float g = to_float(gate[i0 + i]);
+      clamped[i] = g > high ? high : g;
+      negated[i] = -to_float(from_float<T>(clamped[i] * alpha));
+    }
+    for (int i = n; i < 8; ++i) negated[i] = 0.f;
+    exp_lanes(negated, e);
+    for (int i = 0; i < n; ++i) {
+      const float sigmoid = to_float(from_float<T>(1.0f / (1.0f + e[i])));
+      const float gated = to_float(from_float<T>(clamped[i] * sigmoid));
+      float u = to_float(up[i0 + i]);
+      u = u < low ? low : (u > high ? high : u);
+      const float shifted = to_float(from_float<T>(u + 1.0f));
+      dst[i0 + i] = from_float<T>(shifted * gated);
+    }
+  }
+}
+
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double limit, double alpha) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up: contiguous [rows, 2 x intermediate]");
+  TORCH_CHECK(limit > 0, "clamped_swiglu: limit must be positive, got ", limit);
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, size}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "clamped_swiglu", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* target = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, SILU_GRAIN / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* gate = in + row * 2 * size;
+        clamped_swiglu_row(gate, gate + size, target + row * size, size, static_cast<float>(limit),
+                           static_cast<float>(alpha));
+      }
+    });
+  });
+  return out;
+}
+
 // ---- argmax over a row of logits --------------------------------------------------------------------
 // torch.argmax reduces a [rows, vocab] float32 tensor with a scalar loop per row on CPU: 0.35-0.4 ms for one
 // row of qwen's 151,936 logits and ~16x that for 16 rows, a step's worth of a small model's attention. Here a
@@ -284,6 +335,7 @@ TORCH_LIBRARY(kvreuse_fused, m) {
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int kv_heads, int head_dim, "
         "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("clamped_swiglu(Tensor gate_up, float limit, float alpha) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
@@ -291,5 +343,6 @@ TORCH_LIBRARY_IMPL(kvreuse_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("clamped_swiglu", &clamped_swiglu);
   m.impl("argmax_rows", &argmax_rows);
 }

@@ -17,8 +17,8 @@
 //   top, ids      = top_k(logits); weights = softmax(top) in the logits' dtype
 //   gate|up       = x_rows @ W^T + b, down likewise      the product, then `out + bias` (quantized) as
 //                                                        QuantizedLinearKernel adds it, or at::linear's bias
-//   h             = clamped_swiglu(gate, up)             at:: ops in layers.py's order (bit for bit: the same
-//                                                        kernels on the same views, sigmoid's SLEEF included)
+//   h             = clamped_swiglu(gate, up)             kvreuse_fused::clamped_swiglu, as layers.py's GatedMLP
+//                                                        calls it (the biases added in one loop, as add_ rounds)
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -26,14 +26,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/index_add.h>
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/topk.h>
@@ -53,6 +49,7 @@ struct MoEKernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>
       qlinear_grouped, qlinear_int8_grouped;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, double, double)> clamped_swiglu;
 };
 
 inline const MoEKernels& moe_kernels() {
@@ -66,6 +63,8 @@ inline const MoEKernels& moe_kernels() {
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_cpu::qlinear_int8_grouped", "")
           .typed<at::Tensor(const at::Tensor&, c10::IntArrayRef, at::TensorList, int64_t, int64_t)>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_fused::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvreuse_fused::clamped_swiglu", "")
+          .typed<at::Tensor(const at::Tensor&, double, double)>(),
   };
   return k;
 }
@@ -143,21 +142,34 @@ struct ExpertProduct {
         out.index_copy_(0, index, product(code, *which, x.index_select(0, index)));
       }
     }
-    if (!biases.empty()) {
-      for (size_t i = 0; i < experts.size(); ++i) out.narrow(0, first[i], counts[i]).add_(biases[experts[i]]);
-    }
+    if (!biases.empty()) add_biases(out, experts, first);
     return out;
   }
-};
 
-// gpt-oss's expert activation, layers.py's clamped_swiglu op for op on the same views of gate|up:
-// (up.clamp(-limit, limit) + 1) * (gate * sigmoid(gate * alpha)), gate clamped from above at limit.
-inline at::Tensor clamped_swiglu(const at::Tensor& gate_up, int64_t intermediate, double limit, double alpha) {
-  using Bound = std::optional<at::Scalar>;
-  const at::Tensor gate = at::clamp(gate_up.narrow(-1, 0, intermediate), Bound(), Bound(limit));
-  const at::Tensor up = at::clamp(gate_up.narrow(-1, intermediate, intermediate), Bound(-limit), Bound(limit));
-  return at::mul(at::add(up, 1), at::mul(gate, at::sigmoid(at::mul(gate, alpha))));
-}
+  // out's rows [first[i], first[i + 1]) += biases[experts[i]], each sum rounded to out's dtype as add_ rounds it
+  // (in float32, then to nearest even): one loop, where a narrow and an add_ per expert were two dispatched
+  // calls each, at a decode row as long as the sums. Biases of another dtype take the ATen ops.
+  void add_biases(at::Tensor& out, const std::vector<int64_t>& experts, const std::vector<int64_t>& first) const {
+    const int64_t width = out.size(1);
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const at::Tensor& b = biases[experts[i]];
+      if (b.scalar_type() != out.scalar_type() || !b.is_contiguous() || !out.is_contiguous()) {
+        out.narrow(0, first[i], first[i + 1] - first[i]).add_(b);
+        continue;
+      }
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_bias", [&] {
+        const scalar_t* bp = b.const_data_ptr<scalar_t>();
+        scalar_t* o = out.mutable_data_ptr<scalar_t>();
+        for (int64_t r = first[i]; r < first[i + 1]; ++r) {
+          scalar_t* row = o + r * width;
+          for (int64_t c = 0; c < width; ++c) {
+            row[c] = static_cast<scalar_t>(static_cast<float>(row[c]) + static_cast<float>(bp[c]));
+          }
+        }
+      });
+    }
+  }
+};
 
 // One layer's experts and router.
 struct MoEWeights {
@@ -261,7 +273,7 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
     // call over all the pairs' rows.
     const at::Tensor xs = x.index_select(0, pair_rows);
     const at::Tensor gate_up = m.gate_up.run_grouped(k, routed, counts, xs);
-    const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
+    const at::Tensor h = m.swiglu_limit ? k.clamped_swiglu.call(gate_up, *m.swiglu_limit, m.swiglu_alpha)
                                         : k.silu_mul.call(gate_up);
     grouped_y = m.down.run_grouped(k, routed, counts, h.contiguous());
   } else {
@@ -276,7 +288,7 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
         const int64_t e = routed[i], count = counts[i];
         at::Tensor xe = rows == 1 ? x : x.index_select(0, pair_rows.narrow(0, start[e], count));
         const at::Tensor gate_up = m.gate_up.run(k, e, xe);
-        const at::Tensor h = m.swiglu_limit ? clamped_swiglu(gate_up, m.intermediate, *m.swiglu_limit, m.swiglu_alpha)
+        const at::Tensor h = m.swiglu_limit ? k.clamped_swiglu.call(gate_up.contiguous(), *m.swiglu_limit, m.swiglu_alpha)
                                             : k.silu_mul.call(gate_up);
         results[i] = m.down.run(k, e, h).contiguous();
       }

@@ -152,6 +152,60 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+// A product's input rows as float32: x's own memory where it is contiguous float32, otherwise widened here (a
+// bfloat16 value is the upper half of its float32: exact). x.to(kFloat).contiguous() gives the same values
+// through four dispatched ATen calls, which at a decode row cost as long as the widening.
+class FloatRows {
+ public:
+  explicit FloatRows(const at::Tensor& x) {
+    if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+      data_ = x.const_data_ptr<float>();
+    } else if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+      widened_.resize(x.numel());
+      for (int64_t i = 0; i < x.numel(); ++i) widened_[i] = bf16_to_float(h[i]);
+      data_ = widened_.data();
+    } else {
+      held_ = x.to(at::kFloat).contiguous();
+      data_ = held_.const_data_ptr<float>();
+    }
+  }
+  const float* data() const { return data_; }
+
+ private:
+  const float* data_ = nullptr;
+  std::vector<float> widened_;
+  at::Tensor held_;
+};
+
+// A product's float32 outputs: the returned tensor's memory where x is float32, otherwise a buffer that
+// `result` rounds into x's dtype (to nearest even, as out.to(dtype) rounds), one ATen allocation in all.
+class ProductOutputs {
+ public:
+  ProductOutputs(const at::Tensor& x, int64_t rows, int64_t out_features) : dtype_(x.scalar_type()) {
+    if (dtype_ == at::kFloat || dtype_ == at::kBFloat16) {
+      out_ = at::empty({rows, out_features}, x.options());
+      if (dtype_ == at::kBFloat16) buffer_.resize(rows * out_features);
+    } else {
+      out_ = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+    }
+  }
+  float* data() { return buffer_.empty() ? out_.mutable_data_ptr<float>() : buffer_.data(); }
+  at::Tensor result() {
+    if (dtype_ == at::kBFloat16) {
+      at::BFloat16* o = out_.mutable_data_ptr<at::BFloat16>();
+      for (size_t i = 0; i < buffer_.size(); ++i) o[i] = at::BFloat16(buffer_[i]);
+      return out_;
+    }
+    return dtype_ == at::kFloat ? out_ : out_.to(dtype_);
+  }
+
+ private:
+  at::ScalarType dtype_;
+  at::Tensor out_;
+  std::vector<float> buffer_;
+};
+
 // An E8M0 byte as MXFP4 scales its doubled levels: 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF), exact.
 inline float e8m0_half(uint8_t e) {
   const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
@@ -661,8 +715,8 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
   q.lane_scales.assign(rows * q.steps * 16, 0.f);
   q.sums.assign(rows * chunks, 0.f);
   if constexpr (zero_in_sums<F>()) q.lane_bias.assign(rows * q.steps * 16, 0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.const_data_ptr<float>();
+  const FloatRows xf(x);
+  const float* xp = xf.data();
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
@@ -910,8 +964,8 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
   q.scales.assign(rows * q.spans, 0.f);
   q.sums16.assign(rows * q.spans * 16, 0);
   q.sums32.assign(rows * q.spans * 8, 0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.const_data_ptr<float>();
+  const FloatRows xf(x);
+  const float* xp = xf.data();
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t s = 0; s < q.spans; ++s) {
@@ -1141,8 +1195,8 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t rows, int64_t in) {
   q.codes.resize(rows * in);
   q.scales.resize(rows * chunks);
   q.sums.resize(rows * chunks);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.const_data_ptr<float>();
+  const FloatRows xf(x);
+  const float* xp = xf.data();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   // vpackssdw / vpacksswb interleave the two 128-bit halves; this puts the 4-byte groups back in order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -1443,9 +1497,9 @@ at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef 
   std::vector<at::Tensor> contiguous(weights.begin(), weights.end());
   for (at::Tensor& w : contiguous) w = w.contiguous();
   const int64_t rows = x.size(0), out_features = contiguous[0].size(0);
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
-  if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
-  float* op_out = out.mutable_data_ptr<float>();
+  ProductOutputs out(x, rows, out_features);
+  if (rows == 0 || out_features == 0) return out.result();
+  float* op_out = out.data();
 #if defined(KVREUSE_BF16_DOT)
   // The inputs as bf16 (a float32 one as three bf16 parts that add up to it exactly), and their sums per
   // chunk of 32 values.
@@ -1496,8 +1550,8 @@ at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef 
     });
   });
 #else
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16 rows widened once per call
-  const float* xp = xf.const_data_ptr<float>();
+  const FloatRows xf(x);  // bf16 rows widened once per call
+  const float* xp = xf.data();
   with_format(format, [&](auto f) {
     using F = decltype(f);
     split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
@@ -1506,7 +1560,7 @@ at::Tensor float_products(const char* op, const at::Tensor& x, c10::IntArrayRef 
     });
   });
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.result();
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
@@ -1564,10 +1618,10 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
   std::vector<at::Tensor> contiguous(weights.begin(), weights.end());
   for (at::Tensor& w : contiguous) w = w.contiguous();
   const int64_t rows = x.size(0), out_features = contiguous[0].size(0);
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  ProductOutputs out(x, rows, out_features);
 #if defined(KVREUSE_INT8_DOT)
   if (rows > 0 && out_features > 0) {
-    float* op_out = out.mutable_data_ptr<float>();
+    float* op_out = out.data();
     with_format(format, [&](auto f) {
       using F = decltype(f);
 #if defined(KVREUSE_KQUANT_DOT)
@@ -1589,7 +1643,7 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
     });
   }
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.result();
 }
 
 at::Tensor qlinear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t in) {
