@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.models import native_step, qlinear
+from kvreuse.models import fused_ops, native_step, qlinear
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
 pytestmark = pytest.mark.skipif(native_step.library() is None, reason="the native decoder layer does not build here")
@@ -204,3 +204,15 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
     llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
     llm.engine.flush_tiers()
     assert len(list(disk.iterdir())) == 5
+
+
+def test_the_fused_expert_activation_is_part_of_the_kv_fingerprint(tiny_models, monkeypatch, tmp_path):
+    """gpt-oss's experts take their clamped SwiGLU from one kernel (exp from SLEEF on every value) where it is
+    built, from eager ops (std::exp on their chunks' tails) where not: K/V bytes that may differ, so the two
+    never share a tier's records. Qwen3-MoE's experts (SiLU) are the same either way."""
+    options = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, kv_disk_dir=str(tmp_path / "disk"))
+    with_kernel = {arch: LLM(str(tiny_models[arch]), **options).engine.tier_store.fingerprint
+                   for arch in ("gpt_oss", "qwen3_moe")}
+    monkeypatch.setattr(fused_ops, "available", lambda: False)
+    assert LLM(str(tiny_models["gpt_oss"]), **options).engine.tier_store.fingerprint != with_kernel["gpt_oss"]
+    assert LLM(str(tiny_models["qwen3_moe"]), **options).engine.tier_store.fingerprint == with_kernel["qwen3_moe"]

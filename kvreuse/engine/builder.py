@@ -29,7 +29,7 @@ from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
-from kvreuse.models import paged_attention, qlinear
+from kvreuse.models import fused_ops, paged_attention, qlinear
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -350,6 +350,11 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
         **({"activations": f"int8 (qdot8, arithmetic {qlinear.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
+        # gpt-oss's experts' activation in one kernel (fused_ops.clamped_swiglu): SLEEF's exp on every value,
+        # where eager sigmoid takes std::exp on the scalar tails of its thread's chunk, so a prefill split
+        # otherwise between threads rounded a few values otherwise before it.
+        **({"expert_activation": "clamped_swiglu (kvreuse_fused)"} if clamped_swiglu_kernel(model_config, kv_cache)
+           else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
            and kv_cache.storage_dtype != kv_cache.dtype else {}),
@@ -357,6 +362,13 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         "kv_layers": kv_cache.num_layers, "kv_heads": kv_cache.num_kv_heads, "head_dim": kv_cache.head_dim,
         "feature_size": kv_cache.feature_size, "draft": draft.digest if draft is not None else None,
     })
+
+
+def clamped_swiglu_kernel(model_config: ModelConfig, kv_cache: KVCache) -> bool:
+    """Whether the model's experts take their clamped SwiGLU (gpt-oss) from fused_ops' kernel."""
+    moe = model_config.moe
+    return (moe is not None and moe.swiglu_limit is not None and kv_cache.device.type == "cpu"
+            and fused_ops.available())
 
 
 def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> TieredStore:
