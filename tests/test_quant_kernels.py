@@ -339,6 +339,21 @@ def test_products_in_many_tasks_give_every_row_once_on_any_thread_count(built, i
         at += count
 
 
+def test_bfloat16_int8_products_are_the_float32_products_rounded(built):
+    """qdot8 widens a bfloat16 input and rounds its float32 sums to bfloat16 in its own loops for a few rows,
+    through ATen's .to() beyond 32k values: either way the bits of the float32 product of the same values
+    rounded to nearest even (1 row of 1,280 outputs, and 64). (qdot multiplies bf16 inputs otherwise than
+    float32 ones: no such identity there.)"""
+    if "q8_0" not in qlinear.int8_formats():
+        pytest.skip("this CPU runs no int8 products")
+    qt = repack_gguf(gguf_blocks("Q8_0", 1280, 1024, seed=4), "Q8_0", (1280, 1024))
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, 64):
+        x = torch.randn(rows, 1024, generator=generator).bfloat16()
+        got, want = qlinear.qlinear_int8(x, qt), qlinear.qlinear_int8(x.float(), qt).bfloat16()
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "MXFP4"])
 def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml_type):
     """On AVX512-VNNI, q8_0, q4_0 and MXFP4 multiply 4 weight rows at a time against one input row (2 against

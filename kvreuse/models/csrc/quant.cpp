@@ -152,15 +152,20 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-// A product's input rows as float32: x's own memory where it is contiguous float32, otherwise widened here (a
-// bfloat16 value is the upper half of its float32: exact). x.to(kFloat).contiguous() gives the same values
-// through four dispatched ATen calls, which at a decode row cost as long as the widening.
+// Up to this many values a product's bfloat16 inputs and outputs are converted by the loops below, beyond it by
+// ATen's vectorised, threaded `.to()`: at a decode row its four dispatched calls cost as long as the
+// conversion, and the scalar loops cost 3 ns a value (at 256 rows x 1,280 outputs they made a qdot8 product
+// 30% slower).
+constexpr int64_t kOwnConversionValues = int64_t{1} << 15;
+
+// A product's input rows as float32: x's own memory where it is contiguous float32, otherwise widened (a
+// bfloat16 value is the upper half of its float32: exact), here for a few rows.
 class FloatRows {
  public:
   explicit FloatRows(const at::Tensor& x) {
     if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
       data_ = x.const_data_ptr<float>();
-    } else if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
+    } else if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.numel() <= kOwnConversionValues) {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
       widened_.resize(x.numel());
       for (int64_t i = 0; i < x.numel(); ++i) widened_[i] = bf16_to_float(h[i]);
@@ -178,12 +183,13 @@ class FloatRows {
   at::Tensor held_;
 };
 
-// A product's float32 outputs: the returned tensor's memory where x is float32, otherwise a buffer that
-// `result` rounds into x's dtype (to nearest even, as out.to(dtype) rounds), one ATen allocation in all.
+// A product's float32 outputs: the returned tensor's memory where x is float32; for a few bfloat16 rows, a
+// buffer that `result` rounds into x's dtype (to nearest even, as out.to(dtype) rounds), one ATen allocation
+// in all; otherwise a float32 tensor that `result` converts with `.to()`.
 class ProductOutputs {
  public:
   ProductOutputs(const at::Tensor& x, int64_t rows, int64_t out_features) : dtype_(x.scalar_type()) {
-    if (dtype_ == at::kFloat || dtype_ == at::kBFloat16) {
+    if (dtype_ == at::kFloat || (dtype_ == at::kBFloat16 && rows * out_features <= kOwnConversionValues)) {
       out_ = at::empty({rows, out_features}, x.options());
       if (dtype_ == at::kBFloat16) buffer_.resize(rows * out_features);
     } else {
@@ -192,7 +198,7 @@ class ProductOutputs {
   }
   float* data() { return buffer_.empty() ? out_.mutable_data_ptr<float>() : buffer_.data(); }
   at::Tensor result() {
-    if (dtype_ == at::kBFloat16) {
+    if (out_.scalar_type() == at::kBFloat16) {
       at::BFloat16* o = out_.mutable_data_ptr<at::BFloat16>();
       for (size_t i = 0; i < buffer_.size(); ++i) o[i] = at::BFloat16(buffer_[i]);
       return out_;
