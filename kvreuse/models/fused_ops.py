@@ -133,4 +133,3 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # In place: the [T, intermediate] activations are the largest tensors of a prefill, and not
     # allocating a second one is measurably faster on CPU.
     return F.silu(gate).mul_(up)
-
