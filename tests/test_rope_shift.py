@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +131,42 @@ def test_refusals(engines: dict[str, LLM], tiny_models: dict[str, Path]) -> None
         shift_rotated_keys(keys, torch.tensor([1, 2]), rotary)
     with pytest.raises(ValueError, match="head_dim"):
         shift_rotated_keys(torch.zeros(3, 2, rotary.head_dim + 2), 1, rotary)
+
+
+def moved_layer_by_layer(model: Any, kv_cache: Any, src: torch.Tensor, dst: torch.Tensor, deltas: torch.Tensor,
+                         first_layer: int) -> None:
+    """The reference move: each layer through the pool's own gather (float32) and write, K turned by
+    ``shift_rotated_keys``."""
+    for layer in range(first_layer, model.config.num_hidden_layers):
+        keys, values = kv_cache.gather(layer, src, torch.float32)
+        kv_cache.write(layer, dst, shift_rotated_keys(keys, deltas, rotary_for_layer(model, layer)), values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: two rotary tables among the layers
+def test_a_float_pools_move_is_the_gather_and_write_move_bit_for_bit(tiny_models: dict[str, Path], arch: str) -> None:
+    from kvreuse.models import rope_shift
+
+    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", device="cpu", kv_cache_memory="4MiB",
+              enable_prefix_caching=False)
+    model, kv_cache = llm.engine.model, llm.engine.kv_cache
+    layers = model.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(7)
+    kv_cache.kv.copy_(torch.randn(kv_cache.kv.shape, generator=generator).to(kv_cache.kv.dtype))
+    before = kv_cache.kv.clone()
+    # Sources and destinations overlap (a turn moved earlier reads slots it also writes), deltas of both signs.
+    src = torch.tensor([40, 41, 42, 43, 90, 91])
+    dst = torch.tensor([38, 39, 40, 41, 130, 131])
+    deltas = torch.tensor([-2, -2, -2, -2, 40, 40])
+    for first_layer in range(layers):
+        kv_cache.kv.copy_(before)
+        moved_layer_by_layer(model, kv_cache, src, dst, deltas, first_layer)
+        expected = kv_cache.kv.clone()
+        kv_cache.kv.copy_(before)
+        captured = rope_shift.move_kv(model, kv_cache, src, dst, deltas, capture_layer=layers - 1,
+                                      first_layer=first_layer)
+        assert torch.equal(kv_cache.kv, expected), f"first_layer {first_layer}"
+        assert torch.equal(kv_cache.kv[:first_layer], before[:first_layer]), "layers before first_layer moved"
+        reference = kv_cache.gather(layers - 1, dst, torch.float32)
+        assert torch.equal(captured[0], reference[0]) and torch.equal(captured[1], reference[1])
+    with pytest.raises(ValueError, match="first_layer"):
+        rope_shift.move_kv(model, kv_cache, src, dst, deltas, capture_layer=0, first_layer=1)

@@ -163,7 +163,9 @@ class ModelRunner:
         plan = batch.blend
         if batch.moves is not None:
             capture = plan.check_layer if plan is not None and plan.recompute_fraction > 0 else -1
-            reference = move_kv(self.model, self.kv_cache, batch.moves.src, batch.moves.dst, batch.moves.deltas, capture)
+            # The check layers and those before them run every row, so the moves start at the check layer.
+            reference = move_kv(self.model, self.kv_cache, batch.moves.src, batch.moves.dst, batch.moves.deltas, capture,
+                                first_layer=max(capture, 0))
             if plan is not None:
                 plan.reference = reference
         if plan is None:
