@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             "orders": [{"seen": p.seen_order, "measured": p.sections, "asked": p.asked} for p in prompts],
             "runs": {name: {**run.summary(), **asdict(run)} for name, run in figures.items()},
         }
+    report["pooled"] = pooled_summary(report)
     if args.json_out:
         write_json(args.json_out, report)
     print_tables(report, args)
@@ -515,6 +516,49 @@ def print_tables(report: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"  {name:34s} {run['ttft_p50_s'] * 1000:11.1f} {run['ttft_p50_s'] / full_ttft:7.2f} "
                   f"{run['cached_tokens_mean']:10.1f} {run['shared_answer_tokens_mean']:11.1f} of {args.answer_tokens:<3d} "
                   f"{kl}")
+    pooled = pooled_summary(report)
+    if len(report["sets"]) > 1 and pooled:
+        print(f"\nall {len(report['sets'])} prompt sets pooled ({pooled['prompts']} prompts): TTFT / full is the median of "
+              f"the per-prompt ratios; shared tokens mean +- its standard error")
+        print(f"  {'run':34s} {'/ full':>7s} {'shared answer tok':>17s} {'/ floor':>7s} {'KL(full || run)':>15s} "
+              f"{'/ shift':>7s}")
+        for name, row in pooled["runs"].items():
+            floor = f"{row['shared_over_floor']:7.2f}" if row["shared_over_floor"] is not None else f"{'-':>7s}"
+            kl = f"{row['kl_mean']:15.5f}" if row["kl_mean"] is not None else f"{'-':>15s}"
+            shift = f"{row['kl_over_shift']:7.2f}" if row["kl_over_shift"] is not None else f"{'-':>7s}"
+            print(f"  {name:34s} {row['ttft_over_full']:7.2f} {row['shared_mean']:9.1f} +- {row['shared_sem']:4.1f} "
+                  f"{floor} {kl} {shift}")
+
+
+def pooled_summary(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Every prompt set's prompts pooled, per run: the median of the per-prompt TTFT ratios (to the run's own full
+    prefill), the shared answer tokens' mean and standard error and their ratio to the noise floor's, the mean KL
+    and its ratio to a pure shift's. None when the sets do not all hold the same runs."""
+    sets = list(report["sets"].values())
+    names = list(sets[0]["runs"])
+    if any(list(figures["runs"]) != names for figures in sets):
+        return None
+
+    def pooled(name: str, key: str) -> list[float]:
+        return [value for figures in sets for value in figures["runs"][name][key]]
+
+    floor_name = next((name for name in names if name.startswith("noise floor")), None)
+    shift_name = "chunk reuse: shift" if "chunk reuse: shift" in names else None
+    floor_shared = statistics.mean(pooled(floor_name, "shared_answer_tokens")) if floor_name else None
+    shift_kl = statistics.mean(pooled(shift_name, "kl")) if shift_name else None
+    runs = {}
+    for name in names:
+        full_name = "llama-server full prefill" if name.startswith("llama-server") else "full prefill"
+        ratios = [run / full for run, full in zip(pooled(name, "ttft_s"), pooled(full_name, "ttft_s"))]
+        shared = pooled(name, "shared_answer_tokens")
+        kl = pooled(name, "kl")
+        sem = statistics.stdev(shared) / math.sqrt(len(shared)) if len(shared) > 1 else 0.0
+        runs[name] = {
+            "ttft_over_full": statistics.median(ratios), "shared_mean": statistics.mean(shared), "shared_sem": sem,
+            "shared_over_floor": statistics.mean(shared) / floor_shared if floor_shared else None,
+            "kl_mean": statistics.mean(kl) if kl else None,
+            "kl_over_shift": statistics.mean(kl) / shift_kl if kl and shift_kl else None}
+    return {"prompts": len(pooled("full prefill", "ttft_s")), "runs": runs}
 
 
 if __name__ == "__main__":

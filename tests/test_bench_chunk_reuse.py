@@ -5,6 +5,7 @@ the documented command is tests/test_documented_commands.py's."""
 from __future__ import annotations
 
 import importlib.util
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,29 @@ def test_yardsticks() -> None:
     p = reference[0].exp()
     expected = float((p * (reference[0] - other[0])).sum()) / 2  # the second position agrees: KL 0
     assert bench.kl_divergence(reference, other) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_pooled_summary_pools_every_set_against_its_own_yardsticks() -> None:
+    bench = load_script()
+
+    def run(ttft: list[float], shared: list[int], kl: list[float]) -> dict:
+        return {"ttft_s": ttft, "shared_answer_tokens": shared, "kl": kl}
+
+    def prompt_set(full_ttft: list[float], blend_ttft: list[float], blend_shared: list[int]) -> dict:
+        return {"runs": {"full prefill": run(full_ttft, [32, 32], [0.0, 0.0]),
+                         "noise floor (float32 compute)": run([1.0, 1.0], [20, 10], [0.001, 0.003]),
+                         "chunk reuse: shift": run([0.1, 0.1], [5, 5], [0.1, 0.3]),
+                         "chunk reuse: default": run(blend_ttft, blend_shared, [0.02, 0.02])}}
+
+    report = {"sets": {"0": prompt_set([2.0, 4.0], [1.0, 1.0], [10, 20]),
+                       "1": prompt_set([1.0, 1.0], [0.3, 0.4], [6, 4])}}
+    pooled = bench.pooled_summary(report)
+    assert pooled["prompts"] == 4
+    default = pooled["runs"]["chunk reuse: default"]
+    assert default["ttft_over_full"] == pytest.approx(0.35)  # the median of 0.5, 0.25, 0.3, 0.4
+    assert default["shared_mean"] == pytest.approx(10.0)
+    assert default["shared_over_floor"] == pytest.approx(10.0 / 15.0)  # the floor's 20, 10, 20, 10
+    assert default["shared_sem"] == pytest.approx(statistics.stdev([10, 20, 6, 4]) / 2)
+    assert default["kl_over_shift"] == pytest.approx(0.02 / 0.2)
+    del report["sets"]["1"]["runs"]["chunk reuse: shift"]
+    assert bench.pooled_summary(report) is None  # sets that ran other runs are not pooled
