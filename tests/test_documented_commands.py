@@ -181,6 +181,9 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_chunk_reuse.py --llama-server BIN --seeds 0,1 --num-prompts 6 --modes shift,recompute-5,"
     "recompute-15,recompute-20,recompute-30,epic-16,both,recompute-15@3,recompute-20@3,recompute-30@3 "
     "--json-out chunk_reuse.json": SCRIPT,
+    # docs/benchmarks.md: the third run, 3 prompt sets pooled (smoke: one set)
+    "python benchmarks/bench_chunk_reuse.py --llama-server BIN --seeds 0,1,2 --num-prompts 8 --modes shift,recompute-5,"
+    "recompute-15,recompute-20,epic-16,both,default,recompute-15@1 --json-out chunk_reuse.json": SCRIPT,
     # docs/chunks.md: issue 39's reasoning turns (smoke: the tiny-qwen3-think preset, 3 turns)
     "python benchmarks/bench_reasoning_turns.py --json-out reasoning_turns.json": SCRIPT,
     # docs/ray.md

@@ -92,7 +92,8 @@ def shift_rotated_keys(keys: torch.Tensor, delta: int | torch.Tensor, rotary: Ro
 
 
 def move_kv(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor,
-            deltas: torch.Tensor, capture_layer: int = -1, first_layer: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+            deltas: torch.Tensor, capture_layer: int = -1,
+            first_layer: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Copy the K/V of layers ``first_layer`` on from slots ``src`` to ``dst`` [M], each K row turned by its delta
     with the layer's own table, in float32, rounded once as the pool stores it (a quantized pool dequantizes and
     quantizes again with fresh scales: ``KVCache.gather`` / ``write``). Returns the K and V written at
@@ -120,7 +121,8 @@ def move_kv(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torch.Tensor,
 
 
 def _move_float_pool(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor,
-                     deltas: torch.Tensor, capture_layer: int, first_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     deltas: torch.Tensor, capture_layer: int,
+                     first_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``move_kv`` on a float pool, layer by layer: V copied as stored, K turned in float32 with each rotary
     table's cos and sin of the deltas computed once (Gemma 3's sliding layers have their own table). The same
     arithmetic as ``shift_rotated_keys``, so the same bits; a third faster than through ``gather`` / ``write``
