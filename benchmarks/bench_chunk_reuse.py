@@ -516,7 +516,7 @@ def print_tables(report: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"  {name:34s} {run['ttft_p50_s'] * 1000:11.1f} {run['ttft_p50_s'] / full_ttft:7.2f} "
                   f"{run['cached_tokens_mean']:10.1f} {run['shared_answer_tokens_mean']:11.1f} of {args.answer_tokens:<3d} "
                   f"{kl}")
-    pooled = pooled_summary(report)
+    pooled = report.get("pooled")
     if len(report["sets"]) > 1 and pooled:
         print(f"\nall {len(report['sets'])} prompt sets pooled ({pooled['prompts']} prompts): TTFT / full is the median of "
               f"the per-prompt ratios; shared tokens mean +- its standard error")

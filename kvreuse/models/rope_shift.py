@@ -83,12 +83,16 @@ def shift_rotated_keys(keys: torch.Tensor, delta: int | torch.Tensor, rotary: Ro
         deltas = delta.to(device=keys.device, dtype=torch.int64)
         if deltas.shape != (keys.shape[0],):
             raise ValueError(f"one delta per row: {keys.shape[0]} rows, deltas of shape {tuple(deltas.shape)}")
-    cos, sin = delta_cos_sin(rotary, deltas)
+    return turned_by(keys, *delta_cos_sin(rotary, deltas))
+
+
+def turned_by(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """K rows [n, kv_heads, head_dim] turned by ``delta_cos_sin``'s cos and sin in float32, rounded once to
+    ``keys``' dtype (the rotate-half layout: dimension i pairs with i + head_dim / 2)."""
     rows = keys.float()
     half = rows.shape[-1] // 2
     first, second = rows[..., :half], rows[..., half:]
-    turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-    return turned.to(keys.dtype)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(keys.dtype)
 
 
 def move_kv(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor,
@@ -125,9 +129,9 @@ def _move_float_pool(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torc
                      first_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``move_kv`` on a float pool, layer by layer: V copied as stored, K turned in float32 with each rotary
     table's cos and sin of the deltas computed once (Gemma 3's sliding layers have their own table). The same
-    arithmetic as ``shift_rotated_keys``, so the same bits; a third faster than through ``gather`` / ``write``
-    (27 of SmolLM2's layers, 2,000 moved tokens: 25 against 32 ms on the 2-core Xeon VM)."""
-    deltas = deltas.to(device=kv_cache.kv.device, dtype=torch.int64)
+    arithmetic as ``shift_rotated_keys`` (``turned_by``), so the same bits; a third faster than through
+    ``gather`` / ``write`` (27 of SmolLM2's layers, 2,000 moved tokens: 25 against 32 ms on the 2-core Xeon VM)."""
+    deltas = deltas.to(device=kv_cache.device, dtype=torch.int64)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     captured = None
     for layer in range(first_layer, model.config.num_hidden_layers):
@@ -135,13 +139,9 @@ def _move_float_pool(model: LlamaFamilyForCausalLM, kv_cache: KVCache, src: torc
         if id(rotary) not in tables:
             tables[id(rotary)] = delta_cos_sin(rotary, deltas)
         cos, sin = tables[id(rotary)]
-        key_pool, value_pool = kv_cache.kv[layer, 0], kv_cache.kv[layer, 1]
+        key_pool, value_pool, _, _ = kv_cache.layer_pools(layer)
         value_pool.index_copy_(0, dst, value_pool.index_select(0, src))
-        keys = key_pool.index_select(0, src).float()
-        half = keys.shape[-1] // 2
-        first, second = keys[..., :half], keys[..., half:]
-        key_pool.index_copy_(0, dst, torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-                             .to(key_pool.dtype))
+        key_pool.index_copy_(0, dst, turned_by(key_pool.index_select(0, src), cos, sin))
         if layer == capture_layer:
             # What the pool now holds (rounded to its dtype), so an unchanged token deviates by exactly 0.
             captured = key_pool.index_select(0, dst).float(), value_pool.index_select(0, dst).float()
