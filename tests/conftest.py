@@ -177,18 +177,19 @@ def tiny_model(tiny_models: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_address() -> Iterator[str]:
-    """The Ray cluster the Ray Serve tests deploy on: .ci/run's (RAY_ADDRESS), else one started here with
-    ``ray start`` (one head, two workers: tests/ray_cluster.py) and stopped at the end of the session."""
+    """The Ray cluster the Ray Serve tests deploy on: the suite's own (one head, two workers, started with
+    ``ray start`` on a free head port: tests/ray_cluster.py), the same under .ci/run and the README's test
+    command, never a cluster the environment names; stopped (its processes only) at the end of the session."""
     import ray_cluster
 
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        yield address
-        return
-    address = ray_cluster.start()
-    os.environ["RAY_ADDRESS"] = address
+    cluster = ray_cluster.start()
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = cluster.address
     try:
-        yield address
+        yield cluster.address
     finally:
-        del os.environ["RAY_ADDRESS"]
-        ray_cluster.stop()
+        if saved is None:
+            del os.environ["RAY_ADDRESS"]
+        else:
+            os.environ["RAY_ADDRESS"] = saved
+        ray_cluster.stop(cluster)

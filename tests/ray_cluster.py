@@ -1,10 +1,13 @@
-"""A Ray cluster of one head and two worker nodes on this machine, started with ``ray start`` (as users do).
+"""The suite's Ray cluster: one head and two worker nodes on this machine, started with ``ray start`` (as users
+do) by the ``ray_address`` fixture (tests/conftest.py), the same way under .ci/run and the README's test
+command, and stopped at the end of the session.
 
-.ci/run starts it before the suite (``python tests/ray_cluster.py start``) and stops it after; a test run
-without one (a developer's machine) has tests/test_ray_serve.py start and stop its own. ``ray start``
-on Linux replaces a loopback --node-ip-address with the machine's interface address for a multi-node
-cluster (ray._private.services.resolve_ip_for_localhost), so Ray's own daemons listen there; kvreuse's
-sockets (Serve's HTTP proxy, the replicas' KV events) bind where kvreuse says.
+The cluster is the suite's own: its head listens on a free port (a cluster another run left behind, or a
+user's, is never reused or disturbed), every process of it carries ``CLUSTER_MARK`` in its environment
+(inherited from ``ray start``), and ``stop`` ends exactly those processes, where ``ray stop`` would end every
+Ray process on the machine. ``ray start`` on Linux replaces a loopback --node-ip-address with the machine's
+interface address for a multi-node cluster (ray._private.services.resolve_ip_for_localhost), so Ray's own
+daemons listen there; kvreuse's sockets (Serve's HTTP proxy, the replicas' KV events) bind where kvreuse says.
 """
 
 from __future__ import annotations
@@ -14,49 +17,97 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 
-HEAD_PORT = 6390
+import psutil
+
+from ports import free_port
+
+CLUSTER_MARK = "KVREUSE_TEST_RAY_CLUSTER"
+START_TIMEOUT_S = 300  # one `ray start` on a busy 2-core machine
 # The commands the docs show (docs/ray.md, docs/benchmarks.md), run as typed on this cluster (RAY_ADDRESS
 # names it): the deployment by tests/test_ray_serve.py in a folder where ./qwen05 is the suite's tiny model
-# ("auto" finds the cluster), the benchmark by tests/test_ray_bench.py with KVREUSE_BENCH_SMOKE=1.
+# ("auto" finds the cluster), the benchmark by tests/test_ray_bench.py with KVREUSE_BENCH_SMOKE=1. Both use
+# Ray Serve's one HTTP proxy on SERVE_PORT: they hold it (tests/ports.py) while they deploy, one at a time.
+SERVE_PORT = 8100
 SERVE_COMMAND = "kvreuse serve --model ./qwen05 --ray-address auto --num-replicas 2 --max-replicas-per-node 1 --port 8100"
 BENCH_COMMAND = "python benchmarks/bench_ray.py --preset smollm2-135m --dtype bfloat16 --temperature 1"
 DOCUMENTED_COMMANDS = (SERVE_COMMAND, BENCH_COMMAND)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    address: str  # HOST:PORT of the head
+    mark: str  # the value of CLUSTER_MARK in its processes' environment
+
+
 def ray_cli() -> str:
-    found = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+    return shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def _ray(args: list[str], env: dict[str, str], what: str) -> None:
+    try:
+        done = subprocess.run([ray_cli(), *args], env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(f"{what}: `ray {' '.join(args)}` did not finish in {START_TIMEOUT_S} s:\n"
+                           f"{(error.stdout or b'')[-3000:]!r}\n{(error.stderr or b'')[-3000:]!r}") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{what}: `ray {' '.join(args)}` exited with status {done.returncode}:\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def start(workers: int = 2) -> Cluster:
+    """A head (no CPU: Serve's controller, proxy and the ingress take none, so the engine replicas, one CPU
+    each, go to the workers, one per node with --max-replicas-per-node 1) and ``workers`` worker nodes."""
+    cluster = Cluster(f"127.0.0.1:{free_port()}", uuid.uuid4().hex)
+    env = dict(os.environ, **{CLUSTER_MARK: cluster.mark})
+    env.pop("RAY_ADDRESS", None)
+    common = ["--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
+    try:
+        _ray(["start", "--head", "--port", cluster.address.rsplit(":", 1)[1], "--num-cpus", "0",
+              "--include-dashboard", "false", "--ray-client-server-port", str(free_port()), *common],
+             env, "the Ray head")
+        for _ in range(workers):
+            _ray(["start", "--address", cluster.address, "--num-cpus", "1", *common], env, "a Ray worker node")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # the workers registered with the head
+            status = subprocess.run([ray_cli(), "status", "--address", cluster.address], env=env,
+                                    capture_output=True, text=True, timeout=60)
+            if status.stdout.count(" node_") >= workers + 1:
+                return cluster
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster at {cluster.address} has not {workers + 1} nodes after "
+                                   f"{START_TIMEOUT_S} s:\n{status.stdout[-3000:]}\n{status.stderr[-3000:]}")
+            time.sleep(1)
+    except BaseException:
+        stop(cluster)
+        raise
+
+
+def processes(cluster: Cluster) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(CLUSTER_MARK) == cluster.mark:
+                found.append(process)
+        except psutil.Error:
+            pass
     return found
 
 
-def start(head_port: int = HEAD_PORT) -> str:
-    """Start the cluster; its address (HOST:PORT of the head)."""
-    common = ["--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
-    # The head offers no CPU: Serve's controller, proxy and the ingress take none, so the engine replicas
-    # (one CPU each) go to the workers, one per node with --max-replicas-per-node 1.
-    subprocess.run([ray_cli(), "start", "--head", "--port", str(head_port), "--num-cpus", "0", "--include-dashboard",
-                    "false", *common], check=True, capture_output=True, timeout=120)
-    for _ in range(2):
-        subprocess.run([ray_cli(), "start", "--address", f"127.0.0.1:{head_port}", "--num-cpus", "1", *common],
-                       check=True, capture_output=True, timeout=120)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the workers registered with the head
-        status = subprocess.run([ray_cli(), "status", "--address", f"127.0.0.1:{head_port}"], capture_output=True,
-                                text=True, timeout=60)
-        if status.stdout.count(" node_") >= 3:
-            break
-        time.sleep(1)
-    return f"127.0.0.1:{head_port}"
-
-
-def stop() -> None:
-    subprocess.run([ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["start"]:
-        print(start(int(sys.argv[2]) if len(sys.argv) > 2 else HEAD_PORT))
-    elif sys.argv[1:2] == ["stop"]:
-        stop()
-    else:
-        raise SystemExit("usage: python tests/ray_cluster.py start [HEAD_PORT] | stop")
+def stop(cluster: Cluster, grace_s: float = 15.0) -> None:
+    """End every process of the cluster (SIGTERM, then SIGKILL after ``grace_s``), and no other."""
+    doomed = [process for process in processes(cluster) if process.pid != os.getpid()]
+    for process in doomed:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(doomed, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)

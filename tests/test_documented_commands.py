@@ -35,13 +35,17 @@ session, and ``./adapters/<name>`` as a small PEFT adapter for it. The kinds of 
 - ``python benchmarks/X.py``: as typed with KVREUSE_BENCH_SMOKE=1 (each script's smoke mode: the same
   steps on the tiny preset with the smallest sizes), exit 0 and its table printed.
 
-Fixed ports (8000, 8001, 8002, 8080) must be free: a busy one fails with a message, never another port.
-The runs go on in a few background threads from the start of the session (commands sharing a port run
-one after another), so the tests mostly wait for results that are already there.
+Fixed ports (8000, 8001, 8002, 8080) must be free: a busy one fails with a message naming what holds it, never
+another port. The runs go on in a few background threads from the start of the session, so the tests mostly
+wait for results that are already there. Commands that share a port never overlap: they run one after another
+in one lane, and each run holds its ports (tests/ports.py: a lock per port, across threads, xdist workers and
+pytest sessions) until every process it started, and whatever those left in sessions of their own, is killed
+and nothing listens on them any more, whether the run passed or failed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -56,12 +60,15 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
+
+import ports
 
 from kvreuse.bench.compare import wait_healthy as poll_health
 
@@ -441,6 +448,22 @@ def test_every_covered_command_is_still_documented() -> None:
                        + "\n".join(stale))
 
 
+def test_ci_runs_the_readme_test_command_as_typed() -> None:
+    """.ci/run ends with the README's test command, each of its lines as typed, and starts or builds nothing of
+    its own before it: what the suite needs (kernels, the Ray cluster) it does itself, the same for a developer
+    and for CI."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "README.md").read_text(encoding="utf-8"), re.M | re.S)
+    test_block = next(block for block in blocks if "python -m pytest" in block)
+    typed = [line.strip() for line in test_block.splitlines() if line.strip() and not line.strip().startswith("#")]
+    ci_lines = [line.strip() for line in CI_SCRIPT.read_text(encoding="utf-8").splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    assert ci_lines[-len(typed):] == typed, f".ci/run does not end with the README's test command {typed}: {ci_lines}"
+    before = ci_lines[:-len(typed)]
+    for word in ("ray start", "ray_cluster", "RAY_ADDRESS", "library()", "python -c", "export "):
+        assert not any(word in line for line in before), f".ci/run runs {word!r} before the test command"
+    assert not any(re.search(r"(^|[^&])&\s*$", line) for line in before), ".ci/run starts a background program"
+
+
 # --- Running -------------------------------------------------------------------------------------------------
 
 
@@ -651,26 +674,50 @@ class Processes:
         self.live: set[subprocess.Popen] = set()
         self.lock = threading.Lock()
         self.cancelled = threading.Event()
+        self.scopes = threading.local()  # per thread: the processes started inside ``stopped_after``
+        self.marks = itertools.count()
+        self.mark_of: dict[subprocess.Popen, str] = {}  # the environment mark of each (tests/ports.py)
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
         if self.cancelled.is_set():
             raise Cancelled("the session is ending")
+        mark = f"{os.getpid()}-{next(self.marks)}"
         with open(log, "ab") as handle:
-            process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+            process = subprocess.Popen(argv, cwd=cwd, env=dict(env, **{ports.MARK: mark}), stdout=handle,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         with self.lock:
             self.live.add(process)
+            self.mark_of[process] = mark
+        for scope in getattr(self.scopes, "stack", []):
+            scope.append(process)
         return process
+
+    @contextmanager
+    def stopped_after(self) -> Iterator[None]:
+        """Every process this thread starts inside the block is killed (its whole tree) when the block ends,
+        however it ends: a run that failed halfway leaves nothing behind for the next run on its port."""
+        started: list[subprocess.Popen] = []
+        stack = self.scopes.__dict__.setdefault("stack", [])
+        stack.append(started)
+        try:
+            yield
+        finally:
+            stack.remove(started)
+            for process in started:
+                self.kill_group(process)
+
+    def mark(self, process: subprocess.Popen) -> str | None:
+        with self.lock:
+            return self.mark_of.get(process)
 
     def forget(self, process: subprocess.Popen) -> None:
         with self.lock:
             self.live.discard(process)
+            self.mark_of.pop(process, None)
 
     def kill_group(self, process: subprocess.Popen) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGKILL its group and every descendant, also one that left the group (tests/ports.py)."""
+        ports.kill_tree(process.pid, self.mark(process))
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
@@ -1085,27 +1132,51 @@ class DocRuns:
     # --- fixed-port lanes -----------------------------------------------------------------------------------
 
     def _run_lane(self, units: list[list[DocCommand]], kinds: dict[str, str | None]) -> dict[str, Outcome]:
+        """The units one after another, each holding its ports (tests/ports.py: no other thread, xdist worker or
+        pytest session on this machine uses them meanwhile) until everything it started has stopped and
+        nothing listens on them any more, whether it passed or failed."""
         results: dict[str, Outcome] = {}
         for unit in units:
             started = time.monotonic()
+            unit_ports = set().union(*(self._ports(command, kinds[command.text]) for command in unit))
             try:
-                kind = kinds[unit[0].text]
+                with ports.holding(unit_ports):
+                    self._run_unit_to_the_end(unit, kinds[unit[0].text], unit_ports, results)
+            except Exception as error:
+                for command in unit:
+                    results.setdefault(command.text, Outcome(False, describe(error), time.monotonic() - started))
+        return results
+
+    def _run_unit_to_the_end(self, unit: list[DocCommand], kind: str | None, unit_ports: set[int],
+                             results: dict[str, Outcome]) -> None:
+        """Run one unit; whatever happens, every process it started is stopped and its ports are free again
+        before this returns (or raises, with the unit's failure and the port's together)."""
+        failure: Exception | None = None
+        try:
+            with self.proc.stopped_after():
                 if kind == SERVE:
                     results.update(self._serve_unit(unit))
                 elif kind == BENCH_SERVE:
                     results.update(self._bench_serve_with_helper(unit[0]))
                 elif kind == ROUTE:
                     results.update(self._route_unit(unit))
-            except Exception as error:
-                for command in unit:
-                    results.setdefault(command.text, Outcome(False, describe(error), time.monotonic() - started))
-        return results
+        except Exception as error:
+            failure = error
+        try:
+            ports.wait_until_released(unit_ports)
+        except AssertionError as error:
+            if failure is None:
+                raise
+            raise AssertionError(f"{describe(failure)}\nand then: {error}") from failure
+        if failure is not None:
+            raise failure
 
     def _check_server(self, command: DocCommand, process: subprocess.Popen, log: Path, cwd: Path) -> str:
         argv = kvreuse_words(argv_of(command.text))
         port = serve_port(argv)
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(base_url, process, log, "the server")
+        ports.assert_served_by(port, process.pid, self.proc.mark(process), "the server started here")
         keys = option_values(argv, "--api-key") + option_values(argv, "--admin-key")
         notes = []
         if keys:
@@ -1270,3 +1341,80 @@ def test_documented_command(command: str, doc_runs: DocRuns) -> None:
 def test_subcommand_help(subcommand: str, doc_runs: DocRuns) -> None:
     outcome = doc_runs.outcome(f"help:{subcommand}")
     assert outcome.ok, f"`kvreuse {subcommand} --help`: {outcome.detail}"
+
+
+# --- The harness itself: ports held, and nothing left behind ------------------------------------------------
+
+FAKE_SERVER = """
+import os, socket, subprocess, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if "--helper" in sys.argv:  # listens on the port, in a session of its own, until killed
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    time.sleep(300)
+    sys.exit(0)
+helper = subprocess.Popen([sys.executable, __file__, "--port", str(port), "--helper"], start_new_session=True)
+open("helper.pid", "w").write(str(helper.pid))
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            break
+    time.sleep(0.05)
+sys.exit(3)  # the server dies before it ever answers; its helper, orphaned, keeps the port
+"""
+
+
+def bare_doc_runs(folder: Path) -> DocRuns:
+    """A DocRuns without the session's workspace (no model: the commands below need none)."""
+    from types import SimpleNamespace
+
+    runs = DocRuns.__new__(DocRuns)
+    runs.proc = Processes()
+    runs.ws = SimpleNamespace(env=dict(os.environ), folder=lambda label, **_: folder)
+    return runs
+
+
+def test_a_server_that_dies_early_leaves_its_port_free(tmp_path: Path) -> None:
+    """A documented server that dies before it answers, leaving a helper that left its process group and lost
+    its parent listening on the port: the run fails saying the server exited, and by the time the lane's next
+    run could start, the helper is gone and the port free."""
+    import psutil
+
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    port = ports.free_port()
+    command = DocCommand(f"python fake_server.py --port {port}", "fake.md", 1, 0)
+    outcome = bare_doc_runs(tmp_path)._run_lane([[command]], {command.text: SERVE})[command.text]
+    assert not outcome.ok and "exited with status 3" in outcome.detail, outcome.detail
+    assert "still in use" not in outcome.detail, outcome.detail
+    helper = int((tmp_path / "helper.pid").read_text())
+    assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
+    assert not ports.listening(port)
+
+
+def test_a_port_is_held_by_one_run_at_a_time_across_processes(tmp_path: Path) -> None:
+    """Another process (a second xdist worker, another pytest session) holding a port keeps this one waiting
+    until it lets go: what it did while holding is finished when this one gets the port."""
+    port = ports.free_port()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(REPO / "tests")!r})
+import ports
+from pathlib import Path
+with ports.holding([{port}]):
+    Path({str(tmp_path / "holding")!r}).touch()
+    time.sleep(1.0)
+    Path({str(tmp_path / "done")!r}).touch()
+"""])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "holding").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder never took the port"
+            time.sleep(0.02)
+        with ports.holding([port]):
+            assert (tmp_path / "done").exists(), "took the port while another process held it"
+    finally:
+        holder.wait(60)
+

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import ports
 import ray_cluster
 
 pytest.importorskip("ray.serve", reason="needs the ray extra: pip install -e '.[ray]'")
@@ -20,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_documented_ray_benchmark_runs(ray_address: str, tmp_path: Path):
     env = dict(os.environ, KVREUSE_BENCH_SMOKE="1", RAY_ADDRESS=ray_address, TMPDIR=str(tmp_path),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run(["bash", "-c", ray_cluster.BENCH_COMMAND], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    with ports.holding([ray_cluster.SERVE_PORT]):  # its deployments use Serve's proxy: no other one meanwhile
+        done = subprocess.run(["bash", "-c", ray_cluster.BENCH_COMMAND], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for line in ("shared-prefix/one replica", "shared-prefix/kvreuse, 2 replicas", "shared-prefix/pow2, 2 replicas",
                  "multi-turn/kvreuse, 2 replicas", "routing cost per request"):

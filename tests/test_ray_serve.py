@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import ports
 import ray_cluster
 from server_process import POLL
 
@@ -46,34 +47,37 @@ def engine_replicas() -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    """The documented command, as typed, in a folder where ./qwen05 is the tiny model."""
+    """The documented command, as typed, in a folder where ./qwen05 is the tiny model; Ray Serve's port held
+    (tests/ports.py) from before the deployment until its application is deleted, so no other deployment of
+    the suite shares the proxy meanwhile."""
     folder = tmp_path_factory.mktemp("ray")
     (folder / "qwen05").symlink_to(tiny_model)
     log = folder / "serve.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_ADDRESS=ray_address)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(["bash", "-c", ray_cluster.SERVE_COMMAND], cwd=folder, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()[-4000:]
-            if "serving on" in log.read_text() and len(engine_replicas()) == 2:
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"the Ray deployment did not come up:\n{log.read_text()[-4000:]}")
-        answer = POLL.post(f"{BASE_URL}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
-        assert answer.status_code == 200, answer.text
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                assert process.wait(120) == 0, log.read_text()[-4000:]
-            finally:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
+    with ports.holding([ray_cluster.SERVE_PORT]):
+        with open(log, "wb") as out:
+            process = subprocess.Popen(["bash", "-c", ray_cluster.SERVE_COMMAND], cwd=folder, env=env, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                assert process.poll() is None, log.read_text()[-4000:]
+                if "serving on" in log.read_text() and len(engine_replicas()) == 2:
+                    break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"the Ray deployment did not come up:\n{log.read_text()[-4000:]}")
+            answer = POLL.post(f"{BASE_URL}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+            assert answer.status_code == 200, answer.text
+            yield process
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    assert process.wait(120) == 0, log.read_text()[-4000:]
+                finally:
+                    if process.poll() is None:
+                        ports.kill_tree(process.pid)
 
 
 def document(i: int, words: int = 120) -> str:
@@ -86,6 +90,23 @@ def ask(client: OpenAI, prompt: str, max_tokens: int = 2) -> tuple[str, int, int
     raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
     body = raw.parse()
     return raw.headers["x-kvreuse-replica"], body.usage.prompt_tokens_details.cached_tokens, body.usage.prompt_tokens
+
+
+def test_one_http_entry_and_no_second_deployment_under_its_name(deployment: subprocess.Popen, ray_address: str,
+                                                                tiny_model: Path, tmp_path: Path):
+    """One proxy listens on the port (HeadOnly: proxies of several nodes on one machine would share it through
+    SO_REUSEPORT, and one still starting answers 404); the documented command run again while the first
+    deployment serves is refused, naming the application, and the first one goes on serving."""
+    listeners = ports.listeners(ray_cluster.SERVE_PORT)
+    assert len({process.pid for process in listeners}) == 1, [ports.describe(process) for process in listeners]
+    (tmp_path / "qwen05").symlink_to(tiny_model)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_ADDRESS=ray_address)
+    second = subprocess.run(["bash", "-c", ray_cluster.SERVE_COMMAND], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert second.returncode != 0 and "already runs an application named 'kvreuse'" in second.stderr, (
+        second.returncode, second.stdout[-2000:], second.stderr[-3000:])
+    answer = POLL.post(f"{BASE_URL}/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
 
 
 def test_replicas_run_one_per_node_and_each_prefix_stays_where_it_is_cached(deployment: subprocess.Popen):

@@ -76,14 +76,26 @@ def _check_proxy_address(host: str, port: int) -> None:
                          f"first (serve shutdown)")
 
 
+def _check_no_application(name: str) -> None:
+    """A second ``serve.run`` under a running application's name replaces it without a word, under the first
+    deployment's feet (its ``kvreuse serve`` still says it serves, then deletes the other's application when
+    it stops). Refuse instead."""
+    running = serve.status().applications
+    if name in running:
+        raise ValueError(f"Ray Serve already runs an application named {name!r} on this cluster "
+                         f"({running[name].status}); stop the kvreuse serve that deployed it (or `serve delete "
+                         f"{name}`) first")
+
+
 def run_on_ray(args: argparse.Namespace) -> int:
     """``kvreuse serve --ray-address``: deploy, serve on --host / --port until SIGTERM / SIGINT, then delete
     the application (its replicas drain and stop) and exit 0. The cluster itself stays up."""
     options = ray_options_from_namespace(args)
     application = build_application(args, options)
     ray.init(address=args.ray_address, log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
+    serve.start(proxy_location=args.ray_proxy_location, http_options=HTTPOptions(host=args.host, port=args.port))
     _check_proxy_address(args.host, args.port)
+    _check_no_application(options.app_name)
     serve.run(application, name=options.app_name, route_prefix=options.route_prefix, blocking=False)
     logger.info("kvreuse on Ray Serve: %s engine replica(s) of %s behind http://%s:%d (request router: %s)",
                 options.num_replicas if options.autoscaling_config is None else "autoscaled", args.model, args.host,

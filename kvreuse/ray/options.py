@@ -23,6 +23,11 @@ from kvreuse.engine_args import add_engine_arguments
 from kvreuse.server.serve import add_server_arguments
 
 REQUEST_ROUTERS = ("kvreuse", "pow2")
+# Ray Serve's proxy locations kvreuse offers (its ProxyLocation names). Ray's own default is EveryNode; kvreuse's
+# is HeadOnly: the one entry --host / --port names. Proxies of several nodes on one machine share the port
+# through SO_REUSEPORT, so the kernel hands each connection to any of them, and one still starting (or
+# stopping after its node's last replica left) answers 404 for every route.
+PROXY_LOCATIONS = ("HeadOnly", "EveryNode")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-replicas-per-node", type=int, default=None)
     group.add_argument("--max-ongoing-requests", type=int, default=64,
                        help="requests one replica takes at once (Ray Serve's limit; more wait in the router)")
+    group.add_argument("--ray-proxy-location", choices=PROXY_LOCATIONS, default="HeadOnly",
+                       help="where Ray Serve runs its HTTP proxies (set when Serve first starts on the cluster): "
+                            "HeadOnly, one entry on the head node at --host / --port (default); EveryNode, one on "
+                            "every node with a replica, each on --port (for a load balancer in front)")
 
 
 def serve_parser() -> argparse.ArgumentParser:
