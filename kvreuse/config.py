@@ -245,6 +245,10 @@ class EngineConfig:
     # vLLM's name: no CUDA graphs; on CUDA with the triton backend pure decode steps replay captured graphs
     # (runner/cuda_graphs.py). Nothing else uses graphs, so elsewhere it changes nothing.
     enforce_eager: bool = False
+    # vLLM's and SGLang's name: every product and every attention row on one arithmetic whatever the step's size
+    # or split, so a cache hit, a batch or a chunked prefill never changes a bit of the output (CPU only for now;
+    # docs/library.md says what it covers and costs).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -58,6 +58,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        batch_invariant: bool = False,
         chunk_reuse: bool = False,
         chunk_recompute_fraction: float = 0.3,
         chunk_check_layer: int | None = None,
@@ -81,6 +82,9 @@ class LLM:
         "triton" insist on theirs, "torch" gathers and runs SDPA (the reference).
         ``enforce_eager`` (vLLM's name): no CUDA graphs (on CUDA, pure decode steps otherwise replay one captured
         graph per padded batch size: runner/cuda_graphs.py).
+        ``batch_invariant`` (vLLM's and SGLang's name): a token's logits and K/V are the same bits however it was
+        computed (cold, after a prefix hit, alone or batched, in any prefill chunk): one product kernel per weight
+        format at every row count and every attention row in the paged kernel over fixed partitions (CPU).
         ``chunk_reuse`` (issue 39, docs/chunks.md): chunks marked ``"scope": "chunk"`` are reused at any position,
         and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``
         of it that deviates most after layer ``chunk_check_layer`` (None: a tenth of the model's layers) is
@@ -121,6 +125,7 @@ class LLM:
             enable_torch_compile=enable_torch_compile,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            batch_invariant=batch_invariant,
         )
         self.engine = LLMEngine(config)
         # LLM runs the engine on the caller's thread, so it shares the engine's tokenizer. Its outputs and

@@ -94,6 +94,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed, quantization=config.quantization)
+    if config.batch_invariant:
+        refuse_batch_invariant(config, model_config)
     gguf_file = is_gguf_path(model_path)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer = Tokenizer(tokenizer_path)
@@ -148,7 +150,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
                          max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
-                         enforce_eager=config.enforce_eager, max_model_len=max_model_len)
+                         enforce_eager=config.enforce_eager, max_model_len=max_model_len,
+                         batch_invariant=config.batch_invariant)
     held = model.weight_memory_bytes()
     on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if gguf_file else ""
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
@@ -214,12 +217,26 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
     except under enable_torch_compile (whose graphs trace the torch backend). Logged once, with the reason where
     it is not the kernel."""
     choice = config.attention_backend
+    if config.batch_invariant and choice not in ("auto", "cpu_paged"):
+        raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (attention_backend auto "
+                         f"or cpu_paged), not {choice!r}")
     if choice == "torch":
         logger.info("attention: torch (gather + SDPA), as asked")
         return None
+    if config.batch_invariant and device.type != "cpu":
+        raise ValueError(f"batch_invariant is built for CPU only so far (device {device}): the Triton kernels' "
+                         f"split sizes and cuBLAS's tiles follow the batch")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         return _triton_backend(config, device, asked=choice == "triton")
-    backend = paged_attention.paged_attention_backend(device, dtype)
+    backend = paged_attention.paged_attention_backend(device, dtype, config.batch_invariant)
+    if config.batch_invariant:
+        if backend is None or choice == "torch" or config.enable_torch_compile:
+            raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (attention_backend "
+                             f"auto or cpu_paged, no enable_torch_compile, the kernel built): device {device}, "
+                             f"dtype {dtype}, attention_backend {choice!r}")
+        logger.info("attention: cpu_paged, batch-invariant (every row in the kernel, partitions of %d keys)",
+                    paged_attention.INVARIANT_PARTITION)
+        return backend
     if choice == "cpu_paged":
         if config.enable_torch_compile:
             raise ValueError("attention_backend 'cpu_paged' cannot run under enable_torch_compile (its graphs "
@@ -350,6 +367,10 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
         **({"activations": f"int8 (qdot8, arithmetic {qlinear.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
+        # Batch-invariant mode's arithmetic: one product kernel at every row count, attention in the paged kernel
+        # over fixed partitions; K/V of the default (measured, per row count) arithmetic are another's.
+        **({"arithmetic": f"batch-invariant (attention partitions of {paged_attention.INVARIANT_PARTITION} keys)"}
+           if config.batch_invariant else {}),
         # gpt-oss's experts' activation in one kernel (fused_ops.clamped_swiglu): SLEEF's exp on every value,
         # where eager sigmoid takes std::exp on the scalar tails of its thread's chunk, so a prefill split
         # otherwise between threads rounded a few values otherwise before it.
@@ -386,6 +407,18 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
     return TieredStore(fingerprint, layout, tiers)
+
+
+def refuse_batch_invariant(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A ValueError naming what batch-invariant mode does not cover yet, if the configuration asks for it."""
+    windowed = model_config.sliding_window is not None or "sliding_attention" in model_config.layer_types
+    for reason, refused in (
+            ("mixture-of-experts layers (their experts' products follow the rows routed to each)", model_config.moe),
+            ("sliding-window layers (the kernel's tiles start at a window that follows the step's rows)", windowed),
+            ("LoRA adapters (their grouped products follow the batch)", config.lora.enable_lora),
+            ("chunk_reuse (a blend recomputes rows selected by the step)", config.cache.chunk_reuse)):
+        if refused:
+            raise ValueError(f"batch_invariant is not built for {reason} yet")
 
 
 def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner) -> None:

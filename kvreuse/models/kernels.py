@@ -249,6 +249,21 @@ def rowdot_runs(dtype: torch.dtype) -> bool:
     return dtype in rowdot.DTYPES and rowdot.available()
 
 
+# Batch-invariant mode (--batch-invariant): one kernel for every row count, whose output row depends on that
+# row's input and the weight only. models/rowdot.py's GEMV keeps one FMA chain per output in a fixed order and
+# runs each input row on its own (tests/test_batch_invariance.py holds any row of an M-row call to the 1-row
+# call's bits); the library GEMMs tile by the row count and so sum in another order above some M.
+INVARIANT_FLOAT_KERNEL = "rowdot8"
+
+
+def invariant_plan(dtype: torch.dtype) -> LinearPlan:
+    """The batch-invariant plan for a float weight of ``dtype``; RuntimeError where its kernel cannot run."""
+    if not rowdot_runs(dtype):
+        raise RuntimeError(f"batch-invariant products of {str(dtype).removeprefix('torch.')} weights need the row-dot "
+                           f"kernel (models/rowdot.py), which does not run here (see the log)")
+    return LinearPlan.single(INVARIANT_FLOAT_KERNEL)
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """Which kernel runs which row counts: ``segments`` are (up to this many rows, kernel), ascending, the

@@ -20,7 +20,7 @@ from torch import nn
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.models import fused_ops, qlinear
 from kvreuse.models.config import LinearRopeScaling, RopeScaling, YarnRopeScaling
-from kvreuse.models.kernels import LinearKernel, PlanBook
+from kvreuse.models.kernels import LinearKernel, PlanBook, invariant_plan
 from kvreuse.models.qlinear import QuantizedLinearKernel
 from kvreuse.models.quant import QuantizedTensor
 
@@ -194,20 +194,23 @@ class Linear(nn.Module):
             lora.apply(self, x, out)
         return out
 
-    def choose_cpu_kernel(self, book: PlanBook, max_layouts: int = 2) -> bool:
-        """Run this layer on the kernel(s) measured fastest for its shape, per row count (kernels.py).
+    def choose_cpu_kernel(self, book: PlanBook, max_layouts: int = 2, batch_invariant: bool = False) -> bool:
+        """Run this layer on the kernel(s) measured fastest for its shape, per row count (kernels.py);
+        ``batch_invariant``: on the one kernel whose rows do not depend on the row count, at every count.
 
         The plain weight is released unless the plan still uses it, so memory grows only where a
         second layout buys speed. Returns False where plain F.linear is the verdict (or not on CPU).
         """
         if self.quantized is not None:
             # Each quantized part on the kernel measured fastest for its format and shape, per row count.
-            self.kernel.plans = [qlinear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
+            self.kernel.plans = [qlinear.invariant_plan(part, self.dtype) if batch_invariant else
+                                 qlinear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
                                  else qlinear.DEFAULT_PLAN for part in self.kernel.parts]
             return True
         if self.weight is None or self.weight.device.type != "cpu" or self.keep_float:
             return False
-        plan = book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts)
+        plan = (invariant_plan(self.weight.dtype) if batch_invariant
+                else book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts))
         if plan.is_plain:
             return False
         self.kernel = LinearKernel(self.weight.detach(), self._bias_tensor(), plan)

@@ -30,7 +30,7 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models import fused_ops, qlinear
 from kvreuse.models.native_step import NativeDecodeStep
-from kvreuse.models.kernels import LinearKernel, PlanBook, layouts_allowed
+from kvreuse.models.kernels import LinearKernel, PlanBook, invariant_plan, layouts_allowed
 from kvreuse.models.layers import (GatedMLP, GemmaRMSNorm, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding,
                                    apply_rotary)
 from kvreuse.models.moe import SparseMoE
@@ -331,25 +331,31 @@ class LlamaFamilyForCausalLM(nn.Module):
             return self._tied_head_kernel(hidden_rows).float()
         return torch.nn.functional.linear(hidden_rows, self.lm_head_weight).float()
 
-    def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
+    def choose_cpu_kernels(self, book: PlanBook | None = None, batch_invariant: bool = False) -> int:
         """Give every linear layer (and a tied output projection) the CPU kernel(s) measured fastest for
         its shape (models/kernels.py). Call after loading; returns how many matrices left plain F.linear.
-        A tied output projection keeps the embedding (the lookup needs it) next to its other layout."""
+        A tied output projection keeps the embedding (the lookup needs it) next to its other layout.
+        ``batch_invariant``: every product, the output projection's included, on the one kernel of its weight
+        format that gives a row the same bits at any row count (kernels.invariant_plan, qlinear.invariant_plan),
+        nothing measured."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         embed_tokens = self.model.embed_tokens
         embedding = None if isinstance(embed_tokens, QuantizedEmbedding) else embed_tokens.weight
         tied = [embedding] if self.lm_head is None and embedding is not None else []
-        max_layouts = layouts_allowed(book, [m.weight for m in linears], kept=tied)
-        changed = sum(module.choose_cpu_kernel(book, max_layouts) for module in linears)
+        max_layouts = 1 if batch_invariant else layouts_allowed(book, [m.weight for m in linears], kept=tied)
+        changed = sum(module.choose_cpu_kernel(book, max_layouts, batch_invariant) for module in linears)
         # Memory beyond one copy of each weight: a layer's second layout, or the tied head's own layouts
         # (the embedding stays for the lookup).
         extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
         if self.lm_head is None and embedding is None:  # a quantized table: the head (made at load) reads it in place
-            self._tied_head_kernel.plans = [qlinear.plan_for(book, embed_tokens.quantized, self.dtype)]
+            self._tied_head_kernel.plans = [qlinear.invariant_plan(embed_tokens.quantized, self.dtype)
+                                            if batch_invariant else
+                                            qlinear.plan_for(book, embed_tokens.quantized, self.dtype)]
             changed += 1
         elif self.lm_head is None and embedding.device.type == "cpu":
-            plan = book.plan_for(embedding.dtype, tuple(embedding.shape), max_layouts)
+            plan = (invariant_plan(embedding.dtype) if batch_invariant
+                    else book.plan_for(embedding.dtype, tuple(embedding.shape), max_layouts))
             if not plan.is_plain:
                 self._tied_head_kernel = LinearKernel(embedding.detach(), None, plan)
                 changed += 1

@@ -38,7 +38,7 @@ import torch
 from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models import fused_ops, paged_attention, qlinear, rowdot
-from kvreuse.models.kernels import LAYOUT, LinearKernel
+from kvreuse.models.kernels import LAYOUT, ROWDOT_GROUP, LinearKernel
 from kvreuse.models.layers import Linear
 from kvreuse.models.moe import SparseMoE
 from kvreuse.models.paged_attention import NativeAttentionMetadata, NativePagedAttention
@@ -51,6 +51,8 @@ ENV = "KVREUSE_NATIVE_STEP"
 # decoder_layer.cpp's Kernel codes.
 KERNEL_CODES = {"qdot": 0, "qdot8": 1, "plain": 2, "rowdot": 3, "rowdot8": 4}
 FLOAT_PART = 5  # a float part of a quantized weight: F.linear, then the bias
+# Distinct row counts whose layer arguments are held at once (batch-invariant mode runs prefills here too).
+MAX_ROW_COUNTS_HELD = 64
 
 
 @functools.cache
@@ -89,6 +91,8 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
         weights, codes, formats = [], [], []
         for part, plan in zip(kernel.parts, kernel.plans):
             if not isinstance(part, QuantizedTensor):
+                if plan.kernel_for(rows) in ROWDOT_GROUP:
+                    return "a float part on the row-dot kernel (batch-invariant)"  # project() runs F.linear
                 weights.append(part), codes.append(FLOAT_PART), formats.append(-1)
                 continue
             name = plan.kernel_for(rows)
@@ -161,6 +165,11 @@ class NativeDecodeStep:
             return None
         rows = hidden.shape[0]
         args = self._args.get(rows)
+        if args is None and len(self._args) >= MAX_ROW_COUNTS_HELD:
+            # Batch-invariant mode sends prefills here too: a new row count each; what is held is a few
+            # tensor handles per layer, but not without bound.
+            self._args.clear()
+            self._held.clear()
         if args is None:
             args = self._args[rows] = self._make(rows)
         if isinstance(args, str):
@@ -181,6 +190,9 @@ class NativeDecodeStep:
         held = torch.classes.kvreuse_step.DecodeLayers(args[0].eps, 1.0 / math.sqrt(config.head_dim),
                                                        config.num_attention_heads, config.num_key_value_heads,
                                                        config.head_dim, kv_cache.block_size)
+        partition_size = getattr(self.model.attention_backend, "partition_size", 0)
+        if partition_size:  # batch-invariant: the attention's partitions as the op-by-op path cuts them
+            held.set_partition_size(partition_size)
         for index, layer in enumerate(args):
             k_pool, v_pool, _, _ = kv_cache.layer_pools(index)
             held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,

@@ -52,6 +52,10 @@ SCHEME_INDEX = {None: -1, "int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 # 2 queries 7-10x faster in place, 4 about 1.3x, 8 even, 16 and more slower). Decode rows and verified
 # drafts (a few queries) stay in place.
 MAX_PAGED_QUERIES = 8
+# Batch-invariant mode: every row, of any step, through the kernel, its keys cut into partitions of this many
+# from key 0 (the kernel's own choice depends on the step's total keys and the thread count), so a row's
+# reduction order is the same whether it came in a cold prefill, a chunk, a warm suffix or a decode step.
+INVARIANT_PARTITION = 256
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -138,12 +142,17 @@ class NativePagedAttention(AttentionBackend):
     """Paged attention on the C++ kernel (CPU): decode rows and chunks over cached context read the pool in
     place; sequences with no cached context use SDPA's causal kernel. ``available()`` must be True."""
 
-    def __init__(self, validate: bool = True, max_paged_queries: int = MAX_PAGED_QUERIES) -> None:
+    def __init__(self, validate: bool = True, max_paged_queries: int = MAX_PAGED_QUERIES,
+                 batch_invariant: bool = False) -> None:
         if not available():
             raise RuntimeError("the paged attention kernel could not be built on this machine (see the log); "
                                "use TorchPagedAttention")
         self.validate = validate
         self.max_paged_queries = max_paged_queries  # longer chunks over cached context gather (tests: any)
+        # Batch-invariant: fresh prefills and chunks of any length in the kernel too (never SDPA, whose tiles
+        # follow the query count), over fixed partitions; a row's bits then depend on its own keys only.
+        self.batch_invariant = batch_invariant
+        self.partition_size = INVARIANT_PARTITION if batch_invariant else 0
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> NativeAttentionMetadata:
         if self.validate:
@@ -161,6 +170,11 @@ class NativePagedAttention(AttentionBackend):
             if positions is not None:  # a blend's kept rows: the kernel reads contiguous queries only
                 chunks.append(context_chunk(token_start, query_len, context_len, table, block_size,
                                             batch.input_ids.device, positions))
+            elif self.batch_invariant:
+                paged_lens.append(query_len)
+                paged_contexts.append(context_len)
+                paged_tables.append(table)
+                paged_starts.append(token_start)
             elif context_len == query_len:
                 fresh.append((token_start, token_start + query_len))
             elif query_len > self.max_paged_queries:
@@ -187,7 +201,7 @@ class NativePagedAttention(AttentionBackend):
             # A step of decode rows and short chunks (the common one): the kernel stores the new K/V and
             # attends in one call, reading q where the q|k|v product left it.
             out = q.new_empty(q.shape)
-            paged_attention(out, q, kv_cache, layer_idx, metadata.paged,
+            paged_attention(out, q, kv_cache, layer_idx, metadata.paged, self.partition_size,
                             new_kv=(k, v, metadata.slot_mapping), attention=layer)
             return out
         kv_cache.write(layer_idx, metadata.slot_mapping, k, v)
@@ -202,13 +216,14 @@ class NativePagedAttention(AttentionBackend):
             out[chunk.token_start:chunk.token_end] = attend_chunk(q, kv_cache, layer_idx, chunk, layer)
         if metadata.paged is not None:
             paged_attention(out, q if q.stride(1) == q.shape[2] else q.contiguous(), kv_cache, layer_idx,
-                            metadata.paged, attention=layer)
+                            metadata.paged, self.partition_size, attention=layer)
         return out
 
 
-def paged_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend | None:
+def paged_attention_backend(device: torch.device, dtype: torch.dtype,
+                            batch_invariant: bool = False) -> AttentionBackend | None:
     """The in-place kernel's backend where it runs (CPU, a dtype it reads, the kernel built); None otherwise
     (the model keeps ``TorchPagedAttention``)."""
     if device.type != "cpu" or dtype not in Q_DTYPES or not available():
         return None
-    return NativePagedAttention()
+    return NativePagedAttention(batch_invariant=batch_invariant)

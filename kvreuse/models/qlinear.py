@@ -214,6 +214,8 @@ def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Te
     of a fused weight (a GGUF file may keep one projection in F16) runs F.linear. A fused weight's plan
     is its first part's: qdot8 falls back to qdot on a part whose format it does not run."""
     if not isinstance(weight, QuantizedTensor):
+        if name in kernels.ROWDOT_GROUP:  # batch-invariant mode's float product (invariant_plan)
+            return rowdot.rowdot(x.contiguous(), weight.to(x.dtype), kernels.ROWDOT_GROUP[name])
         return F.linear(x, weight.to(x.dtype))
     if name == "qdot8":
         # A part's plan offers qdot8 only where its format runs it (plan_for), which the compiled decode
@@ -289,6 +291,16 @@ class QuantizedLinearKernel:
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def invariant_plan(weight: QuantizedTensor | torch.Tensor, dtype: torch.dtype) -> LinearPlan:
+    """Batch-invariant mode's plan for a part of a quantized weight: one kernel at every row count. qdot8
+    (inputs rounded to int8 per group, as llama.cpp does at every batch size) where the format runs it, else
+    qdot; both give a row the same bits in a block of any number of rows (csrc/quant.cpp: per-row chains, one
+    reduction tree). A float part of a fused weight: the float kernel's (kernels.invariant_plan)."""
+    if not isinstance(weight, QuantizedTensor):
+        return kernels.invariant_plan(dtype)
+    return LinearPlan.single("qdot8" if weight.format.name in int8_formats() else "qdot")
 
 
 def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> LinearPlan:

@@ -51,6 +51,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         enforce_eager: bool = False,
         max_model_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         # More KV layers than the model's: a draft model keeps its K/V in the extra ones.
         if kv_cache.num_layers < model_config.num_hidden_layers:
@@ -73,7 +74,7 @@ class ModelRunner:
         # How much of the weights' memory is on 2 MiB pages (CPU; runner/huge_pages.py).
         self.weight_pages = HugePageReport(reason=f"not on {self.device.type}")
         if self.device.type == "cpu":
-            model.choose_cpu_kernels()
+            model.choose_cpu_kernels(batch_invariant=batch_invariant)
             self.activations_in_heap = keep_activations_in_heap()
             # After the kernels chose their layouts: the weights are final (huge_pages.py).
             self.weight_pages = back_weights_with_huge_pages(model.weight_tensors())

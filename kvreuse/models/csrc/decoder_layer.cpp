@@ -132,6 +132,9 @@ struct Layer {
 struct Shape {
   double eps = 0.0, scale = 0.0;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0;
+  // The attention's key partition length (0: the kernel's choice, by the step's size and threads; a fixed
+  // length makes a row's reduction order independent of the step: set_partition_size, batch-invariant mode).
+  int64_t partition_size = 0;
 };
 
 // What changes every step: the rows, their positions and the block tables of their sequences.
@@ -184,7 +187,7 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
   k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
                          in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
                          layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
-                         /*partition_size=*/0, k_new, v_new, in.slot_mapping);
+                         shape.partition_size, k_new, v_new, in.slot_mapping);
   const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}), layer.o_bias);
   // hidden += attended, then the post-attention norm of the sum (one pass).
   const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
@@ -242,6 +245,11 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
+  void set_partition_size(int64_t partition_size) {
+    TORCH_CHECK(partition_size >= 0, "DecodeLayers.set_partition_size: must not be negative");
+    shape.partition_size = partition_size;
+  }
+
   // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored.
   void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
@@ -264,5 +272,6 @@ TORCH_LIBRARY(kvreuse_step, m) {
       .def("set_experts", &DecodeLayers::set_experts)
       .def("set_attention", &DecodeLayers::set_attention)
       .def("num_layers", &DecodeLayers::num_layers)
+      .def("set_partition_size", &DecodeLayers::set_partition_size)
       .def("run", &DecodeLayers::run);
 }

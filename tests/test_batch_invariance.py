@@ -1,0 +1,143 @@
+"""Batch-invariant mode (``batch_invariant=True``, ``--batch-invariant``; issue 63): a token's logits are the same
+bits however it was computed.
+
+The same prompts (a shared prefix whose hits end mid-block, then different suffixes), greedy, run cold (prefix
+caching off, each alone), warm alone after the prefix was cached, warm all together, and cold in prefill chunks
+of a few tokens: every generated token's top logprobs (log_softmax of its logits, compared as the exact floats)
+and ids must be equal in all of them. On tiny models of every weight kind kvreuse runs on CPU kernels: float32
+and bfloat16 folders, GGUF Q8_0 and Q4_1 (int8 activations where the CPU runs them), ``--quantization int8``, a
+quantized KV pool, two block sizes. Below: the products give a row the same bits at any row count, the
+attention the same bits in any step, and the same harness catches the default (measured, per row count) path
+differing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.models import kernels, paged_attention, qlinear, rowdot
+from kvreuse.models.quant import random_quantized
+from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
+
+pytestmark = pytest.mark.skipif(not (paged_attention.available() and rowdot.available() and qlinear.available()),
+                                reason="the CPU kernels do not build here")
+
+MAX_TOKENS = 6
+
+
+def prompts(seed: int = 3) -> tuple[list[int], list[list[int]]]:
+    """A 45-token shared prefix (hits end mid-block at block sizes 4 and 16) and four prompts over it."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 300, (45,), generator=generator).tolist()
+    tails = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 9, 1, 17)]
+    return shared, [shared + tail for tail in tails]
+
+
+def run(llm: LLM, batch: list[list[int]], together: bool) -> list[tuple[list[int], str]]:
+    """Greedy ids and top logprobs of each prompt, all submitted at once or one after another; the cache's
+    invariants checked after every step."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    done: dict[str, tuple[list[int], str]] = {}
+    groups = [list(enumerate(batch))] if together else [[item] for item in enumerate(batch)]
+    for group in groups:
+        for index, prompt in group:
+            engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = (list(output.outputs[0].token_ids), repr(output.outputs[0].logprobs))
+            engine.check_integrity()
+    return [done[str(index)] for index in range(len(batch))]
+
+
+def every_way(path: str, **options) -> dict[str, list[tuple[list[int], str]]]:
+    shared, batch = prompts()
+    results = {}
+    results["cold, alone"] = run(LLM(path, enable_prefix_caching=False, **options), batch, together=False)
+    warm = LLM(path, **options)
+    run(warm, [shared], together=True)  # the prefix cached
+    results["warm, alone"] = run(warm, batch, together=False)
+    assert warm.engine.stats().cache.hit_tokens >= 4 * 40
+    together = LLM(path, **options)
+    run(together, [shared], together=True)
+    results["warm, batch of 4"] = run(together, batch, together=True)
+    for tokens in (5, 13):
+        chunked = LLM(path, enable_prefix_caching=False, max_num_batched_tokens=tokens, max_num_seqs=4, **options)
+        results[f"cold, chunks of {tokens}, batch of 4"] = run(chunked, batch, together=True)
+    return results
+
+
+def assert_all_equal(results: dict[str, list[tuple[list[int], str]]]) -> None:
+    (first_name, first), *rest = results.items()
+    for name, got in rest:
+        for index, (a, b) in enumerate(zip(first, got)):
+            assert a == b, f"prompt {index}: {first_name} and {name} differ:\n{a}\n{b}"
+
+
+CASES = {  # name: (model, LLM options)
+    "qwen2 folder, float32, blocks of 4": ("qwen2", dict(dtype="float32", block_size=4)),
+    "llama folder, bfloat16, blocks of 16": ("llama", dict(dtype="bfloat16", block_size=16)),
+    "qwen3 folder, float32, int8 KV": ("qwen3", dict(dtype="float32", block_size=4, kv_cache_dtype="int8")),
+    "qwen2 folder, --quantization int8, bfloat16": ("qwen2", dict(dtype="bfloat16", quantization="int8", block_size=4)),
+    "GGUF Q8_0, float32": ("qwen2:Q8_0", dict(dtype="float32", block_size=4)),
+    "GGUF Q4_1, bfloat16, blocks of 16": ("llama-plain:Q4_1", dict(dtype="bfloat16", block_size=16)),
+}
+
+
+def model_path(tiny_models, gguf_dir, name: str) -> str:
+    arch, _, kind = name.partition(":")
+    return str(made_gguf(tiny_models, gguf_dir, arch, kind) if kind else tiny_models[arch])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cold_warm_batched_and_chunked_runs_give_the_same_bits(tiny_models, gguf_dir, case):
+    name, options = CASES[case]
+    results = every_way(model_path(tiny_models, gguf_dir, name), device="cpu", kv_cache_memory="1MiB",
+                        batch_invariant=True, **options)
+    assert_all_equal(results)
+
+
+def test_the_harness_sees_the_default_path_differ(tiny_models, gguf_dir):
+    """Without the switch, a GGUF file's products change kernel with the row count (qdot for a few rows, tiles
+    above: the suite's default plan) and fresh prefills run SDPA: the same comparison finds a difference."""
+    results = every_way(model_path(tiny_models, gguf_dir, "qwen2:Q8_0"), device="cpu", kv_cache_memory="1MiB",
+                        dtype="float32", block_size=4)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_all_equal(results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_products_give_a_row_the_same_bits_at_any_row_count(dtype):
+    weight = torch.randn(96, 160).to(dtype)
+    x = torch.randn(300, 160).to(dtype)
+    product = kernels.LinearKernel(weight, torch.randn(96).to(dtype), kernels.invariant_plan(dtype))
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 7, 8, 9, 64, 65, 300):
+        assert torch.equal(product(x[:rows]), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_0", "q4_k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_products_give_a_row_the_same_bits_at_any_row_count(fmt, dtype):
+    weight = random_quantized(fmt, 96, 256, torch.Generator().manual_seed(1))
+    plan = qlinear.invariant_plan(weight, dtype)
+    product = qlinear.QuantizedLinearKernel([weight], None, [plan])
+    x = torch.randn(300, 256).to(dtype)
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 7, 8, 9, 64, 65, 300):
+        assert torch.equal(product(x[:rows]), alone[:rows]), (fmt, rows)
+
+
+def test_what_it_does_not_cover_is_refused_by_name(tiny_models, gguf_dir):
+    for arch, named in (("qwen3_moe", "mixture-of-experts"), ("gemma3", "sliding-window")):
+        with pytest.raises(ValueError, match=named):
+            LLM(str(tiny_models[arch]), dtype="float32", device="cpu", kv_cache_memory="1MiB", batch_invariant=True)
+    with pytest.raises(ValueError, match="LoRA"):
+        LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="1MiB", batch_invariant=True,
+            enable_lora=True)
+    with pytest.raises(ValueError, match="cpu_paged"):
+        LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="1MiB", batch_invariant=True,
+            attention_backend="torch")
