@@ -141,3 +141,34 @@ def test_what_it_does_not_cover_is_refused_by_name(tiny_models, gguf_dir):
     with pytest.raises(ValueError, match="cpu_paged"):
         LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="1MiB", batch_invariant=True,
             attention_backend="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [paged_attention.INVARIANT_PARTITION, 0])
+def test_a_rows_attention_is_the_same_bits_in_any_step(dtype, partition_size):
+    """One sequence of 700 tokens (three partitions): its last rows attended in one call of all 700 queries (a cold
+    prefill), as a 40-query chunk over 660 cached keys, as single decode rows, and beside another long sequence in
+    one call. With the fixed partition the rows are equal bit for bit; with the kernel's own choice (0: by the
+    step's total keys and threads) the whole prefill splits otherwise, and this test sees it."""
+    from test_paged_attention import Pool
+
+    heads, kv_heads, dim, length = 6, 2, 64, 700
+    pool = Pool(16, kv_heads, dim, dtype, "auto", num_blocks=2 * length // 16 + 8, seed=4)
+    table, other = pool.new_table(length), pool.new_table(length)
+    pool.write(table, 0, length)
+    pool.write(other, 0, length)
+    q = pool.random(length, heads, dim)
+
+    def attend(query_lens, context_lens, tables, queries):
+        starts = [sum(query_lens[:index]) for index in range(len(query_lens))]
+        out = torch.empty_like(queries)
+        rows = paged_attention.paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
+        paged_attention.paged_attention(out, queries, pool.cache, 0, rows, partition_size)
+        return out
+
+    whole = attend([length], [length], [table], q)
+    chunk = attend([40], [length], [table], q[-40:])
+    decodes = torch.cat([attend([1], [p + 1], [table], q[p:p + 1]) for p in range(length - 3, length)])
+    beside = attend([3, 1], [length, length], [table, other], torch.cat([q[-3:], q[-1:]]))[:3]
+    same = (torch.equal(whole[-40:], chunk) and torch.equal(whole[-3:], decodes) and torch.equal(decodes, beside))
+    assert same == (partition_size > 0), f"partition_size {partition_size}: rows equal in every step: {same}"
