@@ -123,10 +123,17 @@ def _build_cpu_kernels() -> None:
     links its ``kernels`` here instead (``fresh_cache_dir``)."""
     if os.environ.get("KVREUSE_TEST_NO_CPU_KERNELS") == "1":
         return  # benchmarks/gpu_checks.sh: its tests run on CUDA, and a lent GPU's minutes are few
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvreuse.models import fused_ops, kv_codec, moe, native_step, paged_attention, qlinear, rowdot
 
-    for module in (qlinear, rowdot, fused_ops, paged_attention, kv_codec, native_step, moe):
-        module.library()
+    # Each library is one C++ file, one compiler process: two at a time keeps both cores of a CI machine busy
+    # (one at a time left one idle for minutes). The ones that load the others' (native_step, moe) come after
+    # them; no library() is called twice at once (each caches its result, unlocked).
+    for wave in ((qlinear, paged_attention, rowdot, fused_ops, kv_codec), (native_step, moe)):
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for built in pool.map(lambda module: module.library(), wave):
+                pass
 
 
 def fresh_cache_dir(cache: Path) -> Path:

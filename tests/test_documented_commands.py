@@ -269,6 +269,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
+    "bench_batch_invariance.py": (r"(?m)^auto \| off \| \d+ of \d+ \| \d+ of \d+ \| \d+\.\d",
+                                  r"(?m)^float32 \| on \| 0 of \d+ \| 0 of \d+ \| \d+\.\d"),
     "bench_chunk_reuse.py": (r"(?m)^  full prefill\s+\d+\.\d\s+1\.00\s+\d", r"(?m)^  prefix caching\s+\d+\.\d\s+\d",
                              r"(?m)^  noise floor \(float32 compute\)\s+\d+\.\d", r"llama-server: skipped \(smoke run\)",
                              r"(?m)^  chunk reuse: [\w-]+\s+\d+\.\d\s+\d\.\d\d\s+\d",
