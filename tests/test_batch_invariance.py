@@ -172,3 +172,11 @@ def test_a_rows_attention_is_the_same_bits_in_any_step(dtype, partition_size):
     beside = attend([3, 1], [length, length], [table, other], torch.cat([q[-3:], q[-1:]]))[:3]
     same = (torch.equal(whole[-40:], chunk) and torch.equal(whole[-3:], decodes) and torch.equal(decodes, beside))
     assert same == (partition_size > 0), f"partition_size {partition_size}: rows equal in every step: {same}"
+
+
+def test_the_mode_is_part_of_the_kv_fingerprint(tiny_models):
+    """A tier's records of the default arithmetic are another engine's to an invariant one (and back)."""
+    prints = {flag: LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="1MiB",
+                        kv_host_memory="1MiB", batch_invariant=flag).engine.tier_store.fingerprint
+              for flag in (False, True)}
+    assert prints[False] != prints[True]

@@ -171,6 +171,7 @@ COMMANDS: dict[str, str] = {
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
     # docs/benchmarks.md: the quantized KV cache (issue 31)
     "python benchmarks/bench_kv_quant.py --json-out kv_quant.json": SCRIPT,
+    "python benchmarks/bench_batch_invariance.py --json-out invariance.json": SCRIPT,
     # docs/benchmarks.md: the decode step's element-wise kernels (issue 37)
     "python benchmarks/bench_fused_ops.py --json-out fused_ops.json": SCRIPT,
     "python benchmarks/bench_native_step.py --json-out native_step.json": SCRIPT,
