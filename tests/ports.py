@@ -89,12 +89,12 @@ def describe(process: psutil.Process) -> str:
 MARK = "KVREUSE_TEST_PROCESS"  # set in the environment of a process a test starts; its children inherit it
 
 
-def marked(mark: str) -> list[psutil.Process]:
-    """The processes whose environment has ``MARK=mark``: whatever a started command left, in any session."""
+def marked(mark: str, variable: str = MARK) -> list[psutil.Process]:
+    """The processes whose environment has ``variable=mark``: whatever a started command left, in any session."""
     found = []
     for process in psutil.process_iter():
         try:
-            if process.environ().get(MARK) == mark:
+            if process.environ().get(variable) == mark:
                 found.append(process)
         except psutil.Error:
             pass
@@ -115,12 +115,24 @@ def kill_tree(pid: int, mark: str | None = None) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    for process in doomed:
+    end(doomed)
+
+
+def end(processes: list[psutil.Process], grace_s: float = 0.0) -> None:
+    """SIGTERM ``processes`` and give them ``grace_s`` to exit (none: straight to SIGKILL), then SIGKILL the rest."""
+    if grace_s > 0:
+        for process in processes:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, processes = psutil.wait_procs(processes, timeout=grace_s)
+    for process in processes:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(doomed, timeout=10)
+    psutil.wait_procs(processes, timeout=10)
 
 
 def wait_until_released(ports: Iterable[int], timeout_s: float = RELEASE_TIMEOUT_S) -> None:

@@ -20,9 +20,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import psutil
-
-from ports import free_port
+import ports
+from ports import free_port, marked
 
 CLUSTER_MARK = "KVREUSE_TEST_RAY_CLUSTER"
 START_TIMEOUT_S = 300  # one `ray start` on a busy 2-core machine
@@ -85,29 +84,6 @@ def start(workers: int = 2) -> Cluster:
         raise
 
 
-def processes(cluster: Cluster) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(CLUSTER_MARK) == cluster.mark:
-                found.append(process)
-        except psutil.Error:
-            pass
-    return found
-
-
 def stop(cluster: Cluster, grace_s: float = 15.0) -> None:
     """End every process of the cluster (SIGTERM, then SIGKILL after ``grace_s``), and no other."""
-    doomed = [process for process in processes(cluster) if process.pid != os.getpid()]
-    for process in doomed:
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(doomed, timeout=grace_s)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
+    ports.end([process for process in marked(cluster.mark, CLUSTER_MARK) if process.pid != os.getpid()], grace_s)
