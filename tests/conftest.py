@@ -49,9 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _build_cpu_kernels()
 
 
-# The modules that must share one worker when pytest-xdist runs the suite on several (pyproject's addopts):
-# the documented commands bind fixed ports (8000, 8001, 8002, 8080) and, with the Ray Serve tests, use the
-# one Ray cluster (a second `ray start --head` on its port fails).
+# The modules that share one worker when pytest-xdist runs the suite on several (pyproject's addopts): the Ray
+# Serve tests must (one cluster, the session's ray_address fixture of that worker, whose Serve proxy keeps port
+# 8100); the documented commands need not (tests/ports.py holds a fixed port across workers), but as one group
+# with them they make the suite's longest batch, which xdist hands out first.
 ONE_WORKER_MODULES = ("test_documented_commands.py", "test_ray_serve.py", "test_ray_bench.py")
 
 

@@ -1,6 +1,6 @@
-"""kvreuse on Ray Serve, end to end: a real Ray cluster (one head, two worker nodes, started with ``ray start``;
-.ci/run starts it, else this module does), the documented ``kvreuse serve --ray-address auto ...`` command
-as typed, the official openai and anthropic SDKs as clients.
+"""kvreuse on Ray Serve, end to end: a real Ray cluster (one head, two worker nodes, started with ``ray start`` by
+the suite's ``ray_address`` fixture, tests/ray_cluster.py), the documented ``kvreuse serve --ray-address auto
+...`` command as typed, the official openai and anthropic SDKs as clients.
 
 What is measured comes from the replicas themselves: which replica answered (its ``x-kvreuse-replica``
 header) and the prompt tokens it reused (``cached_tokens``), never the router's belief. One deployment is
