@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(not (paged_attention.available() and rowdot.avai
 MAX_TOKENS = 6
 
 
-def prompts(seed: int = 3) -> tuple[list[int], list[list[int]]]:
-    """A 45-token shared prefix (hits end mid-block at block sizes 4 and 16) and four prompts over it."""
+def prompts(seed: int = 3, shared_len: int = 45) -> tuple[list[int], list[list[int]]]:
+    """A shared prefix (45 tokens: hits end mid-block at block sizes 4 and 16) and four prompts over it."""
     generator = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, 300, (45,), generator=generator).tolist()
+    shared = torch.randint(3, 300, (shared_len,), generator=generator).tolist()
     tails = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (3, 9, 1, 17)]
     return shared, [shared + tail for tail in tails]
 
@@ -53,14 +53,14 @@ def run(llm: LLM, batch: list[list[int]], together: bool) -> list[tuple[list[int
     return [done[str(index)] for index in range(len(batch))]
 
 
-def every_way(path: str, **options) -> dict[str, list[tuple[list[int], str]]]:
-    shared, batch = prompts()
+def every_way(path: str, shared_len: int = 45, **options) -> dict[str, list[tuple[list[int], str]]]:
+    shared, batch = prompts(shared_len=shared_len)
     results = {}
     results["cold, alone"] = run(LLM(path, enable_prefix_caching=False, **options), batch, together=False)
     warm = LLM(path, **options)
     run(warm, [shared], together=True)  # the prefix cached
     results["warm, alone"] = run(warm, batch, together=False)
-    assert warm.engine.stats().cache.hit_tokens >= 4 * 40
+    assert warm.engine.stats().cache.hit_tokens >= 4 * (shared_len - 5)
     together = LLM(path, **options)
     run(together, [shared], together=True)
     results["warm, batch of 4"] = run(together, batch, together=True)
@@ -98,6 +98,21 @@ def test_cold_warm_batched_and_chunked_runs_give_the_same_bits(tiny_models, gguf
     results = every_way(model_path(tiny_models, gguf_dir, name), device="cpu", kv_cache_memory="1MiB",
                         batch_invariant=True, **options)
     assert_all_equal(results)
+
+
+def test_contexts_longer_than_a_partition_in_the_native_step_and_op_by_op(tiny_models, monkeypatch):
+    """A 530-token shared prefix: rows attend over three 256-key partitions, cold prefills and decode rows
+    alike in the native step (DecodeLayers.set_partition_size) and op by op (KVREUSE_NATIVE_STEP=0); both
+    paths give the same bits, and each the same bits however the token was computed."""
+    from kvreuse.models import native_step
+
+    options = dict(device="cpu", kv_cache_memory="4MiB", batch_invariant=True, dtype="float32", block_size=16,
+                   max_model_len=1024)
+    native = every_way(str(tiny_models["qwen2"]), shared_len=530, **options)
+    monkeypatch.setenv(native_step.ENV, "0")
+    op_by_op = every_way(str(tiny_models["qwen2"]), shared_len=530, **options)
+    assert_all_equal(native)
+    assert_all_equal({"native step": native["cold, alone"], "op by op": op_by_op["cold, alone"]})
 
 
 def test_the_harness_sees_the_default_path_differ(tiny_models, gguf_dir):
