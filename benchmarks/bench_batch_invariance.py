@@ -36,14 +36,12 @@ QUESTIONS = [
 ]
 
 
-def cpu_flags() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    return ",".join(flag for flag in wanted if flag in flags)
+def machine_flags() -> str:
+    """The CPU flags that decide which kernels run (kvreuse's own probe of /proc/cpuinfo)."""
+    from kvreuse.models.cpu import cpu_flags
+
+    flags = cpu_flags() or frozenset()
+    return ",".join(flag for flag in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if flag in flags)
 
 
 def make_prompts(tokenizer: Any, count: int, smoke: bool) -> tuple[list[int], list[list[int]]]:
@@ -165,7 +163,7 @@ def main() -> int:
     shared, prompts = make_prompts(tokenizer, args.num_prompts, smoke)
     import torch
 
-    machine = {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
+    machine = {"cpu": platform.processor() or platform.machine(), "flags": machine_flags(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
     print(f"machine: {machine}; {len(prompts)} prompts of ~{statistics.median(map(len, prompts)):.0f} tokens, "
           f"{len(shared)} shared; greedy, {args.max_tokens} tokens", flush=True)

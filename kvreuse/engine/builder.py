@@ -230,10 +230,9 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
         return _triton_backend(config, device, asked=choice == "triton")
     backend = paged_attention.paged_attention_backend(device, dtype, config.batch_invariant)
     if config.batch_invariant:
-        if backend is None or choice == "torch" or config.enable_torch_compile:
-            raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (attention_backend "
-                             f"auto or cpu_paged, no enable_torch_compile, the kernel built): device {device}, "
-                             f"dtype {dtype}, attention_backend {choice!r}")
+        if backend is None or config.enable_torch_compile:  # choice is auto or cpu_paged (checked above)
+            raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (no "
+                             f"enable_torch_compile, the kernel built): device {device}, dtype {dtype}")
         logger.info("attention: cpu_paged, batch-invariant (every row in the kernel, partitions of %d keys)",
                     paged_attention.INVARIANT_PARTITION)
         return backend
