@@ -1,0 +1,323 @@
+// Batch-invariant products of quantized weights on AMX's int8 tiles (models/amx.py), at every row count.
+//
+// Batch-invariant mode wants one arithmetic for a row whatever number of rows share its step. The int8
+// route makes that cheap to guarantee: an input row is rounded to int8 codes per chunk of 32 values (one
+// float32 scale, amax / 127, as llama.cpp rounds its activations), and the integer dot product of a chunk of
+// codes with a chunk of weight codes is exact in int32 whatever the order its terms are added in. Only the
+// float part rounds: per chunk, in chunk order, acc = fma(float(sum), a * d, acc) (then fma(b, d * sum of
+// the input's codes, acc) for q4_1's offsets), in one float32 lane per output: the same instructions for a
+// row whether its tile holds 1 row or 16, and whichever thread runs it.
+//
+// The integer sums come from AMX (TDPBSSD: a 16 x 32 tile of input codes times 32 x 16 weight codes into 16 x
+// 16 int32 sums, one chunk per instruction, so each chunk's sum can take its own scales); a decode row and a
+// prefill chunk of 600 rows run the same kernel. The weights are repacked at load (amx.pack) into the tile's
+// layout per 16 output rows and chunk: the 512 codes as TDPBSSD reads them (row k4 holds, for each of the 16
+// outputs, its codes 4 * k4 .. 4 * k4 + 3), 4-bit codes two to a byte (code i low, code 256 + i high, so a
+// mask and a shift unpack 64 bytes into two tile rows' worth), then the 16 outputs' fp16 scales a and, for
+// q4_1, their fp16 offsets b: q8_0 544 bytes, q4_0 288, q4_1 320, the file's bytes per value.
+//
+// Built with -march=native; where the compiler has no AMX-INT8 (a CPU that does not advertise it) the
+// operators exist and `amx_probe` says False. A CPU may advertise AMX and the kernel still refuse it (Linux
+// grants the tile state per process on request: arch_prctl ARCH_REQ_XCOMP_PERM), so the probe asks, runs one
+// tile product and compares it with a scalar sum before anything uses the kernel.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__F16C__)
+#define KVREUSE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+// Formats (models/amx.py's FORMAT_CODES): codes' bytes per 16 x 32 block, and what the float part adds.
+constexpr int64_t kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2;
+constexpr int64_t kChunk = 32;  // input values per scale, and per tile product
+constexpr int64_t kTile = 16;   // rows of a tile: input rows, and output rows per packed block
+
+int64_t codes_bytes(int64_t format) { return format == kQ8_0 ? 512 : 256; }
+int64_t block_bytes(int64_t format) { return codes_bytes(format) + 32 + (format == kQ4_1 ? 32 : 0); }
+
+#ifdef KVREUSE_AMX
+
+// The tile registers' shapes (palette 1): 0 and 1 int32 sums (16 x 16), 2 and 3 input codes (16 rows x 32
+// bytes), 4 and 5 weight codes (8 rows of 16 outputs x 4 bytes). Two of each, so two chunks' products are in
+// flight before their sums are read.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// GCC's _tile_loadconfig hands the asm only the first 8 bytes of the configuration as its memory operand (so
+// the compiler dropped the stores of the shapes), and its _tile_loadd names no memory at all (so stores into a
+// buffer a tile then loads could be moved past the load): these two say what they read.
+inline void load_tile_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+#define KVREUSE_TILE_LOAD(tile, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kTile;
+  for (int t = 2; t < 4; ++t) cfg.colsb[t] = kChunk, cfg.rows[t] = kTile;
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kChunk / 4;
+  load_tile_config(cfg);
+}
+
+// Linux hands out the tile state only to a process that asks (once; every thread then has it).
+bool tiles_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// One tile product checked against a scalar sum: whether the tiles work here, not only exist.
+bool probe() {
+  if (!tiles_granted()) return false;
+  alignas(64) int8_t a[kTile * kChunk], b[8 * 64];
+  alignas(64) int32_t c[kTile * kTile];
+  for (int i = 0; i < kTile * kChunk; ++i) a[i] = static_cast<int8_t>((i * 37) % 255 - 127);
+  for (int i = 0; i < 8 * 64; ++i) b[i] = static_cast<int8_t>((i * 91) % 31 - 15);
+  configure_tiles();
+  _tile_zero(0);
+  KVREUSE_TILE_LOAD(2, a, kChunk);
+  KVREUSE_TILE_LOAD(4, b, 64);
+  _tile_dpbssd(0, 2, 4);
+  _tile_stored(0, c, 64);
+  _tile_release();
+  for (int m = 0; m < kTile; ++m) {
+    for (int n = 0; n < kTile; ++n) {
+      int32_t sum = 0;
+      for (int k = 0; k < kChunk; ++k) sum += a[m * kChunk + k] * b[(k / 4) * 64 + n * 4 + k % 4];
+      if (c[m * kTile + n] != sum) return false;
+    }
+  }
+  return true;
+}
+
+// An input row as 16 float32 lanes from float32 or bfloat16 (a bf16 value is the top half of its float32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The input rows rounded per chunk: codes [padded rows, in] (rows past the last zero, so a tile of 16 rows can
+// always be loaded), and per row and chunk the scale d = amax / 127 and d * (the sum of its codes), and
+// that sum itself (q4_0's zero is taken in the integer sums).
+struct QuantizedInput {
+  std::vector<int8_t> codes;
+  std::vector<float> scale, scaled_sum;
+  std::vector<int32_t> sum;
+};
+
+template <class T>
+QuantizedInput quantize_rows(const T* x, int64_t rows, int64_t in) {
+  const int64_t chunks = in / kChunk, padded = (rows + kTile - 1) / kTile * kTile;
+  QuantizedInput q;
+  q.codes.assign(padded * in, 0);
+  q.scale.resize(rows * chunks);
+  q.scaled_sum.resize(rows * chunks);
+  q.sum.resize(rows * chunks);
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const T* p = x + r * in + c * kChunk;
+        const __m512 lo = load16(p), hi = load16(p + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, magnitude), _mm512_and_ps(hi, magnitude)));
+        const float d = amax / 127.f;
+        const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        // Rounded to nearest (even on ties) by the conversion; |x| * 127 / amax <= 127 (+ rounding) fits.
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+        int8_t* out = q.codes.data() + r * in + c * kChunk;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        q.scale[r * chunks + c] = d;
+        q.sum[r * chunks + c] = sum;
+        q.scaled_sum[r * chunks + c] = d * static_cast<float>(sum);
+      }
+    }
+  });
+  return q;
+}
+
+// 4-bit codes two to a byte -> one byte each, in the tile's layout (low nibbles the first 256 bytes).
+inline void unpack_nibbles(const uint8_t* packed, uint8_t* out) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(packed + 64 * i);
+    _mm512_storeu_si512(out + 64 * i, _mm512_and_si512(v, mask));
+    _mm512_storeu_si512(out + 256 + 64 * i, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  }
+}
+
+// The float part of chunk c for R input rows (their integer sums s[r * 16 ..]), into their accumulators:
+// the same instructions for a row whatever R is.
+template <int64_t Format, int R>
+inline void add_chunk(const QuantizedInput& q, int64_t row0, int64_t chunks, int64_t c, const uint8_t* scales,
+                      const int32_t* s, __m512 (&acc)[R]) {
+  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  __m512 b = _mm512_setzero_ps();
+  if constexpr (Format == kQ4_1) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (row0 + r) * chunks + c;
+    __m512i sum = _mm512_load_si512(s + r * kTile);
+    if constexpr (Format == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * q.sum[at]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(a, _mm512_set1_ps(q.scale[at])), acc[r]);
+    if constexpr (Format == kQ4_1) acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.scaled_sum[at]), acc[r]);
+  }
+}
+
+// Input rows [row0, row0 + R) against one block of 16 outputs (codes(c): the block's weight codes of chunk c,
+// scales(c): its scales), two chunks' tile products in flight, their sums added in chunk order.
+template <int64_t Format, int R, class Codes, class Scales>
+void tile_product(const QuantizedInput& q, int64_t row0, int64_t in, Codes codes, Scales scales, float* out,
+                  int64_t out_features, int64_t width) {
+  const int64_t chunks = in / kChunk;
+  alignas(64) int32_t sums[2][kTile * kTile];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* x = q.codes.data() + row0 * in;
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    KVREUSE_TILE_LOAD(2, x + c * kChunk, in);
+    KVREUSE_TILE_LOAD(4, codes(c), 64);
+    KVREUSE_TILE_LOAD(3, x + (c + 1) * kChunk, in);
+    KVREUSE_TILE_LOAD(5, codes(c + 1), 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    add_chunk<Format, R>(q, row0, chunks, c, scales(c), sums[0], acc);
+    add_chunk<Format, R>(q, row0, chunks, c + 1, scales(c + 1), sums[1], acc);
+  }
+  if (c < chunks) {
+    _tile_zero(0);
+    KVREUSE_TILE_LOAD(2, x + c * kChunk, in);
+    KVREUSE_TILE_LOAD(4, codes(c), 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    add_chunk<Format, R>(q, row0, chunks, c, scales(c), sums[0], acc);
+  }
+  const __mmask16 lanes = static_cast<__mmask16>((1u << width) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * out_features, lanes, acc[r]);
+}
+
+// Calls fn(std::integral_constant<int, R>{}) for R = count (1..16): a tile's rows are a compile-time count, so
+// its accumulators stay in registers.
+template <class Fn, int R = 1>
+void with_tile_rows(int64_t count, Fn&& fn) {
+  if constexpr (R == kTile) {
+    fn(std::integral_constant<int, R>{});
+  } else {
+    if (count == R) return fn(std::integral_constant<int, R>{});
+    with_tile_rows<Fn, R + 1>(count, std::forward<Fn>(fn));
+  }
+}
+
+// Output blocks [first, last) of 16 outputs for every input row: out [rows, out_features] float32.
+template <int64_t Format>
+void run_blocks(const QuantizedInput& q, int64_t rows, int64_t in, const uint8_t* packed, int64_t out_features,
+                float* out, int64_t first, int64_t last) {
+  const int64_t chunks = in / kChunk, bytes = block_bytes(Format), cbytes = codes_bytes(Format);
+  // A block's weight codes for every chunk, unpacked once and used by every tile of input rows.
+  std::vector<uint8_t> unpacked(Format == kQ8_0 ? 0 : chunks * 512);
+  configure_tiles();
+  for (int64_t nb = first; nb < last; ++nb) {
+    const uint8_t* block = packed + nb * chunks * bytes;
+    if constexpr (Format != kQ8_0) {
+      for (int64_t c = 0; c < chunks; ++c) unpack_nibbles(block + c * bytes, unpacked.data() + c * 512);
+    }
+    auto codes = [&](int64_t c) -> const uint8_t* {
+      return Format == kQ8_0 ? block + c * bytes : unpacked.data() + c * 512;
+    };
+    auto scales = [&](int64_t c) -> const uint8_t* { return block + c * bytes + cbytes; };
+    const int64_t width = std::min<int64_t>(kTile, out_features - nb * kTile);
+    float* block_out = out + nb * kTile;
+    for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
+      with_tile_rows(std::min<int64_t>(kTile, rows - m0), [&](auto r) {
+        tile_product<Format, decltype(r)::value>(q, m0, in, codes, scales, block_out, out_features, width);
+      });
+    }
+  }
+  _tile_release();
+}
+
+#endif  // KVREUSE_AMX
+
+bool amx_probe() {
+#ifdef KVREUSE_AMX
+  static const bool works = probe();
+  return works;
+#else
+  return false;
+#endif
+}
+
+at::Tensor qlinear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features) {
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1, "qlinear_amx: unknown format code ", format);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qlinear_amx: x must be a CPU float32 or bfloat16 [rows, in] tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t rows = x.size(0), in = x.size(1), chunks = in / kChunk;
+  const int64_t blocks = (out_features + kTile - 1) / kTile;
+  TORCH_CHECK(in % kChunk == 0, "qlinear_amx: in_features must be a multiple of 32, got ", in);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(0) == blocks && packed.size(1) == chunks && packed.size(2) == block_bytes(format),
+              "qlinear_amx: packed weight must be contiguous uint8 [", blocks, ", ", chunks, ", ",
+              block_bytes(format), "], got ", packed.scalar_type(), " ", packed.sizes());
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+#ifdef KVREUSE_AMX
+  TORCH_CHECK(amx_probe(), "qlinear_amx: AMX tiles do not run in this process (models/amx.py's probe)");
+  if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  const QuantizedInput q = x.scalar_type() == at::kFloat ? quantize_rows(xc.const_data_ptr<float>(), rows, in)
+                                                          : quantize_rows(xc.const_data_ptr<at::BFloat16>(), rows, in);
+  const uint8_t* w = packed.const_data_ptr<uint8_t>();
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    if (format == kQ8_0) {
+      run_blocks<kQ8_0>(q, rows, in, w, out_features, o, first, last);
+    } else if (format == kQ4_0) {
+      run_blocks<kQ4_0>(q, rows, in, w, out_features, o, first, last);
+    } else {
+      run_blocks<kQ4_1>(q, rows, in, w, out_features, o, first, last);
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "qlinear_amx: built without AMX-INT8 (this CPU does not advertise it)");
+  return out;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvreuse_amx, m) {
+  m.def("amx_probe() -> bool", &amx_probe);  // no tensor argument: one implementation for every key
+  m.def("qlinear_amx(Tensor x, Tensor packed, int format, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvreuse_amx, CPU, m) {
+  m.impl("qlinear_amx", &qlinear_amx);
+}
