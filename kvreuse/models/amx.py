@@ -84,6 +84,27 @@ class AmxWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: the weight's values (a * q + b, a * (q - 8) for q4_0), the file's exactly."""
+        blocks, chunks, _ = self.data.shape
+        codes_bytes = 512 if self.format == "q8_0" else 256
+        codes = self.data[..., :codes_bytes]
+        if self.format != "q8_0":
+            codes = torch.cat((codes & 15, codes >> 4), dim=-1)
+        q = codes.view(torch.int8) if self.format == "q8_0" else codes
+        # [block, chunk, k4, n, byte] -> [block, n, chunk, k4, byte]
+        q = q.reshape(blocks, chunks, CHUNK // 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(blocks * TILE, chunks, CHUNK)
+
+        def scales(at: int) -> torch.Tensor:  # fp16 bytes [block, chunk, 32] -> float32 [out, chunk, 1]
+            half = self.data[..., at:at + 32].contiguous().view(torch.float16).float()
+            return half.transpose(1, 2).reshape(blocks * TILE, chunks, 1)
+
+        a = scales(codes_bytes)
+        values = q.float() * a if self.format != "q4_0" else (q.float() - 8) * a
+        if self.format == "q4_1":
+            values = values + scales(codes_bytes + 32)
+        return values.reshape(blocks * TILE, self.in_features)[:self.out_features]
+
 
 def pack(weight: QuantizedTensor) -> AmxWeight:
     """``weight`` in the tiles' layout (csrc/amx_int8.cpp's header): per block of 16 outputs and chunk of 32

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.models import kernels, rowdot
+from kvreuse.models import amx, kernels, rowdot
 from kvreuse.models.kernels import ALWAYS, LinearPlan, PlanBook
 from kvreuse.models.quant import FORMATS, QuantizedTensor, cat_rows, random_quantized
 
@@ -173,9 +173,11 @@ def dequantize_rows(weight: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor
     return torch.ops.kvreuse_cpu.qdequant(weight.data.index_select(0, rows), weight.format.code, weight.in_features)
 
 
-def dequantize_any(weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+def dequantize_any(weight: QuantizedTensor | amx.AmxWeight | torch.Tensor) -> torch.Tensor:
     """float32 values of a quantized weight: the C++ kernel where it is built, plain torch otherwise (a
     float tensor is returned as is)."""
+    if isinstance(weight, amx.AmxWeight):
+        return weight.dequantize()
     if not isinstance(weight, QuantizedTensor):
         return weight
     return dequantize(weight) if available() else weight.dequantize()
@@ -209,10 +211,13 @@ def tiled_linear(x: torch.Tensor, weight: QuantizedTensor, compute: torch.dtype 
     return out.to(x.dtype)
 
 
-def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | amx.AmxWeight | torch.Tensor) -> torch.Tensor:
     """x [rows, in] through kernel ``name`` (qdot, qdot8, qtile or qtile_bf16) over a quantized weight; a float part
     of a fused weight (a GGUF file may keep one projection in F16) runs F.linear. A fused weight's plan
-    is its first part's: qdot8 falls back to qdot on a part whose format it does not run."""
+    is its first part's: qdot8 falls back to qdot on a part whose format it does not run. A weight repacked
+    for AMX (batch-invariant mode, ``invariant_parts``) runs there whatever ``name`` says."""
+    if isinstance(weight, amx.AmxWeight):
+        return amx.qlinear_amx(x.contiguous(), weight)
     if not isinstance(weight, QuantizedTensor):
         if name in kernels.ROWDOT_GROUP:  # batch-invariant mode's float product (invariant_plan)
             return rowdot.rowdot(x.contiguous(), weight.to(x.dtype), kernels.ROWDOT_GROUP[name])
@@ -255,10 +260,17 @@ class QuantizedLinearKernel:
             raise ValueError(f"{len(self.parts)} weight parts, {len(self.plans)} plans")
         self.bias = bias
         self.out_features = sum(part.shape[0] for part in self.parts)
-        self.weight_bytes = sum(part.nbytes if isinstance(part, QuantizedTensor) else
-                                part.numel() * part.element_size() for part in self.parts)
-        self.layout_bytes = self.weight_bytes  # the quantized weight is the only layout
         self.weight = None  # no plain float weight
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parts as held now (batch-invariant mode may repack them: invariant_parts)."""
+        return sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
+                   for part in self.parts)
+
+    @property
+    def layout_bytes(self) -> int:
+        return self.weight_bytes  # the quantized weight is the only layout
 
     def views_of(self, parts: list[QuantizedTensor | torch.Tensor]) -> list[QuantizedTensor | torch.Tensor]:
         """``parts`` (those this kernel was made from, in order) as row views of its merged parts, so a
@@ -293,11 +305,21 @@ class QuantizedLinearKernel:
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def invariant_plan(weight: QuantizedTensor | torch.Tensor, dtype: torch.dtype) -> LinearPlan:
-    """Batch-invariant mode's plan for a part of a quantized weight: one kernel at every row count. qdot8
-    (inputs rounded to int8 per group, as llama.cpp does at every batch size) where the format runs it, else
-    qdot; both give a row the same bits in a block of any number of rows (csrc/quant.cpp: per-row chains, one
-    reduction tree). A float part of a fused weight: the float kernel's (kernels.invariant_plan)."""
+def invariant_parts(parts: list[QuantizedTensor | torch.Tensor]) -> list[QuantizedTensor | amx.AmxWeight | torch.Tensor]:
+    """Batch-invariant mode's weights: each part the AMX kernel runs (models/amx.py: q8_0, q4_0, q4_1 where the
+    CPU grants its tiles) repacked for it, the others as they are."""
+    return [amx.pack(part) if amx.runs(part) else part for part in parts]
+
+
+def invariant_plan(weight: QuantizedTensor | amx.AmxWeight | torch.Tensor, dtype: torch.dtype) -> LinearPlan:
+    """Batch-invariant mode's plan for a part of a quantized weight: one kernel at every row count. A part
+    repacked for AMX (``invariant_parts``): qamx. Otherwise qdot8 (inputs rounded to int8 per group, as llama.cpp
+    does at every batch size) where the format runs it, else qdot; all three give a row the same bits in a
+    block of any number of rows (csrc/quant.cpp: per-row chains, one reduction tree; csrc/amx_int8.cpp: exact
+    integer sums, one float part per row). A float part of a fused weight: the float kernel's
+    (kernels.invariant_plan)."""
+    if isinstance(weight, amx.AmxWeight):
+        return LinearPlan.single("qamx")
     if not isinstance(weight, QuantizedTensor):
         return kernels.invariant_plan(dtype)
     return LinearPlan.single("qdot8" if weight.format.name in int8_formats() else "qdot")
