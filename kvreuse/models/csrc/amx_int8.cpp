@@ -34,7 +34,7 @@
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__F16C__)
+    defined(__AVX512BF16__) && defined(__F16C__)
 #define KVREUSE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -53,9 +53,9 @@ int64_t block_bytes(int64_t format) { return codes_bytes(format) + 32 + (format 
 
 #ifdef KVREUSE_AMX
 
-// The tile registers' shapes (palette 1): 0 and 1 int32 sums (16 x 16), 2 and 3 input codes (16 rows x 32
-// bytes), 4 and 5 weight codes (8 rows of 16 outputs x 4 bytes). Two of each, so two chunks' products are in
-// flight before their sums are read.
+// The tile registers' shapes (palette 1): 0-3 int32 sums (16 x 16), 4 and 5 input codes (16 rows x 32 bytes),
+// 6 and 7 weight codes (8 rows of 16 outputs x 4 bytes): four chunks' products in flight before their sums are
+// read.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -69,11 +69,13 @@ inline void load_tile_config(const TileConfig& cfg) { __asm__ volatile("ldtilecf
 #define KVREUSE_TILE_LOAD(tile, base, stride) \
   __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
 
-void configure_tiles() {
+// Input rows per tile product: 16, or fewer for the last rows of a call (a decode step's one row loads, multiplies
+// and stores one row of each tile, not 16).
+void configure_tiles(int64_t rows) {
   TileConfig cfg;
-  for (int t = 0; t < 2; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kTile;
-  for (int t = 2; t < 4; ++t) cfg.colsb[t] = kChunk, cfg.rows[t] = kTile;
-  for (int t = 4; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kChunk / 4;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(rows);      // int32 sums
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = kChunk, cfg.rows[t] = static_cast<uint8_t>(rows);  // input codes
+  for (int t = 6; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kChunk / 4;                      // weight codes
   load_tile_config(cfg);
 }
 
@@ -93,11 +95,11 @@ bool probe() {
   alignas(64) int32_t c[kTile * kTile];
   for (int i = 0; i < kTile * kChunk; ++i) a[i] = static_cast<int8_t>((i * 37) % 255 - 127);
   for (int i = 0; i < 8 * 64; ++i) b[i] = static_cast<int8_t>((i * 91) % 31 - 15);
-  configure_tiles();
+  configure_tiles(kTile);
   _tile_zero(0);
-  KVREUSE_TILE_LOAD(2, a, kChunk);
-  KVREUSE_TILE_LOAD(4, b, 64);
-  _tile_dpbssd(0, 2, 4);
+  KVREUSE_TILE_LOAD(4, a, kChunk);
+  KVREUSE_TILE_LOAD(6, b, 64);
+  _tile_dpbssd(0, 4, 6);
   _tile_stored(0, c, 64);
   _tile_release();
   for (int m = 0; m < kTile; ++m) {
@@ -159,6 +161,16 @@ QuantizedInput quantize_rows(const T* x, int64_t rows, int64_t in) {
   return q;
 }
 
+// Weight bytes [from, from + bytes) clipped to limit, asked for into L2 a cache line at a time, kPrefetchAhead
+// bytes before the kernel reads them: a decode step's weights come from memory, and the hardware prefetchers
+// restart at every 4 KiB page (csrc/quant.cpp's products do the same).
+constexpr int64_t kPrefetchAhead = 2048;
+
+inline void prefetch_weights(const uint8_t* from, int64_t bytes, const uint8_t* limit) {
+  const uint8_t* stop = std::min(from + bytes, limit);
+  for (const uint8_t* p = from; p < stop; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+}
+
 // 4-bit codes two to a byte -> one byte each, in the tile's layout (low nibbles the first 256 bytes).
 inline void unpack_nibbles(const uint8_t* packed, uint8_t* out) {
   const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -186,41 +198,50 @@ inline void add_chunk(const QuantizedInput& q, int64_t row0, int64_t chunks, int
   }
 }
 
+// A row's 16 outputs: float32, or rounded to bfloat16 (to nearest even, as out.to(bfloat16) rounds).
+inline void store_row(float* out, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(out, lanes, v); }
+inline void store_row(at::BFloat16* out, __mmask16 lanes, __m512 v) {
+  _mm256_mask_storeu_epi16(out, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // Input rows [row0, row0 + R) against one block of 16 outputs (codes(c): the block's weight codes of chunk c,
 // scales(c): its scales), two chunks' tile products in flight, their sums added in chunk order.
-template <int64_t Format, int R, class Codes, class Scales>
-void tile_product(const QuantizedInput& q, int64_t row0, int64_t in, Codes codes, Scales scales, float* out,
+template <int64_t Format, int R, class Codes, class Scales, class Out>
+void tile_product(const QuantizedInput& q, int64_t row0, int64_t in, Codes codes, Scales scales, Out* out,
                   int64_t out_features, int64_t width) {
   const int64_t chunks = in / kChunk;
-  alignas(64) int32_t sums[2][kTile * kTile];
+  alignas(64) int32_t sums[4][kTile * kTile];
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* x = q.codes.data() + row0 * in;
+  // The product of chunk c into sum tile T, with input tile A and weight tile B.
+#define KVREUSE_CHUNK_PRODUCT(T, A, B, c)             \
+  _tile_zero(T);                                      \
+  KVREUSE_TILE_LOAD(A, x + (c) * kChunk, in);         \
+  KVREUSE_TILE_LOAD(B, codes(c), 64);                 \
+  _tile_dpbssd(T, A, B);
   int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    KVREUSE_TILE_LOAD(2, x + c * kChunk, in);
-    KVREUSE_TILE_LOAD(4, codes(c), 64);
-    KVREUSE_TILE_LOAD(3, x + (c + 1) * kChunk, in);
-    KVREUSE_TILE_LOAD(5, codes(c + 1), 64);
-    _tile_dpbssd(0, 2, 4);
-    _tile_dpbssd(1, 3, 5);
+  // Four chunks' products in flight before the first sum is read (a tile product's latency is long), their
+  // float parts then added in chunk order.
+  for (; c + 4 <= chunks; c += 4) {
+    KVREUSE_CHUNK_PRODUCT(0, 4, 6, c)
+    KVREUSE_CHUNK_PRODUCT(1, 5, 7, c + 1)
+    KVREUSE_CHUNK_PRODUCT(2, 4, 6, c + 2)
+    KVREUSE_CHUNK_PRODUCT(3, 5, 7, c + 3)
     _tile_stored(0, sums[0], 64);
     _tile_stored(1, sums[1], 64);
-    add_chunk<Format, R>(q, row0, chunks, c, scales(c), sums[0], acc);
-    add_chunk<Format, R>(q, row0, chunks, c + 1, scales(c + 1), sums[1], acc);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    for (int i = 0; i < 4; ++i) add_chunk<Format, R>(q, row0, chunks, c + i, scales(c + i), sums[i], acc);
   }
-  if (c < chunks) {
-    _tile_zero(0);
-    KVREUSE_TILE_LOAD(2, x + c * kChunk, in);
-    KVREUSE_TILE_LOAD(4, codes(c), 64);
-    _tile_dpbssd(0, 2, 4);
+  for (; c < chunks; ++c) {
+    KVREUSE_CHUNK_PRODUCT(0, 4, 6, c)
     _tile_stored(0, sums[0], 64);
     add_chunk<Format, R>(q, row0, chunks, c, scales(c), sums[0], acc);
   }
+#undef KVREUSE_CHUNK_PRODUCT
   const __mmask16 lanes = static_cast<__mmask16>((1u << width) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * out_features, lanes, acc[r]);
+  for (int r = 0; r < R; ++r) store_row(out + (row0 + r) * out_features, lanes, acc[r]);
 }
 
 // Calls fn(std::integral_constant<int, R>{}) for R = count (1..16): a tile's rows are a compile-time count, so
@@ -235,28 +256,37 @@ void with_tile_rows(int64_t count, Fn&& fn) {
   }
 }
 
-// Output blocks [first, last) of 16 outputs for every input row: out [rows, out_features] float32.
-template <int64_t Format>
+// Output blocks [first, last) of 16 outputs for every input row: out [rows, out_features] (float32 or bf16).
+template <int64_t Format, class Out>
 void run_blocks(const QuantizedInput& q, int64_t rows, int64_t in, const uint8_t* packed, int64_t out_features,
-                float* out, int64_t first, int64_t last) {
+                Out* out, int64_t first, int64_t last) {
   const int64_t chunks = in / kChunk, bytes = block_bytes(Format), cbytes = codes_bytes(Format);
   // A block's weight codes for every chunk, unpacked once and used by every tile of input rows.
   std::vector<uint8_t> unpacked(Format == kQ8_0 ? 0 : chunks * 512);
-  configure_tiles();
-  for (int64_t nb = first; nb < last; ++nb) {
-    const uint8_t* block = packed + nb * chunks * bytes;
-    if constexpr (Format != kQ8_0) {
-      for (int64_t c = 0; c < chunks; ++c) unpack_nibbles(block + c * bytes, unpacked.data() + c * 512);
-    }
-    auto codes = [&](int64_t c) -> const uint8_t* {
-      return Format == kQ8_0 ? block + c * bytes : unpacked.data() + c * 512;
-    };
-    auto scales = [&](int64_t c) -> const uint8_t* { return block + c * bytes + cbytes; };
-    const int64_t width = std::min<int64_t>(kTile, out_features - nb * kTile);
-    float* block_out = out + nb * kTile;
-    for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
-      with_tile_rows(std::min<int64_t>(kTile, rows - m0), [&](auto r) {
-        tile_product<Format, decltype(r)::value>(q, m0, in, codes, scales, block_out, out_features, width);
+  const uint8_t* limit = packed + last * chunks * bytes;
+  const int64_t whole = rows / kTile * kTile;
+  // Two passes over the blocks where the rows end in a partial tile (the tiles' shape is set once per pass).
+  for (const auto& [m_begin, m_end] : {std::pair{int64_t{0}, whole}, std::pair{whole, rows}}) {
+    if (m_begin == m_end) continue;
+    const int64_t tile_rows = std::min<int64_t>(kTile, m_end - m_begin);
+    configure_tiles(tile_rows);
+    prefetch_weights(packed + first * chunks * bytes, kPrefetchAhead, limit);
+    for (int64_t nb = first; nb < last; ++nb) {
+      const uint8_t* block = packed + nb * chunks * bytes;
+      for (int64_t c = 0; c < chunks; ++c) {
+        prefetch_weights(block + c * bytes + kPrefetchAhead, bytes, limit);
+        if constexpr (Format != kQ8_0) unpack_nibbles(block + c * bytes, unpacked.data() + c * 512);
+      }
+      auto codes = [&](int64_t c) -> const uint8_t* {
+        return Format == kQ8_0 ? block + c * bytes : unpacked.data() + c * 512;
+      };
+      auto scales = [&](int64_t c) -> const uint8_t* { return block + c * bytes + cbytes; };
+      const int64_t width = std::min<int64_t>(kTile, out_features - nb * kTile);
+      Out* block_out = out + nb * kTile;
+      with_tile_rows(tile_rows, [&](auto r) {
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTile) {
+          tile_product<Format, decltype(r)::value>(q, m0, in, codes, scales, block_out, out_features, width);
+        }
       });
     }
   }
@@ -286,25 +316,32 @@ at::Tensor qlinear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t fo
                   packed.size(0) == blocks && packed.size(1) == chunks && packed.size(2) == block_bytes(format),
               "qlinear_amx: packed weight must be contiguous uint8 [", blocks, ", ", chunks, ", ",
               block_bytes(format), "], got ", packed.scalar_type(), " ", packed.sizes());
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({rows, out_features}, x.options());
 #ifdef KVREUSE_AMX
   TORCH_CHECK(amx_probe(), "qlinear_amx: AMX tiles do not run in this process (models/amx.py's probe)");
-  if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
+  if (rows == 0 || out_features == 0) return out;
   const at::Tensor xc = x.contiguous();
-  const QuantizedInput q = x.scalar_type() == at::kFloat ? quantize_rows(xc.const_data_ptr<float>(), rows, in)
-                                                          : quantize_rows(xc.const_data_ptr<at::BFloat16>(), rows, in);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const QuantizedInput q = bf16 ? quantize_rows(xc.const_data_ptr<at::BFloat16>(), rows, in)
+                                : quantize_rows(xc.const_data_ptr<float>(), rows, in);
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
-  float* o = out.mutable_data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    if (format == kQ8_0) {
-      run_blocks<kQ8_0>(q, rows, in, w, out_features, o, first, last);
-    } else if (format == kQ4_0) {
-      run_blocks<kQ4_0>(q, rows, in, w, out_features, o, first, last);
-    } else {
-      run_blocks<kQ4_1>(q, rows, in, w, out_features, o, first, last);
-    }
-  });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  auto run = [&](auto* o) {
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      if (format == kQ8_0) {
+        run_blocks<kQ8_0>(q, rows, in, w, out_features, o, first, last);
+      } else if (format == kQ4_0) {
+        run_blocks<kQ4_0>(q, rows, in, w, out_features, o, first, last);
+      } else {
+        run_blocks<kQ4_1>(q, rows, in, w, out_features, o, first, last);
+      }
+    });
+  };
+  if (bf16) {
+    run(out.mutable_data_ptr<at::BFloat16>());
+  } else {
+    run(out.mutable_data_ptr<float>());
+  }
+  return out;
 #else
   TORCH_CHECK(false, "qlinear_amx: built without AMX-INT8 (this CPU does not advertise it)");
   return out;
