@@ -34,7 +34,7 @@
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512BF16__) && defined(__F16C__)
+    defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define KVREUSE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -181,20 +181,33 @@ inline void unpack_nibbles(const uint8_t* packed, uint8_t* out) {
   }
 }
 
-// The float part of chunk c for R input rows (their integer sums s[r * 16 ..]), into their accumulators:
-// the same instructions for a row whatever R is.
+// The float part of one chunk for one input row (its chunk index `at` in q's per-chunk arrays): its 16 outputs'
+// exact integer sums, the weights' scales a and offsets b. Both kernels below take every row through this one
+// function, so a row's bits do not depend on which of them multiplied it.
+template <int64_t Format>
+inline __m512 float_part(__m512 acc, __m512i sum, __m512 a, __m512 b, const QuantizedInput& q, int64_t at) {
+  if constexpr (Format == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * q.sum[at]));  // the zero, 8
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(a, _mm512_set1_ps(q.scale[at])), acc);
+  if constexpr (Format == kQ4_1) acc = _mm512_fmadd_ps(b, _mm512_set1_ps(q.scaled_sum[at]), acc);
+  return acc;
+}
+
+// A chunk's 16 scales a and (q4_1) offsets b, from their fp16 bytes.
+template <int64_t Format>
+inline void chunk_scales(const uint8_t* scales, __m512& a, __m512& b) {
+  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  b = _mm512_setzero_ps();
+  if constexpr (Format == kQ4_1) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+}
+
+// The float part of chunk c for R input rows (their integer sums s[r * 16 ..]), into their accumulators.
 template <int64_t Format, int R>
 inline void add_chunk(const QuantizedInput& q, int64_t row0, int64_t chunks, int64_t c, const uint8_t* scales,
                       const int32_t* s, __m512 (&acc)[R]) {
-  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-  __m512 b = _mm512_setzero_ps();
-  if constexpr (Format == kQ4_1) b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+  __m512 a, b;
+  chunk_scales<Format>(scales, a, b);
   for (int r = 0; r < R; ++r) {
-    const int64_t at = (row0 + r) * chunks + c;
-    __m512i sum = _mm512_load_si512(s + r * kTile);
-    if constexpr (Format == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * q.sum[at]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(a, _mm512_set1_ps(q.scale[at])), acc[r]);
-    if constexpr (Format == kQ4_1) acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(q.scaled_sum[at]), acc[r]);
+    acc[r] = float_part<Format>(acc[r], _mm512_load_si512(s + r * kTile), a, b, q, (row0 + r) * chunks + c);
   }
 }
 
@@ -256,6 +269,63 @@ void with_tile_rows(int64_t count, Fn&& fn) {
   }
 }
 
+// A few rows on AVX512-VNNI instead of the tiles: a tile product costs 25-30 ns whatever its rows (on the 2-core
+// Xeon VM of docs/benchmarks.md), more than a decode row's chunk takes to stream from memory, so up to
+// kVnniRows rows each chunk's integer sums come from vpdpbusd over the same packed codes (row k4 of a chunk's
+// codes is 16 outputs x 4 bytes: one instruction adds 4 products to each output's int32 lane, the input's 4
+// codes broadcast), then the same float_part: the same exact sums, the same float instructions, the same bits.
+// 4-bit codes go as the unsigned operand; q8_0's signed codes meet the inputs shifted to unsigned (code + 128),
+// and 128 * (the chunk's weight sum) is taken back in int32.
+constexpr int64_t kVnniRows = 4;
+
+template <int64_t Format, int R, class Out>
+void vnni_block(const QuantizedInput& q, int64_t row0, int64_t in, const uint8_t* block, Out* out,
+                int64_t out_features, int64_t width, const uint8_t* limit) {
+  const int64_t chunks = in / kChunk, bytes = block_bytes(Format), cbytes = codes_bytes(Format);
+  const __m512i low4 = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(-128);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* chunk = block + c * bytes;
+    prefetch_weights(chunk + kPrefetchAhead, bytes, limit);
+    __m512i w[8];
+    if constexpr (Format == kQ8_0) {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(chunk + 64 * j);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(chunk + 64 * j);
+        w[j] = _mm512_and_si512(v, low4);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    }
+    __m512i weight_sum = _mm512_setzero_si512();  // q8_0: each output's sum of codes over the chunk
+    if constexpr (Format == kQ8_0) {
+      for (int j = 0; j < 8; ++j) weight_sum = _mm512_dpbusd_epi32(weight_sum, ones, w[j]);
+      weight_sum = _mm512_slli_epi32(weight_sum, 7);
+    }
+    __m512 a, b;
+    chunk_scales<Format>(chunk + cbytes, a, b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = q.codes.data() + (row0 + r) * in + c * kChunk;
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, x + 4 * j, 4);
+        const __m512i xj = _mm512_set1_epi32(four);
+        if constexpr (Format == kQ8_0) {
+          sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(xj, flip), w[j]);
+        } else {
+          sum = _mm512_dpbusd_epi32(sum, w[j], xj);
+        }
+      }
+      if constexpr (Format == kQ8_0) sum = _mm512_sub_epi32(sum, weight_sum);
+      acc[r] = float_part<Format>(acc[r], sum, a, b, q, (row0 + r) * chunks + c);
+    }
+  }
+  const __mmask16 lanes = static_cast<__mmask16>((1u << width) - 1);
+  for (int r = 0; r < R; ++r) store_row(out + (row0 + r) * out_features, lanes, acc[r]);
+}
+
 // Output blocks [first, last) of 16 outputs for every input row: out [rows, out_features] (float32 or bf16).
 template <int64_t Format, class Out>
 void run_blocks(const QuantizedInput& q, int64_t rows, int64_t in, const uint8_t* packed, int64_t out_features,
@@ -264,6 +334,19 @@ void run_blocks(const QuantizedInput& q, int64_t rows, int64_t in, const uint8_t
   // A block's weight codes for every chunk, unpacked once and used by every tile of input rows.
   std::vector<uint8_t> unpacked(Format == kQ8_0 ? 0 : chunks * 512);
   const uint8_t* limit = packed + last * chunks * bytes;
+  if (rows <= kVnniRows) {
+    prefetch_weights(packed + first * chunks * bytes, kPrefetchAhead, limit);
+    with_tile_rows(rows, [&](auto r) {
+      if constexpr (decltype(r)::value <= kVnniRows) {
+        for (int64_t nb = first; nb < last; ++nb) {
+          vnni_block<Format, decltype(r)::value>(q, 0, in, packed + nb * chunks * bytes, out + nb * kTile,
+                                                out_features, std::min<int64_t>(kTile, out_features - nb * kTile),
+                                                limit);
+        }
+      }
+    });
+    return;
+  }
   const int64_t whole = rows / kTile * kTile;
   // Two passes over the blocks where the rows end in a partial tile (the tiles' shape is set once per pass).
   for (const auto& [m_begin, m_end] : {std::pair{int64_t{0}, whole}, std::pair{whole, rows}}) {
