@@ -29,7 +29,7 @@ from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
-from kvreuse.models import amx, fused_ops, paged_attention, qlinear
+from kvreuse.models import fused_ops, paged_attention, qlinear, qpacked
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -165,7 +165,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.cache.has_tiers:
         fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path,
                                          int8_activations=model.runs_int8_activations(),
-                                         bf16_tiles=model.runs_bf16_tiles(), amx_products=model.runs_amx_products())
+                                         bf16_tiles=model.runs_bf16_tiles(), packed_products=model.runs_packed_products())
         tier_store = make_tiers(config, kv_cache, fingerprint)
         tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
 
@@ -323,7 +323,7 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
 
 def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: ModelConfig, kv_cache: KVCache,
                        dtype: torch.dtype, draft: EagleDraft | None, tokenizer_path: Path | None = None,
-                       int8_activations: bool = False, bf16_tiles: bool = False, amx_products: bool = False) -> str:
+                       int8_activations: bool = False, bf16_tiles: bool = False, packed_products: bool = False) -> str:
     """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint).
 
     A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
@@ -335,8 +335,8 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     round their inputs to int8 (``int8_activations``: a plan that picks qdot8, models/qlinear.py): its K/V
     differ from the exact products' by that rounding, and the choice is measured per machine. So does one
     whose many-row products may multiply tiles of dequantized weights rounded to bfloat16 (``bf16_tiles``:
-    a plan that picks qtile_bf16). So does one whose quantized products run on the AMX kernel (``amx_products``,
-    batch-invariant mode on a CPU that grants AMX: models/amx.py), whose float sums run otherwise than qdot8's.
+    a plan that picks qtile_bf16). So does one whose quantized products run on the packed int8 kernel
+    (``packed_products``: batch-invariant mode, models/qpacked.py), whose float sums run otherwise than qdot8's.
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -367,7 +367,7 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
         **({"activations": f"int8 (qdot8, arithmetic {qlinear.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
-        **({"amx_products": amx.ARITHMETIC} if amx_products else {}),
+        **({"packed_products": qpacked.ARITHMETIC} if packed_products else {}),
         # Batch-invariant mode's arithmetic: one product kernel at every row count, attention in the paged kernel
         # over fixed partitions; K/V of the default (measured, per row count) arithmetic are another's.
         **({"arithmetic": f"batch-invariant (attention partitions of {paged_attention.INVARIANT_PARTITION} keys)"}

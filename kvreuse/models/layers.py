@@ -202,7 +202,7 @@ class Linear(nn.Module):
         second layout buys speed. Returns False where plain F.linear is the verdict (or not on CPU).
         """
         if self.quantized is not None:
-            if batch_invariant:  # the parts AMX runs repacked for it (held once: self.quantized views them)
+            if batch_invariant:  # the parts qpacked runs packed for it (held once: self.quantized is them)
                 self.kernel.parts = self.quantized = qlinear.invariant_parts(self.kernel.parts)
             # Each quantized part on the kernel measured fastest for its format and shape, per row count.
             self.kernel.plans = [qlinear.invariant_plan(part, self.dtype) if batch_invariant else

@@ -29,7 +29,7 @@ from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models import fused_ops, qlinear
-from kvreuse.models.amx import AmxWeight
+from kvreuse.models.qpacked import PackedWeight
 from kvreuse.models.native_step import NativeDecodeStep
 from kvreuse.models.kernels import LinearKernel, PlanBook, invariant_plan, layouts_allowed
 from kvreuse.models.layers import (GatedMLP, GemmaRMSNorm, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding,
@@ -351,7 +351,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         extra = sum(m.kernel.layout_bytes - m.kernel.weight_bytes for m in linears if m.kernel is not None)
         if self.lm_head is None and embedding is None:  # a quantized table: the head (made at load) reads it in place
             head = self._tied_head_kernel
-            if batch_invariant:  # the head's own copy where AMX runs it (the lookup keeps reading the table)
+            if batch_invariant:  # the head's own packed copy (the lookup keeps reading the table)
                 head.parts = qlinear.invariant_parts(head.parts)
                 extra += sum(part.nbytes for part in head.parts if part is not embed_tokens.quantized)
             head.plans = [qlinear.invariant_plan(head.parts[0], self.dtype) if batch_invariant else
@@ -389,11 +389,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         K/V it computes then differ from the exact products' (the engine's fingerprint says so)."""
         return self._quantized_plans_pick("qdot8")
 
-    def runs_amx_products(self) -> bool:
-        """Whether a quantized product runs on the AMX kernel (batch-invariant mode, models/amx.py): its own
+    def runs_packed_products(self) -> bool:
+        """Whether a quantized product runs on the packed int8 kernel (batch-invariant mode, models/qpacked.py): its own
         arithmetic, so other K/V than qdot8's (the fingerprint says so)."""
-        return self._quantized_plans_pick("qamx") or (
-            self._tied_head_kernel is not None and "qamx" in self._tied_head_kernel.plan.kernels)
+        return self._quantized_plans_pick("qpacked8") or (
+            self._tied_head_kernel is not None and "qpacked8" in self._tied_head_kernel.plan.kernels)
 
     def runs_bf16_tiles(self) -> bool:
         """Whether a quantized product's plan picks qtile_bf16 (dequantized tiles rounded to bfloat16) for
@@ -413,8 +413,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if isinstance(self._tied_head_kernel, LinearKernel):  # its layouts beside the embedding kept for lookups
             total += self._tied_head_kernel.layout_bytes - (
                 self._tied_head_kernel.weight_bytes if "plain" in self._tied_head_kernel.plan.layouts else 0)
-        elif isinstance(self._tied_head_kernel, QuantizedLinearKernel):  # a repacked copy of the table (AMX)
-            total += sum(part.nbytes for part in self._tied_head_kernel.parts if isinstance(part, AmxWeight))
+        elif isinstance(self._tied_head_kernel, QuantizedLinearKernel):  # a packed copy of the table (qpacked)
+            total += sum(part.nbytes for part in self._tied_head_kernel.parts if isinstance(part, PackedWeight))
         return total
 
     def weight_tensors(self) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 
 from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.cache.kv import KVCache
-from kvreuse.models import amx, fused_ops, paged_attention, qlinear, rowdot
+from kvreuse.models import fused_ops, paged_attention, qlinear, qpacked, rowdot
 from kvreuse.models.kernels import LAYOUT, ROWDOT_GROUP, LinearKernel
 from kvreuse.models.layers import Linear
 from kvreuse.models.moe import SparseMoE
@@ -49,7 +49,7 @@ logger = logging.getLogger("kvreuse")
 SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.cpp"
 ENV = "KVREUSE_NATIVE_STEP"
 # decoder_layer.cpp's Kernel codes.
-KERNEL_CODES = {"qdot": 0, "qdot8": 1, "plain": 2, "rowdot": 3, "rowdot8": 4, "qamx": 6}
+KERNEL_CODES = {"qdot": 0, "qdot8": 1, "plain": 2, "rowdot": 3, "rowdot8": 4, "qpacked8": 6}
 FLOAT_PART = 5  # a float part of a quantized weight: F.linear, then the bias
 # Distinct row counts whose layer arguments are held at once (batch-invariant mode runs prefills here too).
 MAX_ROW_COUNTS_HELD = 64
@@ -90,11 +90,11 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
     if linear.quantized is not None:
         weights, codes, formats = [], [], []
         for part, plan in zip(kernel.parts, kernel.plans):
-            if isinstance(part, amx.AmxWeight):  # batch-invariant mode's AMX product, at every row count
-                if part.out_features % amx.TILE:
-                    return "an AMX weight padded to whole tiles"  # the C++ call knows its outputs from its shape
-                weights.append(part.data), codes.append(KERNEL_CODES["qamx"]), formats.append(
-                    amx.FORMAT_CODES[part.format])
+            if isinstance(part, qpacked.PackedWeight):  # batch-invariant mode's packed int8 product
+                if part.out_features % qpacked.TILE:
+                    return "a packed weight padded to whole blocks"  # the C++ call knows its outputs from its shape
+                weights.append(part.data), codes.append(KERNEL_CODES["qpacked8"]), formats.append(
+                    qpacked.FORMAT_CODES[part.format])
                 continue
             if not isinstance(part, QuantizedTensor):
                 if plan.kernel_for(rows) in ROWDOT_GROUP:

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.models import amx, kernels, rowdot
+from kvreuse.models import kernels, qpacked, rowdot
 from kvreuse.models.kernels import ALWAYS, LinearPlan, PlanBook
 from kvreuse.models.quant import FORMATS, QuantizedTensor, cat_rows, random_quantized
 
@@ -173,10 +173,10 @@ def dequantize_rows(weight: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor
     return torch.ops.kvreuse_cpu.qdequant(weight.data.index_select(0, rows), weight.format.code, weight.in_features)
 
 
-def dequantize_any(weight: QuantizedTensor | amx.AmxWeight | torch.Tensor) -> torch.Tensor:
+def dequantize_any(weight: QuantizedTensor | qpacked.PackedWeight | torch.Tensor) -> torch.Tensor:
     """float32 values of a quantized weight: the C++ kernel where it is built, plain torch otherwise (a
     float tensor is returned as is)."""
-    if isinstance(weight, amx.AmxWeight):
+    if isinstance(weight, qpacked.PackedWeight):
         return weight.dequantize()
     if not isinstance(weight, QuantizedTensor):
         return weight
@@ -211,13 +211,14 @@ def tiled_linear(x: torch.Tensor, weight: QuantizedTensor, compute: torch.dtype 
     return out.to(x.dtype)
 
 
-def run_quantized(name: str, x: torch.Tensor, weight: QuantizedTensor | amx.AmxWeight | torch.Tensor) -> torch.Tensor:
+def run_quantized(name: str, x: torch.Tensor,
+                  weight: QuantizedTensor | qpacked.PackedWeight | torch.Tensor) -> torch.Tensor:
     """x [rows, in] through kernel ``name`` (qdot, qdot8, qtile or qtile_bf16) over a quantized weight; a float part
     of a fused weight (a GGUF file may keep one projection in F16) runs F.linear. A fused weight's plan
     is its first part's: qdot8 falls back to qdot on a part whose format it does not run. A weight repacked
-    for AMX (batch-invariant mode, ``invariant_parts``) runs there whatever ``name`` says."""
-    if isinstance(weight, amx.AmxWeight):
-        return amx.qlinear_amx(x.contiguous(), weight)
+    for the packed int8 kernel (batch-invariant mode, ``invariant_parts``) runs there whatever ``name`` says."""
+    if isinstance(weight, qpacked.PackedWeight):
+        return qpacked.qlinear_packed(x.contiguous(), weight)
     if not isinstance(weight, QuantizedTensor):
         if name in kernels.ROWDOT_GROUP:  # batch-invariant mode's float product (invariant_plan)
             return rowdot.rowdot(x.contiguous(), weight.to(x.dtype), kernels.ROWDOT_GROUP[name])
@@ -305,21 +306,22 @@ class QuantizedLinearKernel:
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def invariant_parts(parts: list[QuantizedTensor | torch.Tensor]) -> list[QuantizedTensor | amx.AmxWeight | torch.Tensor]:
-    """Batch-invariant mode's weights: each part the AMX kernel runs (models/amx.py: q8_0, q4_0, q4_1 where the
-    CPU grants its tiles) repacked for it, the others as they are."""
-    return [amx.pack(part) if amx.runs(part) else part for part in parts]
+def invariant_parts(parts: list[QuantizedTensor | torch.Tensor]
+                    ) -> list[QuantizedTensor | qpacked.PackedWeight | torch.Tensor]:
+    """Batch-invariant mode's weights: each part the packed int8 kernel runs (models/qpacked.py: q8_0, q4_0 and q4_1
+    on a CPU with AVX512-VNNI) packed for it, the others as they are."""
+    return [qpacked.pack(part) if qpacked.runs(part) else part for part in parts]
 
 
-def invariant_plan(weight: QuantizedTensor | amx.AmxWeight | torch.Tensor, dtype: torch.dtype) -> LinearPlan:
+def invariant_plan(weight: QuantizedTensor | qpacked.PackedWeight | torch.Tensor, dtype: torch.dtype) -> LinearPlan:
     """Batch-invariant mode's plan for a part of a quantized weight: one kernel at every row count. A part
-    repacked for AMX (``invariant_parts``): qamx. Otherwise qdot8 (inputs rounded to int8 per group, as llama.cpp
+    packed (``invariant_parts``): qpacked8. Otherwise qdot8 (inputs rounded to int8 per group, as llama.cpp
     does at every batch size) where the format runs it, else qdot; all three give a row the same bits in a
-    block of any number of rows (csrc/quant.cpp: per-row chains, one reduction tree; csrc/amx_int8.cpp: exact
+    block of any number of rows (csrc/quant.cpp: per-row chains, one reduction tree; csrc/qpacked.cpp: exact
     integer sums, one float part per row). A float part of a fused weight: the float kernel's
     (kernels.invariant_plan)."""
-    if isinstance(weight, amx.AmxWeight):
-        return LinearPlan.single("qamx")
+    if isinstance(weight, qpacked.PackedWeight):
+        return LinearPlan.single("qpacked8")
     if not isinstance(weight, QuantizedTensor):
         return kernels.invariant_plan(dtype)
     return LinearPlan.single("qdot8" if weight.format.name in int8_formats() else "qdot")

@@ -83,9 +83,9 @@ const Kernels& kernels() {
 // How a weight part is multiplied (models/native_step.py's KERNEL_CODES).
 // kPlain: a float weight's F.linear (its bias inside, where it is the projection's one part); kFloatPart:
 // a float part of a quantized weight (F.linear, the bias added after, as QuantizedLinearKernel does).
-// kQamx: batch-invariant mode's AMX product over a weight repacked for the tiles (models/amx.py), whose library
-// is found on first use (it is built only where the CPU has AMX-INT8).
-enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5, kQamx = 6 };
+// kQpacked8: batch-invariant mode's int8 product over a weight packed in blocks of 16 outputs (models/qpacked.py),
+// whose library is found on first use (only such a model loads it).
+enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5, kQpacked8 = 6 };
 constexpr int kProjections = 4;  // qkv, o, gate_up, down
 
 // One projection's parts, side by side in its output (a fused weight whose parts differ in format).
@@ -110,10 +110,11 @@ at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, c
       case kFloatPart: outs.push_back(at::linear(x, w.to(x.scalar_type()))); break;  // as held (no copy kept)
       case kRowdot: outs.push_back(k.rowdot.call(x, w, 1)); break;
       case kRowdot8: outs.push_back(k.rowdot.call(x, w, 8)); break;
-      case kQamx: {
-        static const auto qamx =
-            find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_amx::qlinear_amx");
-        outs.push_back(qamx.call(x, w, p.formats[i], w.size(0) * 16));  // whole tiles of outputs (native_step.py)
+      case kQpacked8: {
+        static const auto qpacked8 =
+            find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>("kvreuse_qpacked::qlinear_packed");
+        // Whole blocks of 16 outputs (native_step.py runs no other).
+        outs.push_back(qpacked8.call(x, w, p.formats[i], w.size(0) * 16, true));
         break;
       }
       default: TORCH_CHECK(false, "decoder_layer: unknown kernel code ", p.kernels[i]);
