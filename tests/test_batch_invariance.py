@@ -82,8 +82,12 @@ CASES = {  # name: (model, LLM options)
     "llama folder, bfloat16, blocks of 16": ("llama", dict(dtype="bfloat16", block_size=16)),
     "qwen3 folder, float32, int8 KV": ("qwen3", dict(dtype="float32", block_size=4, kv_cache_dtype="int8")),
     "qwen2 folder, --quantization int8, bfloat16": ("qwen2", dict(dtype="bfloat16", quantization="int8", block_size=4)),
+    # q8_0, q4_1 and q4_0 run on the packed int8 kernel where the CPU has AVX512-VNNI (models/qpacked.py), q5_0 on
+    # the bf16 kernel (qdot): every quantized product kind batch-invariant mode picks.
     "GGUF Q8_0, float32": ("qwen2:Q8_0", dict(dtype="float32", block_size=4)),
     "GGUF Q4_1, bfloat16, blocks of 16": ("llama-plain:Q4_1", dict(dtype="bfloat16", block_size=16)),
+    "GGUF Q4_0, bfloat16, int8 KV": ("mistral:Q4_0", dict(dtype="bfloat16", block_size=4, kv_cache_dtype="int8")),
+    "GGUF Q5_0, float32": ("qwen2:Q5_0", dict(dtype="float32", block_size=4)),
 }
 
 
@@ -98,6 +102,66 @@ def test_cold_warm_batched_and_chunked_runs_give_the_same_bits(tiny_models, gguf
     results = every_way(model_path(tiny_models, gguf_dir, name), device="cpu", kv_cache_memory="1MiB",
                         batch_invariant=True, **options)
     assert_all_equal(results)
+
+
+def test_gguf_products_run_on_the_packed_kernel_where_it_runs(tiny_models, gguf_dir):
+    """The cases above test the packed kernel, not a fallback: a q8_0 file's products run on it (where the CPU
+    has AVX512-VNNI), the native decode step included, and the fingerprint says so; a q5_0 file's do not."""
+    from kvreuse.models import qpacked
+
+    from kvreuse.models.native_step import KERNEL_CODES
+
+    options = dict(device="cpu", kv_cache_memory="1MiB", batch_invariant=True, dtype="float32", block_size=4)
+    llm = LLM(str(model_path(tiny_models, gguf_dir, "qwen2:Q8_0")), **options)
+    model = llm.engine.runner.model
+    assert model.runs_packed_products() == qpacked.available()
+    assert model.runs_int8_activations() != qpacked.available()  # qdot8 where the packed kernel does not run
+    run(llm, prompts()[1][:1], together=True)
+    held = [args for args in model.native_step._args.values() if not isinstance(args, str)]
+    assert held, "the native step ran"
+    assert all((KERNEL_CODES["qpacked8"] in layer.kernels) == qpacked.available() for args in held for layer in args)
+    other = LLM(str(model_path(tiny_models, gguf_dir, "qwen2:Q5_0")), **options).engine.runner.model
+    assert not other.runs_packed_products()
+
+
+def test_preempted_and_resumed_requests_give_the_same_bits(tiny_models, gguf_dir):
+    """Four requests in a pool too small for all of them: one is preempted mid-decode and resumed, its generated
+    tokens' K/V recomputed in a prefill; every token's logits equal a cold run's alone."""
+    for name in ("qwen2", "qwen2:Q8_0"):
+        path = model_path(tiny_models, gguf_dir, name)
+        shared, batch = prompts()
+        options = dict(device="cpu", dtype="float32", block_size=4, batch_invariant=True)
+        cold = run(LLM(path, enable_prefix_caching=False, kv_cache_memory="1MiB", **options), batch, together=False)
+        tight = LLM(path, kv_cache_memory="36KiB", max_model_len=72, **options)  # 72 tokens of K/V
+        assert run(tight, batch, together=True) == cold, name
+        assert tight.engine.stats().num_preemptions >= 1, name
+
+
+def test_kv_blocks_have_the_same_bytes_however_they_were_computed(tiny_models, gguf_dir, tmp_path):
+    """The K/V bytes themselves: each engine writes every block it computes through to a disk tier; the same block
+    (same key: the same tokens after the same prefix) written by a cold run alone, by chunked prefills of a batch,
+    and by a prefill of the prompts followed by their generated tokens (K/V a decode step computed elsewhere) is
+    the same record, byte for byte."""
+    path = model_path(tiny_models, gguf_dir, "qwen2:Q8_0")  # float32 K/V: no bf16 rounding to hide a difference
+    options = dict(device="cpu", dtype="float32", block_size=4, batch_invariant=True, kv_cache_memory="1MiB")
+    shared, batch = prompts()
+    outputs = run(LLM(path, kv_disk_dir=str(tmp_path / "alone"), **options), batch, together=False)
+    run(LLM(path, kv_disk_dir=str(tmp_path / "chunked"), max_num_batched_tokens=5, max_num_seqs=4, **options), batch,
+        together=True)
+    # The prompts with their generated tokens (all but the last, whose K/V no step computed) as new prompts.
+    extended = [prompt + ids[:-1] for prompt, (ids, _) in zip(batch, outputs)]
+    run(LLM(path, kv_disk_dir=str(tmp_path / "extended"), **options), extended, together=True)
+
+    def records(name: str) -> dict[str, bytes]:
+        files = sorted((tmp_path / name).rglob("*.kvb"))
+        return {file.name: file.read_bytes() for file in files}
+
+    alone, chunked, prefilled = records("alone"), records("chunked"), records("extended")
+    prompt_blocks = len({tuple(prompt[:end]) for prompt in batch for end in range(4, len(prompt) + 1, 4)})
+    assert len(alone) > prompt_blocks, "the blocks the decode steps filled are written too"
+    assert set(alone) == set(chunked) and set(alone) <= set(prefilled)
+    assert {key for key in alone if alone[key] != chunked[key]} == set()
+    assert {key for key in alone if alone[key] != prefilled[key]} == set()
 
 
 def test_contexts_longer_than_a_partition_in_the_native_step_and_op_by_op(tiny_models, monkeypatch):
