@@ -386,3 +386,31 @@ def test_disk_tier_keeps_the_draft_kv_with_the_target_kv(drafts, tmp_path):
     plain = make_llm(target, kv_disk_dir=str(tmp_path / "disk")).engine
     [other] = run_checked(plain, [prompt], params, prefix="d3-")
     assert other.num_cached_tokens == 0
+
+
+def test_batch_invariant_speculation_gives_every_token_the_same_bits(drafts):
+    """Batch-invariant mode (issue 63) with an EAGLE draft: verification rows compute each token's logits with the
+    same bits as a plain decode row, so the logprobs of every generated token equal a run without speculation,
+    cold or after a prefix hit; and the draft layer's K/V and features after a hit equal a cold engine's exactly
+    (the default path holds them within rounding only: the test above)."""
+    target, draft = drafts["target"], drafts["random"]
+    shared = prompt_ids(100, 14)
+    first, second = shared + prompt_ids(101, 9), shared + prompt_ids(102, 11)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def generated(output) -> tuple[list[int], str]:
+        return output.outputs[0].token_ids, repr(output.outputs[0].logprobs)
+
+    [plain] = run_checked(make_llm(target, batch_invariant=True, enable_prefix_caching=False).engine, [second], params)
+    warm = make_llm(target, draft, 2, batch_invariant=True).engine
+    run_checked(warm, [first], params, prefix="w1-")
+    [hit] = run_checked(warm, [second], params, prefix="w2-")
+    cold = make_llm(target, draft, 2, batch_invariant=True).engine
+    [fresh] = run_checked(cold, [second], params, prefix="c-")
+    assert hit.num_cached_tokens == 14 and warm.stats().spec_decode.num_draft_tokens > 0
+    assert generated(hit) == generated(fresh) == generated(plain)
+    sequence = second + hit.outputs[0].token_ids
+    warm_kv, warm_features, warm_blocks = _draft_state(warm, sequence)
+    cold_kv, cold_features, cold_blocks = _draft_state(cold, sequence)
+    assert warm_blocks == cold_blocks >= 6
+    assert torch.equal(warm_kv, cold_kv) and torch.equal(warm_features, cold_features)
