@@ -58,7 +58,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         chunk_reuse: bool = False,
         chunk_recompute_fraction: float = 0.3,
         chunk_check_layer: int | None = None,
@@ -84,7 +84,9 @@ class LLM:
         graph per padded batch size: runner/cuda_graphs.py).
         ``batch_invariant`` (vLLM's and SGLang's name): a token's logits and K/V are the same bits however it was
         computed (cold, after a prefix hit, alone or batched, in any prefill chunk): one product kernel per weight
-        format at every row count and every attention row in the paged kernel over fixed partitions (CPU).
+        format at every row count and every attention row in the paged kernel over fixed partitions (CPU). None
+        (the default): on where it costs nothing measurable (a q8_0 / q4_0 / q4_1 GGUF file on a CPU with
+        AVX512-VNNI), off elsewhere; the log says which and why.
         ``chunk_reuse`` (issue 39, docs/chunks.md): chunks marked ``"scope": "chunk"`` are reused at any position,
         and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``
         of it that deviates most after layer ``chunk_check_layer`` (None: a tenth of the model's layers) is

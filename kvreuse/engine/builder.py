@@ -29,7 +29,7 @@ from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
 from kvreuse.models.kv_codec import cpu_kv_codec
-from kvreuse.models import fused_ops, paged_attention, qlinear, qpacked
+from kvreuse.models import fused_ops, kernels, paged_attention, qlinear, qpacked
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -94,6 +94,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed, quantization=config.quantization)
+    if config.batch_invariant is None:
+        on, reason = auto_batch_invariant(config, model, model_config, device)
+        config = dataclasses.replace(config, batch_invariant=on)
+        logger.info("batch-invariant mode %s (auto: %s)", "on" if on else "off", reason)
     if config.batch_invariant:
         refuse_batch_invariant(config, model_config)
     gguf_file = is_gguf_path(model_path)
@@ -108,7 +112,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         draft = load_eagle_draft(config.speculative.model, config.speculative.method, model,
                                  model_config.num_hidden_layers, dtype, device)
         if device.type == "cpu":
-            draft.choose_cpu_kernels()
+            draft.choose_cpu_kernels(batch_invariant=config.batch_invariant)
         element = torch.empty((), dtype=dtype).element_size()
         # The draft's one layer of K/V (stored like the target's) and its feature (in the model's dtype).
         extra_bytes_per_token = (kv_bytes_per_token(1, model_config.num_key_value_heads, model_config.head_dim,
@@ -408,6 +412,34 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
     return TieredStore(fingerprint, layout, tiers)
+
+
+def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, model_config: ModelConfig,
+                         device: torch.device) -> tuple[bool, str]:
+    """Whether batch-invariant mode is on when not asked either way, and why: on where it costs nothing
+    measurable, which is where every product runs on the packed int8 kernel (models/qpacked.py: a q8_0, q4_0 or
+    q4_1 GGUF file on a CPU with AVX512-VNNI; there its decode is faster than the default plan's and its prefill
+    about as fast: docs/benchmarks.md) and nothing it does not cover is asked for. Float weights would run the
+    row-dot GEMV at every row count (a cold prefill 1.5-2.5x slower), so a folder stays on the default path."""
+    if device.type != "cpu":
+        return False, f"device {device.type}"
+    try:
+        refuse_batch_invariant(config, model_config)
+    except ValueError as exc:
+        return False, str(exc).removeprefix("batch_invariant is ")
+    for refused, reason in (
+            (config.speculative is not None, "a speculative draft (its float products would run the row-dot GEMV)"),
+            (config.enable_torch_compile, "enable_torch_compile (its graphs trace the torch attention)"),
+            (config.attention_backend not in ("auto", "cpu_paged"), f"attention_backend {config.attention_backend}"),
+            (os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower() != "auto",
+             f"{kernels.KERNEL_ENV} forces a product kernel"),
+            (not qpacked.available(), "the packed int8 kernel needs AVX512-VNNI"),
+            (not paged_attention.available(), "the CPU paged attention kernel is not built"),
+            (not model.products_run_packed(), "not every product is a q8_0, q4_0 or q4_1 weight (float weights "
+                                              "would run the row-dot GEMV, slower on a cold prefill)")):
+        if refused:
+            return False, reason
+    return True, "every product on the packed int8 kernel; --no-batch-invariant turns it off"
 
 
 def refuse_batch_invariant(config: EngineConfig, model_config: ModelConfig) -> None:

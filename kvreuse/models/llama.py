@@ -28,7 +28,7 @@ from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.models import fused_ops, qlinear
+from kvreuse.models import fused_ops, qlinear, qpacked
 from kvreuse.models.qpacked import PackedWeight
 from kvreuse.models.native_step import NativeDecodeStep
 from kvreuse.models.kernels import LinearKernel, PlanBook, invariant_plan, layouts_allowed
@@ -388,6 +388,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Whether a quantized product's plan picks qdot8 (inputs rounded to int8) for some row count: the
         K/V it computes then differ from the exact products' (the engine's fingerprint says so)."""
         return self._quantized_plans_pick("qdot8")
+
+    def products_run_packed(self) -> bool:
+        """Whether every product (the output projection's included) can run on the packed int8 kernel
+        (models/qpacked.py): each linear layer held quantized in a format it runs, and a tied head's table too."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        parts = [part for module in linears for part in (module.quantized or [None])]
+        if self.lm_head is None:
+            embed_tokens = self.model.embed_tokens
+            parts.append(embed_tokens.quantized if isinstance(embed_tokens, QuantizedEmbedding) else None)
+        return all(part is not None and qpacked.runs(part) for part in parts)
 
     def runs_packed_products(self) -> bool:
         """Whether a quantized product runs on the packed int8 kernel (batch-invariant mode, models/qpacked.py): its own

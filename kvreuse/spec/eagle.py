@@ -123,13 +123,14 @@ class EagleDraft(nn.Module):
             return self.norm(hidden), hidden
         return hidden, hidden
 
-    def choose_cpu_kernels(self, book: PlanBook | None = None) -> int:
+    def choose_cpu_kernels(self, book: PlanBook | None = None, batch_invariant: bool = False) -> int:
         """The draft's own linear layers on their measured CPU kernels (the target's are chosen by its
-        runner); returns how many left plain F.linear."""
+        runner; ``batch_invariant``: on the one kernel of their format at every row count, as the target's);
+        returns how many left plain F.linear."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        max_layouts = layouts_allowed(book, [m.weight for m in linears])
-        packed = sum(module.choose_cpu_kernel(book, max_layouts) for module in linears)
+        max_layouts = 1 if batch_invariant else layouts_allowed(book, [m.weight for m in linears])
+        packed = sum(module.choose_cpu_kernel(book, max_layouts, batch_invariant) for module in linears)
         book.save()
         return packed
 
