@@ -259,3 +259,32 @@ def test_the_mode_is_part_of_the_kv_fingerprint(tiny_models):
                         kv_host_memory="1MiB", batch_invariant=flag).engine.tier_store.fingerprint
               for flag in (False, True)}
     assert prints[False] != prints[True]
+
+
+def test_by_default_the_mode_is_on_where_every_product_runs_packed(tiny_models, gguf_dir, monkeypatch):
+    """batch_invariant unset: on for a q8_0 / q4_1 file on the packed int8 kernel (where the CPU runs it), off for a
+    folder, a q5_0 file, and where something it does not cover is asked for (LoRA) or a product kernel is forced
+    (as the rest of the suite forces plain F.linear, so its engines keep the default path); an explicit False keeps
+    it off. The CLI flag's three states reach the config."""
+    import argparse
+
+    from kvreuse.engine_args import add_engine_arguments
+    from kvreuse.models import kernels, qpacked
+
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)  # the suite forces plain products (conftest.py)
+
+    def resolved(name: str, **options) -> bool:
+        llm = LLM(model_path(tiny_models, gguf_dir, name), device="cpu", dtype="float32", kv_cache_memory="1MiB",
+                  **options)
+        return llm.engine.config.batch_invariant
+
+    assert resolved("qwen2:Q8_0") == resolved("llama-plain:Q4_1") == qpacked.available()
+    assert resolved("qwen2:Q8_0", batch_invariant=False) is False
+    assert resolved("qwen2") is False and resolved("qwen2:Q5_0") is False
+    assert resolved("qwen2:Q8_0", enable_lora=True) is False
+    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot")
+    assert resolved("qwen2:Q8_0") is False
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for flags, expected in (([], None), (["--batch-invariant"], True), (["--no-batch-invariant"], False)):
+        assert parser.parse_args(["--model", "m", *flags]).batch_invariant is expected, flags

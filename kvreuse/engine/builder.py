@@ -433,10 +433,11 @@ def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, mo
             (config.attention_backend not in ("auto", "cpu_paged"), f"attention_backend {config.attention_backend}"),
             (os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower() != "auto",
              f"{kernels.KERNEL_ENV} forces a product kernel"),
-            (not qpacked.available(), "the packed int8 kernel needs AVX512-VNNI"),
-            (not paged_attention.available(), "the CPU paged attention kernel is not built"),
-            (not model.products_run_packed(), "not every product is a q8_0, q4_0 or q4_1 weight (float weights "
-                                              "would run the row-dot GEMV, slower on a cold prefill)")):
+            # Asked before the kernel's availability, which builds it: a folder never builds it here.
+            (not model.products_run_packed(), "not every product is a q8_0, q4_0 or q4_1 weight the packed int8 "
+                                              "kernel runs (float weights would run the row-dot GEMV, slower on a "
+                                              "cold prefill; the kernel needs AVX512-VNNI)"),
+            (not paged_attention.available(), "the CPU paged attention kernel is not built")):
         if refused:
             return False, reason
     return True, "every product on the packed int8 kernel; --no-batch-invariant turns it off"

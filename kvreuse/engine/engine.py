@@ -47,7 +47,7 @@ logger = logging.getLogger("kvreuse")
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
         parts = parts or build_engine_parts(config)
-        self.config = config
+        self.config = parts.config  # as built: what "auto" resolved to (batch_invariant) included
         self.device, self.dtype, self.dtype_reason = parts.device, parts.dtype, parts.dtype_reason
         self.model_name, self.model, self.model_config = parts.model_name, parts.model, parts.model_config
         self.tokenizer = parts.tokenizer
