@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.models import kernels, paged_attention, qlinear, rowdot
+from kvreuse.models import kernels, paged_attention, qlinear, qpacked, rowdot
 from kvreuse.models.quant import random_quantized
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
@@ -106,9 +106,7 @@ def test_cold_warm_batched_and_chunked_runs_give_the_same_bits(tiny_models, gguf
 
 def test_gguf_products_run_on_the_packed_kernel_where_it_runs(tiny_models, gguf_dir):
     """The cases above test the packed kernel, not a fallback: a q8_0 file's products run on it (where the CPU
-    has AVX512-VNNI), the native decode step included, and the fingerprint says so; a q5_0 file's do not."""
-    from kvreuse.models import qpacked
-
+    has AVX512-VNNI), the native decode step included; a q5_0 file's do not."""
     from kvreuse.models.native_step import KERNEL_CODES
 
     options = dict(device="cpu", kv_cache_memory="1MiB", batch_invariant=True, dtype="float32", block_size=4)
@@ -253,12 +251,14 @@ def test_a_rows_attention_is_the_same_bits_in_any_step(dtype, partition_size):
     assert same == (partition_size > 0), f"partition_size {partition_size}: rows equal in every step: {same}"
 
 
-def test_the_mode_is_part_of_the_kv_fingerprint(tiny_models):
-    """A tier's records of the default arithmetic are another engine's to an invariant one (and back)."""
-    prints = {flag: LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="1MiB",
-                        kv_host_memory="1MiB", batch_invariant=flag).engine.tier_store.fingerprint
-              for flag in (False, True)}
-    assert prints[False] != prints[True]
+@pytest.mark.parametrize("name", ["qwen2", "qwen2:Q8_0"])
+def test_the_mode_is_part_of_the_kv_fingerprint(tiny_models, gguf_dir, name):
+    """A tier's records of the default arithmetic are another engine's to an invariant one (and back); a GGUF file
+    on the packed int8 kernel says so too."""
+    engines = {flag: LLM(model_path(tiny_models, gguf_dir, name), dtype="float32", device="cpu", kv_cache_memory="1MiB",
+                         kv_host_memory="1MiB", batch_invariant=flag).engine for flag in (False, True)}
+    assert engines[False].tier_store.fingerprint != engines[True].tier_store.fingerprint
+    assert engines[True].runner.model.runs_packed_products() == (":" in name and qpacked.available())
 
 
 def test_by_default_the_mode_is_on_where_every_product_runs_packed(tiny_models, gguf_dir, monkeypatch):
@@ -269,7 +269,6 @@ def test_by_default_the_mode_is_on_where_every_product_runs_packed(tiny_models, 
     import argparse
 
     from kvreuse.engine_args import add_engine_arguments
-    from kvreuse.models import kernels, qpacked
 
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)  # the suite forces plain products (conftest.py)
 
