@@ -132,9 +132,11 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # kvreuse-kv-bf16: kvreuse with --kv-cache-dtype bfloat16 (llama.cpp's f16 cache bytes under a float32 engine),
 # the pool holding the same tokens; kvreuse-kv-int8: --kv-cache-dtype int8 (a float32 engine's KV is twice
 # llama.cpp's f16 bytes, int8 half of them), the pool in the model-dtype pool's bytes.
+# kvreuse-no-batch-invariant: kvreuse with --no-batch-invariant (a q8_0 / q4_0 / q4_1 file's default is batch-
+# invariant mode on the packed int8 kernel since issue 63; this is the measured-plan path it replaced).
 # vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-compiled", "llama-server", "vllm")
+           "kvreuse-compiled", "kvreuse-no-batch-invariant", "llama-server", "vllm")
 PEERS = {"llama-server": "gguf", "vllm": "folder"}  # the model kind each peer serves
 
 
@@ -183,6 +185,8 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
         command += ["--kv-cache-dtype", "int8"]
     if system == "kvreuse-kv-bf16":
         command += ["--kv-cache-dtype", "bfloat16"]
+    if system == "kvreuse-no-batch-invariant":
+        command += ["--no-batch-invariant"]
     return command + (["--enable-torch-compile"] if system == "kvreuse-compiled" else [])
 
 
