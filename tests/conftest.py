@@ -126,12 +126,12 @@ def _build_cpu_kernels() -> None:
         return  # benchmarks/gpu_checks.sh: its tests run on CUDA, and a lent GPU's minutes are few
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvreuse.models import fused_ops, kv_codec, moe, native_step, paged_attention, qlinear, rowdot
+    from kvreuse.models import fused_ops, kv_codec, moe, native_step, paged_attention, qlinear, qpacked, rowdot
 
     # Each library is one C++ file, one compiler process: two at a time keeps both cores of a CI machine busy
     # (one at a time left one idle for minutes). The ones that load the others' (native_step, moe) come after
     # them; no library() is called twice at once (each caches its result, unlocked).
-    for wave in ((qlinear, paged_attention, rowdot, fused_ops, kv_codec), (native_step, moe)):
+    for wave in ((qlinear, paged_attention, rowdot, fused_ops, kv_codec, qpacked), (native_step, moe)):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for built in pool.map(lambda module: module.library(), wave):
                 pass
