@@ -220,6 +220,9 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --folder smollm2-bf16 "
     "--vllm-python vllm-cpu/bin/python --systems llama-server,kvreuse,vllm --vllm-bench-serve --repeats 1 --rounds 2 "
     "--out peers.json": SCRIPT,
+    # issue 63: the Q4_1 file beside llama-server with batch-invariant mode on (its default there) and off
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --systems "
+    "llama-server,kvreuse,kvreuse-no-batch-invariant --repeats 3 --rounds 2 --out peers_xeon.json": SCRIPT,
     "kvreuse make-model models/qwen2.5-0.5b --preset qwen2.5-0.5b --dtype bfloat16": MAKE_MODEL,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
