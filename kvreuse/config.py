@@ -247,7 +247,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # vLLM's and SGLang's name: every product and every attention row on one arithmetic whatever the step's size
     # or split, so a cache hit, a batch or a chunked prefill never changes a bit of the output (CPU only for now;
-    # docs/library.md says what it covers and costs). None (auto): on where it costs nothing measurable (a CPU
+    # docs/library.md says what it covers and costs). None (auto): on where it costs little (a CPU
     # model whose every product runs on the packed int8 kernel: q8_0 / q4_0 / q4_1 GGUF files; the engine
     # builder's auto_batch_invariant says which and why), off elsewhere.
     batch_invariant: bool | None = None

@@ -87,7 +87,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="the same output bits for a token however it was computed: cold or after a cache hit, "
                              "alone or in any batch, in any prefill chunk (one product kernel at every row count, "
                              "every attention row in the paged kernel over fixed partitions; CPU). Default: on where "
-                             "it costs nothing measurable (q8_0 / q4_0 / q4_1 GGUF files on a CPU with AVX512-VNNI), "
+                             "it costs little (q8_0 / q4_0 / q4_1 GGUF files on a CPU with AVX512-VNNI), "
                              "off elsewhere; --no-batch-invariant turns it off")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs (as vLLM's flag): on CUDA, pure decode steps otherwise replay one "

@@ -85,7 +85,7 @@ class LLM:
         ``batch_invariant`` (vLLM's and SGLang's name): a token's logits and K/V are the same bits however it was
         computed (cold, after a prefix hit, alone or batched, in any prefill chunk): one product kernel per weight
         format at every row count and every attention row in the paged kernel over fixed partitions (CPU). None
-        (the default): on where it costs nothing measurable (a q8_0 / q4_0 / q4_1 GGUF file on a CPU with
+        (the default): on where it costs little (a q8_0 / q4_0 / q4_1 GGUF file on a CPU with
         AVX512-VNNI), off elsewhere; the log says which and why.
         ``chunk_reuse`` (issue 39, docs/chunks.md): chunks marked ``"scope": "chunk"`` are reused at any position,
         and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``

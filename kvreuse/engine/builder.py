@@ -416,11 +416,12 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
 
 def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, model_config: ModelConfig,
                          device: torch.device) -> tuple[bool, str]:
-    """Whether batch-invariant mode is on when not asked either way, and why: on where it costs nothing
-    measurable, which is where every product runs on the packed int8 kernel (models/qpacked.py: a q8_0, q4_0 or
-    q4_1 GGUF file on a CPU with AVX512-VNNI; there its decode is faster than the default plan's and its prefill
-    about as fast: docs/benchmarks.md) and nothing it does not cover is asked for. Float weights would run the
-    row-dot GEMV at every row count (a cold prefill 1.5-2.5x slower), so a folder stays on the default path."""
+    """Whether batch-invariant mode is on when not asked either way, and why: on where it costs little, which is
+    where every product runs on the packed int8 kernel (models/qpacked.py: a q8_0, q4_0 or q4_1 GGUF file on a
+    CPU with AVX512-VNNI; there decode and warm prefills are faster than the default plan's, a short fresh
+    prefill about as fast, a 2,048-token one 1.67x as long: docs/benchmarks.md) and nothing it does not cover is
+    asked for. Float weights would run the row-dot GEMV at every row count (a cold prefill 1.5-2.8x as long), so
+    a folder stays on the default path."""
     if device.type != "cpu":
         return False, f"device {device.type}"
     try:
