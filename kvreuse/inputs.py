@@ -95,7 +95,7 @@ def validate_prompt_tokens(token_ids: Sequence[int], max_model_len: int | None, 
         for position, token in enumerate(token_ids):
             if not 0 <= token < vocab_size:
                 raise InvalidRequestError(
-                    f"prompt_token_ids[{position}] = {token} is outside the vocabulary [0, {vocab_size})", param
+                    f"{param}[{position}] = {token} is outside the vocabulary [0, {vocab_size})", param
                 )
 
 
@@ -458,8 +458,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             return self.from_text(prompt, param=param, validate=validate)
         chunk_spans: ChunkSpans = ()
+        ids_param = param  # what an error about one of the ids names: the field that held them
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                ids_param = "prompt_token_ids"
                 token_ids = _as_token_list(prompt["prompt_token_ids"], "prompt_token_ids")
                 text = prompt.get("prompt")
                 # Chunk spans are token positions: they come only with the ids they point into.
@@ -478,7 +480,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"{param} must be a string, a list of token ids or a dict, got {type(prompt).__name__}", param)
         if validate:
-            self.validate(token_ids, param)
+            self.validate(token_ids, ids_param)
         return TokenizedPrompt(token_ids, text if isinstance(text, str) else None, chunk_spans=chunk_spans)
 
     def validate(self, token_ids: Sequence[int], param: str = "prompt") -> None:

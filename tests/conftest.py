@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,10 +133,22 @@ def _build_cpu_kernels() -> None:
     # Each library is one C++ file, one compiler process: two at a time keeps both cores of a CI machine busy
     # (one at a time left one idle for minutes). The ones that load the others' (native_step, moe) come after
     # them; no library() is called twice at once (each caches its result, unlocked).
+    failed = []
     for wave in ((qlinear, paged_attention, rowdot, fused_ops, kv_codec, qpacked), (native_step, moe)):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for built in pool.map(lambda module: module.library(), wave):
-                pass
+            failed += [module.__name__ for module, built in zip(wave, pool.map(lambda module: module.library(), wave))
+                       if built is None]
+    # Where a C++ compiler exists, a kernel that stops building fails the suite here (its tests would otherwise
+    # skip, and the engine would quietly fall back to slower paths): the build's last line is in the log above.
+    if failed and kernels_can_build():
+        raise pytest.UsageError(f"the C++ kernels of {', '.join(failed)} did not build here, though a compiler "
+                                f"exists (see the warning above)")
+
+
+def kernels_can_build() -> bool:
+    """Whether this machine builds kvreuse's C++ kernels: Linux on x86-64 or aarch64 with a C++ compiler."""
+    return (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+            and shutil.which(os.environ.get("CXX", "c++")) is not None)
 
 
 def fresh_cache_dir(cache: Path) -> Path:

@@ -238,8 +238,12 @@ def test_bad_requests_fail_alone(tiny_model):
         engine.add_request("long", {"prompt_token_ids": prompt_ids(61, 70)}, GREEDY)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", "", GREEDY)
-    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\].*outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match=r"prompt_token_ids\[1\].*outside the vocabulary") as refused:
         engine.add_request("oov", {"prompt_token_ids": [5, 10**7]}, GREEDY)
+    assert refused.value.param == "prompt_token_ids"  # the field that held the id, named in the message too
+    with pytest.raises(InvalidRequestError, match=r"^prompt\[1\].*outside the vocabulary") as refused:
+        engine.add_request("oov list", [5, 10**7], GREEDY)
+    assert refused.value.param == "prompt"
     with pytest.raises(InvalidRequestError, match="lone surrogate") as refused:
         engine.add_request("surrogate", "hello \ud800", GREEDY)
     assert refused.value.param == "prompt"

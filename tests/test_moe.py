@@ -107,7 +107,7 @@ def test_native_layer_can_be_turned_off(moe_llms, monkeypatch):
     finally:
         monkeypatch.delenv(moe.ENV)
         layer.prepare_native()
-    assert layer.native is not None or moe.library() is None
+    assert layer.native is not None  # back on (the suite does not start where the library fails to build)
 
 
 def _native_and_python(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

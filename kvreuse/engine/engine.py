@@ -105,9 +105,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         tokenized = self.inputs.from_prompt(prompt)
         prompt_text, token_ids = tokenized.text, tokenized.token_ids
-        # The chunks' spans arrive here and ride on the requests; the engine does nothing else with them yet: the
-        # prompt is scheduled, cached and run exactly as one without marks. Reusing a chunk's KV at any position
-        # (re-rotation, selective recompute) is built on top of them in issue 39.
+        # The chunks' spans ride on the request: with chunk_reuse on, the cache records each chunk and a later prompt
+        # reuses its K/V at any position (moved, a share recomputed: the blend); without it they change nothing.
         chunk_spans = tokenized.chunk_spans
         vocab = self.model_config.vocab_size
         for position, token_id in enumerate(params.stop_token_ids):

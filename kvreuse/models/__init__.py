@@ -1,4 +1,5 @@
-"""Model code: the Llama family (Llama, Mistral, Qwen2, Qwen3) in pure PyTorch, its config and its loader.
+"""Model code: the architectures kvreuse runs (config.SUPPORTED_ARCHITECTURES: the Llama family, Qwen3-MoE, Gemma 3,
+gpt-oss), their layers and CPU kernels, their config and their loader.
 
 Exports what the engine and CLI need: the parsed config, the model class, and the helpers that
 find a model, pick a dtype and load weights.
