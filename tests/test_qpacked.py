@@ -56,8 +56,9 @@ def test_a_product_equals_the_reference_over_rounded_inputs(fmt, rows):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_has_the_same_bits_at_any_row_count_on_either_instruction_set(fmt, dtype):
-    """Rows 1-4 sum on VNNI, more on AMX where granted; use_tiles=False puts every count on VNNI. Each row of
-    every call equals that row alone, and the two instruction sets agree bit for bit."""
+    """Rows 1-4 sum on VNNI, more on AMX where granted (qpacked.tiles(); elsewhere both calls below run VNNI);
+    use_tiles=False puts every count on VNNI. Each row of every call equals that row alone, and the two
+    instruction sets agree bit for bit."""
     weight = qpacked.pack(random_quantized(fmt, 80, 320, torch.Generator().manual_seed(5)))
     x = torch.randn(300, 320, generator=torch.Generator().manual_seed(6)).to(dtype)
     alone = torch.cat([qpacked.qlinear_packed(x[i:i + 1], weight) for i in range(len(x))])
@@ -84,9 +85,3 @@ def test_what_it_does_not_run_is_refused_by_name():
     with pytest.raises(RuntimeError, match="packed weight must be contiguous uint8"):
         torch.ops.kvreuse_qpacked.qlinear_packed(torch.randn(2, 64), weight.data[:1], 0, 32, True)
 
-
-@pytest.mark.skipif(not qpacked.tiles(), reason="AMX tiles are not granted here: every row count runs on VNNI")
-def test_the_tiles_run_here():
-    """Where the CPU grants AMX the probe says so (its tile product checked against a scalar sum), so the
-    instruction-set comparison above compared two instruction sets."""
-    assert torch.ops.kvreuse_qpacked.amx_probe()
