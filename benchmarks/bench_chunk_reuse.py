@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing",
               flush=True)
 
-    from kvreuse.models.gguf import packaged_gguf
-    from kvreuse.models.make import ensure_model
+    from kvreuse.loading.gguf import packaged_gguf
+    from kvreuse.model_tools.make_model import ensure_model
 
     if smoke:
         model = str(ensure_model("tiny", dtype="float32"))

@@ -218,7 +218,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
-    from kvreuse.models.make import ensure_model
+    from kvreuse.model_tools.make_model import ensure_model
 
     device = torch.device("cuda")
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}

@@ -297,8 +297,8 @@ def bench_llama_server(llm, llm_compiled, args, rng, vocab) -> dict:
 
 
 def kernel_summary(llm) -> str:
-    """Which kernel each linear shape of the model runs on (models/kernels.py's measured verdicts)."""
-    from kvreuse.models.layers import Linear
+    """Which kernel each linear shape of the model runs on (layers/plan_book.py's measured verdicts)."""
+    from kvreuse.layers.linear import Linear
 
     model = llm.engine.model
     verdicts: dict[str, str] = {}
@@ -390,7 +390,7 @@ def main() -> int:
         kv_cache_memory = "16MiB"
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
-    from kvreuse.models.kernels import gemm_cpu_flags
+    from kvreuse.layers.plan_book import gemm_cpu_flags
 
     results: dict = {"machine": machine_description(), "cpu_flags": gemm_cpu_flags() or "none of the GEMM flags",
                      "command": " ".join(["python"] + sys.argv)}
@@ -402,7 +402,7 @@ def main() -> int:
         from transformers import AutoModelForCausalLM
 
         from kvreuse import LLM
-        from kvreuse.models.make import ensure_model
+        from kvreuse.model_tools.make_model import ensure_model
 
         model_dir = args.model or str(ensure_model(args.preset, dtype=args.dtype))
         dtype = getattr(torch, args.dtype)

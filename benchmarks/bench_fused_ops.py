@@ -1,4 +1,4 @@
-"""A decode step's element-wise kernels (models/csrc/fused_ops.cpp) against the PyTorch ops they replace, one run.
+"""A decode step's element-wise kernels (kernels/csrc/fused_ops.cpp) against the PyTorch ops they replace, one run.
 
 For each kernel, on a model's shapes (--preset, default qwen2.5-0.5b: hidden 896, intermediate 4,864,
 vocabulary 151,936) at 1 and 16 rows (one stream, 16 streams): the median time of --repeats calls of the
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from kvreuse.bench.report import machine_description
-from kvreuse.models import fused_ops
-from kvreuse.models.make import PRESETS
+from kvreuse.kernels import fused_ops
+from kvreuse.model_tools.make_model import PRESETS
 
 
 def timed(fn: Callable[[], object], calls: int) -> float:

@@ -150,9 +150,9 @@ def kv_bytes(model: str, tokens: int, dtype: str) -> int:
     bf16; twice them in float32)."""
     import torch
 
+    from kvreuse.loading.gguf import read_gguf
+    from kvreuse.loading.loader import resolve_dtype
     from kvreuse.models.config import ModelConfig
-    from kvreuse.models.gguf import read_gguf
-    from kvreuse.models.loader import resolve_dtype
 
     if model_kind(model) == "folder":
         config = ModelConfig.from_dict(json.loads((Path(model) / "config.json").read_text()))
@@ -269,7 +269,7 @@ def chat_turns(count: int, words: int) -> list[str]:
 
 def vocabulary(model: str) -> list[int]:
     """Token ids a prompt may hold: the file's ordinary tokens (no special or added ones)."""
-    from kvreuse.models.loader import resolve_tokenizer_path
+    from kvreuse.loading.loader import resolve_tokenizer_path
     from kvreuse.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))

@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run with the smallest sizes on the tiny preset; the figures mean nothing",
               flush=True)
 
-    from kvreuse.models.gguf import packaged_gguf
-    from kvreuse.models.make import ensure_model
+    from kvreuse.loading.gguf import packaged_gguf
+    from kvreuse.model_tools.make_model import ensure_model
 
     schemes = args.schemes.split(",")
     if smoke:

@@ -73,7 +73,7 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, LoRARequest, SamplingParams
-    from kvreuse.models.make import ensure_model
+    from kvreuse.model_tools.make_model import ensure_model
 
     model = args.model or str(ensure_model(args.preset, dtype="bfloat16" if args.preset != "tiny" else "float32"))
     llm = LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory, enable_lora=True,
@@ -119,7 +119,7 @@ def main() -> int:
         return statistics.median(times)
 
     ttft = {"base": warm_ttft(None), "adapter": warm_ttft(loras[1])}
-    from kvreuse.models.cpu import cpu_bfloat16_support
+    from kvreuse.kernels.cpu import cpu_bfloat16_support
 
     print(f"{machine_description()}; {cpu_bfloat16_support()[1]}")
     print(f"model {model} ({args.dtype}), rank {args.rank} on {len(MODULES)} modules x {config.num_hidden_layers} "

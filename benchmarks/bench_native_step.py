@@ -1,6 +1,6 @@
 """What the native decode step saves, in one process: the same engine's one-stream decode steps run three ways.
 
-- ``one call``: the decoder layers in one ``DecodeLayers.run`` call per step (models/native_step.py, what
+- ``one call``: the decoder layers in one ``DecodeLayers.run`` call per step (runner/decode/native_step.py, what
   the engine does);
 - ``per layer``: the same ``DecodeLayers``, one call per layer from Python (what the per-layer op that
   came before it cost: the call and its argument conversion, 24-30 times a step);
@@ -30,9 +30,8 @@ import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.bench.report import machine_description, write_json
-from kvreuse.models import native_step
-from kvreuse.models.gguf import packaged_gguf
-from kvreuse.models.make import ensure_model
+from kvreuse.loading.gguf import packaged_gguf
+from kvreuse.model_tools.make_model import ensure_model
 
 MODES = ("one call", "per layer", "op by op")
 

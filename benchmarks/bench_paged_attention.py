@@ -30,7 +30,7 @@ import time
 import torch
 
 from kvreuse.bench.report import machine_description, write_json
-from kvreuse.models import paged_attention
+from kvreuse.kernels import paged_attention
 
 LAYOUTS = ("bf16_dot", "float_rows")
 BLOCK = 16

@@ -43,7 +43,7 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, SamplingParams
-    from kvreuse.models.make import ensure_model
+    from kvreuse.model_tools.make_model import ensure_model
 
     model = args.model or str(ensure_model(args.preset, dtype=args.dtype))
     llm = LLM(model, dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory)

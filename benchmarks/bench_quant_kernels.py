@@ -2,9 +2,9 @@
 
 A decode row's product reads each weight byte once, so its speed is how fast the weight streams: this
 prints, for every format this CPU runs, the median time of one [rows, in] x [out, in]^T product on random
-blocks (models/quant.py's ``random_quantized``) as weight gigabytes per second, for ``qdot`` (the weights
+blocks (kernels/quant.py's ``random_quantized``) as weight gigabytes per second, for ``qdot`` (the weights
 turned to float in registers) and ``qdot8`` (the inputs rounded to int8: per 32 values, per super-block of 256
-for the K-quants on AVX512-VNNI, ``qlinear.int8_group``), at each thread count asked. The weight is larger
+for the K-quants on AVX512-VNNI, ``quant_ops.int8_group``), at each thread count asked. The weight is larger
 than the caches (--out x --in), so the figure is memory plus arithmetic, as in a decode step.
 
     python benchmarks/bench_quant_kernels.py --out 16384 --in 2048 --threads 1,2
@@ -27,8 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvreuse.models import qlinear, quant  # noqa: E402
-from kvreuse.models.cpu import cpu_flags  # noqa: E402
+from kvreuse.kernels import (
+    quant,  # noqa: E402
+    quant_ops,
+)
+from kvreuse.kernels.cpu import cpu_flags  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -58,7 +61,7 @@ def main() -> int:
         args.out, args.in_features, args.repeats = 256, 512, 3
     if args.in_features % 256:
         parser.error(f"--in must be a multiple of 256, got {args.in_features}")
-    if not qlinear.available():
+    if not quant_ops.available():
         print("the quantized kernels did not build here (see the log)", file=sys.stderr)
         return 1
     flags = sorted(flag for flag in (cpu_flags() or ()) if flag.startswith(("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
@@ -72,10 +75,10 @@ def main() -> int:
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             row = {"format": fmt, "threads": threads, "weight_mb": weight.nbytes / 1e6,
-                   "qdot_gb_s": weight.nbytes / timed(lambda: qlinear.qlinear(x, weight), args.repeats) / 1e9}
-            if fmt in qlinear.int8_formats():
-                row["qdot8_gb_s"] = weight.nbytes / timed(lambda: qlinear.qlinear_int8(x, weight), args.repeats) / 1e9
-                row["int8_group"] = qlinear.int8_group(fmt)
+                   "qdot_gb_s": weight.nbytes / timed(lambda: quant_ops.qlinear(x, weight), args.repeats) / 1e9}
+            if fmt in quant_ops.int8_formats():
+                row["qdot8_gb_s"] = weight.nbytes / timed(lambda: quant_ops.qlinear_int8(x, weight), args.repeats) / 1e9
+                row["int8_group"] = quant_ops.int8_group(fmt)
             results.append(row)
             qdot8 = f"qdot8 {row['qdot8_gb_s']:5.1f} GB/s (inputs per {row['int8_group']})" if "qdot8_gb_s" in row \
                 else "qdot8 not run on this CPU"

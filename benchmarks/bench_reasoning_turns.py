@@ -45,7 +45,7 @@ import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.bench.report import machine_description, write_json
-from kvreuse.models.make import CORPUS_PATH, IM_END, PRESETS, ensure_model
+from kvreuse.model_tools.make_model import CORPUS_PATH, IM_END, PRESETS, ensure_model
 
 RUNS = {
     "full prefill": dict(enable_prefix_caching=False),

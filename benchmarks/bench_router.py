@@ -179,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         args.output_len, args.max_concurrency = 2, 2
         print("KVREUSE_BENCH_SMOKE=1: smoke run with the smallest sizes; the figures mean nothing", flush=True)
 
-    from kvreuse.bench.workloads import HotPrefixOptions, SharedPrefixOptions, generate_workload
-    from kvreuse.models.make import ensure_model
+    from kvreuse.bench.workloads import (
+        HotPrefixOptions,
+        SharedPrefixOptions,
+        generate_workload,
+    )
+    from kvreuse.model_tools.make_model import ensure_model
     from kvreuse.tokenizer import Tokenizer
 
     model_dir = Path(args.model) if args.model else ensure_model(args.preset, dtype=args.dtype)

@@ -74,7 +74,7 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    from kvreuse.models.make import ensure_model
+    from kvreuse.model_tools.make_model import ensure_model
 
     model = args.model or str(ensure_model(args.preset, dtype=args.model_dtype))
     port = free_port()

@@ -29,7 +29,7 @@ from bench_engine import machine_description  # noqa: E402
 
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """Token windows from the last tenth of the embedded corpus (distillation reads the rest)."""
-    from kvreuse.models.make import CORPUS_PATH
+    from kvreuse.model_tools.make_model import CORPUS_PATH
 
     text = CORPUS_PATH.read_text(encoding="utf-8")
     tail = tokenizer.encode(text[int(len(text) * 0.9):])
@@ -59,9 +59,9 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, SamplingParams
-    from kvreuse.models.cpu import cpu_bfloat16_support
-    from kvreuse.models.make import cache_dir, ensure_model
-    from kvreuse.distill import distill_eagle_draft
+    from kvreuse.kernels.cpu import cpu_bfloat16_support
+    from kvreuse.model_tools.distill import distill_eagle_draft
+    from kvreuse.model_tools.make_model import cache_dir, ensure_model
 
     model = Path(args.model or ensure_model(args.preset, dtype="float32" if args.preset == "tiny" else "bfloat16"))
     draft = Path(args.draft) if args.draft else cache_dir() / "drafts" / f"{model.name}-eagle-distilled" \

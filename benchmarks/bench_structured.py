@@ -58,7 +58,7 @@ def main() -> int:
 
     from kvreuse import LLM, SamplingParams
     from kvreuse.grammar.compiler import GrammarCompiler
-    from kvreuse.models.make import ensure_model
+    from kvreuse.model_tools.make_model import ensure_model
     from kvreuse.sampling import StructuredOutputsParams
 
     model = args.model or str(ensure_model(args.preset, dtype=args.dtype))

@@ -82,8 +82,8 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, SamplingParams
-    from kvreuse.models.cpu import cpu_bfloat16_support
-    from kvreuse.models.make import ensure_model
+    from kvreuse.kernels.cpu import cpu_bfloat16_support
+    from kvreuse.model_tools.make_model import ensure_model
 
     model = str(args.model or ensure_model(args.preset, dtype="float32" if args.preset == "tiny" else "bfloat16"))
     work = Path(tempfile.mkdtemp(prefix="kvreuse-bench-tiers-"))

@@ -19,7 +19,13 @@ import itertools
 import random
 import statistics
 
-from kvreuse.router.policy import BackendLoad, PolicyConfig, RouteRequest, Router, prompt_block_keys
+from kvreuse.router.policy import (
+    BackendLoad,
+    PolicyConfig,
+    Router,
+    RouteRequest,
+    prompt_block_keys,
+)
 
 BLOCK = 16
 

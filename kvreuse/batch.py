@@ -27,13 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvreuse.cache.pins import PinSpec
 from kvreuse.engine import LLMEngine
-from kvreuse.spec.stats import SpecDecodeStats
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
 from kvreuse.errors import InvalidRequestError
-from kvreuse.lora.request import LoRARequest
 from kvreuse.inputs import InputProcessor, TokenizedPrompt, validate_messages
+from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.sampling import SamplingParams
+from kvreuse.spec.stats import SpecDecodeStats
 from kvreuse.system_prompt import leading_system_messages, system_prompt_pin
 
 logger = logging.getLogger("kvreuse")

@@ -60,7 +60,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 COMMANDS = (
     Command("demo", "requests sharing a long system prompt: cold vs warm TTFT", "kvreuse.demo",
             "add_demo_arguments", "run_demo"),
-    Command("make-model", "write a random-weight model folder with a real tokenizer", "kvreuse.models.make",
+    Command("make-model", "write a random-weight model folder with a real tokenizer", "kvreuse.model_tools.make_model",
             "add_make_model_arguments", "run_make_model"),
     Command("serve", "OpenAI-compatible HTTP server (FastAPI on uvicorn)", __name__, "_add_serve_arguments",
             "_run_serve"),
@@ -68,7 +68,7 @@ COMMANDS = (
             "add_run_arguments", "run_command"),
     Command("route", "prefix-aware router in front of several servers", "kvreuse.router.cli",
             "add_route_arguments", "run_route"),
-    Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)", "kvreuse.distill",
+    Command("distill-eagle", "train an EAGLE draft head for a model folder (CPU, minutes)", "kvreuse.model_tools.distill",
             "add_distill_arguments", "run_distill"),
     Command("diagnose", "why a log of prompts would miss the prefix cache: drift diagnostics, offline",
             "kvreuse.observatory.diagnose", "add_diagnose_arguments", "run_diagnose"),
@@ -78,7 +78,9 @@ COMMANDS = (
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     """The ``kvreuse`` parser. With ``only``, just that sub-command gets its options (the others are listed
     by name): what main does, so ``kvreuse route`` or ``kvreuse --help`` never import torch."""
-    from kvreuse.bench.cli import add_bench_arguments  # torch-free, and its nested sub-commands need `common`
+    from kvreuse.bench.cli import (
+        add_bench_arguments,  # torch-free, and its nested sub-commands need `common`
+    )
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",

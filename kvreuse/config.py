@@ -216,9 +216,9 @@ class SpeculativeConfig:
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is gguf
-QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as models/loader.py's
+QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as loading/loader.py's
 # Which paged attention the model runs (vLLM's option name): auto picks the in-place C++ kernel on CPU
-# (models/paged_attention.py) where it builds, else torch (gather + SDPA, attention/torch_paged.py: the
+# (attention/cpu_paged.py) where it builds, else torch (gather + SDPA, attention/torch_paged.py: the
 # reference, and what enable_torch_compile traces); on CUDA auto picks triton (attention/triton_paged.py: Triton kernels
 # reading the blocks in place) where triton is installed.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton")
@@ -240,10 +240,10 @@ class EngineConfig:
     lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
     speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
-    enable_torch_compile: bool = False  # decode steps through torch.compile (runner/compiled_decode.py)
+    enable_torch_compile: bool = False  # decode steps through torch.compile (runner/decode/compiled_decode.py)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # vLLM's name: no CUDA graphs; on CUDA with the triton backend pure decode steps replay captured graphs
-    # (runner/cuda_graphs.py). Nothing else uses graphs, so elsewhere it changes nothing.
+    # (runner/decode/cuda_graphs.py). Nothing else uses graphs, so elsewhere it changes nothing.
     enforce_eager: bool = False
     # vLLM's and SGLang's name: every product and every attention row on one arithmetic whatever the step's size
     # or split, so a cache hit, a batch or a chunked prefill never changes a bit of the output (CPU only for now;

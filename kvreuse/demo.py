@@ -52,8 +52,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from kvreuse.llm import LLM
-    from kvreuse.models.gguf import packaged_gguf
-    from kvreuse.models.make import ensure_model
+    from kvreuse.loading.gguf import packaged_gguf
+    from kvreuse.model_tools.make_model import ensure_model
 
     random_weights = args.load_format == "dummy"
     if not args.model:

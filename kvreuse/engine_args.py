@@ -14,9 +14,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from kvreuse.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
-                            parse_memory_size)
-from kvreuse.config import SpeculativeConfig
+from kvreuse.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    SpeculativeConfig,
+    parse_memory_size,
+)
 
 if TYPE_CHECKING:
     from kvreuse.llm import LLM

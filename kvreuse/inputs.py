@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from kvreuse.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from kvreuse.messages import CHAT_ROLES, placeholder_messages, validate_messages, validate_tools
+from kvreuse.messages import (
+    CHAT_ROLES,
+    placeholder_messages,
+    validate_messages,
+    validate_tools,
+)
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer

@@ -8,14 +8,25 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvreuse.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, parse_memory_size
+from kvreuse.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_memory_size,
+)
 from kvreuse.engine import LLMEngine
-from kvreuse.inputs import GenerationMemory, InputProcessor, PromptInput, TokenizedPrompt
+from kvreuse.inputs import (
+    GenerationMemory,
+    InputProcessor,
+    PromptInput,
+    TokenizedPrompt,
+)
 from kvreuse.lora.request import LoRARequest
 from kvreuse.output_processor import OutputProcessor, step_and_process
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
-from kvreuse.config import SpeculativeConfig
 from kvreuse.system_prompt import pin_prompt_now
 
 ChatMessage = dict[str, Any]
@@ -78,10 +89,10 @@ class LLM:
         "fp8_e5m2" store one byte per value with a scale per token and KV head (about 1.9x the tokens of
         bfloat16 in the same ``kv_cache_memory``).
         ``attention_backend`` (vLLM's name): "auto" attends in place with the C++ kernel on CPU
-        (models/paged_attention.py) and with Triton kernels on CUDA (attention/triton_paged.py), "cpu_paged" and
+        (attention/cpu_paged.py) and with Triton kernels on CUDA (attention/triton_paged.py), "cpu_paged" and
         "triton" insist on theirs, "torch" gathers and runs SDPA (the reference).
         ``enforce_eager`` (vLLM's name): no CUDA graphs (on CUDA, pure decode steps otherwise replay one captured
-        graph per padded batch size: runner/cuda_graphs.py).
+        graph per padded batch size: runner/decode/cuda_graphs.py).
         ``batch_invariant`` (vLLM's and SGLang's name): a token's logits and K/V are the same bits however it was
         computed (cold, after a prefix hit, alone or batched, in any prefill chunk): one product kernel per weight
         format at every row count and every attention row in the paged kernel over fixed partitions (CPU). None

@@ -31,7 +31,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from kvreuse.errors import InvalidRequestError
-from kvreuse.models import fused_ops
+from kvreuse.kernels import fused_ops
 from kvreuse.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them only amplifies noise.

@@ -128,13 +128,22 @@ def _build_cpu_kernels() -> None:
         return  # benchmarks/gpu_checks.sh: its tests run on CUDA, and a lent GPU's minutes are few
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvreuse.models import fused_ops, kv_codec, moe, native_step, paged_attention, qlinear, qpacked, rowdot
+    from kvreuse.kernels import (
+        decoder_layer,
+        fused_ops,
+        kv_codec,
+        moe,
+        paged_attention,
+        qpacked,
+        quant_ops,
+        rowdot,
+    )
 
     # Each library is one C++ file, one compiler process: two at a time keeps both cores of a CI machine busy
-    # (one at a time left one idle for minutes). The ones that load the others' (native_step, moe) come after
+    # (one at a time left one idle for minutes). The ones that load the others' (decoder_layer, moe) come after
     # them; no library() is called twice at once (each caches its result, unlocked).
     failed = []
-    for wave in ((qlinear, paged_attention, rowdot, fused_ops, kv_codec, qpacked), (native_step, moe)):
+    for wave in ((quant_ops, paged_attention, rowdot, fused_ops, kv_codec, qpacked), (decoder_layer, moe)):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             failed += [module.__name__ for module, built in zip(wave, pool.map(lambda module: module.library(), wave))
                        if built is None]
@@ -181,7 +190,7 @@ def cold_cache_env(cache: Path) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_cache) -> dict[str, Path]:
     """One float32 tiny model folder per supported architecture."""
-    from kvreuse.models.make import make_model
+    from kvreuse.model_tools.make_model import make_model
 
     root = tmp_path_factory.mktemp("models")
     models = {arch: make_model(root / arch, preset="tiny", arch=arch, dtype="float32", seed=1) for arch in ARCHS}

@@ -10,7 +10,7 @@ import pytest
 
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import GenerationMemory, InputProcessor
-from kvreuse.models.make import CHATML_TEMPLATE, TOOL_TOKENS
+from kvreuse.model_tools.make_model import CHATML_TEMPLATE, TOOL_TOKENS
 from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.sampling import SamplingParams

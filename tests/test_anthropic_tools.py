@@ -24,8 +24,15 @@ from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor
 from kvreuse.server.anthropic_protocol import (
-    AnthropicMessage, ContentBlocks, MessagesRequest, ToolSetup, blocks_of, check_tool_history, field_path,
-    openai_messages, tool_setup,
+    AnthropicMessage,
+    ContentBlocks,
+    MessagesRequest,
+    ToolSetup,
+    blocks_of,
+    check_tool_history,
+    field_path,
+    openai_messages,
+    tool_setup,
 )
 from kvreuse.server.errors import APIError
 from kvreuse.tokenizer import Tokenizer

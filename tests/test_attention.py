@@ -18,13 +18,13 @@ import math
 import pytest
 import torch
 
+from kvreuse.attention import torch_paged
+from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.cache.blocks import BlockCopy
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
-from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
-from kvreuse.attention import torch_paged
-from kvreuse.attention.torch_paged import TorchPagedAttention
-from kvreuse.attention.forward_batch import ForwardBatch
-from kvreuse.cache.blocks import BlockCopy
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvreuse import LLM, SamplingParams
-from kvreuse.models import kernels, paged_attention, qlinear, qpacked, rowdot
-from kvreuse.models.quant import random_quantized
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
-pytestmark = pytest.mark.skipif(not (paged_attention.available() and rowdot.available() and qlinear.available()),
+from kvreuse import LLM, SamplingParams
+from kvreuse.attention import cpu_paged
+from kvreuse.kernels import paged_attention, qpacked, quant_ops, rowdot
+from kvreuse.kernels.quant import random_quantized
+from kvreuse.layers import plan_book, quantized_linear
+
+pytestmark = pytest.mark.skipif(not (paged_attention.available() and rowdot.available() and quant_ops.available()),
                                 reason="the CPU kernels do not build here")
 
 MAX_TOKENS = 6
@@ -82,7 +84,7 @@ CASES = {  # name: (model, LLM options)
     "llama folder, bfloat16, blocks of 16": ("llama", dict(dtype="bfloat16", block_size=16)),
     "qwen3 folder, float32, int8 KV": ("qwen3", dict(dtype="float32", block_size=4, kv_cache_dtype="int8")),
     "qwen2 folder, --quantization int8, bfloat16": ("qwen2", dict(dtype="bfloat16", quantization="int8", block_size=4)),
-    # q8_0, q4_1 and q4_0 run on the packed int8 kernel where the CPU has AVX512-VNNI (models/qpacked.py), q5_0 on
+    # q8_0, q4_1 and q4_0 run on the packed int8 kernel where the CPU has AVX512-VNNI (kernels/qpacked.py), q5_0 on
     # the bf16 kernel (qdot): every quantized product kind batch-invariant mode picks.
     "GGUF Q8_0, float32": ("qwen2:Q8_0", dict(dtype="float32", block_size=4)),
     "GGUF Q4_1, bfloat16, blocks of 16": ("llama-plain:Q4_1", dict(dtype="bfloat16", block_size=16)),
@@ -107,7 +109,7 @@ def test_cold_warm_batched_and_chunked_runs_give_the_same_bits(tiny_models, gguf
 def test_gguf_products_run_on_the_packed_kernel_where_it_runs(tiny_models, gguf_dir):
     """The cases above test the packed kernel, not a fallback: a q8_0 file's products run on it (where the CPU
     has AVX512-VNNI), the native decode step included; a q5_0 file's do not."""
-    from kvreuse.models.native_step import KERNEL_CODES
+    from kvreuse.runner.decode.native_step import KERNEL_CODES
 
     options = dict(device="cpu", kv_cache_memory="1MiB", batch_invariant=True, dtype="float32", block_size=4)
     llm = LLM(str(model_path(tiny_models, gguf_dir, "qwen2:Q8_0")), **options)
@@ -166,7 +168,7 @@ def test_contexts_longer_than_a_partition_in_the_native_step_and_op_by_op(tiny_m
     """A 530-token shared prefix: rows attend over three 256-key partitions, cold prefills and decode rows
     alike in the native step (DecodeLayers.set_partition_size) and op by op (KVREUSE_NATIVE_STEP=0); both
     paths give the same bits, and each the same bits however the token was computed."""
-    from kvreuse.models import native_step
+    from kvreuse.runner.decode import native_step
 
     options = dict(device="cpu", kv_cache_memory="4MiB", batch_invariant=True, dtype="float32", block_size=16,
                    max_model_len=1024)
@@ -190,7 +192,7 @@ def test_the_harness_sees_the_default_path_differ(tiny_models, gguf_dir):
 def test_float_products_give_a_row_the_same_bits_at_any_row_count(dtype):
     weight = torch.randn(96, 160).to(dtype)
     x = torch.randn(300, 160).to(dtype)
-    product = kernels.LinearKernel(weight, torch.randn(96).to(dtype), kernels.invariant_plan(dtype))
+    product = plan_book.LinearKernel(weight, torch.randn(96).to(dtype), plan_book.invariant_plan(dtype))
     alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
     for rows in (2, 7, 8, 9, 64, 65, 300):
         assert torch.equal(product(x[:rows]), alone[:rows]), rows
@@ -200,8 +202,8 @@ def test_float_products_give_a_row_the_same_bits_at_any_row_count(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_products_give_a_row_the_same_bits_at_any_row_count(fmt, dtype):
     weight = random_quantized(fmt, 96, 256, torch.Generator().manual_seed(1))
-    plan = qlinear.invariant_plan(weight, dtype)
-    product = qlinear.QuantizedLinearKernel([weight], None, [plan])
+    plan = quantized_linear.invariant_plan(weight, dtype)
+    product = quantized_linear.QuantizedLinearKernel([weight], None, [plan])
     x = torch.randn(300, 256).to(dtype)
     alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
     for rows in (2, 7, 8, 9, 64, 65, 300):
@@ -221,7 +223,7 @@ def test_what_it_does_not_cover_is_refused_by_name(tiny_models, gguf_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("partition_size", [paged_attention.INVARIANT_PARTITION, 0])
+@pytest.mark.parametrize("partition_size", [cpu_paged.INVARIANT_PARTITION, 0])
 def test_a_rows_attention_is_the_same_bits_in_any_step(dtype, partition_size):
     """One sequence of 700 tokens (three partitions): its last rows attended in one call of all 700 queries (a cold
     prefill), as a 40-query chunk over 660 cached keys, as single decode rows, and beside another long sequence in
@@ -240,7 +242,7 @@ def test_a_rows_attention_is_the_same_bits_in_any_step(dtype, partition_size):
         starts = [sum(query_lens[:index]) for index in range(len(query_lens))]
         out = torch.empty_like(queries)
         rows = paged_attention.paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
-        paged_attention.paged_attention(out, queries, pool.cache, 0, rows, partition_size)
+        cpu_paged.paged_attention(out, queries, pool.cache, 0, rows, partition_size)
         return out
 
     whole = attend([length], [length], [table], q)
@@ -270,7 +272,7 @@ def test_by_default_the_mode_is_on_where_every_product_runs_packed(tiny_models, 
 
     from kvreuse.engine_args import add_engine_arguments
 
-    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)  # the suite forces plain products (conftest.py)
+    monkeypatch.delenv(plan_book.KERNEL_ENV, raising=False)  # the suite forces plain products (conftest.py)
 
     def resolved(name: str, **options) -> bool:
         llm = LLM(model_path(tiny_models, gguf_dir, name), device="cpu", dtype="float32", kv_cache_memory="1MiB",
@@ -281,7 +283,7 @@ def test_by_default_the_mode_is_on_where_every_product_runs_packed(tiny_models, 
     assert resolved("qwen2:Q8_0", batch_invariant=False) is False
     assert resolved("qwen2") is False and resolved("qwen2:Q5_0") is False
     assert resolved("qwen2:Q8_0", enable_lora=True) is False
-    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "qdot")
     assert resolved("qwen2:Q8_0") is False
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

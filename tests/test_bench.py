@@ -24,14 +24,32 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvreuse.bench.agent import AgentReply, ToolCallDeltas, followup_messages
 from kvreuse.bench.client import (
-    BenchmarkRun, ClientConfig, LoadClient, RequestResult, arrival_offsets, compose_agent_messages, compose_text,
+    BenchmarkRun,
+    ClientConfig,
+    LoadClient,
+    RequestResult,
+    arrival_offsets,
+    compose_agent_messages,
+    compose_text,
 )
 from kvreuse.bench.report import (
-    Distribution, format_table, format_turns_comparison, percentile, summarize, turn_summaries,
+    Distribution,
+    format_table,
+    format_turns_comparison,
+    percentile,
+    summarize,
+    turn_summaries,
 )
 from kvreuse.bench.workloads import (
-    AgentOptions, BenchRequest, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
-    generate_workload, sample_zipf_without_replacement,
+    AgentOptions,
+    BenchRequest,
+    HotPrefixOptions,
+    MultiTurnOptions,
+    RagOptions,
+    RandomOptions,
+    SharedPrefixOptions,
+    generate_workload,
+    sample_zipf_without_replacement,
 )
 from kvreuse.inputs import common_prefix_length
 

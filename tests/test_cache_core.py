@@ -12,7 +12,13 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from kvreuse.cache.blocks import BlockPool, BlockPoolError
 from kvreuse.cache.events import KVEventLog

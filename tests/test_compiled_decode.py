@@ -1,4 +1,4 @@
-"""``enable_torch_compile``: decode steps through torch.compile'd graphs (kvreuse/runner/compiled_decode.py).
+"""``enable_torch_compile``: decode steps through torch.compile'd graphs (kvreuse/runner/decode/compiled_decode.py).
 
 The compiled engine must produce transformers' greedy tokens and the eager engine's logprobs (within
 float tolerance), with the cache invariants checked after every step; every pure decode step must run
@@ -16,16 +16,16 @@ import argparse
 
 import pytest
 import torch
+from test_engine import GREEDY, make_llm, prompt_ids, reference_greedy, run_checked
 from torch._dynamo.utils import counters
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine_args import add_engine_arguments, llm_from_args
-from kvreuse.models import kernels
-from kvreuse.models.kernels import ALWAYS, LinearKernel, LinearPlan
-from kvreuse.models.layers import Linear
-from kvreuse.runner.compiled_decode import CompiledDecode
-from test_engine import GREEDY, make_llm, prompt_ids, reference_greedy, run_checked
-
+from kvreuse.kernels import quant_ops
+from kvreuse.layers import plan_book
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.plan_book import ALWAYS, LinearKernel, LinearPlan
+from kvreuse.runner.decode.compiled_decode import CompiledDecode
 
 _engines: dict[str, tuple[LLM, LLM]] = {}
 
@@ -33,7 +33,7 @@ _engines: dict[str, tuple[LLM, LLM]] = {}
 def compiled_and_eager(folder, monkeypatch, kernel: str) -> tuple[LLM, LLM]:
     """The tiny model on ``kernel`` compiled and eager, made once per kernel (compiling takes seconds)."""
     if kernel not in _engines:
-        monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+        monkeypatch.setenv(plan_book.KERNEL_ENV, kernel)
         _engines[kernel] = (make_llm(folder, enable_torch_compile=True, max_num_seqs=8),
                             make_llm(folder, max_num_seqs=8))
     return _engines[kernel]
@@ -41,9 +41,9 @@ def compiled_and_eager(folder, monkeypatch, kernel: str) -> tuple[LLM, LLM]:
 
 @pytest.mark.parametrize("kernel", ["split_in", "packed", "rowdot8"])
 def test_compiled_decode_matches_transformers_and_eager(tiny_models, monkeypatch, kernel):
-    if kernel == "packed" and not kernels.packing_available(torch.float32):
+    if kernel == "packed" and not plan_book.packing_available(torch.float32):
         pytest.skip("no oneDNN on this build")
-    if kernel == "rowdot8" and not kernels.rowdot_runs(torch.float32):
+    if kernel == "rowdot8" and not plan_book.rowdot_runs(torch.float32):
         pytest.skip("the row-dot kernel did not build here (no compiler)")
     folder = tiny_models["qwen2"]  # q/k/v bias: the compiled split_in adds it after the baddbmm
     compiled, eager = compiled_and_eager(folder, monkeypatch, kernel)
@@ -132,12 +132,11 @@ def test_compiled_decode_runs_int8_rounded_products_on_a_quantized_file(tiny_mod
     decode of a Q4_1 file on it gives the eager engine's tokens."""
     from gguf_files import without_rope_scaling, write_gguf
 
-    from kvreuse.models import qlinear
 
-    if "q4_1" not in qlinear.int8_formats():
+    if "q4_1" not in quant_ops.int8_formats():
         pytest.skip("no int8 dot products on this CPU")
     path = write_gguf(without_rope_scaling(tiny_models["llama"], tmp_path / "plain"), tmp_path / "q4_1.gguf", "Q4_1")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot8")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "qdot8")
     compiled = LLM(str(path), dtype="float32", kv_cache_memory="1MiB", max_num_seqs=2, enable_torch_compile=True)
     eager = LLM(str(path), dtype="float32", kv_cache_memory="1MiB", max_num_seqs=2)
     assert compiled.engine.runner.model.runs_int8_activations()

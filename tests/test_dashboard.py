@@ -25,10 +25,23 @@ from typing import Any
 import httpx
 import pytest
 from openai import OpenAI
-
-from kvreuse.observatory.dashboard import DashboardHistory, EngineReading, HitCounter, HitSampler, Sample
-from server_process import MODEL_NAME, POLL, RunningServer, free_port, start_server, stop_server
+from server_process import (
+    MODEL_NAME,
+    POLL,
+    RunningServer,
+    free_port,
+    start_server,
+    stop_server,
+)
 from test_router import start_router
+
+from kvreuse.observatory.dashboard import (
+    DashboardHistory,
+    EngineReading,
+    HitCounter,
+    HitSampler,
+    Sample,
+)
 
 KEY_A, KEY_B, ADMIN_KEY = "dash-key-tenant-a", "dash-key-tenant-b", "dash-admin-key"
 # Distinctive words, so "tenant B's page shows none of A's text" is a plain substring check.

@@ -18,7 +18,14 @@ import pytest
 from kvreuse.cli import main
 from kvreuse.inputs import InputProcessor, common_prefix_length
 from kvreuse.observatory.diagnose import (
-    ConstantSpan, FixedOrder, StripWhitespace, ToolHeldConstant, ToolsInOneOrder, fixes_from, read_prompts, simulate,
+    ConstantSpan,
+    FixedOrder,
+    StripWhitespace,
+    ToolHeldConstant,
+    ToolsInOneOrder,
+    fixes_from,
+    read_prompts,
+    simulate,
 )
 from kvreuse.tokenizer import Tokenizer
 

@@ -66,11 +66,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+import ports
 import pytest
 
-import ports
-
 from kvreuse.bench.compare import wait_healthy as poll_health
+from kvreuse.kernels import quant_ops
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -550,7 +550,7 @@ class Workspace:
     """Temporary folders, the tiny model every model folder named in a command links to, the env."""
 
     def __init__(self, root: Path) -> None:
-        from kvreuse.models.make import ensure_model, make_model
+        from kvreuse.model_tools.make_model import ensure_model, make_model
 
         self.root = root
         self.model = make_model(root / "fixture-model", preset="tiny", arch="qwen2", dtype="float32", seed=1)
@@ -613,7 +613,7 @@ class Workspace:
             for name in draft_folders(text):  # the EAGLE draft a --speculative-config names: a random one
                 target = path / name
                 if not target.exists():
-                    from kvreuse.models.make_draft import make_random_draft
+                    from kvreuse.model_tools.make_draft import make_random_draft
 
                     make_random_draft(self.model, target)
         return path
@@ -974,7 +974,7 @@ class DocRuns:
         if draft:  # the draft must load against the model it was made for
             import torch
 
-            from kvreuse.models.loader import load_model
+            from kvreuse.loading.loader import load_model
             from kvreuse.spec.eagle import load_eagle_draft
 
             target, config = load_model(out, torch.float32, "cpu")
@@ -1012,9 +1012,9 @@ class DocRuns:
         # fresh cache: building them again there would cost minutes of the suite, and the build is not what
         # this command's test is about (tests/test_quant_kernels.py builds and checks them).
         from kvreuse.config import cache_dir
-        from kvreuse.models import qlinear, rowdot
+        from kvreuse.kernels import rowdot
 
-        qlinear.available(), rowdot.available()
+        quant_ops.available(), rowdot.available()
         cache.mkdir(exist_ok=True)
         if not (cache / "kernels").exists():
             (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)

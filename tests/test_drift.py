@@ -27,8 +27,17 @@ from kvreuse.inputs import common_prefix_length
 from kvreuse.observatory.diagnose import simulate
 from kvreuse.observatory.drift import namespace_label, realign
 from kvreuse.observatory.scope import ALL, NamespaceOwners, Scope
-from kvreuse.observatory.tools import find_tools, first_difference, format_path, tool_drift
-from kvreuse.observatory.volatile import find_volatile_spans, reordered_items, whitespace_only
+from kvreuse.observatory.tools import (
+    find_tools,
+    first_difference,
+    format_path,
+    tool_drift,
+)
+from kvreuse.observatory.volatile import (
+    find_volatile_spans,
+    reordered_items,
+    whitespace_only,
+)
 
 RULES = ("Answer in one short paragraph. Be polite and precise. Refer to the order number when one is given. "
          "Never invent tracking data; say when you do not know. ")

@@ -11,7 +11,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
 KEY_A, KEY_B, ADMIN = "pins-tenant-a", "pins-tenant-b", "pins-admin"

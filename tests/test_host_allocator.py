@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from test_engine import make_llm
 
 from kvreuse.runner import host_allocator
-from test_engine import make_llm
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")

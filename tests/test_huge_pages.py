@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from kvreuse.runner import huge_pages
-from kvreuse.runner.huge_pages import HUGE_PAGE, aligned_ranges, back_weights_with_huge_pages, thp_mode
+from kvreuse.runner.huge_pages import (
+    HUGE_PAGE,
+    aligned_ranges,
+    back_weights_with_huge_pages,
+    thp_mode,
+)
 
 THP_USABLE = thp_mode() in ("always", "madvise")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
+import conftest
 import pytest
 
-import conftest
-from kvreuse.models import fused_ops
+from kvreuse.kernels import fused_ops
 
 
 @pytest.mark.skipif(not conftest.kernels_can_build() or os.environ.get("KVREUSE_TEST_NO_CPU_KERNELS") == "1",
@@ -16,5 +16,5 @@ from kvreuse.models import fused_ops
 def test_a_kernel_that_does_not_build_stops_the_suite(monkeypatch):
     conftest._build_cpu_kernels()  # every library built (cached): nothing to say
     monkeypatch.setattr(fused_ops, "library", lambda: None)  # as a failed build leaves it
-    with pytest.raises(pytest.UsageError, match="kvreuse.models.fused_ops did not build"):
+    with pytest.raises(pytest.UsageError, match="kvreuse.kernels.fused_ops did not build"):
         conftest._build_cpu_kernels()

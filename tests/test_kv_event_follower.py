@@ -12,7 +12,12 @@ import msgpack
 import zmq
 
 from kvreuse.cache.events import KVEventLog
-from kvreuse.router.kv_event_subscriber import BlockUpdate, KVEventFollower, KVEventSource, decode_batch
+from kvreuse.router.kv_event_subscriber import (
+    BlockUpdate,
+    KVEventFollower,
+    KVEventSource,
+    decode_batch,
+)
 from kvreuse.server.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import struct
 import subprocess
 import sys
-import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +20,13 @@ import httpx
 import msgpack
 import pytest
 import zmq
-
-from server_process import MODEL_NAME, RunningServer, free_port, start_server, stop_server
+from server_process import (
+    MODEL_NAME,
+    RunningServer,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 ADMIN = "events-admin"
 TOPIC = "kv-events"

@@ -14,9 +14,14 @@ import torch
 from kvreuse import LLM, SamplingParams
 from kvreuse.cache.blocks import BlockCopy
 from kvreuse.cache.kv import KVCache
-from kvreuse.cache.kv_quant import dequantize, kv_bytes_per_token, quantize, resolve_kv_cache_dtype
+from kvreuse.cache.kv_quant import (
+    dequantize,
+    kv_bytes_per_token,
+    quantize,
+    resolve_kv_cache_dtype,
+)
 from kvreuse.engine import LLMEngine
-from kvreuse.models.make_draft import make_random_draft
+from kvreuse.model_tools.make_draft import make_random_draft
 
 SCHEMES = ("int8", "fp8_e4m3", "fp8_e5m2")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -114,15 +119,16 @@ def test_a_blocks_bytes_and_copies_carry_codes_and_scales(name: str):
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_kernels_equal_the_pytorch_reference(name: str, dtype: torch.dtype):
-    """kvreuse/models/csrc/kv_quant.cpp writes the same codes and scales as kv_quant.quantize and gathers the
+    """kvreuse/kernels/csrc/kv_quant.cpp writes the same codes and scales as kv_quant.quantize and gathers the
     same values as kv_quant.dequantize, bit for bit, for any slots (repeats, any order, the last slot)."""
-    from kvreuse.models.kv_codec import cpu_kv_codec
+    from kvreuse.kernels.kv_codec import cpu_kv_codec
 
     codec = cpu_kv_codec()
     assert codec is not None, "the C++ kernels did not build here (see the log)"
     shape = dict(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=3, head_dim=64, dtype=dtype, device="cpu",
                  kv_cache_dtype=name)
-    fast, reference = KVCache(**shape, codec=codec), KVCache(**shape)
+    fast, reference = KVCache(**shape), KVCache(**shape, native_codec=False)
+    assert fast.codec is not None and reference.codec is None
     generator = torch.Generator().manual_seed(1)
     slots = torch.tensor([31, 0, 5, 6, 7, 12, 13, 20])
     k = (torch.randn(8, 3, 64, generator=generator) * torch.logspace(-4, 2, 8).view(8, 1, 1)).to(dtype)
@@ -222,7 +228,7 @@ def test_a_bfloat16_pool_under_a_float32_model(tiny_models: dict[str, Path], mon
     twice the tokens fit and a decode step reads half the bytes. K/V come back as their bfloat16 rounding;
     the in-place kernel and the native step read the same values as the gathering torch backend (greedy
     equal, cold and warm), and the native step equals op by op bit for bit."""
-    from kvreuse.models import native_step
+    from kvreuse.runner.decode import native_step
 
     model = tiny_models["qwen3"]
     kwargs = dict(dtype="float32", device="cpu", kv_cache_memory="512KiB", block_size=4)

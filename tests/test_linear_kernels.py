@@ -1,4 +1,4 @@
-"""CPU linear kernels (models/kernels.py): the measured choice per row count, and outputs that agree."""
+"""CPU linear kernels (layers/plan_book.py): the measured choice per row count, and outputs that agree."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from kvreuse import LLM, SamplingParams
-from kvreuse.models import kernels
-from kvreuse.models.kernels import ALWAYS, LinearKernel, LinearPlan, PlanBook, decide
-from kvreuse.models.layers import Linear
 from transformers import LlamaConfig
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.layers import plan_book
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.plan_book import ALWAYS, LinearKernel, LinearPlan, PlanBook, decide
 
 
 def _times(**by_kernel: dict[int, float]) -> dict[str, dict[int, float]]:
@@ -67,9 +68,9 @@ def test_decide_takes_the_best_single_kernel_unless_a_split_clearly_pays():
                                   LinearPlan(((1, "rowdot"), (4, "rowdot8"), (ALWAYS, "packed")))],
                          ids=lambda plan: plan.describe())
 def test_kernel_matches_f_linear_at_every_row_count(dtype, plan):
-    if "packed" in plan.kernels and not kernels.packing_available(dtype):
+    if "packed" in plan.kernels and not plan_book.packing_available(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
-    if plan.kernels & {"rowdot", "rowdot8"} and not kernels.rowdot_runs(dtype):
+    if plan.kernels & {"rowdot", "rowdot8"} and not plan_book.rowdot_runs(dtype):
         pytest.skip(f"the row-dot kernel did not build here, or does not run {dtype}")
     torch.manual_seed(0)
     weight = torch.randn(96, 80).to(dtype)
@@ -92,34 +93,34 @@ def test_kernel_matches_f_linear_at_every_row_count(dtype, plan):
 @pytest.fixture
 def quick_probes(monkeypatch):
     """Fewer probe sizes and weight copies: the same code path, a fraction of the start-up time."""
-    monkeypatch.setattr(kernels, "PROBE_ROWS", (1, 16, 128))
-    monkeypatch.setattr(kernels, "MAX_COPIES", 2)
+    monkeypatch.setattr(plan_book, "PROBE_ROWS", (1, 16, 128))
+    monkeypatch.setattr(plan_book, "MAX_COPIES", 2)
 
 
 def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_probes):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    path = tmp_path / "linear-kernels.json"
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    path = tmp_path / "linear-plan_book.json"
     book = PlanBook(path)
-    assert book.plan_for(torch.float32, (64, 32)) == kernels.PLAIN and book.measured == 0  # too small to matter
+    assert book.plan_for(torch.float32, (64, 32)) == plan_book.PLAIN and book.measured == 0  # too small to matter
     plan = book.plan_for(torch.float32, (512, 512))
-    expected = {"plain", "transposed", *kernels.split_kernels_fit((512, 512), torch.get_num_threads())}
-    expected |= {"packed"} if kernels.packing_available(torch.float32) else set()
-    expected |= {"rowdot", "rowdot8"} if kernels.rowdot_runs(torch.float32) else set()
+    expected = {"plain", "transposed", *plan_book.split_kernels_fit((512, 512), torch.get_num_threads())}
+    expected |= {"packed"} if plan_book.packing_available(torch.float32) else set()
+    expected |= {"rowdot", "rowdot8"} if plan_book.rowdot_runs(torch.float32) else set()
     assert book.measured == 1 and set(plan.times_us) == expected
-    assert all(set(times) == set(kernels.PROBE_ROWS) for times in plan.times_us.values())
+    assert all(set(times) == set(plan_book.PROBE_ROWS) for times in plan.times_us.values())
     # The row-dot kernels are GEMVs: probed up to ROWDOT_MAX_ROWS rows, never chosen above.
     for name in expected & {"rowdot", "rowdot8"}:
         assert plan.times_us[name][128] == float("inf") and plan.times_us[name][16] < float("inf")
     assert all(kernel not in ("rowdot", "rowdot8") for limit, kernel in plan.segments if limit > 64)
     book.save()
     stored = json.loads(path.read_text())
-    assert stored["version"] == kernels.PLAN_VERSION and len(stored["plans"]) == 1
+    assert stored["version"] == plan_book.PLAN_VERSION and len(stored["plans"]) == 1
     (key,) = stored["plans"]
     assert "float32 | 512x512" in key and f"torch {torch.__version__}" in key
     # The file keeps the timings; the verdict is decided from them on reading.
     assert set(stored["plans"][key]["times_us"]) == expected
     # A second book (another process would do the same) reads the verdict instead of measuring.
-    monkeypatch.setattr(kernels, "measure", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(plan_book, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = PlanBook(path).plan_for(torch.float32, (512, 512))
     assert again.segments == plan.segments
 
@@ -129,23 +130,23 @@ def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_prob
                                    {"times_us": {"plain": {"1": 1.0}, "transposed": {"2": 1.0}}}],
                          ids=["no-times", "not-a-dict", "not-a-number", "unknown-kernel", "other-rows"])
 def test_a_malformed_entry_is_measured_again(tmp_path, monkeypatch, quick_probes, entry):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    path = tmp_path / "linear-kernels.json"
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    path = tmp_path / "linear-plan_book.json"
     book = PlanBook(path)
     key = book._key(torch.float32, (512, 512))
-    path.write_text(json.dumps({"version": kernels.PLAN_VERSION, "plans": {key: entry}}))
+    path.write_text(json.dumps({"version": plan_book.PLAN_VERSION, "plans": {key: entry}}))
     book = PlanBook(path)
     plan = book.plan_for(torch.float32, (512, 512))
-    assert book.measured == 1 and set(plan.times_us["plain"]) == set(kernels.PROBE_ROWS)
+    assert book.measured == 1 and set(plan.times_us["plain"]) == set(plan_book.PROBE_ROWS)
     book.save()
     assert PlanBook(path)._stored_times(key) is not None  # the new measurement replaced the bad entry
 
 
 def test_environment_override_and_bad_value(tmp_path, monkeypatch):
     book = PlanBook(tmp_path / "plans.json")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "transposed")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "transposed")
     assert book.plan_for(torch.float32, (8, 8)) == LinearPlan.single("transposed")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="KVREUSE_LINEAR_KERNEL must be auto, plain, packed, transposed"):
         book.plan_for(torch.float32, (8, 8))
     assert book.measured == 0
@@ -163,7 +164,7 @@ def tied_model(tiny_models, tmp_path_factory):
 
 
 def _generate(folder, monkeypatch, kernel: str):
-    monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+    monkeypatch.setenv(plan_book.KERNEL_ENV, kernel)
     llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 21, 40)]
@@ -173,9 +174,9 @@ def _generate(folder, monkeypatch, kernel: str):
 @pytest.mark.parametrize("kernel", ["packed", "transposed", "split_in", "split_out", "rowdot", "rowdot8"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_engine_on_other_kernels_matches_plain(tiny_models, tied_model, monkeypatch, tied, kernel):
-    if kernel == "packed" and not kernels.packing_available(torch.float32):
+    if kernel == "packed" and not plan_book.packing_available(torch.float32):
         pytest.skip("no oneDNN on this build")
-    if kernel.startswith("rowdot") and not kernels.rowdot_runs(torch.float32):
+    if kernel.startswith("rowdot") and not plan_book.rowdot_runs(torch.float32):
         pytest.skip("the row-dot kernel did not build here (no compiler)")
     folder = tied_model if tied else tiny_models["llama"]
     other_llm, other = _generate(folder, monkeypatch, kernel)
@@ -183,7 +184,7 @@ def test_engine_on_other_kernels_matches_plain(tiny_models, tied_model, monkeypa
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     # The plain weight is released unless the kernel reads it (the row-dot kernels do, in place).
     assert linears and all(m.kernel is not None and m.kernel.plan.kernels == {kernel}
-                           and (m.weight is None) == (kernels.LAYOUT[kernel] != "plain") for m in linears)
+                           and (m.weight is None) == (plan_book.LAYOUT[kernel] != "plain") for m in linears)
     assert (model.lm_head is None) == tied and (model._tied_head_kernel is not None) == tied
     plain_llm, plain = _generate(folder, monkeypatch, "plain")
     assert all(m.kernel is None for m in plain_llm.engine.model.modules() if isinstance(m, Linear))
@@ -200,29 +201,29 @@ def test_engine_measures_each_shape_once_and_reads_the_verdicts_back(tiny_models
     are below the size worth measuring, so the threshold is lowered), follows the verdicts, and keeps
     them in the cache dir; a second engine starts from the file without measuring."""
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    monkeypatch.setattr(kernels, "MIN_MEASURED_ELEMENTS", 0)
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    monkeypatch.setattr(plan_book, "MIN_MEASURED_ELEMENTS", 0)
     measured: list[tuple[int, int]] = []
-    real_measure = kernels.measure
+    real_measure = plan_book.measure
 
     def counting_measure(out_features, in_features, *args, **kwargs):
         measured.append((out_features, in_features))
         return real_measure(out_features, in_features, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "measure", counting_measure)
+    monkeypatch.setattr(plan_book, "measure", counting_measure)
     llm = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     shapes = {(sum(m.output_sizes), m.input_size) for m in linears}
     assert sorted(measured) == sorted(shapes)  # each distinct shape once, not once per layer
-    plans = json.loads((tmp_path / "linear-kernels.json").read_text())["plans"]
+    plans = json.loads((tmp_path / "linear-plan_book.json").read_text())["plans"]
     assert len(plans) == len(shapes)
     for module in linears:  # every layer runs what the file's timings decide for its shape
         key = next(k for k in plans if k.endswith(f"| {sum(module.output_sizes)}x{module.input_size}"))
         times = {name: {int(rows): us for rows, us in by_rows.items()} for name, by_rows in plans[key]["times_us"].items()}
         verdict = decide(times)
-        plan = module.kernel.plan if module.kernel is not None else kernels.PLAIN
+        plan = module.kernel.plan if module.kernel is not None else plan_book.PLAIN
         assert plan.segments == verdict.segments
-    monkeypatch.setattr(kernels, "measure", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(plan_book, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(5, 30))}
@@ -232,9 +233,9 @@ def test_engine_measures_each_shape_once_and_reads_the_verdicts_back(tiny_models
 
 def _plant_timings(path, shapes, times_us) -> None:
     """A plans file as PlanBook writes it, with the same timings for every shape."""
-    machine = kernels._machine_key()
+    machine = plan_book._machine_key()
     plans = {f"{machine} | float32 | {o}x{i}": {"times_us": times_us} for o, i in shapes}
-    path.write_text(json.dumps({"version": kernels.PLAN_VERSION, "plans": plans}))
+    path.write_text(json.dumps({"version": plan_book.PLAN_VERSION, "plans": plans}))
 
 
 @pytest.mark.parametrize("budget", [0, 2**40])
@@ -242,19 +243,19 @@ def test_second_layouts_only_within_the_memory_budget(tiny_models, tmp_path, mon
     """Timings where one row is fastest on split_in (the transposed copy) and more rows packed: with
     memory to spare every layer keeps both layouts; with no budget for second copies every layer gets its
     best one-layout plan, and the outputs agree either way."""
-    if not kernels.packing_available(torch.float32):
+    if not plan_book.packing_available(torch.float32):
         pytest.skip("no oneDNN on this build")
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    monkeypatch.setattr(kernels, "MIN_MEASURED_ELEMENTS", 0)
-    monkeypatch.setattr(kernels, "second_layout_budget", lambda: budget)
-    monkeypatch.setattr(kernels, "measure", lambda *a, **k: pytest.fail("the planted timings cover every shape"))
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    monkeypatch.setattr(plan_book, "MIN_MEASURED_ELEMENTS", 0)
+    monkeypatch.setattr(plan_book, "second_layout_budget", lambda: budget)
+    monkeypatch.setattr(plan_book, "measure", lambda *a, **k: pytest.fail("the planted timings cover every shape"))
     llama = LlamaConfig.from_pretrained(tiny_models["llama"])
     hidden, inter, vocab = llama.hidden_size, llama.intermediate_size, llama.vocab_size
     qkv = hidden + 2 * llama.num_key_value_heads * (hidden // llama.num_attention_heads)
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter), (vocab, hidden)]
     rows = (1, 8, 64)
-    _plant_timings(tmp_path / "linear-kernels.json", shapes, {
+    _plant_timings(tmp_path / "linear-plan_book.json", shapes, {
         "plain": {n: 100.0 for n in rows}, "packed": {1: 100.0, 8: 50.0, 64: 50.0},
         "transposed": {n: 100.0 for n in rows}, "split_in": {1: 40.0, 8: 100.0, 64: 100.0},
         "split_out": {n: 100.0 for n in rows}})
@@ -265,6 +266,6 @@ def test_second_layouts_only_within_the_memory_budget(tiny_models, tmp_path, mon
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 30)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv(kernels.KERNEL_ENV, "plain")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "plain")
     plain = LLM(str(tiny_models["llama"]), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

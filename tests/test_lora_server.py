@@ -5,18 +5,18 @@ count requests per adapter, and the cache keeps adapters and the base model apar
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
-
-from kvreuse import LLM, LoRARequest, SamplingParams
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 from test_lora import make_adapter
+
+from kvreuse import LLM, LoRARequest, SamplingParams
 
 TENANT, ADMIN = "lora-tenant", "lora-admin"
 SYSTEM = "You translate English into French. Keep names and numbers as they are. " * 4

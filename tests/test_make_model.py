@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cold_cache_env
 from safetensors import safe_open
 
-from conftest import cold_cache_env
-from kvreuse.models.make import (
+from kvreuse.model_tools.make_model import (
+    ENDOFTEXT,
     IM_END,
     IM_START,
-    ENDOFTEXT,
     MIN_TOKENIZER_VOCAB,
     count_parameters,
     default_model_dir,

@@ -22,12 +22,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from kvreuse.cache.kv import KVCache
-from kvreuse.models import ModelConfig, load_model, resolve_dtype, resolve_model_path
-from kvreuse.models import qlinear
-from kvreuse.models.cpu import cpu_supports_bfloat16
-from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.cache.kv import KVCache
+from kvreuse.kernels import moe, quant_ops
+from kvreuse.kernels.cpu import cpu_supports_bfloat16
+from kvreuse.loading import load_model, resolve_dtype, resolve_model_path
+from kvreuse.models import ModelConfig
 from kvreuse.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -318,7 +319,7 @@ YARN_VARIANTS = [  # each a rope_parameters dict; transformers' _compute_yarn_pa
 def test_yarn_frequencies_and_attention_factor_equal_transformers(variant):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvreuse.models.layers import RotaryEmbedding, rope_inverse_frequencies
+    from kvreuse.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 
     parameters = {**YARN_VARIANTS[variant], "rope_theta": 1000000.0}
     hf_config = transformers.Qwen3Config(hidden_size=512, num_attention_heads=4, head_dim=128,
@@ -341,8 +342,8 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(variant):
 def test_gpt_oss_router_and_experts_equal_transformers(checkpoints):
     """The router (bias, softmax over the top k logits only) and the whole MoE layer (interleaved gate / up
     split per expert, biases, the clamped SwiGLU) against transformers' modules on the same weights."""
-    from kvreuse.models import moe
-    from kvreuse.models.moe import SparseMoE
+    from kvreuse.layers import experts
+    from kvreuse.layers.experts import SparseMoE
 
     folder, hf_model = checkpoints["gpt_oss"]
     model, _ = load_model(folder, torch.float32, "cpu")
@@ -373,7 +374,7 @@ def test_gpt_oss_router_and_experts_equal_transformers(checkpoints):
 
 
 def test_clamped_swiglu_equals_transformers_apply_gate():
-    from kvreuse.models.layers import clamped_swiglu
+    from kvreuse.layers.mlp import clamped_swiglu
 
     experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(transformers.GptOssConfig(
         num_local_experts=2, hidden_size=8, intermediate_size=16))
@@ -429,7 +430,7 @@ def test_gpt_oss_mxfp4_folder_loads_as_its_dequantized_weights(checkpoints, tmp_
     save_file({**tensors, **dense}, tmp_path / "dense" / "model.safetensors")
     hf_model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
     runner, _ = _runner(tmp_path / "mxfp4")
-    if qlinear.available():  # held as MXFP4 (4.25 bits a weight), read by the quantized kernels
+    if quant_ops.available():  # held as MXFP4 (4.25 bits a weight), read by the quantized kernels
         expert = runner.model.model.layers[0].mlp.experts[0]
         assert [part.format.name for part in expert.gate_up_proj.quantized] == ["mxfp4", "mxfp4"]
         assert [part.format.name for part in expert.down_proj.quantized] == ["mxfp4"]
@@ -567,7 +568,7 @@ AVX512_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_does_it_natively():
-    from kvreuse.models.cpu import cpu_bfloat16_support, cpu_flags
+    from kvreuse.kernels.cpu import cpu_bfloat16_support, cpu_flags
 
     # Plain AVX-512: oneDNN would emulate bf16 (its own probe says "supported"), so not native.
     flags = cpu_flags(AVX512_ONLY)
@@ -582,8 +583,8 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_does_it_natively():
 
 
 def test_auto_dtype_reason_names_the_deciding_fact():
-    from kvreuse.models.cpu import cpu_supports_bfloat16
-    from kvreuse.models.loader import resolve_dtype_with_reason
+    from kvreuse.kernels.cpu import cpu_supports_bfloat16
+    from kvreuse.loading.loader import resolve_dtype_with_reason
 
     dtype, reason = resolve_dtype_with_reason("auto", "cpu")
     assert dtype == (torch.bfloat16 if cpu_supports_bfloat16() else torch.float32)

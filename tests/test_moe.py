@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (kvreuse/models/moe.py): routing as transformers routes, rows grouped by expert,
+"""The mixture-of-experts layer (kvreuse/layers/experts.py): routing as transformers routes, rows grouped by expert,
 and the native layer (csrc/moe.cpp) equal to the Python loop bit for bit.
 
 The layers come from the tiny Qwen3-MoE preset (8 experts, 2 per token) held as a Q8_0 GGUF file's blocks and
@@ -13,18 +13,19 @@ import shutil
 
 import pytest
 import torch
+from gguf_files import write_gguf
 from safetensors.torch import load_file, save_file
 
-from gguf_files import write_gguf
 from kvreuse import LLM
-from kvreuse.models import moe, qlinear
-from kvreuse.models.kernels import ALWAYS, LinearPlan
-from kvreuse.models.moe import KERNEL_CODES, SparseMoE
+from kvreuse.kernels import moe, quant_ops
+from kvreuse.layers import experts
+from kvreuse.layers.experts import KERNEL_CODES, SparseMoE
+from kvreuse.layers.plan_book import ALWAYS, LinearPlan
 
 
 @pytest.fixture(scope="module")
 def moe_llms(tiny_models, tmp_path_factory) -> dict[str, LLM]:
-    path = write_gguf(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("moe") / "tiny-moe.q8_0.gguf", "Q8_0")
+    path = write_gguf(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("moe") / "tiny-experts.q8_0.gguf", "Q8_0")
     return {"q8_0": LLM(str(path), dtype="float32", kv_cache_memory="8MiB"),
             "float32": LLM(str(tiny_models["qwen3_moe"]), dtype="float32", kv_cache_memory="8MiB")}
 
@@ -101,11 +102,11 @@ def test_native_layer_equals_the_python_loop(moe_llms, held, rows):
 
 def test_native_layer_can_be_turned_off(moe_llms, monkeypatch):
     layer = _layers(moe_llms["q8_0"])[0]
-    monkeypatch.setenv(moe.ENV, "0")
+    monkeypatch.setenv(experts.ENV, "0")
     try:
-        assert layer.prepare_native() == f"{moe.ENV}=0" and layer.native is None
+        assert layer.prepare_native() == f"{experts.ENV}=0" and layer.native is None
     finally:
-        monkeypatch.delenv(moe.ENV)
+        monkeypatch.delenv(experts.ENV)
         layer.prepare_native()
     assert layer.native is not None  # back on (the suite does not start where the library fails to build)
 
@@ -158,7 +159,7 @@ def test_grouped_experts_on_two_kernels_equal_the_python_loop(moe_llms, gpt_oss_
     (gpt-oss) included."""
     if moe.library() is None:
         pytest.skip("the native MoE layer is not built here")
-    if "q8_0" not in qlinear.int8_formats():
+    if "q8_0" not in quant_ops.int8_formats():
         pytest.skip("q8_0 does not run on int8 inputs on this CPU")
     llm = moe_llms["q8_0"] if held == "q8_0" else gpt_oss_llms[held.split()[1]]
     layer = _layers(llm)[0]

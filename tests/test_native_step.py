@@ -1,4 +1,4 @@
-"""The native decode step (models/native_step.py, csrc/decoder_layer.cpp): a decoder layer in one call that
+"""The native decode step (runner/decode/native_step.py, csrc/decoder_layer.cpp): a decoder layer in one call that
 makes the op-by-op path's kernel calls from C++, so its outputs are that path's bit for bit.
 
 Compared in the engine, on the same prompts (cold, hits ending mid-block, batched decode rows, a pool small
@@ -16,12 +16,13 @@ import logging
 
 import pytest
 import torch
-
-from kvreuse import LLM, SamplingParams
-from kvreuse.models import fused_ops, native_step, qlinear
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
-pytestmark = pytest.mark.skipif(native_step.library() is None, reason="the native decoder layer does not build here")
+from kvreuse import LLM, SamplingParams
+from kvreuse.kernels import decoder_layer, fused_ops, quant_ops
+from kvreuse.runner.decode import native_step
+
+pytestmark = pytest.mark.skipif(decoder_layer.library() is None, reason="the native decoder layer does not build here")
 
 
 def _runs(llm: LLM, rounds: list[list[list[int]]], max_tokens: int = 6) -> list:
@@ -88,7 +89,7 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert 1 in _native_rows(native)
     qkv = native.engine.runner.model.native_step._args[1][0]
-    expected = native_step.KERNEL_CODES[kernel if kind.lower() in native_step.qlinear.int8_formats() else "qdot"]
+    expected = native_step.KERNEL_CODES[kernel if kind.lower() in quant_ops.int8_formats() else "qdot"]
     assert set(qkv.kernels) == {expected}
     if arch in ("qwen3_moe", "gpt_oss"):  # the experts run inside the native step (DecodeLayers.set_experts)
         assert qkv.experts is not None and qkv.parts[2:] == [0, 0]
@@ -140,8 +141,8 @@ def test_layers_with_windows_scales_and_sinks_equal_op_by_op(tiny_models, monkey
 
 def test_lora_rows_run_op_by_op(tiny_models):
     """A batch with an adapter's rows runs op by op (the deltas are added per projection in Python)."""
+    from kvreuse.attention.cpu_paged import NativeAttentionMetadata
     from kvreuse.attention.forward_batch import ProjectionDeltas
-    from kvreuse.models.paged_attention import NativeAttentionMetadata
 
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
     step, kv_cache = llm.engine.runner.model.native_step, llm.engine.runner.kv_cache
@@ -196,10 +197,10 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
         llm.engine.flush_tiers()
         if count in (2, 4):
             assert len(list(disk.iterdir())) == count
-    # qdot8's arithmetic revised (its float sums round otherwise, qlinear.INT8_ARITHMETIC): the records an
+    # qdot8's arithmetic revised (its float sums round otherwise, quant_ops.INT8_ARITHMETIC): the records an
     # engine of the earlier revision stored are another's.
     monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", "qdot8")
-    monkeypatch.setattr(qlinear, "INT8_ARITHMETIC", qlinear.INT8_ARITHMETIC + 1)
+    monkeypatch.setattr(quant_ops, "INT8_ARITHMETIC", quant_ops.INT8_ARITHMETIC + 1)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(disk))
     llm.generate([{"prompt_token_ids": list(range(5, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
     llm.engine.flush_tiers()

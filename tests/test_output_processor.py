@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.output_processor import OutputProcessor, find_stop_string, partial_stop_length
+from kvreuse.output_processor import (
+    OutputProcessor,
+    find_stop_string,
+    partial_stop_length,
+)
 from kvreuse.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.tokenizer import Tokenizer

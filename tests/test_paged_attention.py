@@ -1,4 +1,4 @@
-"""The in-place paged attention kernel (models/csrc/paged_attention.cpp) against its references.
+"""The in-place paged attention kernel (kernels/csrc/paged_attention.cpp) against its references.
 
 Each case writes K/V for a few sequences into scattered blocks of a ``KVCache``, then runs the kernel over
 the sequences' block tables and compares every output row with a float64 dense causal attention over the
@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import (
+    dense_causal_attention as dense_reference,  # float64, the last Q positions of a context
+)
 
+from kvreuse.attention import cpu_paged
 from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+from kvreuse.attention.cpu_paged import NativePagedAttention
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.blocks import BlockCopy
 from kvreuse.cache.kv import KVCache
-from kvreuse.models import paged_attention
-from kvreuse.models.paged_attention import NativePagedAttention, paged_rows
-from test_attention import dense_causal_attention as dense_reference  # float64, the last Q positions of a context
+from kvreuse.kernels import paged_attention
+from kvreuse.kernels.paged_attention import paged_rows
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="the paged attention kernel did not build")
 
@@ -75,7 +79,7 @@ def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads
     q = pool.random(sum(query_lens), heads, pool.dim)
     out = torch.full_like(q, float("nan"))
     rows = paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
-    paged_attention.paged_attention(out, q, pool.cache, 0, rows, partition_size, attention=attention)
+    cpu_paged.paged_attention(out, q, pool.cache, 0, rows, partition_size, attention=attention)
     tolerance = 1e-5 if pool.dtype == torch.float32 else 2e-2  # bfloat16: the output's own rounding
     for table, start, query_len, length in zip(tables, starts, query_lens, context_lens):
         keys, values = pool.held(table, length)
@@ -199,7 +203,7 @@ def test_a_windowed_row_reads_nothing_before_its_window(dtype, layout, monkeypat
     q = pool.random(9, heads, 64)
     for partition_size in (0, 16):
         out = torch.empty_like(q)
-        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows(query_lens, context_lens, tables, [0, 1], 16),
+        cpu_paged.paged_attention(out, q, pool.cache, 0, paged_rows(query_lens, context_lens, tables, [0, 1], 16),
                                         partition_size, attention=attention)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         for (keys, values), start, query_len in zip(held, (0, 1), query_lens):
@@ -219,7 +223,7 @@ def test_a_block_copied_in_part_reads_like_its_source():
     pool.write(reuse_table, 37, 38)  # the new sequence's own next token after the 37 reused
     q = pool.random(1, 4, 64)
     out = torch.empty_like(q)
-    paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [38], [reuse_table], [0], 16))
+    cpu_paged.paged_attention(out, q, pool.cache, 0, paged_rows([1], [38], [reuse_table], [0], 16))
     keys, values = pool.held(reuse_table, 38)
     source_keys, _ = pool.held(table, 37)
     assert torch.equal(keys[:37], source_keys)  # the copy holds the source's bytes
@@ -261,11 +265,11 @@ def test_bad_tables_and_shapes_are_refused():
     q = torch.zeros(1, 4, 16)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0, 8]], [0], 4))
+        cpu_paged.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0, 8]], [0], 4))
     with pytest.raises(RuntimeError, match="needs 2 blocks"):
-        paged_attention.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0]], [0], 4))
+        cpu_paged.paged_attention(out, q, pool.cache, 0, paged_rows([1], [5], [[0]], [0], 4))
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        paged_attention.paged_attention(torch.empty(1, 3, 16), torch.zeros(1, 3, 16), pool.cache, 0,
+        cpu_paged.paged_attention(torch.empty(1, 3, 16), torch.zeros(1, 3, 16), pool.cache, 0,
                                         paged_rows([1], [2], [[0]], [0], 4))
     rows = paged_rows([1], [2], [[0]], [0], 4)
     k_pool, v_pool, _, _ = pool.cache.layer_pools(0)

@@ -1,4 +1,4 @@
-"""The packed int8 kernel (models/qpacked.py, csrc/qpacked.cpp): batch-invariant mode's q8_0, q4_0 and q4_1 products.
+"""The packed int8 kernel (kernels/qpacked.py, csrc/qpacked.cpp): batch-invariant mode's q8_0, q4_0 and q4_1 products.
 
 Packing keeps the file's values; a product equals a float64 reference over the same rounded inputs; and a row's
 output has the same bits whatever the number of rows in its call and whichever instruction set summed it (VNNI
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.models import qpacked, quant
-from kvreuse.models.quant import random_quantized
+from kvreuse.kernels import qpacked, quant
+from kvreuse.kernels.quant import random_quantized
 
 pytestmark = pytest.mark.skipif(not qpacked.available(), reason="the packed int8 kernel needs AVX512-VNNI")
 

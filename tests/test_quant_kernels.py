@@ -1,4 +1,4 @@
-"""Linear layers on quantized weights (models/quant.py, models/qlinear.py, models/csrc/quant.cpp): GGUF's
+"""Linear layers on quantized weights (kernels/quant.py, layers/quantized_linear.py, kernels/csrc/quant.cpp): GGUF's
 blocks repacked losslessly, each kernel equal to dequantize-then-F.linear, bad input refused, traced by
 torch.compile, the float path where no compiler builds the kernels, and a model on its quantized
 weights generating what the same model dequantized generates."""
@@ -19,10 +19,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+
 from kvreuse import LLM, SamplingParams
-from kvreuse.models import kernels, qlinear, quant
-from kvreuse.models.layers import Linear, QuantizedEmbedding
-from kvreuse.models.quant import FORMATS, GGUF_TYPES, QuantizedTensor, repack_gguf
+from kvreuse.kernels import quant, quant_ops
+from kvreuse.kernels.quant import FORMATS, GGUF_TYPES, QuantizedTensor, repack_gguf
+from kvreuse.layers import plan_book, quantized_linear
+from kvreuse.layers.embedding import QuantizedEmbedding
+from kvreuse.layers.linear import Linear
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                     reason="no C++ compiler to build the quantized kernels")
@@ -38,7 +41,7 @@ E8M0_FIELDS = {"MXFP4": (0,)}
 
 @pytest.fixture(scope="module")
 def built() -> None:
-    assert qlinear.available(), "the quantized kernels did not build (see the log)"
+    assert quant_ops.available(), "the quantized kernels did not build (see the log)"
 
 
 def gguf_blocks(ggml_type: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -86,8 +89,8 @@ def test_repacking_is_exact_and_as_small_as_the_file(ggml_type):
             expected = reference(ggml_type, raw, (out_features, in_features))
             assert bits_equal(qt.dequantize(), expected), (ggml_type, out_features, in_features)
             assert qt.nbytes <= 1.03 * raw.nbytes
-            if qlinear.available():
-                assert bits_equal(qlinear.dequantize(qt), expected)
+            if quant_ops.available():
+                assert bits_equal(quant_ops.dequantize(qt), expected)
 
 
 def test_layout_sizes_and_int8_quantization():
@@ -134,7 +137,7 @@ def _rounded_to_int8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype", qlinear.DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", quant_ops.DTYPES, ids=str)
 @pytest.mark.parametrize("ggml_type", list(GGUF_TYPES))
 def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
     """qdot (the quantized groups read directly) and qtile (dequantized tiles, F.linear) against the
@@ -151,12 +154,12 @@ def test_kernels_match_dequantize_then_f_linear(built, ggml_type, dtype):
         inputs.append(torch.randn(in_features, 3, generator=generator).to(dtype).t())  # non-contiguous
         inputs[2][0, :32] = 0  # a group of zeros (no scale to divide by)
         for x in inputs:
-            for name in qlinear.kernels_for(qt.format.name, dtype):
-                rounded = _rounded_to_int8(x, qlinear.int8_group(qt.format.name)) if name == "qdot8" else x
+            for name in quantized_linear.kernels_for(qt.format.name, dtype):
+                rounded = _rounded_to_int8(x, quant_ops.int8_group(qt.format.name)) if name == "qdot8" else x
                 # qtile_bf16 multiplies the weights rounded to bf16 (bf16 inputs, bf16 GEMM output).
                 used = weight.bfloat16().float() if name == "qtile_bf16" else weight
                 expected = F.linear(rounded.double(), used.double())
-                got = qlinear.run_quantized(name, x, qt)
+                got = quantized_linear.run_quantized(name, x, qt)
                 assert got.dtype == dtype and got.shape == (x.shape[0], out_features)
                 error = (got.double() - expected).abs()
                 bound = _tolerance(rounded, used, bf16_output=dtype == torch.bfloat16)
@@ -169,35 +172,35 @@ def test_int8_input_kernel_is_offered_where_it_runs_and_refuses_the_rest(built, 
     formats this CPU runs on int8 inputs (every format on AVX2, all but q5_0 / q5_1 on AVX512-VNNI:
     every x86-64 machine this suite runs on has one of them), never for float16; asked for
     another format it names it, and a fused weight's later part in such a format falls back to qdot."""
-    offered = qlinear.int8_formats()
+    offered = quant_ops.int8_formats()
     vnni = {"q8_0", "q4_0", "q4_1", "mxfp4", "q4_k", "q5_k", "q6_k"}
     assert offered in (vnni, set(quant.FORMATS)), offered
     for fmt in quant.FORMATS:  # the K-quants' inputs per super-block on VNNI (as llama.cpp's q8_K), else per 32
         expected_group = 0 if fmt not in offered else 256 if offered == vnni and fmt.endswith("_k") else 32
-        assert qlinear.int8_group(fmt) == expected_group, fmt
+        assert quant_ops.int8_group(fmt) == expected_group, fmt
     for dtype in (torch.float32, torch.bfloat16):
-        assert ("qdot8" in qlinear.kernels_for("q8_0", dtype)) == ("q8_0" in offered)
-    assert "qdot8" not in qlinear.kernels_for("q8_0", torch.float16)
+        assert ("qdot8" in quantized_linear.kernels_for("q8_0", dtype)) == ("q8_0" in offered)
+    assert "qdot8" not in quantized_linear.kernels_for("q8_0", torch.float16)
     q6 = quant.random_quantized("q6_k", 16, 256)
     x = torch.randn(2, 256).bfloat16()
     for missing in sorted(set(quant.FORMATS) - offered):  # VNNI builds: q5_0 and q5_1
         with pytest.raises(RuntimeError, match=f"{missing} is not run on int8 inputs"):
-            qlinear.qlinear_int8(x, quant.random_quantized(missing, 16, 256))
+            quant_ops.qlinear_int8(x, quant.random_quantized(missing, 16, 256))
     # Where q6_k is not offered, a plan asking for qdot8 runs qdot on it.
-    monkeypatch.setattr(qlinear, "int8_formats", lambda: offered - {"q6_k"})
-    assert "qdot8" not in qlinear.kernels_for("q6_k", torch.float32)
-    assert torch.equal(qlinear.run_quantized("qdot8", x, q6), qlinear.qlinear(x, q6))
+    monkeypatch.setattr(quant_ops, "int8_formats", lambda: offered - {"q6_k"})
+    assert "qdot8" not in quantized_linear.kernels_for("q6_k", torch.float32)
+    assert torch.equal(quantized_linear.run_quantized("qdot8", x, q6), quant_ops.qlinear(x, q6))
     with pytest.raises(RuntimeError, match="x has 128 features, weight expects 256"):
-        qlinear.qlinear_int8(torch.randn(1, 128), quant.random_quantized("q8_0", 16, 256))
+        quant_ops.qlinear_int8(torch.randn(1, 128), quant.random_quantized("q8_0", 16, 256))
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
-        qlinear.qlinear_int8(torch.ones(1, 256, dtype=torch.float16), quant.random_quantized("q8_0", 16, 256))
-    book = kernels.PlanBook(Path(os.devnull))
+        quant_ops.qlinear_int8(torch.ones(1, 256, dtype=torch.float16), quant.random_quantized("q8_0", 16, 256))
+    book = plan_book.PlanBook(Path(os.devnull))
     q8 = quant.random_quantized("q8_0", 16, 256)
-    monkeypatch.setenv(kernels.KERNEL_ENV, "qdot8")
-    expected = "qdot8" if "q8_0" in qlinear.int8_formats() else "qdot"
-    assert qlinear.plan_for(book, q8, torch.float32) == kernels.LinearPlan.single(expected)
-    assert qlinear.plan_for(book, q8, torch.bfloat16) == kernels.LinearPlan.single(expected)
-    assert qlinear.plan_for(book, q6, torch.float32) == kernels.LinearPlan.single("qdot")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "qdot8")
+    expected = "qdot8" if "q8_0" in quant_ops.int8_formats() else "qdot"
+    assert quantized_linear.plan_for(book, q8, torch.float32) == plan_book.LinearPlan.single(expected)
+    assert quantized_linear.plan_for(book, q8, torch.bfloat16) == plan_book.LinearPlan.single(expected)
+    assert quantized_linear.plan_for(book, q6, torch.float32) == plan_book.LinearPlan.single("qdot")
 
 
 @needs_compiler
@@ -205,31 +208,31 @@ def test_bf16_tiles_are_offered_under_bfloat16_activations_only(built, monkeypat
     """qtile_bf16 rounds each dequantized tile to bf16: offered to bfloat16 engines (and measured like the
     rest), never to float32 ones, whose products stay exact; forced under float32 it runs qtile."""
     for fmt in quant.FORMATS:
-        assert "qtile_bf16" in qlinear.kernels_for(fmt, torch.bfloat16)
-        assert "qtile_bf16" not in qlinear.kernels_for(fmt, torch.float32)
-    book = kernels.PlanBook(Path(os.devnull))
+        assert "qtile_bf16" in quantized_linear.kernels_for(fmt, torch.bfloat16)
+        assert "qtile_bf16" not in quantized_linear.kernels_for(fmt, torch.float32)
+    book = plan_book.PlanBook(Path(os.devnull))
     qt = quant.random_quantized("q4_k", 64, 256)
-    monkeypatch.setenv(kernels.KERNEL_ENV, "qtile_bf16")
-    assert qlinear.plan_for(book, qt, torch.bfloat16) == kernels.LinearPlan.single("qtile_bf16")
-    assert qlinear.plan_for(book, qt, torch.float32) == kernels.LinearPlan.single("qtile")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "qtile_bf16")
+    assert quantized_linear.plan_for(book, qt, torch.bfloat16) == plan_book.LinearPlan.single("qtile_bf16")
+    assert quantized_linear.plan_for(book, qt, torch.float32) == plan_book.LinearPlan.single("qtile")
     x = torch.randn(40, 256).bfloat16()
-    assert torch.equal(qlinear.run_quantized("qtile_bf16", x, qt),
-                       F.linear(x, qlinear.dequantize(qt).bfloat16()))
+    assert torch.equal(quantized_linear.run_quantized("qtile_bf16", x, qt),
+                       F.linear(x, quant_ops.dequantize(qt).bfloat16()))
 
 
 @needs_compiler
 def test_quantized_linear_kernel_parts_bias_and_tiles(built, monkeypatch):
     """A fused weight whose parts have different formats (a Q4_K_M file's q/k beside a Q6_K v), plus a
     float part and a bias, through every kernel choice, with tiles smaller than the weight."""
-    monkeypatch.setattr(qlinear, "TILE_VALUES", 512 * 20)
+    monkeypatch.setattr(quant_ops, "TILE_VALUES", 512 * 20)
     parts = [repack_gguf(gguf_blocks("Q4_K", 40, 512), "Q4_K", (40, 512)),
              repack_gguf(gguf_blocks("Q4_K", 24, 512, seed=1), "Q4_K", (24, 512)),
              repack_gguf(gguf_blocks("Q6_K", 24, 512, seed=2), "Q6_K", (24, 512)),
              torch.randn(8, 512) * 0.01]
-    weight = torch.cat([qlinear.dequantize_any(part) for part in parts])
+    weight = torch.cat([quantized_linear.dequantize_any(part) for part in parts])
     bias = torch.randn(96)
-    for plans in (None, [kernels.LinearPlan.single("qtile")] * 3, [kernels.LinearPlan(((2, "qdot"), (kernels.ALWAYS, "qtile")))] * 3):
-        kernel = qlinear.QuantizedLinearKernel(parts, bias, plans)
+    for plans in (None, [plan_book.LinearPlan.single("qtile")] * 3, [plan_book.LinearPlan(((2, "qdot"), (plan_book.ALWAYS, "qtile")))] * 3):
+        kernel = quantized_linear.QuantizedLinearKernel(parts, bias, plans)
         assert [p.shape[0] for p in kernel.parts] == [64, 24, 8]  # the two Q4_K parts are one weight
         for rows in (1, 3, 11):
             x = torch.randn(2, rows, 512)
@@ -237,7 +240,7 @@ def test_quantized_linear_kernel_parts_bias_and_tiles(built, monkeypatch):
             error = (kernel(x).double() - expected).abs().reshape(2 * rows, 96)
             assert bool((error <= _tolerance(x.reshape(2 * rows, 512), weight)).all())
     with pytest.raises(ValueError, match="3 weight parts, 1 plans"):
-        qlinear.QuantizedLinearKernel(parts, None, [qlinear.DEFAULT_PLAN])
+        quantized_linear.QuantizedLinearKernel(parts, None, [quantized_linear.DEFAULT_PLAN])
 
 
 @needs_compiler
@@ -280,7 +283,7 @@ def test_grouped_products_equal_one_call_per_group(built, ggml_type, dtype, int8
     own weight give what qlinear / qlinear_int8 gives per group, bit for bit, for groups of 0, 1, 3 and more
     than the kernel's 8 rows per pass; one row repeated (a decode row's k experts) included."""
     fmt = FORMATS[GGUF_TYPES[ggml_type]]
-    if int8 and fmt.name not in qlinear.int8_formats():
+    if int8 and fmt.name not in quant_ops.int8_formats():
         pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
     in_features = 512
     weights = [repack_gguf(gguf_blocks(ggml_type, 40, in_features, seed=s), ggml_type, (40, in_features))
@@ -288,11 +291,11 @@ def test_grouped_products_equal_one_call_per_group(built, ggml_type, dtype, int8
     rows = [1, 0, 3, 11, 2]
     x = torch.randn(sum(rows), in_features).to(dtype)
     x[4:7] = x[0]  # the same row in several groups rounds the same in each
-    out = qlinear.qlinear_grouped(x, rows, weights, int8=int8)
+    out = quant_ops.qlinear_grouped(x, rows, weights, int8=int8)
     assert out.shape == (sum(rows), 40) and out.dtype == dtype
     at = 0
     for count, weight in zip(rows, weights):
-        expected = (qlinear.qlinear_int8 if int8 else qlinear.qlinear)(x[at:at + count], weight)
+        expected = (quant_ops.qlinear_int8 if int8 else quant_ops.qlinear)(x[at:at + count], weight)
         assert torch.equal(out[at:at + count].float().view(torch.int32), expected.float().view(torch.int32))
         at += count
     op = torch.ops.kvreuse_cpu.qlinear_int8_grouped if int8 else torch.ops.kvreuse_cpu.qlinear_grouped
@@ -305,7 +308,7 @@ def test_grouped_products_equal_one_call_per_group(built, ggml_type, dtype, int8
         op(x, rows, [*data[:4], data[4][:20]], fmt.code, in_features)
     with pytest.raises(ValueError, match="the weights must share one format"):
         other = repack_gguf(gguf_blocks("Q4_0", 40, in_features), "Q4_0", (40, in_features))
-        qlinear.qlinear_grouped(x[:2], [1, 1], [weights[0], other], int8=int8)
+        quant_ops.qlinear_grouped(x[:2], [1, 1], [weights[0], other], int8=int8)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["qdot", "qdot8"])
@@ -314,7 +317,7 @@ def test_products_in_many_tasks_give_every_row_once_on_any_thread_count(built, i
     back of another's (split_groups): over 3 groups of 3,001 rows (tasks straddling the groups), repeated so
     that threads finish at different times and take each other's tasks, every output row equals the one-thread
     result bit for bit and the dequantized reference."""
-    if int8 and "q8_0" not in qlinear.int8_formats():
+    if int8 and "q8_0" not in quant_ops.int8_formats():
         pytest.skip("q8_0 does not run on int8 inputs on this CPU")
     in_features, out_features, rows = 512, 3001, [1, 2, 1]
     weights = [repack_gguf(gguf_blocks("Q8_0", out_features, in_features, seed=s), "Q8_0", (out_features, in_features))
@@ -323,16 +326,16 @@ def test_products_in_many_tasks_give_every_row_once_on_any_thread_count(built, i
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = qlinear.qlinear_grouped(x, rows, weights, int8=int8)
+        single = quant_ops.qlinear_grouped(x, rows, weights, int8=int8)
         torch.set_num_threads(2)
         for _ in range(20):
-            assert torch.equal(qlinear.qlinear_grouped(x, rows, weights, int8=int8).view(torch.int32),
+            assert torch.equal(quant_ops.qlinear_grouped(x, rows, weights, int8=int8).view(torch.int32),
                                single.view(torch.int32))
     finally:
         torch.set_num_threads(threads)
     at = 0
     for count, weight in zip(rows, weights):
-        reference = F.linear(x[at:at + count], qlinear.dequantize(weight))
+        reference = F.linear(x[at:at + count], quant_ops.dequantize(weight))
         # qdot8 rounds the inputs to int8 (per 32 values): within 2% of the outputs' scale, as every row must be.
         scale = reference.abs().max().item()
         torch.testing.assert_close(single[at:at + count], reference, rtol=0, atol=(0.02 if int8 else 1e-5) * scale)
@@ -344,13 +347,13 @@ def test_bfloat16_int8_products_are_the_float32_products_rounded(built):
     through ATen's .to() beyond 32k values: either way the bits of the float32 product of the same values
     rounded to nearest even (1 row of 1,280 outputs, and 64). (qdot multiplies bf16 inputs otherwise than
     float32 ones: no such identity there.)"""
-    if "q8_0" not in qlinear.int8_formats():
+    if "q8_0" not in quant_ops.int8_formats():
         pytest.skip("this CPU runs no int8 products")
     qt = repack_gguf(gguf_blocks("Q8_0", 1280, 1024, seed=4), "Q8_0", (1280, 1024))
     generator = torch.Generator().manual_seed(5)
     for rows in (1, 64):
         x = torch.randn(rows, 1024, generator=generator).bfloat16()
-        got, want = qlinear.qlinear_int8(x, qt), qlinear.qlinear_int8(x.float(), qt).bfloat16()
+        got, want = quant_ops.qlinear_int8(x, qt), quant_ops.qlinear_int8(x.float(), qt).bfloat16()
         assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -362,7 +365,7 @@ def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml
     second, so the blocks start elsewhere; 1, 2 and 3 input rows; rows of 384 values, a short last span,
     MXFP4's subnormal exponents among the scales), and the product of the rounded inputs within tolerance."""
     fmt = FORMATS[GGUF_TYPES[ggml_type]]
-    if fmt.name not in qlinear.int8_formats():
+    if fmt.name not in quant_ops.int8_formats():
         pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
     out_features, in_features = 13, 384
     raw = gguf_blocks(ggml_type, out_features, in_features, seed=5)
@@ -372,11 +375,11 @@ def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml
     generator = torch.Generator().manual_seed(6)
     for rows in (1, 2, 3):
         x = torch.randn(rows, in_features, generator=generator)
-        full = qlinear.qlinear_int8(x, weight)
+        full = quant_ops.qlinear_int8(x, weight)
         for j in range(out_features):
-            assert torch.equal(qlinear.qlinear_int8(x, alone[j]).view(torch.int32), full[:, j:j + 1].view(torch.int32))
-        assert torch.equal(qlinear.qlinear_int8(x, shifted).view(torch.int32), full[:, 1:].view(torch.int32))
-        rounded = _rounded_to_int8(x, qlinear.int8_group(fmt.name))
+            assert torch.equal(quant_ops.qlinear_int8(x, alone[j]).view(torch.int32), full[:, j:j + 1].view(torch.int32))
+        assert torch.equal(quant_ops.qlinear_int8(x, shifted).view(torch.int32), full[:, 1:].view(torch.int32))
+        rounded = _rounded_to_int8(x, quant_ops.int8_group(fmt.name))
         expected = F.linear(rounded.double(), weight.dequantize().double())
         assert bool(((full.double() - expected).abs() <= _tolerance(rounded, weight.dequantize())).all())
 
@@ -387,8 +390,9 @@ def test_the_kernels_compile_for_cpus_without_avx512(march):
     """quant.cpp holds a VNNI, an AVX2 and a scalar build of its kernels, chosen by -march=native at run time;
     a machine with AVX-512 compiles only the first, so the others are compiled here (syntax and types)."""
     import sysconfig
+
     from torch.utils import cpp_extension
-    source = Path(qlinear.__file__).with_name("csrc") / "quant.cpp"
+    source = quant_ops.SOURCE
     command = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", f"-march={march}", "-fopenmp", "-w",
                *(f"-I{path}" for path in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
                str(source)]
@@ -405,8 +409,8 @@ def test_ops_under_torch_compile(built):
     ids = torch.tensor([3, 0, 29, 3])
 
     def step(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        embedded = qlinear.dequantize_rows(table, ids)
-        return torch.relu(qlinear.qlinear(x * 2 + embedded, qt)) + qlinear.tiled_linear(x, qt)
+        embedded = quant_ops.dequantize_rows(table, ids)
+        return torch.relu(quant_ops.qlinear(x * 2 + embedded, qt)) + quant_ops.tiled_linear(x, qt)
 
     x = torch.randn(4, 96)
     compiled = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})
@@ -423,9 +427,9 @@ def test_without_a_compiler_the_dequantized_float_path_remains(tmp_path):
     np.save(tmp_path / "raw.npy", raw)
     script = (
         "import numpy as np, torch\n"
-        "from kvreuse.models import qlinear, quant\n"
-        "from kvreuse.models.layers import Linear\n"
-        "assert not qlinear.available()\n"
+        "from kvreuse.kernels import quant, quant_ops\n"
+        "from kvreuse.layers.linear import Linear\n"
+        "assert not quant_ops.available()\n"
         f"qt = quant.repack_gguf(np.load({str(tmp_path / 'raw.npy')!r}), 'Q4_1', (16, 64))\n"
         "linear = Linear(64, [16], False, torch.float32, torch.device('cpu'))\n"
         "linear.set_quantized([qt])\n"
@@ -445,16 +449,16 @@ def test_without_a_compiler_the_dequantized_float_path_remains(tmp_path):
 @needs_compiler
 @pytest.mark.alone  # it asserts what a measurement picks: the other xdist worker waits
 def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    monkeypatch.setattr(kernels, "PROBE_ROWS", (1, 16, 256))
-    monkeypatch.setattr(kernels, "MAX_COPIES", 2)
-    path = tmp_path / "linear-kernels.json"
-    book = kernels.PlanBook(path)
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    monkeypatch.setattr(plan_book, "PROBE_ROWS", (1, 16, 256))
+    monkeypatch.setattr(plan_book, "MAX_COPIES", 2)
+    path = tmp_path / "linear-plan_book.json"
+    book = plan_book.PlanBook(path)
     small = repack_gguf(gguf_blocks("Q4_0", 16, 64), "Q4_0", (16, 64))
-    assert qlinear.plan_for(book, small, torch.float32) == qlinear.DEFAULT_PLAN and book.measured == 0
+    assert quantized_linear.plan_for(book, small, torch.float32) == quantized_linear.DEFAULT_PLAN and book.measured == 0
     qt = quant.random_quantized("q4_0", 1024, 512)
-    plan = qlinear.plan_for(book, qt, torch.bfloat16)
-    assert book.measured == 1 and set(plan.times_us) == set(qlinear.kernels_for("q4_0", torch.bfloat16))
+    plan = quantized_linear.plan_for(book, qt, torch.bfloat16)
+    assert book.measured == 1 and set(plan.times_us) == set(quantized_linear.kernels_for("q4_0", torch.bfloat16))
     assert set(plan.times_us) >= {"qdot", "qtile"}
     assert plan.times_us["qdot"][256] == float("inf")  # a GEMV: probed up to QDOT_MAX_ROWS only
     # Each probed row count runs the kernel measured fastest there (all of them read the one quantized layout).
@@ -467,35 +471,35 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     book.save()
     (key,) = json.loads(path.read_text())["plans"]
     # Keyed by the kernels' build too: timings of an older build are measured again, not reused.
-    build = qlinear.build_name().rsplit("_", 1)[-1][:12]
+    build = quant_ops.build_name().rsplit("_", 1)[-1][:12]
     assert key.endswith(f"| q4_0/bfloat16/{build} | 1024x512")
-    monkeypatch.setattr(qlinear, "measure", lambda *a, **k: pytest.fail("measured again"))
-    assert qlinear.plan_for(kernels.PlanBook(path), qt, torch.bfloat16).segments == plan.segments
-    monkeypatch.setenv(kernels.KERNEL_ENV, "qtile")
-    assert qlinear.plan_for(book, qt, torch.bfloat16) == kernels.LinearPlan.single("qtile")
-    monkeypatch.setenv(kernels.KERNEL_ENV, "transposed")  # a float kernel forced: quantized weights unmeasured
-    assert qlinear.plan_for(book, qt, torch.bfloat16) == qlinear.DEFAULT_PLAN
+    monkeypatch.setattr(quantized_linear, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert quantized_linear.plan_for(plan_book.PlanBook(path), qt, torch.bfloat16).segments == plan.segments
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "qtile")
+    assert quantized_linear.plan_for(book, qt, torch.bfloat16) == plan_book.LinearPlan.single("qtile")
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "transposed")  # a float kernel forced: quantized weights unmeasured
+    assert quantized_linear.plan_for(book, qt, torch.bfloat16) == quantized_linear.DEFAULT_PLAN
 
 
 @needs_compiler
 def test_stored_timings_without_a_kernel_now_offered_are_measured_again(built, tmp_path, monkeypatch):
     """A plan book written before qdot8 ran here (timings of qdot and qtile only) is not read as if qdot8
     had lost: the entry is measured again with every kernel offered, in one run."""
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    monkeypatch.setattr(kernels, "PROBE_ROWS", (1, 16))
-    monkeypatch.setattr(kernels, "MAX_COPIES", 1)
-    path = tmp_path / "linear-kernels.json"
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
+    monkeypatch.setattr(plan_book, "PROBE_ROWS", (1, 16))
+    monkeypatch.setattr(plan_book, "MAX_COPIES", 1)
+    path = tmp_path / "linear-plan_book.json"
     qt = quant.random_quantized("q4_0", 1024, 512)
-    book = kernels.PlanBook(path)
-    qlinear.plan_for(book, qt, torch.float32)
+    book = plan_book.PlanBook(path)
+    quantized_linear.plan_for(book, qt, torch.float32)
     book.save()
     stored = json.loads(path.read_text())
     (entry,) = stored["plans"].values()
-    assert set(entry["times_us"]) == set(qlinear.kernels_for("q4_0", torch.float32)) >= {"qdot", "qdot8", "qtile"}
+    assert set(entry["times_us"]) == set(quantized_linear.kernels_for("q4_0", torch.float32)) >= {"qdot", "qdot8", "qtile"}
     del entry["times_us"]["qdot8"]  # as an older build's measurement left it
     path.write_text(json.dumps(stored))
-    older = kernels.PlanBook(path)
-    plan = qlinear.plan_for(older, qt, torch.float32)
+    older = plan_book.PlanBook(path)
+    plan = quantized_linear.plan_for(older, qt, torch.float32)
     assert older.measured == 1 and "qdot8" in plan.times_us
 
 
@@ -503,7 +507,7 @@ def _quantized_weights(folder, ggml_type: str) -> tuple[list, list]:
     """The tiny model's weights as a GGUF file of ``ggml_type`` would hold them (every matrix quantized
     by gguf, the embedding too; norms and biases float): (name, QuantizedTensor or tensor) and the same
     weights dequantized by gguf."""
-    from kvreuse.models.loader import iterate_safetensors, safetensors_files
+    from kvreuse.loading.loader import iterate_safetensors, safetensors_files
 
     held, dense = [], []
     for name, tensor in iterate_safetensors(safetensors_files(folder)):
@@ -543,7 +547,7 @@ def test_model_on_quantized_weights_generates_as_dequantized(built, tiny_models,
     model = quantized_llm.engine.model
     model.load_weights(held)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight is None and isinstance(m.kernel, qlinear.QuantizedLinearKernel) for m in linears)
+    assert linears and all(m.weight is None and isinstance(m.kernel, quantized_linear.QuantizedLinearKernel) for m in linears)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert (model._tied_head_kernel is not None) == (arch == "qwen2")
     dense_llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="8MiB")
@@ -639,7 +643,7 @@ def test_quantization_option_int8_and_refusals(built, tiny_models, tmp_path):
     path = write_gguf(folder, tmp_path / "model.gguf", "Q8_0")
     with pytest.raises(ValueError, match="a GGUF file is quantized already"):
         LLM(str(path), device="cpu", kv_cache_memory="8MiB", quantization="int8")
-    from kvreuse.models.loader import resolve_quantization
+    from kvreuse.loading.loader import resolve_quantization
 
     with pytest.raises(ValueError, match="runs on CPU only"):
         resolve_quantization("int8", folder, torch.device("cuda"))
@@ -656,13 +660,13 @@ def test_quantized_layers_get_the_plan_measured_for_their_format_and_shape(built
     from gguf_files import write_gguf
 
     path = write_gguf(tiny_models["qwen2"], tmp_path / "model.gguf", "Q8_0")
-    monkeypatch.setenv(kernels.KERNEL_ENV, forced)
+    monkeypatch.setenv(plan_book.KERNEL_ENV, forced)
     llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.quantized is not None for m in layers)
     for module in layers:
         assert {plan.kernel_for(rows) for plan in module.kernel.plans for rows in (1, 16, 4096)} == {forced}
-    monkeypatch.setenv(kernels.KERNEL_ENV, "plain")  # a float kernel forced: the quantized default stays
+    monkeypatch.setenv(plan_book.KERNEL_ENV, "plain")  # a float kernel forced: the quantized default stays
     llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
-    assert all(m.kernel.plans == [qlinear.DEFAULT_PLAN] * len(m.kernel.parts)
+    assert all(m.kernel.plans == [quantized_linear.DEFAULT_PLAN] * len(m.kernel.parts)
                for m in llm.engine.model.modules() if isinstance(m, Linear))

@@ -8,9 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import ports
+import pytest
 import ray_cluster
 
 pytest.importorskip("ray.serve", reason="needs the ray extra: pip install -e '.[ray]'")

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-
 import ports
+import pytest
 import ray_cluster
 from server_process import POLL
 

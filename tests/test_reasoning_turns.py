@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.models.make import CHATML_TEMPLATE, IM_END, PRESETS, QWEN3_THINKING_TEMPLATE
+from kvreuse.model_tools.make_model import (
+    CHATML_TEMPLATE,
+    IM_END,
+    PRESETS,
+    QWEN3_THINKING_TEMPLATE,
+)
 
 SYSTEM = "You are a careful assistant. Think before you answer."
 QUESTION = "Which planet in the solar system is the largest, and how much bigger is it than the Earth?"
@@ -32,7 +37,7 @@ FOLLOW_UP = "And which one is the smallest?"
 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvreuse.models.make import make_model
+    from kvreuse.model_tools.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("think") / "tiny-qwen3-think", preset="tiny-qwen3-think",
                       dtype="float32", seed=1)

@@ -1,4 +1,4 @@
-"""RoPE re-rotation (models/rope_shift.py, issue 39 part two): K computed at positions p.. and turned by the
+"""RoPE re-rotation (attention/rope_shift.py, issue 39 part two): K computed at positions p.. and turned by the
 delta equals K computed at q.. by the model itself, within the float32 rounding of the angles.
 
 The K compared are the engine's own: the tiny models run a sequence through ``ModelRunner.execute`` at
@@ -18,7 +18,7 @@ import torch
 
 from kvreuse import LLM
 from kvreuse.attention.forward_batch import ForwardBatch
-from kvreuse.models.rope_shift import rotary_for_layer, shift_rotated_keys
+from kvreuse.attention.rope_shift import shift_rotated_keys
 
 TOKENS = 40  # three blocks of 16, the last partly filled
 
@@ -79,7 +79,7 @@ def test_shifted_keys_equal_keys_computed_at_the_new_positions(
     token_ids = torch.randint(10, model.config.vocab_size, (TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
     old = keys_at(llm, token_ids, old_start, layer=0)
     direct = keys_at(llm, token_ids, new_start, layer=0)
-    shifted = shift_rotated_keys(old, new_start - old_start, rotary_for_layer(model, 0))
+    shifted = shift_rotated_keys(old, new_start - old_start, model.rotary_for_layer(0))
 
     bound = float32_bound(max(old_start, new_start) + TOKENS)
     lengths = pair_lengths(direct)
@@ -87,13 +87,13 @@ def test_shifted_keys_equal_keys_computed_at_the_new_positions(
     assert bool((error <= bound * lengths + 1e-7).all()), (
         f"worst error {float((error / (lengths + 1e-12)).max()):.2e} of a pair's length, bound {bound:.2e}")
     # The check has teeth: K left where it was, or turned the wrong way, is far outside the bound.
-    for wrong in (old, shift_rotated_keys(old, old_start - new_start, rotary_for_layer(model, 0))):
+    for wrong in (old, shift_rotated_keys(old, old_start - new_start, model.rotary_for_layer(0))):
         assert float((wrong - direct).abs().max()) > 100 * bound * float(lengths.max())
 
 
 def test_a_delta_of_zero_returns_the_keys_unchanged(engines: dict[str, LLM], tiny_models: dict[str, Path]) -> None:
     llm = engine_for(engines, tiny_models, "gpt_oss")  # YaRN: the attention factor divided out leaves 1 exactly
-    rotary = rotary_for_layer(llm.engine.model, 0)
+    rotary = llm.engine.model.rotary_for_layer(0)
     keys = torch.randn(5, 2, rotary.head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert shift_rotated_keys(keys, 0, rotary) is keys
     # Zero deltas among others, in a tensor: those rows come back bit for bit, the others move.
@@ -106,7 +106,7 @@ def test_a_delta_of_zero_returns_the_keys_unchanged(engines: dict[str, LLM], tin
 
 def test_moves_compose_and_undo(engines: dict[str, LLM], tiny_models: dict[str, Path]) -> None:
     """There and back is the identity, and two moves are one move of their sum (float32 rounding only)."""
-    rotary = rotary_for_layer(engine_for(engines, tiny_models, "llama").engine.model, 0)
+    rotary = engine_for(engines, tiny_models, "llama").engine.model.rotary_for_layer(0)
     keys = torch.randn(TOKENS, 2, rotary.head_dim, generator=torch.Generator().manual_seed(1))
     back = shift_rotated_keys(shift_rotated_keys(keys, 900, rotary), -900, rotary)
     torch.testing.assert_close(back, keys, rtol=0, atol=float32_bound(900) * float(pair_lengths(keys).max()))
@@ -117,13 +117,13 @@ def test_moves_compose_and_undo(engines: dict[str, LLM], tiny_models: dict[str, 
 
 def test_gemma3_layers_use_their_own_tables(engines: dict[str, LLM], tiny_models: dict[str, Path]) -> None:
     model = engine_for(engines, tiny_models, "gemma3").engine.model
-    tables = {id(rotary_for_layer(model, layer)) for layer in range(len(model.model.layers))}
+    tables = {id(model.rotary_for_layer(layer)) for layer in range(len(model.model.layers))}
     assert tables == {id(model.rotary), id(model.local_rotary)}
-    assert rotary_for_layer(model, 0) is model.local_rotary  # the first layer slides
+    assert model.rotary_for_layer(0) is model.local_rotary  # the first layer slides
 
 
 def test_refusals(engines: dict[str, LLM], tiny_models: dict[str, Path]) -> None:
-    rotary = rotary_for_layer(engine_for(engines, tiny_models, "llama").engine.model, 0)
+    rotary = engine_for(engines, tiny_models, "llama").engine.model.rotary_for_layer(0)
     keys = torch.zeros(3, 2, rotary.head_dim)
     with pytest.raises(ValueError, match="beyond the rotary table"):
         shift_rotated_keys(keys, -rotary.max_position, rotary)
@@ -139,12 +139,12 @@ def moved_layer_by_layer(model: Any, kv_cache: Any, src: torch.Tensor, dst: torc
     ``shift_rotated_keys``."""
     for layer in range(first_layer, model.config.num_hidden_layers):
         keys, values = kv_cache.gather(layer, src, torch.float32)
-        kv_cache.write(layer, dst, shift_rotated_keys(keys, deltas, rotary_for_layer(model, layer)), values)
+        kv_cache.write(layer, dst, shift_rotated_keys(keys, deltas, model.rotary_for_layer(layer)), values)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: two rotary tables among the layers
 def test_a_float_pools_move_is_the_gather_and_write_move_bit_for_bit(tiny_models: dict[str, Path], arch: str) -> None:
-    from kvreuse.models import rope_shift
+    from kvreuse.attention import rope_shift
 
     llm = LLM(str(tiny_models[arch]), dtype="bfloat16", device="cpu", kv_cache_memory="4MiB",
               enable_prefix_caching=False)
@@ -162,11 +162,11 @@ def test_a_float_pools_move_is_the_gather_and_write_move_bit_for_bit(tiny_models
         moved_layer_by_layer(model, kv_cache, src, dst, deltas, first_layer)
         expected = kv_cache.kv.clone()
         kv_cache.kv.copy_(before)
-        captured = rope_shift.move_kv(model, kv_cache, src, dst, deltas, capture_layer=layers - 1,
+        captured = rope_shift.move_kv(model.rotary_tables(), kv_cache, src, dst, deltas, capture_layer=layers - 1,
                                       first_layer=first_layer)
         assert torch.equal(kv_cache.kv, expected), f"first_layer {first_layer}"
         assert torch.equal(kv_cache.kv[:first_layer], before[:first_layer]), "layers before first_layer moved"
         reference = kv_cache.gather(layers - 1, dst, torch.float32)
         assert torch.equal(captured[0], reference[0]) and torch.equal(captured[1], reference[1])
     with pytest.raises(ValueError, match="first_layer"):
-        rope_shift.move_kv(model, kv_cache, src, dst, deltas, capture_layer=0, first_layer=1)
+        rope_shift.move_kv(model.rotary_tables(), kv_cache, src, dst, deltas, capture_layer=0, first_layer=1)

@@ -13,9 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_process import (
+    MODEL_NAME,
+    POLL,
+    RunningServer,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 from kvreuse.bench.compare import wait_healthy
-from server_process import MODEL_NAME, POLL, RunningServer, free_port, start_server, stop_server
 
 SERVER_ARGS = ("--kv-cache-memory", "16MiB")
 # 16 MiB / (2 layers x K,V x 2 kv heads x 16 dims x 4 bytes x 16 tokens) = 2048 blocks per backend.

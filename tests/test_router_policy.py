@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvreuse.cache.hashing import extend_block_keys, namespace_key
-from kvreuse.router.policy import (BackendBlockIndex, BackendLoad, PolicyConfig, RouteRequest, Router,
-                                   prompt_block_keys)
+from kvreuse.router.policy import (
+    BackendBlockIndex,
+    BackendLoad,
+    PolicyConfig,
+    Router,
+    RouteRequest,
+    prompt_block_keys,
+)
 
 BLOCK = 4
 

@@ -1,4 +1,4 @@
-"""The row-dot GEMV (models/rowdot.py, models/csrc/rowdot.cpp): built here, equal to F.linear within float
+"""The row-dot GEMV (kernels/rowdot.py, kernels/csrc/rowdot.cpp): built here, equal to F.linear within float
 tolerance, traced by torch.compile, refusing bad input, and optional where no compiler builds it."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kvreuse.models import kernels, rowdot
+
+from kvreuse.kernels import build, rowdot
+from kvreuse.layers import plan_book
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                     reason="no C++ compiler to build the row-dot kernel")
@@ -86,9 +88,9 @@ def test_rowdot_under_torch_compile(built):
 def test_build_name_follows_the_cpu(monkeypatch):
     """Code built with -march=native for one CPU must not load on another sharing the cache dir."""
     monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
-    avx2 = rowdot.build_name()
+    avx2 = build.build_name()
     monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "avx512f"}))
-    assert rowdot.build_name() != avx2 and rowdot.build_name().startswith("kvreuse_rowdot_")
+    assert build.build_name() != avx2 and build.build_name().startswith("kvreuse_rowdot_")
 
 
 def test_without_a_compiler_the_library_kernels_remain(tmp_path):
@@ -98,9 +100,9 @@ def test_without_a_compiler_the_library_kernels_remain(tmp_path):
         "import torch\n"
         "from kvreuse.models import kernels, rowdot\n"
         "assert not rowdot.available()\n"
-        "names = kernels.runnable_kernels(torch.float32, (512, 512))\n"
+        "names = plan_book.runnable_kernels(torch.float32, (512, 512))\n"
         "assert 'plain' in names and not {'rowdot', 'rowdot8'} & set(names), names\n"
-        "times = kernels.measure(512, 512, torch.float32, names, (1, 2))\n"
+        "times = plan_book.measure(512, 512, torch.float32, names, (1, 2))\n"
         "assert set(times) == set(names)\n"
         "print('fallback ok')\n"
     )
@@ -133,8 +135,8 @@ def test_an_engine_forced_onto_a_library_kernel_never_builds(tmp_path):
     """KVREUSE_LINEAR_KERNEL=<a library kernel> (as the suite's engines run) asks only about that kernel:
     no build is tried, so no compiler time at start-up."""
     script = ("import torch\nfrom kvreuse.models import kernels\n"
-              "plan = kernels.PlanBook().plan_for(torch.float32, (512, 512))\n"
-              "assert plan == kernels.LinearPlan.single('transposed'), plan\n")
+              "plan = plan_book.PlanBook().plan_for(torch.float32, (512, 512))\n"
+              "assert plan == plan_book.LinearPlan.single('transposed'), plan\n")
     result = _run(script, {"CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(tmp_path),
-                           kernels.KERNEL_ENV: "transposed"})
+                           plan_book.KERNEL_ENV: "transposed"})
     assert "row-dot" not in result.stderr and not (tmp_path / "kernels").exists()

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_process import MODEL_NAME, POLL, RunningServer, start_server, stop_server
 
 from kvreuse import LLM, SamplingParams
-from server_process import MODEL_NAME, POLL, RunningServer, start_server, stop_server
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 MAX_MODEL_LEN = 2048  # the tiny preset's context; the 32 MiB pool holds far more

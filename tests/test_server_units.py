@@ -7,7 +7,11 @@ import pytest
 
 from kvreuse.server.auth import ApiKeyAuth, load_api_keys, tenant_id_of
 from kvreuse.server.errors import APIError
-from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvreuse.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
 
 
 def chat_body(**fields) -> bytes:

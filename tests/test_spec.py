@@ -16,12 +16,17 @@ from safetensors.torch import load_file, save_file
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.cache.hashing import extend_block_keys, namespace_key
-from kvreuse.engine import LLMEngine
-from kvreuse.models.config import ModelConfig
-from kvreuse.models.make import make_model
-from kvreuse.sampling import Sampler, SamplingState
 from kvreuse.config import SpeculativeConfig
-from kvreuse.models.make_draft import draft_config, make_random_draft, random_draft_tensors, write_draft
+from kvreuse.engine import LLMEngine
+from kvreuse.model_tools.make_draft import (
+    draft_config,
+    make_random_draft,
+    random_draft_tensors,
+    write_draft,
+)
+from kvreuse.model_tools.make_model import make_model
+from kvreuse.models.config import ModelConfig
+from kvreuse.sampling import Sampler, SamplingState
 from kvreuse.spec.proposer import Proposal
 from kvreuse.spec.verify import VerifyItem, verify
 
@@ -199,8 +204,9 @@ def test_stop_strings_eos_and_max_tokens_end_where_they_would_without_speculatio
 
 def test_lora_adapter_with_speculation_matches_without(drafts, tmp_path):
     pytest.importorskip("peft")
-    from kvreuse.lora.request import LoRARequest
     from test_lora import make_adapter
+
+    from kvreuse.lora.request import LoRARequest
 
     target = drafts["target"]
     adapter = make_adapter(target, tmp_path / "adapter", rank=4)

@@ -1,4 +1,4 @@
-"""kvreuse.distill: a distilled EAGLE draft is accepted far more often than a random one, never
+"""kvreuse.model_tools.distill: a distilled EAGLE draft is accepted far more often than a random one, never
 changes greedy outputs, trains the function the engine runs, and ``kvreuse distill-eagle`` writes a
 folder the engine loads."""
 
@@ -16,11 +16,16 @@ import torch
 from safetensors import safe_open
 
 from kvreuse.llm import LLM
-from kvreuse.models.loader import load_model
+from kvreuse.loading.loader import load_model
+from kvreuse.model_tools.distill import (
+    _chained_forward,
+    _TrainingAttention,
+    corpus_prompts,
+    target_features,
+)
+from kvreuse.model_tools.make_draft import make_random_draft
 from kvreuse.sampling import SamplingParams
-from kvreuse.distill import _chained_forward, _TrainingAttention, corpus_prompts, target_features
 from kvreuse.spec.eagle import load_eagle_draft
-from kvreuse.models.make_draft import make_random_draft
 from kvreuse.tokenizer import Tokenizer
 
 # Small enough for ~15 s on two cores, big enough that the tiny target's draft clearly learns.
@@ -31,8 +36,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory: pytest.TempPathFactory, _offline_and_private_cache):
-    from kvreuse.models.make import make_model
-    from kvreuse.distill import distill_eagle_draft
+    from kvreuse.model_tools.distill import distill_eagle_draft
+    from kvreuse.model_tools.make_model import make_model
 
     root = tmp_path_factory.mktemp("distill")
     target = make_model(root / "m", preset="tiny", dtype="float32")
@@ -108,7 +113,7 @@ def test_training_forward_is_the_engines_draft(distilled):
 
 
 def test_cli_writes_a_draft_the_engine_loads(tmp_path: Path, _offline_and_private_cache):
-    from kvreuse.models.make import make_model
+    from kvreuse.model_tools.make_model import make_model
 
     target = make_model(tmp_path / "m", preset="tiny", dtype="bfloat16")
     out = tmp_path / "draft"
@@ -143,8 +148,8 @@ def test_a_gguf_target_gets_a_draft_its_quantized_engine_uses(tmp_path: Path, _o
     the same with and without it."""
     from gguf_files import write_gguf
 
-    from kvreuse.distill import distill_eagle_draft
-    from kvreuse.models.make import make_model
+    from kvreuse.model_tools.distill import distill_eagle_draft
+    from kvreuse.model_tools.make_model import make_model
 
     gguf_file = write_gguf(make_model(tmp_path / "m", preset="tiny", dtype="float32"), tmp_path / "m.gguf", "Q8_0")
     out = tmp_path / "draft"

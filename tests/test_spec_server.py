@@ -24,18 +24,18 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import MODEL_NAME, RunningServer, start_server, stop_server
+from test_spec import make_agreeing_pair
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.batch import BatchFile, run_batch
 from kvreuse.cli import build_parser
 from kvreuse.inputs import InputProcessor
+from kvreuse.model_tools.make_draft import make_random_draft
 from kvreuse.router.app import RouterConfig, RouterState
 from kvreuse.router.policy import PolicyConfig, Router, prompt_block_keys
 from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics
-from kvreuse.models.make_draft import make_random_draft
 from kvreuse.tokenizer import Tokenizer
-from server_process import MODEL_NAME, RunningServer, start_server, stop_server
-from test_spec import make_agreeing_pair
 
 K = 3  # num_speculative_tokens
 MAX_TOKENS = 24

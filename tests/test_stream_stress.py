@@ -12,7 +12,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
 GREEDY = {"temperature": 0}

@@ -12,13 +12,13 @@ import threading
 
 import jsonschema
 import pytest
+from test_spec import make_agreeing_pair, run_checked, tokens_of
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.errors import InvalidRequestError
 from kvreuse.grammar import compiler as compiler_module
-from kvreuse.models.make_draft import make_random_draft
+from kvreuse.model_tools.make_draft import make_random_draft
 from kvreuse.sampling import StructuredOutputsParams
-from test_spec import make_agreeing_pair, run_checked, tokens_of
 
 PERSON = {
     "type": "object",
@@ -106,8 +106,9 @@ def test_preemption_and_prefix_hits_replay_the_mask(tiny_model):
 
 
 def _bytes_for_tokens(model_dir, tokens: int) -> int:
-    from kvreuse.models.config import ModelConfig
     import torch
+
+    from kvreuse.models.config import ModelConfig
 
     return ModelConfig.from_pretrained(model_dir).kv_bytes_per_token(torch.float32) * tokens
 

@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
 from server_process import MODEL_NAME, RunningServer, start_server, stop_server
 
 

@@ -21,11 +21,23 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import (
+    MODEL_NAME,
+    RunningServer,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 from kvreuse.router.app import RouterConfig, RouterState
 from kvreuse.router.backends import remote_group_of
-from kvreuse.router.policy import BackendLoad, PolicyConfig, RouteRequest, Router, prompt_block_keys
-from server_process import MODEL_NAME, RunningServer, free_port, start_server, stop_server
+from kvreuse.router.policy import (
+    BackendLoad,
+    PolicyConfig,
+    Router,
+    RouteRequest,
+    prompt_block_keys,
+)
 
 REDIS_SERVER = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file()
                                                 else None)

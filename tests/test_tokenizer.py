@@ -9,13 +9,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from conftest import cold_cache_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import cold_cache_env
-from kvreuse.models.make import ENDOFTEXT, IM_END, IM_START, make_model
 import kvreuse.inputs
 from kvreuse.messages import validate_messages
+from kvreuse.model_tools.make_model import ENDOFTEXT, IM_END, IM_START, make_model
 from kvreuse.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MIXED_TEXT = (

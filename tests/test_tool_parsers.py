@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor
-from kvreuse.models.make import make_model
+from kvreuse.model_tools.make_model import make_model
 from kvreuse.tokenizer import Tokenizer
 from kvreuse.tool_parsers import (
     PARSERS,
@@ -211,7 +211,7 @@ def test_stream_holds_back_only_what_may_open_a_call_and_streams_arguments_early
 
 
 def test_choose_by_template_or_name() -> None:
-    from kvreuse.models.make import CHATML_TEMPLATE
+    from kvreuse.model_tools.make_model import CHATML_TEMPLATE
 
     assert isinstance(choose(CHATML_TEMPLATE), HermesToolParser)
     assert choose("{{ '[TOOL_CALLS]' }}").name == "mistral"

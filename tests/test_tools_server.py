@@ -24,8 +24,13 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from server_process import MODEL_NAME, SERVER_OPTIONS, RunningServer, start_server, stop_server
+from server_process import (
+    MODEL_NAME,
+    SERVER_OPTIONS,
+    RunningServer,
+    start_server,
+    stop_server,
+)
 
 BLOCK_SIZE = 16  # the server's default --block-size
 

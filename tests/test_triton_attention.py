@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (kvreuse/attention/triton_kernels.py) against references that never touch them.
+"""The Triton paged-attention kernels (kvreuse/attention/triton_attention.py) against references that never touch them.
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernels' module
 is imported: ``triton.jit`` picks interpreter or compiler when it decorates) on CPU tensors; with one, on CUDA.
@@ -32,12 +32,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvreuse.attention import triton_kernels  # noqa: E402
 from kvreuse.attention.backend import LayerAttention  # noqa: E402
 from kvreuse.attention.forward_batch import ForwardBatch  # noqa: E402
 from kvreuse.attention.torch_paged import TorchPagedAttention  # noqa: E402
 from kvreuse.cache.kv import KVCache  # noqa: E402
 from kvreuse.cache.kv_quant import resolve_kv_cache_dtype  # noqa: E402
+from kvreuse.kernels import triton_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -196,7 +196,7 @@ def test_decode_equals_the_references(dtype, kv_cache_dtype, block_size, kv_head
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     for num_splits in (1, 3, None):
         out = torch.full_like(q, float("nan")) if num_splits == 3 else None
-        got = triton_kernels.paged_decode_attention(
+        got = triton_attention.paged_decode_attention(
             q, block_tables=block_tables, context_lens=context_lens, scale=layer_scale, sliding_window=window,
             sinks=sinks, num_splits=num_splits, out=out, **pool.pools())
         assert got.dtype == dtype and got.shape == q.shape
@@ -256,7 +256,7 @@ def check_prefill(dtype, kv_cache_dtype, block_size, kv_heads, group, head_dim, 
     pool.poison({int(s) for table, n, m in seqs for s in pool.slots(table, visible_start(n, m, window), n)})
 
     out = torch.full_like(q, float("nan"))
-    got = triton_kernels.paged_prefill_attention(
+    got = triton_attention.paged_prefill_attention(
         q, block_tables=tables_tensor(tables),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         context_lens=torch.tensor([n for _, n, _ in seqs], dtype=torch.int32, device=DEVICE),
@@ -289,13 +289,13 @@ def test_store_kv_rows_skips_negative_slots(kv_cache_dtype: str):
             expected = pool.clone()
             keep = slots >= 0
             expected[slots[keep].long()] = rows[keep]
-            triton_kernels.store_kv_rows(pool, rows, slots)
+            triton_attention.store_kv_rows(pool, rows, slots)
             assert torch.equal(pool, expected)
             assert torch.equal(pool[15], torch.zeros_like(pool[15]))
     wide = torch.randn(2, kv_heads, 48, generator=generator).to(k_pool.dtype if k_scales is None else torch.float32)
     if k_scales is None:
         rows = wide.to(DEVICE)[:, :, 24:]
-        triton_kernels.store_kv_rows(k_pool, rows, torch.tensor([5, 13], device=DEVICE))
+        triton_attention.store_kv_rows(k_pool, rows, torch.tensor([5, 13], device=DEVICE))
         assert torch.equal(k_pool[[5, 13]], rows)
 
 
@@ -305,21 +305,21 @@ def test_fp8_decoding_is_exact_for_every_byte():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
     for kv_code, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
         expected = codes.view(dtype).float()
-        got = triton_kernels.codes_to_float(codes, kv_code)
+        got = triton_attention.codes_to_float(codes, kv_code)
         numbers = ~expected.isnan()
         assert int(numbers.sum()) == (254 if kv_code == "fp8_e4m3" else 250)
         assert torch.equal(got[numbers], expected[numbers]), kv_code
     signed = codes.view(torch.int8)
-    assert torch.equal(triton_kernels.codes_to_float(signed, "int8"), signed.float())
+    assert torch.equal(triton_attention.codes_to_float(signed, "int8"), signed.float())
 
 
 def test_default_num_splits_comes_from_shapes():
     """More splits for a long table and a small batch, one for short tables or a batch that fills the GPU."""
     device = torch.device(DEVICE)
-    many = triton_kernels.default_num_splits(1, 2, 256, 16, device)
+    many = triton_attention.default_num_splits(1, 2, 256, 16, device)
     assert many > 1 and many & (many - 1) == 0
-    assert triton_kernels.default_num_splits(1, 2, 4, 16, device) == 1
-    assert triton_kernels.default_num_splits(4096, 8, 256, 16, device) == 1
+    assert triton_attention.default_num_splits(1, 2, 4, 16, device) == 1
+    assert triton_attention.default_num_splits(4096, 8, 256, 16, device) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -339,9 +339,9 @@ def test_decode_and_store_replay_in_a_cuda_graph():
     out = torch.empty_like(q)
 
     def step() -> None:
-        triton_kernels.store_kv_rows(k_pool, k, slots)
-        triton_kernels.store_kv_rows(v_pool, v, slots)
-        triton_kernels.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size=16,
+        triton_attention.store_kv_rows(k_pool, k, slots)
+        triton_attention.store_kv_rows(v_pool, v, slots)
+        triton_attention.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size=16,
                                               scale=0.125, out=out)
 
     step()  # compiles outside the capture

@@ -22,9 +22,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from test_cuda import run_checked  # noqa: E402
+
 from kvreuse import LLM, SamplingParams  # noqa: E402
 from kvreuse.attention.triton_paged import TritonPagedAttention  # noqa: E402
-from test_cuda import run_checked  # noqa: E402
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -87,7 +88,7 @@ def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: 
     warm, with the invariants checked every step. On a GPU tests/test_cuda.py runs the real graphs."""
     if torch.cuda.is_available():
         pytest.skip("tests/test_cuda.py replays real graphs on this machine")
-    from kvreuse.runner import cuda_graphs
+    from kvreuse.runner.decode import cuda_graphs
 
     class ForwardAsGraph:
         def __init__(self, runner: cuda_graphs.CudaGraphDecode, size: int) -> None:

@@ -3,7 +3,7 @@
 A step whose sequences read some prompt tokens' K/V from elsewhere in the pool (a chunk seen at another
 position, an earlier turn's tokens moved earlier) runs those tokens' rows only as far as it must:
 
-- K/V moved in is turned to its new position (``kvreuse.models.rope_shift``) and written into the sequence's
+- K/V moved in is turned to its new position (``kvreuse.attention.rope_shift``) and written into the sequence's
   own slots before the forward; the rows are candidates to skip;
 - layers ``0 .. check_layer`` run every row, so the moved tokens' K/V there is computed afresh (layer 0's K/V
   depends on the token and its position only, so it is exact either way);
@@ -30,7 +30,6 @@ import torch
 
 from kvreuse.attention.forward_batch import BlendPlan, ForwardBatch
 from kvreuse.cache.kv import KVCache
-
 
 # The check layer when none is given: about a tenth of the model's depth. On SmolLM2-135M (30 layers), choosing
 # after layer 3 rather than layer 1 took the answers shared with full prefill from 0.71x to 1.01x the float32

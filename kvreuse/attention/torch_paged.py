@@ -30,7 +30,6 @@ from kvreuse.attention.backend import PLAIN_ATTENTION, AttentionBackend, LayerAt
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 
-
 # Queries per SDPA call of a chunk over cached context on CPU (ContextChunk.tiles): at least this many, and more
 # over long contexts, since each call streams its keys and values once (a tile per 1/16th of the context for
 # contiguous queries, per 1/64th for listed ones). Measured on a 2-core AVX-512 EPYC, float32, 9 heads over 3 KV

@@ -6,7 +6,7 @@ kernels from ``triton_kernels``, each of which reads the pool's blocks where the
 
 - a step whose every token is one sequence's next token (a pure decode step) runs the split-K decode kernel,
   one launch per layer whatever the context lengths (the splits are sized in the kernel from each row's own
-  length), which is what lets a CUDA graph replay it (runner/cuda_graphs.py);
+  length), which is what lets a CUDA graph replay it (runner/decode/cuda_graphs.py);
 - any other step (fresh prefills, chunks continuing cached context, decode rows mixed in) runs the prefill
   kernel once over all of the step's sequences.
 
@@ -53,9 +53,11 @@ class TritonPagedAttention(AttentionBackend):
     """Paged attention with Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, as the tests run it)."""
 
     def __init__(self, validate: bool = True) -> None:
-        from kvreuse.attention import triton_kernels  # imports triton: only where this backend is chosen
+        from kvreuse.kernels import (
+            triton_attention,  # imports triton: only where this backend is chosen
+        )
 
-        self.kernels = triton_kernels
+        self.kernels = triton_attention
         self.validate = validate
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:

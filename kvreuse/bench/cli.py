@@ -13,8 +13,14 @@ import sys
 
 from kvreuse.bench.client import BenchmarkRun, ClientConfig, LoadClient
 from kvreuse.bench.options import (
-    add_client_arguments, add_workload_arguments, build_workload, client_config, config_dict, load_tokenizer,
-    positive_float, workload_dict,
+    add_client_arguments,
+    add_workload_arguments,
+    build_workload,
+    client_config,
+    config_dict,
+    load_tokenizer,
+    positive_float,
+    workload_dict,
 )
 
 

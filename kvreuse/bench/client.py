@@ -35,7 +35,13 @@ from typing import Any
 
 import httpx
 
-from kvreuse.bench.agent import AgentReply, ToolCallDeltas, assistant_message, first_messages, followup_messages
+from kvreuse.bench.agent import (
+    AgentReply,
+    ToolCallDeltas,
+    assistant_message,
+    first_messages,
+    followup_messages,
+)
 from kvreuse.bench.workloads import BenchRequest, TextTokenizer
 from kvreuse.inputs import common_prefix_length
 

@@ -28,8 +28,19 @@ from typing import Any
 import httpx
 
 from kvreuse.bench.client import BenchmarkRun, LoadClient
-from kvreuse.bench.options import build_workload, client_config, config_dict, load_tokenizer, workload_dict
-from kvreuse.bench.workloads import RandomOptions, TextTokenizer, Workload, generate_workload
+from kvreuse.bench.options import (
+    build_workload,
+    client_config,
+    config_dict,
+    load_tokenizer,
+    workload_dict,
+)
+from kvreuse.bench.workloads import (
+    RandomOptions,
+    TextTokenizer,
+    Workload,
+    generate_workload,
+)
 
 SYSTEMS = ("kvreuse", "kvreuse-no-cache", "transformers", "llama-server")
 SERVED_MODEL_NAME = "bench-model"
@@ -147,7 +158,7 @@ def _resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
     """Both systems get the same explicit device and dtype (their "auto" rules differ)."""
     import torch
 
-    from kvreuse.models.loader import resolve_dtype
+    from kvreuse.loading.loader import resolve_dtype
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -233,7 +244,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = args.model
     else:
-        from kvreuse.models.make import ensure_model
+        from kvreuse.model_tools.make_model import ensure_model
 
         print(f"preparing the {args.preset} preset (made once, cached)...", flush=True)
         model_dir = str(ensure_model(args.preset))

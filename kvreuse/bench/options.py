@@ -17,8 +17,17 @@ from typing import Any
 
 from kvreuse.bench.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
 from kvreuse.bench.workloads import (
-    WORKLOAD_NAMES, AgentOptions, HotPrefixOptions, MultiTurnOptions, RagOptions, RandomOptions, SharedPrefixOptions,
-    TextTokenizer, Workload, WorkloadOptions, generate_workload,
+    WORKLOAD_NAMES,
+    AgentOptions,
+    HotPrefixOptions,
+    MultiTurnOptions,
+    RagOptions,
+    RandomOptions,
+    SharedPrefixOptions,
+    TextTokenizer,
+    Workload,
+    WorkloadOptions,
+    generate_workload,
 )
 
 
@@ -170,7 +179,9 @@ def load_tokenizer(path: str) -> TextTokenizer:
     from kvreuse.tokenizer import Tokenizer
 
     if Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
-        from kvreuse.models.loader import resolve_tokenizer_path  # torch: only for a GGUF file's tokenizer
+        from kvreuse.loading.loader import (
+            resolve_tokenizer_path,  # torch: only for a GGUF file's tokenizer
+        )
 
         return Tokenizer(resolve_tokenizer_path(path))
     if not Path(path).is_dir():

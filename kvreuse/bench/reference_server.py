@@ -55,7 +55,7 @@ class ReferenceRunner:
                  max_cached_tokens: int = 65536, min_reuse_tokens: int = 16) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from kvreuse.models.loader import resolve_tokenizer_path
+        from kvreuse.loading.loader import resolve_tokenizer_path
         from kvreuse.tokenizer import Tokenizer
 
         if max_entries < 1:

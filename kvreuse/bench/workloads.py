@@ -25,7 +25,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from kvreuse.bench.agent import CATALOGUE, build_tool_list, tools_as_system_text, tools_json_text
+from kvreuse.bench.agent import (
+    CATALOGUE,
+    build_tool_list,
+    tools_as_system_text,
+    tools_json_text,
+)
 from kvreuse.inputs import common_prefix_length
 
 WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "random", "hot-prefix", "agent")

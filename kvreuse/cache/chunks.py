@@ -4,7 +4,7 @@ A prefix hit needs the prompt to equal a cached sequence from its first token. A
 tool result: a content part marked ``"scope": "chunk"``) comes back at other positions and after other
 text. This index remembers, for each chunk the engine computed, the cached blocks that hold its K/V and the
 position its first token had there. A later prompt that holds the same tokens anywhere reads that K/V,
-turned to its new position (``kvreuse.models.rope_shift``) and partly recomputed (the runner's blend).
+turned to its new position (``kvreuse.attention.rope_shift``) and partly recomputed (the runner's blend).
 
 What it holds and why:
 

@@ -22,8 +22,16 @@ from typing import Protocol
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
-from kvreuse.cache.kv_quant import (SCALE_DTYPE, KVQuantScheme, dequantize, kv_bytes_per_token, kv_float_dtype,
-                                    quantize, resolve_kv_cache_dtype)
+from kvreuse.cache.kv_quant import (
+    SCALE_DTYPE,
+    KVQuantScheme,
+    dequantize,
+    kv_bytes_per_token,
+    kv_float_dtype,
+    quantize,
+    resolve_kv_cache_dtype,
+)
+from kvreuse.kernels.kv_codec import cpu_kv_codec
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,19 +61,6 @@ class KVShape(Protocol):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int: ...
 
 
-class KVCodec(Protocol):
-    """A faster write and gather of a quantized pool's layer (kvreuse.models.kv_codec's C++ kernels on CPU),
-    equal value for value to kv_quant's PyTorch reference; the engine hands one in where it runs."""
-
-    def handles(self, dtype: torch.dtype) -> bool: ...
-
-    def write(self, codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
-              slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: KVQuantScheme) -> None: ...
-
-    def gather(self, codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
-               slots: torch.Tensor, scheme: KVQuantScheme, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 class KVCache:
     def __init__(
         self,
@@ -78,7 +73,7 @@ class KVCache:
         device: torch.device | str,
         feature_size: int = 0,
         kv_cache_dtype: str = "auto",
-        codec: KVCodec | None = None,
+        native_codec: bool = True,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
@@ -101,7 +96,10 @@ class KVCache:
         # garbage times a zero weight would still be NaN. On CPU the zeros are pages not yet touched.
         self.kv = zeroed((num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), storage, self.device)
         self.scales: torch.Tensor | None = None
-        self.codec = codec if self.scheme is not None else None
+        # A quantized pool on CPU writes and gathers through the C++ codec where it builds (equal value for value
+        # to kv_quant's PyTorch reference, which runs elsewhere and where native_codec is False: the tests' reference).
+        self.codec = (cpu_kv_codec() if native_codec and self.scheme is not None and self.device.type == "cpu"
+                      else None)
         if self.scheme is not None:
             self.scales = zeroed((num_layers, 2, num_blocks * block_size, num_kv_heads), SCALE_DTYPE, self.device)
         # Per-layer (K, V) views of codes and scales, made once: write and gather run for every layer of
@@ -162,7 +160,7 @@ class KVCache:
             return
         scales = self._scales[layer]
         if self.codec is not None and self.codec.handles(k.dtype) and k.dtype == v.dtype:
-            self.codec.write(codes, scales, slot_mapping, k, v, self.scheme)
+            self.codec.write(codes, scales, slot_mapping, k, v, self.scheme.name)
             return
         for which, values in ((0, k), (1, v)):
             quantized, value_scales = quantize(values, self.scheme)
@@ -178,7 +176,7 @@ class KVCache:
             return codes[0].index_select(0, slots).to(dtype), codes[1].index_select(0, slots).to(dtype)
         scales = self._scales[layer]
         if self.codec is not None and self.codec.handles(dtype):
-            return self.codec.gather(codes, scales, slots, self.scheme, dtype)
+            return self.codec.gather(codes, scales, slots, self.scheme.name, dtype)
         keys, values = (dequantize(codes[which].index_select(0, slots), scales[which].index_select(0, slots),
                                    self.scheme, dtype) for which in (0, 1))
         return keys, values
@@ -186,7 +184,7 @@ class KVCache:
     def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``layer``'s K and V as stored, [num_slots, kv_heads, head_dim] each (floats in ``storage_dtype``, or
         one-byte codes), and their scales [num_slots, kv_heads] where the pool is quantized (else None): what a kernel
-        that reads the pool in place (models/paged_attention.py) is handed."""
+        that reads the pool in place (attention/cpu_paged.py) is handed."""
         codes = self._codes[layer]
         if self.scheme is None:
             return codes[0], codes[1], None, None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreuse.config import KV_CACHE_DTYPES
+
 SCALE_DTYPE = torch.bfloat16
 _SCALE_MIN = float(torch.finfo(SCALE_DTYPE).tiny)  # a zero vector gets this; its codes are 0
 _ROUND_UP = 1.0 + 2.0 ** -8  # bfloat16 rounds to nearest within 2^-9: scaled first, it never lands below

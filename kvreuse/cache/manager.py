@@ -18,7 +18,13 @@ from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.chunks import ChunkIndex, MovedSpan
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import blend_key, block_key, extend_block_keys
-from kvreuse.cache.prefix import EMPTY_MATCH, CacheNode, Divergence, PrefixIndex, PrefixMatch
+from kvreuse.cache.prefix import (
+    EMPTY_MATCH,
+    CacheNode,
+    Divergence,
+    PrefixIndex,
+    PrefixMatch,
+)
 from kvreuse.cache.tiers.store import BlockRef
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import json
 import logging
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -22,14 +22,17 @@ from pathlib import Path
 
 import torch
 
+from kvreuse.attention import cpu_paged
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.blend import resolved_check_layer
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.kv import KVCache
-from kvreuse.cache.kv_quant import kv_bytes_per_token, kv_float_dtype, resolve_kv_cache_dtype
-from kvreuse.models.kv_codec import cpu_kv_codec
-from kvreuse.models import fused_ops, kernels, paged_attention, qlinear, qpacked
+from kvreuse.cache.kv_quant import (
+    kv_bytes_per_token,
+    kv_float_dtype,
+    resolve_kv_cache_dtype,
+)
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
@@ -40,13 +43,21 @@ from kvreuse.cache.tiers.store import TieredStore
 from kvreuse.config import EngineConfig, cache_dir
 from kvreuse.grammar.compiler import GrammarCompiler
 from kvreuse.grammar.manager import StructuredOutputManager
+from kvreuse.kernels import fused_ops, paged_attention, qpacked, quant_ops
+from kvreuse.layers import plan_book
+from kvreuse.loading.gguf import gguf_digest, is_gguf_path, read_gguf
+from kvreuse.loading.loader import (
+    load_model,
+    resolve_dtype_with_reason,
+    resolve_model_path,
+    resolve_quantization,
+    resolve_tokenizer_path,
+    safetensors_files,
+)
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.gguf import gguf_digest, is_gguf_path, read_gguf
-from kvreuse.models.loader import (load_model, resolve_dtype_with_reason, resolve_model_path, resolve_quantization,
-                                   resolve_tokenizer_path, safetensors_files)
-from kvreuse.runner.cuda_graphs import estimate_graph_memory, why_no_graphs
+from kvreuse.runner.decode.cuda_graphs import estimate_graph_memory, why_no_graphs
 from kvreuse.runner.host_allocator import return_free_heap
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
@@ -149,8 +160,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device=device,
         feature_size=model_config.hidden_size if draft is not None else 0,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        # A quantized pool on CPU writes and gathers with C++ kernels (PyTorch ops where they cannot be built).
-        codec=cpu_kv_codec() if device.type == "cpu" and config.cache.kv_cache_dtype != "auto" else None,
     )
     runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
                          max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
@@ -232,13 +241,13 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
                          f"split sizes and cuBLAS's tiles follow the batch")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         return _triton_backend(config, device, asked=choice == "triton")
-    backend = paged_attention.paged_attention_backend(device, dtype, config.batch_invariant)
+    backend = cpu_paged.paged_attention_backend(device, dtype, config.batch_invariant)
     if config.batch_invariant:
         if backend is None or config.enable_torch_compile:  # choice is auto or cpu_paged (checked above)
             raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (no "
                              f"enable_torch_compile, the kernel built): device {device}, dtype {dtype}")
         logger.info("attention: cpu_paged, batch-invariant (every row in the kernel, partitions of %d keys)",
-                    paged_attention.INVARIANT_PARTITION)
+                    cpu_paged.INVARIANT_PARTITION)
         return backend
     if choice == "cpu_paged":
         if config.enable_torch_compile:
@@ -253,7 +262,7 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
         logger.info("attention: torch (gather + SDPA): %s", reason)
         return None
     logger.info("attention: cpu_paged (the in-place C++ kernel; chunks over cached context of more than %d "
-                "tokens gather and run SDPA)", paged_attention.MAX_PAGED_QUERIES)
+                "tokens gather and run SDPA)", cpu_paged.MAX_PAGED_QUERIES)
     return backend
 
 
@@ -336,11 +345,11 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     stays what it was (stored records keep hitting). A quantized method ("gguf", "int8") adds itself: the
     quantized kernels round differently from the float path over the same file (and int8's weights are
     not the files'), so the KV they compute is another's. So does a model whose quantized products may
-    round their inputs to int8 (``int8_activations``: a plan that picks qdot8, models/qlinear.py): its K/V
+    round their inputs to int8 (``int8_activations``: a plan that picks qdot8, layers/quantized_linear.py): its K/V
     differ from the exact products' by that rounding, and the choice is measured per machine. So does one
     whose many-row products may multiply tiles of dequantized weights rounded to bfloat16 (``bf16_tiles``:
     a plan that picks qtile_bf16). So does one whose quantized products run on the packed int8 kernel
-    (``packed_products``: batch-invariant mode, models/qpacked.py), whose float sums run otherwise than qdot8's.
+    (``packed_products``: batch-invariant mode, kernels/qpacked.py), whose float sums run otherwise than qdot8's.
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -369,12 +378,12 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         "config": model_json, **fields,
         "weights": weights, "tokenizer": files_digest(tokenizer_files) if tokenizer_files else None,
         **({"kv_cache_dtype": kv_cache.scheme.describe()} if kv_cache.scheme is not None else {}),
-        **({"activations": f"int8 (qdot8, arithmetic {qlinear.INT8_ARITHMETIC})"} if int8_activations else {}),
+        **({"activations": f"int8 (qdot8, arithmetic {quant_ops.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
         **({"packed_products": qpacked.ARITHMETIC} if packed_products else {}),
         # Batch-invariant mode's arithmetic: one product kernel at every row count, attention in the paged kernel
         # over fixed partitions; K/V of the default (measured, per row count) arithmetic are another's.
-        **({"arithmetic": f"batch-invariant (attention partitions of {paged_attention.INVARIANT_PARTITION} keys)"}
+        **({"arithmetic": f"batch-invariant (attention partitions of {cpu_paged.INVARIANT_PARTITION} keys)"}
            if config.batch_invariant else {}),
         # gpt-oss's experts' activation in one kernel (fused_ops.clamped_swiglu): SLEEF's exp on every value,
         # where eager sigmoid takes std::exp on the scalar tails of its thread's chunk, so a prefill split
@@ -417,7 +426,7 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
 def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, model_config: ModelConfig,
                          device: torch.device) -> tuple[bool, str]:
     """Whether batch-invariant mode is on when not asked either way, and why: on where it costs little, which is
-    where every product runs on the packed int8 kernel (models/qpacked.py: a q8_0, q4_0 or q4_1 GGUF file on a
+    where every product runs on the packed int8 kernel (kernels/qpacked.py: a q8_0, q4_0 or q4_1 GGUF file on a
     CPU with AVX512-VNNI; there decode and warm prefills are faster than the default plan's, a short fresh
     prefill about as fast, a 2,048-token one 1.67x as long: docs/benchmarks.md) and nothing it does not cover is
     asked for. Float weights would run the row-dot GEMV at every row count (a cold prefill 1.5-2.8x as long), so
@@ -432,8 +441,8 @@ def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, mo
             (config.speculative is not None, "a speculative draft (its float products would run the row-dot GEMV)"),
             (config.enable_torch_compile, "enable_torch_compile (its graphs trace the torch attention)"),
             (config.attention_backend not in ("auto", "cpu_paged"), f"attention_backend {config.attention_backend}"),
-            (os.environ.get(kernels.KERNEL_ENV, "auto").strip().lower() != "auto",
-             f"{kernels.KERNEL_ENV} forces a product kernel"),
+            (os.environ.get(plan_book.KERNEL_ENV, "auto").strip().lower() != "auto",
+             f"{plan_book.KERNEL_ENV} forces a product kernel"),
             # Asked before the kernel's availability, which builds it: a folder never builds it here.
             (not model.products_run_packed(), "not every product is a q8_0, q4_0 or q4_1 weight the packed int8 "
                                               "kernel runs (float weights would run the row-dot GEMV, slower on a "
@@ -461,7 +470,7 @@ def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: 
     if config.speculative is not None:
         raise ValueError("chunk_reuse with speculative decoding is not implemented: a blended prefill returns the "
                          "recomputed rows' hidden states only, and the draft reads every row's")
-    if not isinstance(runner.attention_backend, (TorchPagedAttention, paged_attention.NativePagedAttention)):
+    if not isinstance(runner.attention_backend, (TorchPagedAttention, cpu_paged.NativePagedAttention)):
         raise ValueError(f"chunk_reuse runs on the torch and native CPU attention backends, not on "
                          f"{type(runner.attention_backend).__name__}, which attends contiguous queries only")
     check_layer = resolved_check_layer(config.cache.chunk_check_layer, model_config.num_hidden_layers)

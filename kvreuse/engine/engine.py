@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvreuse.attention.blend import BlendSettings, resolved_check_layer
 from kvreuse.cache.hashing import namespace_key
 from kvreuse.cache.pins import Pin, PinSpec
 from kvreuse.config import EngineConfig
@@ -34,7 +35,6 @@ from kvreuse.observatory.admissions import AdmissionRecorder
 from kvreuse.observatory.scope import ALL, Scope
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.request import Request
-from kvreuse.attention.blend import BlendSettings, resolved_check_layer
 from kvreuse.runner.input_batch import StepItem, build_forward_batch
 from kvreuse.runner.step_threads import StepThreads
 from kvreuse.sampling import SamplingParams, SamplingState

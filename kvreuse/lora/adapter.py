@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvreuse.errors import InvalidRequestError
+from kvreuse.loading.digest import tensors_digest
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.digest import tensors_digest
 
 # PEFT module names -> (in_features, out_features) given the base model's config.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -24,6 +24,14 @@ from typing import Any
 
 import torch
 
+from kvreuse.layers.moe_config import MoEConfig
+from kvreuse.layers.rope_scaling import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -41,81 +49,6 @@ PLANNED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1-style frequency-dependent rope scaling (``rope_type: llama3``)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class LinearRopeScaling:
-    """Position interpolation (``rope_type: linear``): every frequency divided by ``factor``."""
-
-    factor: float
-
-
-@dataclass(frozen=True)
-class YarnRopeScaling:
-    """YaRN (``rope_type: yarn``), as transformers' ``_compute_yarn_parameters`` reads it: frequencies whose
-    wavelength fits ``original_max_position_embeddings`` fewer than ``beta_slow`` times are divided by
-    ``factor``, those that fit it more than ``beta_fast`` times kept, a linear ramp between (over dimension
-    indices, floored / ceiled where ``truncate``); cos and sin are then multiplied by ``attention_factor``."""
-
-    factor: float
-    beta_fast: float
-    beta_slow: float
-    original_max_position_embeddings: int
-    truncate: bool
-    attention_factor: float  # resolved: the config's, else from mscale / mscale_all_dim, else 0.1 ln(factor) + 1
-
-    def __post_init__(self) -> None:
-        if self.factor <= 0:
-            raise ValueError(f"yarn rope_scaling factor must be positive, got {self.factor}")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError(f"yarn rope_scaling original_max_position_embeddings must be positive, got "
-                             f"{self.original_max_position_embeddings}")
-        if self.attention_factor <= 0:
-            raise ValueError(f"yarn rope_scaling attention_factor must be positive, got {self.attention_factor}")
-
-
-RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A sparse MLP: each token's router picks ``num_experts_per_tok`` of ``num_experts`` gated MLPs of
-    ``moe_intermediate_size`` and sums their outputs weighted by the router's probabilities."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1 (Qwen3-MoE's switch)
-    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
-    # gpt-oss's switches (Qwen3-MoE has none of them): the router's bias; the softmax taken over the top k
-    # logits only (Qwen3-MoE: over all experts, then the top k); biases on every expert projection; and the
-    # experts' clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
-    router_bias: bool = False
-    softmax_after_topk: bool = False
-    expert_bias: bool = False
-    swiglu_limit: float | None = None  # None: the MLP's own activation (hidden_act)
-    swiglu_alpha: float = 1.702
-
-    def __post_init__(self) -> None:
-        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
-                             f"got {self.num_experts_per_tok}")
-        if self.moe_intermediate_size < 1:
-            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
-        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit}")
-        if not self.swiglu_alpha > 0:
-            raise ValueError(f"swiglu_alpha must be positive, got {self.swiglu_alpha}")
 
 
 @dataclass(frozen=True)

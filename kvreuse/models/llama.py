@@ -2,7 +2,7 @@
 over a paged KV cache.
 
 These architectures differ only in switches that ``ModelConfig`` carries (q/k/v bias, q/k RMSNorm,
-rope scaling, tied embeddings; mixture-of-experts layers (models/moe.py); layers that attend over a window
+rope scaling, tied embeddings; mixture-of-experts layers (layers/experts.py); layers that attend over a window
 with their own rope base; Gemma's (1 + weight) norms around both blocks, its embedding and query scales and
 tanh-GELU; gpt-oss's learned sinks, output-projection bias and biased, clamped experts), so one class serves them all and the engine never branches on the architecture. The model works on a flat batch of tokens from many sequences (``input_ids [T]``,
 ``positions [T]``) and leaves everything about sequences to the attention backend's metadata; it
@@ -17,7 +17,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,22 +27,40 @@ from kvreuse.attention.blend import Narrowing
 from kvreuse.attention.forward_batch import ProjectionDeltas
 from kvreuse.attention.torch_paged import TorchPagedAttention
 from kvreuse.cache.kv import KVCache
+from kvreuse.kernels import fused_ops, qpacked, quant_ops
+from kvreuse.kernels.qpacked import PackedWeight
+from kvreuse.kernels.quant import QuantizedTensor, quantize_int8, repack_gguf
+from kvreuse.layers import quantized_linear
+from kvreuse.layers.embedding import QuantizedEmbedding
+from kvreuse.layers.experts import SparseMoE
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.norm import GemmaRMSNorm, RMSNorm
+from kvreuse.layers.plan_book import (
+    LinearKernel,
+    PlanBook,
+    invariant_plan,
+    layouts_allowed,
+)
+from kvreuse.layers.quantized_linear import QuantizedLinearKernel
+from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
 from kvreuse.models.config import ModelConfig
-from kvreuse.models import fused_ops, qlinear, qpacked
-from kvreuse.models.qpacked import PackedWeight
-from kvreuse.models.native_step import NativeDecodeStep
-from kvreuse.models.kernels import LinearKernel, PlanBook, invariant_plan, layouts_allowed
-from kvreuse.models.layers import (GatedMLP, GemmaRMSNorm, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding,
-                                   apply_rotary)
-from kvreuse.models.moe import SparseMoE
-from kvreuse.models.qlinear import QuantizedLinearKernel
-from kvreuse.models.quant import QuantizedTensor, quantize_int8, repack_gguf
 
 logger = logging.getLogger(__name__)
 
+class NativeLayers(Protocol):
+    """All of a decode step's layers in one native call: what the runner sets as ``native_step`` where the
+    native CPU step applies (runner/decode/native_step.py's ``NativeDecodeStep``). ``layers_for`` returns
+    what ``run`` needs for this step, or None where the step is not one it runs."""
+
+    def layers_for(self, hidden: torch.Tensor, kv_caches: Any, attn_metadata: Any, lora: Any) -> Any: ...
+
+    def run(self, held: Any, hidden: torch.Tensor, rope: Any, metadata: Any, first: int, last: int) -> None: ...
+
+
 class RopeInputs:
     """What every layer's rotary needs, made once per forward: the positions, and either the fused kernel's
-    float32 tables (``fused``: models/fused_ops.py rotates in place) or cos / sin in the activation dtype,
+    float32 tables (``fused``: kernels/fused_ops.py rotates in place) or cos / sin in the activation dtype,
     gathered on first use and shared by every layer."""
 
     def __init__(self, positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype, fused: bool) -> None:
@@ -106,7 +124,7 @@ class LlamaFamilyAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, lora)
         if rope.fused is not None and qkv.stride(-1) == 1 and self.fuses_rotary:
-            # q/k norms and rotary in one pass over the fused rows, in place (models/fused_ops.py).
+            # q/k norms and rotary in one pass over the fused rows, in place (kernels/fused_ops.py).
             table = rope.fused
             fused_ops.rotary_(qkv, table.cos_cache, table.sin_cache, rope.positions, self.num_heads,
                               self.num_kv_heads, self.head_dim,
@@ -259,8 +277,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
         self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
-        # Decode steps' layers in one native call, where set (the runner does: models/native_step.py).
-        self.native_step: NativeDecodeStep | None = None
+        # Decode steps' layers in one native call, where set (the runner does: runner/decode/native_step.py).
+        self.native_step: NativeLayers | None = None
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
@@ -275,7 +293,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.weight
         if self.lm_head.quantized is not None:
-            return torch.cat([qlinear.dequantize_any(part) for part in self.lm_head.quantized]).to(self.dtype)
+            return torch.cat([quantized_linear.dequantize_any(part) for part in self.lm_head.quantized]).to(self.dtype)
         return self.lm_head.weight
 
     def forward(
@@ -334,10 +352,10 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def choose_cpu_kernels(self, book: PlanBook | None = None, batch_invariant: bool = False) -> int:
         """Give every linear layer (and a tied output projection) the CPU kernel(s) measured fastest for
-        its shape (models/kernels.py). Call after loading; returns how many matrices left plain F.linear.
+        its shape (layers/plan_book.py). Call after loading; returns how many matrices left plain F.linear.
         A tied output projection keeps the embedding (the lookup needs it) next to its other layout.
         ``batch_invariant``: every product, the output projection's included, on the one kernel of its weight
-        format that gives a row the same bits at any row count (kernels.invariant_plan, qlinear.invariant_plan),
+        format that gives a row the same bits at any row count (kernels.invariant_plan, quantized_linear.invariant_plan),
         nothing measured."""
         book = book or PlanBook()
         linears = [module for module in self.modules() if isinstance(module, Linear)]
@@ -352,10 +370,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.lm_head is None and embedding is None:  # a quantized table: the head (made at load) reads it in place
             head = self._tied_head_kernel
             if batch_invariant:  # the head's own packed copy (the lookup keeps reading the table)
-                head.parts = qlinear.invariant_parts(head.parts)
+                head.parts = quantized_linear.invariant_parts(head.parts)
                 extra += sum(part.nbytes for part in head.parts if part is not embed_tokens.quantized)
-            head.plans = [qlinear.invariant_plan(head.parts[0], self.dtype) if batch_invariant else
-                          qlinear.plan_for(book, embed_tokens.quantized, self.dtype)]
+            head.plans = [quantized_linear.invariant_plan(head.parts[0], self.dtype) if batch_invariant else
+                          quantized_linear.plan_for(book, embed_tokens.quantized, self.dtype)]
             changed += 1
         elif self.lm_head is None and embedding.device.type == "cpu":
             plan = (invariant_plan(embedding.dtype) if batch_invariant
@@ -391,7 +409,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def products_run_packed(self) -> bool:
         """Whether every product (the output projection's included) can run on the packed int8 kernel
-        (models/qpacked.py): each linear layer held quantized in a format it runs, and a tied head's table too."""
+        (kernels/qpacked.py): each linear layer held quantized in a format it runs, and a tied head's table too."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         parts = [part for module in linears for part in (module.quantized or [None])]
         if self.lm_head is None:
@@ -400,7 +418,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         return all(part is not None and qpacked.runs(part) for part in parts)
 
     def runs_packed_products(self) -> bool:
-        """Whether a quantized product runs on the packed int8 kernel (batch-invariant mode, models/qpacked.py): its own
+        """Whether a quantized product runs on the packed int8 kernel (batch-invariant mode, kernels/qpacked.py): its own
         arithmetic, so other K/V than qdot8's (the fingerprint says so)."""
         return self._quantized_plans_pick("qpacked8") or (
             self._tied_head_kernel is not None and "qpacked8" in self._tied_head_kernel.plan.kernels)
@@ -482,7 +500,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every expected name exactly once.
 
-        A ``QuantizedTensor`` (a GGUF tensor repacked, models/quant.py) is held quantized: a linear
+        A ``QuantizedTensor`` (a GGUF tensor repacked, kernels/quant.py) is held quantized: a linear
         layer's weight or part of one (``Linear.set_quantized`` once all its parts are in; a part given
         as a float tensor stays float beside the quantized ones), or the embedding table
         (``QuantizedEmbedding``, which a tied output projection reads too).
@@ -493,7 +511,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         loaded: set[str] = set()
         quantized: dict[Linear, dict[int, QuantizedTensor]] = {}
         # An MXFP4 folder's experts stay MXFP4 (quantized kernels on CPU), else they are dequantized.
-        keep_mxfp4 = self.model.embed_tokens.weight.device.type == "cpu" and qlinear.available()
+        keep_mxfp4 = self.model.embed_tokens.weight.device.type == "cpu" and quant_ops.available()
         for name, tensor in _per_expert(weights, self.config, keep_mxfp4):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -527,12 +545,12 @@ class LlamaFamilyForCausalLM(nn.Module):
             embedding = self.model.embed_tokens
             if tensor.shape != tuple(embedding.weight.shape):
                 raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected {tuple(embedding.weight.shape)}")
-            if embedding.weight.device.type == "cpu" and qlinear.available():
+            if embedding.weight.device.type == "cpu" and quant_ops.available():
                 self.model.embed_tokens = QuantizedEmbedding(tensor, self.dtype)
                 if self.lm_head is None:  # tied: the output projection reads the same table
                     self._tied_head_kernel = QuantizedLinearKernel([tensor], None)
             else:  # the quantized kernels cannot run here: the table dequantized, as a float checkpoint's
-                embedding.weight.data.copy_(qlinear.dequantize_any(tensor))
+                embedding.weight.data.copy_(quantized_linear.dequantize_any(tensor))
             return
         linear, part = self._linear_of(name)
         if linear is None:
@@ -555,9 +573,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         linear = self.model.layers[int(layer)].get_submodule(fused_module)
         return (linear, part) if isinstance(linear, Linear) else (None, 0)
 
+    def rotary_for_layer(self, layer: int) -> RotaryEmbedding:
+        """The table layer ``layer`` rotates its K with: Gemma 3's sliding layers have their own base."""
+        if self.local_rotary is not None and self.model.layers[layer].self_attn.uses_local_rope:
+            return self.local_rotary
+        return self.rotary
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Each layer's rotary table, in layer order (what attention/rope_shift.py's ``move_kv`` turns K with)."""
+        return [self.rotary_for_layer(layer) for layer in range(len(self.model.layers))]
+
     @property
     def native_step_refusal(self) -> str | None:
-        """Why the native decode step (models/native_step.py: Llama-shaped layers only) cannot run this model's
+        """Why the native decode step (runner/decode/native_step.py: Llama-shaped layers only) cannot run this model's
         layers, or None where it can."""
         if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):
             return "mixture-of-experts layers without their native layer run op by op"
@@ -566,7 +594,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         return None  # windows, scales, sinks and o_proj's bias go to DecodeLayers.set_attention
 
     def quantize_int8(self) -> int:
-        """Quantize every linear layer's float weight to int8 (models/quant.py's q8_0 layout: a fp16 scale
+        """Quantize every linear layer's float weight to int8 (kernels/quant.py's q8_0 layout: a fp16 scale
         per 32 values), in place: ``quantization="int8"``. The embedding, and a tied output projection
         with it, stay in the model's dtype (the lookup reads the table). Returns the matrices quantized;
         a layer whose width is not a multiple of 32 stays float."""
@@ -612,7 +640,7 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], c
       columns, up the odd), ``gate_up_proj_bias`` [E, 2I] likewise, ``down_proj`` [E, I, H], ``down_proj_bias``
       [E, H] (transformers computes x @ W + b, so each matrix is transposed into a Linear's [out, in]);
     - gpt-oss's MXFP4 folders: ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales``,
-      once both halves of a pair have been read: held as MXFP4 (``mxfp4_experts``: models/quant.py's layout,
+      once both halves of a pair have been read: held as MXFP4 (``mxfp4_experts``: kernels/quant.py's layout,
       4.25 bits a weight) where ``keep_mxfp4`` (CPU, the quantized kernels built), else dequantized
       (``dequantize_mxfp4``): already [E, out, in]."""
     gpt_oss = config.architecture == "GptOssForCausalLM"
@@ -678,7 +706,7 @@ def _split_stacked(layer: str, kind: str, suffix: str, tensor: torch.Tensor, con
 def mxfp4_experts(layer: str, kind: str, blocks: torch.Tensor, scales: torch.Tensor, config: ModelConfig
                   ) -> Iterable[tuple[str, QuantizedTensor]]:
     """An MXFP4 folder's stacked experts (``blocks`` [E, out, G, 16], ``scales`` [E, out, G]) as per-expert
-    ``QuantizedTensor``s in models/quant.py's mxfp4 layout, losslessly: OpenAI's blocks hold two codes a
+    ``QuantizedTensor``s in kernels/quant.py's mxfp4 layout, losslessly: OpenAI's blocks hold two codes a
     byte, value 2j in the low nibble and 2j + 1 in the high one; GGUF's (and the layout's) hold value i low
     and value i + 16 high. The E8M0 byte is the same (OpenAI's 2^(e - 127) times an E2M1 value is the
     layout's 2^(e - 128) times twice it). gate_up's rows interleave gate and up, as its float form does."""

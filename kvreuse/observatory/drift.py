@@ -33,7 +33,15 @@ from kvreuse.cache.prefix import CacheNode, Divergence, PrefixIndex, PrefixMatch
 from kvreuse.observatory.scope import NamespaceOwners, Owner, Scope
 from kvreuse.observatory.tools import ToolDrift, tool_drift
 from kvreuse.observatory.volatile import (
-    REORDERED, TOOLS, WHITESPACE, VolatileSpan, advice_for, item_cuts, reordered_items, spans_near, whitespace_only,
+    REORDERED,
+    TOOLS,
+    WHITESPACE,
+    VolatileSpan,
+    advice_for,
+    item_cuts,
+    reordered_items,
+    spans_near,
+    whitespace_only,
 )
 
 DRIFT_LOG_CAPACITY = 1024  # misses kept (the most recent)

@@ -19,7 +19,12 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig
 
 from kvreuse.ray.deployments import EngineReplica, Ingress
-from kvreuse.ray.options import RayServeOptions, options_from_mapping, ray_options_from_namespace, with_absolute_paths
+from kvreuse.ray.options import (
+    RayServeOptions,
+    options_from_mapping,
+    ray_options_from_namespace,
+    with_absolute_paths,
+)
 from kvreuse.ray.request_router import KVReuseRequestRouter
 from kvreuse.router.policy import PolicyConfig
 
@@ -67,7 +72,9 @@ def app_from_args(raw: dict[str, Any]) -> Any:
 def _check_proxy_address(host: str, port: int) -> None:
     """Serve's HTTP proxy is set up once per cluster: a later ``serve.start`` keeps the first one's address
     (and only logs it). Say so instead of printing an address nothing listens on."""
-    from ray.serve.context import _get_global_client  # no public reader of the running proxy's options
+    from ray.serve.context import (
+        _get_global_client,  # no public reader of the running proxy's options
+    )
 
     http = _get_global_client().http_config
     if (http.host, http.port) != (host, port):

@@ -37,9 +37,17 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from kvreuse.inputs import InputProcessor
 from kvreuse.ray.http_bridge import HTTPEnvelope, ResponseStart, RoutingHints, call_asgi
 from kvreuse.router.prompts import Prompt, cache_salt_of, prompt_of
-from kvreuse.server.anthropic_protocol import MessagesRequest, blocks_of, openai_messages
+from kvreuse.server.anthropic_protocol import (
+    MessagesRequest,
+    blocks_of,
+    openai_messages,
+)
 from kvreuse.server.errors import APIError, unavailable
-from kvreuse.server.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, start_kv_event_publisher
+from kvreuse.server.kv_event_publisher import (
+    KVEventsConfig,
+    ZmqKVEventPublisher,
+    start_kv_event_publisher,
+)
 from kvreuse.server.serve import build_server
 from kvreuse.tokenizer import Tokenizer
 
@@ -143,7 +151,9 @@ def _error(status: int, message: str, kind: str | None) -> JSONResponse:
 def _tokenizer_path(args: argparse.Namespace) -> str:
     path = args.tokenizer or args.model
     if str(path).lower().endswith(".gguf"):
-        from kvreuse.models.loader import resolve_tokenizer_path  # a GGUF file's tokenizer
+        from kvreuse.loading.loader import (
+            resolve_tokenizer_path,  # a GGUF file's tokenizer
+        )
 
         return str(resolve_tokenizer_path(path))
     return str(path)

@@ -29,11 +29,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from kvreuse.ray.http_bridge import HTTPEnvelope, RoutingHints
 from kvreuse.router.kv_event_subscriber import KVEventFollower, KVEventSource
-from kvreuse.router.policy import BackendLoad, PolicyConfig, RouteRequest, Router
+from kvreuse.router.policy import BackendLoad, PolicyConfig, Router, RouteRequest
 from kvreuse.router.prompts import Namespace, route_request
 
 logger = logging.getLogger("kvreuse.ray")

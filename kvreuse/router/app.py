@@ -23,14 +23,19 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvreuse.inputs import InputProcessor
 from kvreuse.observatory.dashboard_fleet import BackendTarget, fleet_dashboard
 from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.router.backends import Backend, BackendPool
-from kvreuse.router.policy import PolicyConfig, RouteDecision, RouteRequest, Router
+from kvreuse.router.policy import PolicyConfig, RouteDecision, Router, RouteRequest
 from kvreuse.router.prompts import Namespace, cache_salt_of, prompt_of, route_request
 from kvreuse.server.errors import unavailable
 from kvreuse.tokenizer import Tokenizer
@@ -138,7 +143,9 @@ class RouterState:
         if config.tokenizer is not None:
             tokenizer_dir = config.tokenizer
             if str(tokenizer_dir).lower().endswith(".gguf"):
-                from kvreuse.models.loader import resolve_tokenizer_path  # torch: only for a GGUF file's tokenizer
+                from kvreuse.loading.loader import (
+                    resolve_tokenizer_path,  # torch: only for a GGUF file's tokenizer
+                )
 
                 tokenizer_dir = str(resolve_tokenizer_path(tokenizer_dir))
             self.inputs = InputProcessor(Tokenizer(tokenizer_dir))

@@ -16,18 +16,22 @@ from typing import NamedTuple
 
 import torch
 
-from kvreuse.cache.kv import KVCache
-from kvreuse.models.config import ModelConfig
-from kvreuse.models import native_step
-from kvreuse.models.llama import LlamaFamilyForCausalLM
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.blend import Narrowing, narrow_batch, select_rows
-from kvreuse.models.rope_shift import move_kv
-from kvreuse.runner.compiled_decode import CompiledDecode
-from kvreuse.runner.cuda_graphs import CudaGraphDecode, why_no_graphs
 from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.attention.rope_shift import move_kv
+from kvreuse.cache.kv import KVCache
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyForCausalLM
+from kvreuse.runner.decode import native_step
+from kvreuse.runner.decode.compiled_decode import CompiledDecode
+from kvreuse.runner.decode.cuda_graphs import CudaGraphDecode, why_no_graphs
 from kvreuse.runner.host_allocator import keep_activations_in_heap
-from kvreuse.runner.huge_pages import HugePageReport, back_weights_with_huge_pages, log_weight_pages
+from kvreuse.runner.huge_pages import (
+    HugePageReport,
+    back_weights_with_huge_pages,
+    log_weight_pages,
+)
 from kvreuse.runner.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
@@ -91,7 +95,7 @@ class ModelRunner:
         if compile_decode:
             self.compiled_decode = CompiledDecode(model, kv_cache, self.device)
             self.compiled_decode.warm_up(kv_cache.block_size, max_num_seqs)
-        # On CUDA with the triton backend: pure decode steps replay captured graphs (runner/cuda_graphs.py).
+        # On CUDA with the triton backend: pure decode steps replay captured graphs (runner/decode/cuda_graphs.py).
         self.cuda_graphs: CudaGraphDecode | None = None
         self.no_graphs_reason = why_no_graphs(model, self.device, self.attention_backend, enforce_eager)
         if self.no_graphs_reason is None:
@@ -165,8 +169,8 @@ class ModelRunner:
         if batch.moves is not None:
             capture = plan.check_layer if plan is not None and plan.recompute_fraction > 0 else -1
             # The check layers and those before them run every row, so the moves start at the check layer.
-            reference = move_kv(self.model, self.kv_cache, batch.moves.src, batch.moves.dst, batch.moves.deltas, capture,
-                                first_layer=max(capture, 0))
+            reference = move_kv(self.model.rotary_tables(), self.kv_cache, batch.moves.src, batch.moves.dst,
+                                batch.moves.deltas, capture, first_layer=max(capture, 0))
             if plan is not None:
                 plan.reference = reference
         if plan is None:

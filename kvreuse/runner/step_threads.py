@@ -24,7 +24,7 @@ those flip the choice back and forth (measured: qwen2.5-0.5b's one-stream decode
 either fixed count). The measurement is the step as served, event loop included, so it decides what a
 microbenchmark at start-up could not see.
 
-Compiled decode graphs are built with ``cpp.dynamic_threads`` (runner/compiled_decode.py), so they
+Compiled decode graphs are built with ``cpp.dynamic_threads`` (runner/decode/compiled_decode.py), so they
 follow the thread count set here.
 """
 

@@ -42,8 +42,15 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.outputs import RequestOutput
 from kvreuse.sampling import SamplingParams
 from kvreuse.server.anthropic_protocol import (
-    ContentBlocks, MessagesRequest, blocks_of, breakpoint_prefixes, check_chunk_marks, check_tool_history,
-    openai_messages, tool_setup, validation_message,
+    ContentBlocks,
+    MessagesRequest,
+    blocks_of,
+    breakpoint_prefixes,
+    check_chunk_marks,
+    check_tool_history,
+    openai_messages,
+    tool_setup,
+    validation_message,
 )
 from kvreuse.server.errors import APIError
 

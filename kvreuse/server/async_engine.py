@@ -47,7 +47,11 @@ from kvreuse.output_processor import OutputProcessor
 from kvreuse.outputs import RequestOutput
 from kvreuse.runner import thread_team
 from kvreuse.sampling import SamplingParams
-from kvreuse.server.metrics import PeriodicStatsLogger, ServerMetrics, cache_config_labels
+from kvreuse.server.metrics import (
+    PeriodicStatsLogger,
+    ServerMetrics,
+    cache_config_labels,
+)
 from kvreuse.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvreuse.server")

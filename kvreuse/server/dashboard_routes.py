@@ -20,11 +20,16 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope as ASGIScope, Send
+from starlette.types import ASGIApp, Receive, Send
+from starlette.types import Scope as ASGIScope
 
 from kvreuse.engine import LLMEngine
 from kvreuse.observatory.dashboard import (
-    SHARED_OWNER, DashboardHistory, EngineReading, HitSampler, counters_from,
+    SHARED_OWNER,
+    DashboardHistory,
+    EngineReading,
+    HitSampler,
+    counters_from,
 )
 from kvreuse.observatory.dashboard_page import PageConfig, dashboard_page_router
 from kvreuse.observatory.scope import ALL, Scope

@@ -18,7 +18,11 @@ from fastapi.responses import JSONResponse
 
 from kvreuse.lora.request import LoRARequest
 from kvreuse.server.errors import APIError, bad_request
-from kvreuse.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
+from kvreuse.server.protocol import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    parse_request,
+)
 from kvreuse.server.state import ServedAdapter, ServerState
 
 logger = logging.getLogger("kvreuse.server")

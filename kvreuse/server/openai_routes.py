@@ -36,8 +36,19 @@ from kvreuse.sampling import SamplingParams
 from kvreuse.server.async_engine import EngineError
 from kvreuse.server.errors import bad_request, internal_error
 from kvreuse.server.protocol import (
-    SSE_DONE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
-    completion_logprobs, dumps, parse_request, sse_event, sum_cached_by_tier, tool_call_delta_json, tool_call_json,
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_logprobs,
+    completion_logprobs,
+    dumps,
+    parse_request,
+    sse_event,
+    sum_cached_by_tier,
+    tool_call_delta_json,
+    tool_call_json,
     usage,
 )
 from kvreuse.server.state import ServedAdapter, ServerState

@@ -28,9 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvreuse.errors import InvalidRequestError
 from kvreuse.messages import validate_tools
 from kvreuse.sampling import SamplingParams, TokenLogprobs
-from kvreuse.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 from kvreuse.server.errors import APIError, bad_request
-from kvreuse.tool_parsers import ToolCall, ToolCallDelta, ToolParser, resolve_tool_choice
+from kvreuse.structured_outputs import CONSTRAINTS, StructuredOutputsParams
+from kvreuse.tool_parsers import (
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    resolve_tool_choice,
+)
 
 if TYPE_CHECKING:
     from kvreuse.tokenizer import Tokenizer

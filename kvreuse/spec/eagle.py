@@ -29,15 +29,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvreuse.cache.kv import KVCache
-from kvreuse.models.config import ModelConfig
-from kvreuse.models.kernels import PlanBook, layouts_allowed
-from kvreuse.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.models.digest import tensors_digest
-from kvreuse.models.loader import iterate_safetensors, safetensors_files
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.torch_paged import TorchPagedAttention
+from kvreuse.cache.kv import KVCache
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.norm import RMSNorm
+from kvreuse.layers.plan_book import PlanBook, layouts_allowed
+from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
+from kvreuse.loading.digest import tensors_digest
+from kvreuse.loading.loader import iterate_safetensors, safetensors_files
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyForCausalLM
 
 EAGLE_ARCHITECTURES = {"eagle": "LlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}
 # Tensors some draft checkpoints carry that the draft does not use: the target's embedding (shared),

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 from kvreuse.request import Request
-from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.runner.model_runner import StepOutput
 from kvreuse.sampling import Sampler
 from kvreuse.spec.eagle import EagleDraft

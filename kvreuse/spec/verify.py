@@ -28,6 +28,7 @@ import torch
 
 from kvreuse.sampling import Sampler, SamplingState, TokenLogprobs
 
+
 @dataclass
 class VerifyItem:
     state: SamplingState

@@ -1,0 +1,286 @@
+// A decode step's decoder layers in one call (runner/decode/native_step.py), over the kernels that already exist.
+//
+// Run from Python, one decode row's layer is about ten operator calls (norm, products, rotary, attention,
+// norm, products, SiLU, product, residual adds), each paying the interpreter, the module and argument
+// handling and torch's Python binding: for a 135M model that overhead is as large as the arithmetic.
+// `DecodeLayers` makes the same calls from C++ through torch's dispatcher, in the same order, with the same
+// kernels, so its numbers are the Python path's bit for bit:
+//
+//   normed = rms_norm(hidden)                           kvreuse_fused::rms_norm
+//   qkv    = normed @ Wqkv^T (+ bias)                   per part: kvreuse_cpu::qlinear / qlinear_int8 /
+//                                                       rowdot, or at::linear on a float weight
+//   q/k norms and rotary, in place on qkv               kvreuse_fused::rotary_
+//   K/V stored, attention over the paged context        kvreuse_attn::paged_attention (fused store)
+//   hidden += o_proj(attention); normed = rms_norm      kvreuse_fused::rms_norm with its residual
+//   hidden += down(silu(gate) * up)                     kvreuse_fused::silu_mul, products as above
+//     or, in a mixture-of-experts layer, its experts   moe.h (the MoE layer's own code, layers/experts.py)
+//
+// It holds every layer's weights, norms and KV pools for one row count (`add_layer`, once), so a decode
+// step is one call from Python for the whole model (`run`), not one per layer.
+//
+// The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
+// first, and this one finds them by name in the dispatcher once per process.
+//
+// A layer's attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks) unless
+// `set_attention` gives it what its `LayerAttention` holds: a sliding window, a softmax scale of its own,
+// learned sinks (gpt-oss), and the output projection's bias; the kernel takes the first three as the
+// op-by-op path hands them to it, and the bias is added as the Linear adds it.
+#include "moe.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// The kernels' signatures exactly as their libraries implement them (the dispatcher checks).
+struct Kernels {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> rowdot;
+  c10::TypedOperatorHandle<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)> rms_norm;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                int64_t, const OptTensor&, const OptTensor&, double)> rotary;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&,
+                                const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t, int64_t, double, int64_t, const OptTensor&, int64_t,
+                                const OptTensor&, const OptTensor&, const OptTensor&)> paged_attention;
+};
+
+template <class Fn>
+c10::TypedOperatorHandle<Fn> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+const Kernels& kernels() {
+  static const Kernels k{
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear"),
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear_int8"),
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("kvreuse_cpu::rowdot"),
+      find<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)>("kvreuse_fused::rms_norm"),
+      find<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                const OptTensor&, const OptTensor&, double)>("kvreuse_fused::rotary_"),
+      find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
+      find<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&, const OptTensor&,
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                int64_t, const OptTensor&, int64_t, const OptTensor&, const OptTensor&,
+                const OptTensor&)>("kvreuse_attn::paged_attention"),
+  };
+  return k;
+}
+
+// How a weight part is multiplied (runner/decode/native_step.py's KERNEL_CODES).
+// kPlain: a float weight's F.linear (its bias inside, where it is the projection's one part); kFloatPart:
+// a float part of a quantized weight (F.linear, the bias added after, as QuantizedLinearKernel does).
+// kQpacked8: batch-invariant mode's int8 product over a weight packed in blocks of 16 outputs (kernels/qpacked.py),
+// whose library is found on first use (only such a model loads it).
+enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5, kQpacked8 = 6 };
+constexpr int kProjections = 4;  // qkv, o, gate_up, down
+
+// One projection's parts, side by side in its output (a fused weight whose parts differ in format).
+struct Projection {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> kernels, formats;
+};
+
+// x @ W^T (+ bias) as the Python path computes it: F.linear(x, w, bias) for one plain float weight (the
+// bias inside the GEMM, as there), otherwise the product and then the bias added.
+at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, const OptTensor& bias = c10::nullopt) {
+  if (p.weights.size() == 1 && p.kernels[0] == kPlain) return at::linear(x, p.weights[0], bias);
+  const int64_t in = x.size(1);
+  std::vector<at::Tensor> outs;
+  outs.reserve(p.weights.size());
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    const at::Tensor& w = p.weights[i];
+    switch (p.kernels[i]) {
+      case kQdot: outs.push_back(k.qlinear.call(x, w, p.formats[i], in)); break;
+      case kQdot8: outs.push_back(k.qlinear_int8.call(x, w, p.formats[i], in)); break;
+      case kPlain: outs.push_back(at::linear(x, w)); break;
+      case kFloatPart: outs.push_back(at::linear(x, w.to(x.scalar_type()))); break;  // as held (no copy kept)
+      case kRowdot: outs.push_back(k.rowdot.call(x, w, 1)); break;
+      case kRowdot8: outs.push_back(k.rowdot.call(x, w, 8)); break;
+      case kQpacked8: {
+        static const auto qpacked8 =
+            find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>("kvreuse_qpacked::qlinear_packed");
+        // Whole blocks of 16 outputs (native_step.py runs no other).
+        outs.push_back(qpacked8.call(x, w, p.formats[i], w.size(0) * 16, true));
+        break;
+      }
+      default: TORCH_CHECK(false, "decoder_layer: unknown kernel code ", p.kernels[i]);
+    }
+  }
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// One decoder layer's weights, norms and KV pools: what stays the same from step to step.
+struct Layer {
+  Projection p[kProjections];  // qkv, o, gate_up, down (no parts for the last two in a mixture-of-experts layer)
+  OptTensor qkv_bias, q_norm, k_norm;
+  at::Tensor input_norm, post_norm, k_pool, v_pool;
+  std::optional<kvreuse_moe::MoEWeights> experts;  // set_experts: the layer's MLP is its experts
+  // set_attention: the layer's window (0: none), softmax scale (0: the model's), sinks and o_proj's bias.
+  int64_t window = 0;
+  double scale = 0.0;
+  OptTensor sinks, o_bias;
+};
+
+// What the model's shape fixes for every layer.
+struct Shape {
+  double eps = 0.0, scale = 0.0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, block_size = 0;
+  // The attention's key partition length (0: the kernel's choice, by the step's size and threads; a fixed
+  // length makes a row's reduction order independent of the step: set_partition_size, batch-invariant mode).
+  int64_t partition_size = 0;
+};
+
+// What changes every step: the rows, their positions and the block tables of their sequences.
+struct StepInputs {
+  at::Tensor cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping;
+};
+
+Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                 c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& input_norm,
+                 const at::Tensor& post_norm, const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool) {
+  TORCH_CHECK(parts.size() == kProjections, "decoder_layer: parts must count the parts of qkv, o, gate_up and down");
+  TORCH_CHECK(weights.size() == kernel_codes.size() && weights.size() == formats.size(),
+              "decoder_layer: one kernel code and one format per weight part");
+  Layer layer{{}, qkv_bias, q_norm, k_norm, input_norm, post_norm, k_pool, v_pool, std::nullopt, 0, 0.0,
+              c10::nullopt, c10::nullopt};
+  size_t at = 0;
+  for (int j = 0; j < kProjections; ++j) {
+    // gate_up and down may have no parts: a mixture-of-experts layer's MLP comes with set_experts.
+    TORCH_CHECK((parts[j] > 0 || (j >= 2 && parts[2] == 0 && parts[3] == 0)) && at + parts[j] <= weights.size(),
+                "decoder_layer: parts do not add up to the weights");
+    for (int64_t i = 0; i < parts[j]; ++i, ++at) {
+      layer.p[j].weights.push_back(weights[at]);
+      layer.p[j].kernels.push_back(kernel_codes[at]);
+      layer.p[j].formats.push_back(formats[at]);
+    }
+  }
+  TORCH_CHECK(at == weights.size(), "decoder_layer: parts do not add up to the weights");
+  return layer;
+}
+
+// hidden: contiguous [tokens, hidden] (DecodeLayers.run checks, once a step).
+void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
+  const double eps = shape.eps;
+  const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+  const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+
+  at::Tensor qkv = project(k, layer.p[0], k.rms_norm.call(hidden, layer.input_norm, eps, c10::nullopt), layer.qkv_bias);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1), " columns, heads make ",
+              q_size + 2 * kv_size);
+  k.rotary.call(qkv, in.cos, in.sin, in.positions, heads, kv_heads, head_dim, layer.q_norm, layer.k_norm, eps);
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+  at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+  at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+  if (layer.k_pool.scalar_type() != qkv.scalar_type()) {  // a bfloat16 pool under a float32 model: rounded as stored
+    k_new = k_new.to(layer.k_pool.scalar_type());
+    v_new = v_new.to(layer.k_pool.scalar_type());
+  }
+  at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
+  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
+                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
+                         shape.partition_size, k_new, v_new, in.slot_mapping);
+  const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}), layer.o_bias);
+  // hidden += attended, then the post-attention norm of the sum (one pass).
+  const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
+  if (layer.experts.has_value()) {
+    hidden.add_(kvreuse_moe::moe_forward(*layer.experts, normed));
+    return;
+  }
+  TORCH_CHECK(!layer.p[2].weights.empty(), "decoder_layer: a layer without MLP weights needs set_experts");
+  hidden.add_(project(k, layer.p[3], k.silu_mul.call(project(k, layer.p[2], normed))));
+}
+
+// A model's decoder layers for one row count, held across steps, so a decode step is one call from Python
+// for all of them: the per-layer call (its 26 arguments converted from Python objects, its weight lists
+// rebuilt) cost a small model about as much as its attention.
+struct DecodeLayers : torch::CustomClassHolder {
+  Shape shape;
+  std::vector<Layer> layers;
+
+  DecodeLayers(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size)
+      : shape{eps, scale, heads, kv_heads, head_dim, block_size} {}
+
+  void add_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                 c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& input_norm,
+                 const at::Tensor& post_norm, const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool) {
+    layers.push_back(make_layer(weights, kernel_codes, formats, parts, qkv_bias, input_norm, post_norm, q_norm, k_norm,
+                                k_pool, v_pool));
+  }
+
+  // Layer ``index``'s MLP as experts (layers/experts.py's native arguments, as kvreuse_moe.Experts takes them).
+  void set_experts(int64_t index, at::Tensor router, std::vector<at::Tensor> gate_up, int64_t gate_up_format,
+                   std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down, int64_t down_format,
+                   std::vector<int64_t> down_kernels, int64_t hidden, int64_t intermediate, int64_t top_k,
+                   bool norm_topk_prob, std::optional<at::Tensor> router_bias, bool softmax_after_topk,
+                   std::vector<at::Tensor> gate_up_biases, std::vector<at::Tensor> down_biases,
+                   std::optional<double> swiglu_limit, double swiglu_alpha) {
+    TORCH_CHECK(0 <= index && index < num_layers(), "DecodeLayers.set_experts: no layer ", index);
+    layers[index].experts = kvreuse_moe::make_moe_weights(
+        std::move(router), std::move(gate_up), gate_up_format, std::move(gate_up_kernels), std::move(down),
+        down_format, std::move(down_kernels), hidden, intermediate, top_k, norm_topk_prob, std::move(router_bias),
+        softmax_after_topk, std::move(gate_up_biases), std::move(down_biases), swiglu_limit, swiglu_alpha);
+  }
+
+  // Layer ``index``'s attention as its LayerAttention has it, and its output projection's bias.
+  void set_attention(int64_t index, int64_t window, double scale, std::optional<at::Tensor> sinks,
+                     std::optional<at::Tensor> o_bias) {
+    TORCH_CHECK(0 <= index && index < num_layers(), "DecodeLayers.set_attention: no layer ", index);
+    TORCH_CHECK(window >= 0 && scale >= 0.0, "DecodeLayers.set_attention: window and scale must not be negative");
+    Layer& layer = layers[index];
+    layer.window = window;
+    layer.scale = scale;
+    layer.sinks = std::move(sinks);
+    layer.o_bias = std::move(o_bias);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  void set_partition_size(int64_t partition_size) {
+    TORCH_CHECK(partition_size >= 0, "DecodeLayers.set_partition_size: must not be negative");
+    shape.partition_size = partition_size;
+  }
+
+  // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored.
+  void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+           const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+           const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t first, int64_t last) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "DecodeLayers.run: layers [", first, ", ", last,
+                ") are not within the ", num_layers(), " held");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
+    const Kernels& k = kernels();
+    const StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping};
+    for (int64_t i = first; i < last; ++i) run_layer(k, layers[i], shape, hidden, in);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY(kvreuse_step, m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<double, double, int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("set_experts", &DecodeLayers::set_experts)
+      .def("set_attention", &DecodeLayers::set_attention)
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("set_partition_size", &DecodeLayers::set_partition_size)
+      .def("run", &DecodeLayers::run);
+}

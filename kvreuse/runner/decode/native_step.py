@@ -1,0 +1,240 @@
+"""A decode step's decoder layers in one native call (csrc/decoder_layer.cpp), ``torch.classes.kvreuse_step``.
+
+Run op by op, a one-token step of a small model spends as long in Python (module calls, argument
+handling, torch's bindings: about ten operators per layer) as in arithmetic. ``DecodeLayers`` makes
+the same calls from C++ through torch's dispatcher, with the same kernels in the same order (the
+products each part's plan picks: ``qdot`` / ``qdot8`` over quantized parts, F.linear or the row-dot
+kernels over float ones; the fused norm, rotary and SiLU kernels; the paged attention kernel with its
+fused K/V store), so its outputs are the op-by-op path's bit for bit (tests/test_native_step.py).
+``DecodeLayers`` holds every layer's arguments for one row count, made once, so a step is one call from
+Python for all the layers (a call per layer cost SmolLM2-135M's 30 layers about 8% of a one-stream step in
+argument conversion); a step that captures the residual stream for EAGLE runs the layers in stretches.
+
+It runs a step when every token is the paged kernel's (decode rows and short chunks over cached
+context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool holds floats (the model's dtype or bfloat16),
+no LoRA adapter is in the batch, and each projection's plan for the step's row count is one of those
+kernels. Anything else runs op by op for that step: prefills, quantized KV pools, LoRA rows, products
+on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).
+Each layer's attention is what its ``self_attn.layer_attention`` (a ``LayerAttention``) says: a sliding window,
+a softmax scale of its own, learned sinks, handed to the paged kernel as the op-by-op path hands them
+(``DecodeLayers.set_attention``), with the output projection's bias (gpt-oss). A model with Gemma's norms runs op
+by op. A mixture-of-experts layer's MLP is its experts, held as layers/experts.py's native layer
+holds them (``DecodeLayers.set_experts``, csrc/moe.h), for the row counts their GEMV kernels are planned for.
+``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
+from kvreuse.attention.cpu_paged import NativeAttentionMetadata, NativePagedAttention
+from kvreuse.cache.kv import KVCache
+from kvreuse.kernels import fused_ops, qpacked, quant_ops
+from kvreuse.kernels.decoder_layer import library
+from kvreuse.kernels.quant import QuantizedTensor
+from kvreuse.layers.experts import SparseMoE
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
+
+logger = logging.getLogger("kvreuse")
+
+ENV = "KVREUSE_NATIVE_STEP"
+# decoder_layer.cpp's Kernel codes.
+KERNEL_CODES = {"qdot": 0, "qdot8": 1, "plain": 2, "rowdot": 3, "rowdot8": 4, "qpacked8": 6}
+FLOAT_PART = 5  # a float part of a quantized weight: F.linear, then the bias
+# Distinct row counts whose layer arguments are held at once (batch-invariant mode runs prefills here too).
+MAX_ROW_COUNTS_HELD = 64
+
+
+@dataclass
+class LayerArgs:
+    """One decoder layer's weights as ``DecodeLayers.add_layer`` takes them, for one row count."""
+
+    weights: list[torch.Tensor]  # the parts of qkv, o, gate_up, down, in order
+    kernels: list[int]
+    formats: list[int]
+    parts: list[int]  # how many of ``weights`` each projection has
+    qkv_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    experts: tuple[Any, ...] | None = None  # a mixture-of-experts layer's native arguments (layers/experts.py)
+    attention: LayerAttention = PLAIN_ATTENTION  # the layer's window, scale and sinks
+    o_bias: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
+
+
+def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
+    """The parts, kernel codes and format codes ``linear`` runs for a step of ``rows`` rows, or why the
+    native layer does not run them."""
+    kernel = linear.kernel
+    if linear.quantized is not None:
+        weights, codes, formats = [], [], []
+        for part, plan in zip(kernel.parts, kernel.plans):
+            if isinstance(part, qpacked.PackedWeight):  # batch-invariant mode's packed int8 product
+                if part.out_features % qpacked.TILE:
+                    return "a packed weight padded to whole blocks"  # the C++ call knows its outputs from its shape
+                weights.append(part.data), codes.append(KERNEL_CODES["qpacked8"]), formats.append(
+                    qpacked.FORMAT_CODES[part.format])
+                continue
+            if not isinstance(part, QuantizedTensor):
+                if plan.kernel_for(rows) in ROWDOT_GROUP:
+                    return "a float part on the row-dot kernel (batch-invariant)"  # project() runs F.linear
+                weights.append(part), codes.append(FLOAT_PART), formats.append(-1)
+                continue
+            name = plan.kernel_for(rows)
+            if name == "qdot8" and part.format.name not in quant_ops.int8_formats():
+                name = "qdot"  # as quantized_linear.run_quantized falls back
+            if name not in ("qdot", "qdot8"):
+                return f"{name} products at {rows} rows"
+            weights.append(part.data), codes.append(KERNEL_CODES[name]), formats.append(part.format.code)
+        return weights, codes, formats
+    if kernel is None:
+        return [linear.weight.detach()], [KERNEL_CODES["plain"]], [-1]
+    if not isinstance(kernel, LinearKernel):
+        return f"a {type(kernel).__name__} weight"
+    name = kernel.plan.kernel_for(rows)
+    if name not in ("plain", "rowdot", "rowdot8"):
+        return f"{name} products at {rows} rows"
+    return [kernel.layouts[LAYOUT[name]]], [KERNEL_CODES[name]], [-1]
+
+
+def layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    attention, mlp = layer.self_attn, layer.mlp
+    experts = isinstance(mlp, SparseMoE)
+    if experts and (mlp.native is None or rows > mlp.native_max_rows):
+        return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
+    linears = (attention.qkv_proj, attention.o_proj) + (() if experts else (mlp.gate_up_proj, mlp.down_proj))
+    for linear in linears[2:]:
+        if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
+            return "a bias on an MLP projection"
+    weights, kernels, formats, parts = [], [], [], []
+    for linear in linears:
+        found = projection(linear, rows)
+        if isinstance(found, str):
+            return found
+        weights += found[0]
+        kernels += found[1]
+        formats += found[2]
+        parts.append(len(found[0]))
+    if experts:
+        parts += [0, 0]  # the layer's MLP is its experts (DecodeLayers.set_experts)
+    bias, o_bias = (_bias(linear) for linear in (attention.qkv_proj, attention.o_proj))
+    return LayerArgs(weights, kernels, formats, parts, bias,
+                     layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                     layer.input_layernorm.eps, None if attention.q_norm is None else attention.q_norm.weight.detach(),
+                     None if attention.k_norm is None else attention.k_norm.weight.detach(),
+                     mlp.native_args if experts else None, attention.layer_attention, o_bias)
+
+
+def _bias(linear: Linear) -> torch.Tensor | None:
+    """A projection's bias as its product adds it (a float kernel holds its own copy)."""
+    bias = linear.kernel.bias if linear.kernel is not None else linear.bias
+    return None if bias is None else bias.detach()
+
+
+class NativeDecodeStep:
+    """Runs a model's decoder layers through ``DecodeLayers`` for the steps it covers (``layers_for``); the
+    layers' arguments are made once per row count and KV cache."""
+
+    def __init__(self, model: Any) -> None:  # a LlamaFamilyForCausalLM (models/llama.py imports this module)
+        self.model = model
+        self._args: dict[int, list[LayerArgs] | str] = {}
+        self._held: dict[int, Any] = {}  # row count -> its DecodeLayers, over the pools of _kv_cache
+        self._kv_cache: KVCache | None = None
+        self._said: set[str] = set()
+
+    def layers_for(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: object, lora: object) -> Any | None:
+        """The ``DecodeLayers`` for this step, or None where it runs op by op."""
+        if (lora is not None or not isinstance(metadata, NativeAttentionMetadata)
+                or not metadata.paged_covers_whole_batch or kv_cache.scheme is not None
+                or kv_cache.dtype != hidden.dtype or not fused_ops.applies(hidden)):
+            return None
+        rows = hidden.shape[0]
+        args = self._args.get(rows)
+        if args is None and len(self._args) >= MAX_ROW_COUNTS_HELD:
+            # Batch-invariant mode sends prefills here too: a new row count each; what is held is a few
+            # tensor handles per layer, but not without bound.
+            self._args.clear()
+            self._held.clear()
+        if args is None:
+            args = self._args[rows] = self._make(rows)
+        if isinstance(args, str):
+            if args not in self._said:
+                self._said.add(args)
+                logger.info("decode step: %d-row steps run op by op (%s)", rows, args)
+            return None
+        if kv_cache is not self._kv_cache:  # the layers hold the pools they write
+            self._held.clear()
+            self._kv_cache = kv_cache
+        held = self._held.get(rows)
+        if held is None:
+            held = self._held[rows] = self._hold(args, kv_cache)
+        return held
+
+    def _hold(self, args: list[LayerArgs], kv_cache: KVCache) -> Any:
+        config = self.model.config
+        held = torch.classes.kvreuse_step.DecodeLayers(args[0].eps, 1.0 / math.sqrt(config.head_dim),
+                                                       config.num_attention_heads, config.num_key_value_heads,
+                                                       config.head_dim, kv_cache.block_size)
+        partition_size = getattr(self.model.attention_backend, "partition_size", 0)
+        if partition_size:  # batch-invariant: the attention's partitions as the op-by-op path cuts them
+            held.set_partition_size(partition_size)
+        for index, layer in enumerate(args):
+            k_pool, v_pool, _, _ = kv_cache.layer_pools(index)
+            held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,
+                           layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
+            if layer.experts is not None:
+                held.set_experts(index, *layer.experts)
+            attention = layer.attention
+            if not attention.is_plain or layer.o_bias is not None:
+                held.set_attention(index, attention.sliding_window or 0, attention.scale or 0.0, attention.sinks,
+                                   layer.o_bias)
+        return held
+
+    def _make(self, rows: int) -> list[LayerArgs] | str:
+        made = []
+        for layer in self.model.model.layers:
+            args = layer_args(layer, rows)
+            if isinstance(args, str):
+                return args
+            made.append(args)
+        return made
+
+    @staticmethod
+    def run(held: Any, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int,
+            last: int) -> None:
+        """Decoder layers [first, last) on ``hidden`` [T, hidden] (updated in place), their K/V stored."""
+        rows, table = metadata.paged, rope.rotary
+        held.run(hidden, table.cos_cache, table.sin_cache, rope.positions, rows.block_tables, rows.query_start,
+                 rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
+
+
+def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecodeStep | None:
+    """The native step for ``model`` where it can run (logged once either way), else None."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        reason = f"{ENV}=0"
+    elif device.type != "cpu":
+        reason = f"not on {device.type}"
+    elif compiling:
+        reason = "enable_torch_compile runs compiled graphs"
+    elif getattr(model, "native_step_refusal", None) is not None:
+        reason = model.native_step_refusal
+    elif not isinstance(model.attention_backend, NativePagedAttention):
+        reason = "the attention backend is not cpu_paged"
+    elif library() is None:
+        reason = "the native decoder layer could not be built (see the log)"
+    else:
+        logger.info("decode step: one native call for the decoder layers (decode rows over a float KV pool, "
+                    "no LoRA rows; other steps op by op)")
+        return NativeDecodeStep(model)
+    logger.info("decode step: op by op (%s)", reason)
+    return None
