@@ -29,7 +29,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
@@ -227,8 +226,8 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except EngineError as error:
         raise internal_error(str(error)) from None
-    except InvalidRequestError as error:  # the engine refused the request (the handlers' checks should have)
-        raise bad_request(error.message, error.param, error.code) from None
+    # Anything else goes to the app's error mapping: the engine refusing the request (InvalidRequestError, which
+    # the handlers' checks should have found) a 400 naming the field, any other fault a logged 500.
     finally:
         if not handed_to_stream:
             admission.release()
