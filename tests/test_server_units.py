@@ -1,5 +1,6 @@
 """Server pieces that need no running server: request parsing and its 400s, the stop-string
-hold-back of streams, API keys and tenant salts, error-to-param mapping, Prometheus exposition."""
+hold-back of streams, API keys and tenant salts, error-to-param mapping, Prometheus exposition; and the
+app in this process over a running engine, where a test reaches inside (a fault made deep in the engine)."""
 
 from __future__ import annotations
 
