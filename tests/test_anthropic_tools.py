@@ -300,20 +300,29 @@ def test_cache_control_on_the_last_tool_pins_the_tools_and_the_system_prompt(
 
 
 def test_bad_tool_input_is_a_400_naming_the_field(client: anthropic.Anthropic) -> None:
-    def refused(match: str, **fields) -> None:
+    """Each mistake is a 400 in Anthropic's shape whose message starts with the field, which ``param`` holds too
+    (kvreuse's extension), whichever check found it: the body's validation, the tool rules, SamplingParams (under
+    this API's name for the field)."""
+    def refused(param: str, match: str, **fields) -> None:
         fields.setdefault("messages", [{"role": "user", "content": "hi"}])
-        with pytest.raises(anthropic.BadRequestError, match=match):
+        with pytest.raises(anthropic.BadRequestError, match=match) as caught:
             client.messages.create(model=MODEL_NAME, max_tokens=4, **fields)
+        body = caught.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["param"] == param and body["error"]["message"].startswith(param), body
 
-    refused(r"tool_choice\.name: 'get_news' is not one of the tools", tools=TOOLS,
+    refused("tool_choice.name", r"tool_choice\.name: 'get_news' is not one of the tools", tools=TOOLS,
             tool_choice={"type": "tool", "name": "get_news"})
-    refused(r"messages\[0\]\.content\[0\]\.tool_use_id", messages=[{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 C"}]}])
-    refused(r"tools\[0\]\.input_schema", tools=[dict(WEATHER, input_schema={"type": "objekt"})])
-    refused(r"tools\[1\]\.name", tools=[WEATHER, WEATHER])
-    refused(r"tool_choice: 'any' needs at least one tool", tool_choice={"type": "any"})
-    refused(r"messages\[1\]\.content\[0\]\.input", messages=[
+    refused("messages[0].content[0].tool_use_id", r"messages\[0\]\.content\[0\]\.tool_use_id", messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 C"}]}])
+    refused("tools[0].input_schema.type", r"tools\[0\]\.input_schema\.type",
+            tools=[dict(WEATHER, input_schema={"type": "objekt"})])
+    refused("tools[1].name", r"tools\[1\]\.name", tools=[WEATHER, WEATHER])
+    refused("tool_choice", r"tool_choice: 'any' needs at least one tool", tool_choice={"type": "any"})
+    refused("messages[1].content[0].input", r"messages\[1\]\.content\[0\]\.input", messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": [
             {"type": "tool_use", "id": "toolu_1", "name": "get_weather"}]}])
-    refused(r"messages\[0\]\.content\[0\]", messages=[{"role": "user", "content": [
+    refused("messages[0].content[0]", r"messages\[0\]\.content\[0\]", messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+    refused("temperature", r"temperature: ", extra_body={"temperature": 2})
+    refused("stop_sequences", r"stop_sequences: .*non-empty", stop_sequences=["END", ""])

@@ -1,9 +1,11 @@
 """Server pieces that need no running server: request parsing and its 400s, the stop-string
-hold-back of streams, API keys and tenant salts, error-to-param mapping, Prometheus exposition."""
+hold-back of streams, API keys and tenant salts, error-to-param mapping, Prometheus exposition; and the
+app in this process over a running engine, where a test reaches inside (a fault made deep in the engine)."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel
 
 from kvreuse.server.auth import ApiKeyAuth, load_api_keys, tenant_id_of
 from kvreuse.server.errors import APIError
@@ -459,3 +461,172 @@ def test_the_thread_that_starts_the_loop_hands_back_its_openmp_team(tiny_model):
     starter, on_loop, finished = run_on_engine_thread(engine, run)
     assert finished and starter == 1 and on_loop == threads
     assert torch.get_num_threads() == threads
+
+
+# --- one error mapping for both APIs (issue 64) --------------------------------------------------------------------
+
+
+def test_the_error_mapping_tells_the_clients_mistakes_from_the_servers_faults(caplog):
+    """server/errors.py's api_error_of, which both APIs answer with: a request's mistake (InvalidRequestError, which
+    validation raises with the field) is a 400 naming the field; a plain ValueError is not read as one (it is a 500,
+    logged with its traceback, whose message the client does not see), nor is a pydantic ValidationError that
+    escaped (also a ValueError); each shape names the field its own way."""
+    import logging
+
+    from pydantic import BaseModel, ValidationError
+
+    from kvreuse.errors import InvalidRequestError
+    from kvreuse.server.errors import api_error_of
+
+    mistake = api_error_of(InvalidRequestError("top_p must be in (0, 1], got 2", "top_p", "some_code"))
+    assert (mistake.status_code, mistake.param, mistake.code) == (400, "top_p", "some_code")
+    assert mistake.body()["error"]["param"] == "top_p"
+    anthropic = mistake.anthropic_body()
+    assert anthropic["type"] == "error" and anthropic["error"]["type"] == "invalid_request_error"
+    assert anthropic["error"]["param"] == "top_p" and anthropic["error"]["message"].startswith("top_p")
+    passed_on = APIError(404, "gone", param="model")
+    assert api_error_of(passed_on) is passed_on
+    assert passed_on.anthropic_body()["error"] == {"type": "not_found_error", "message": "model: gone", "param": "model"}
+
+    class Internal(BaseModel):
+        size: int
+
+    try:
+        Internal.model_validate({"size": "many"})
+    except ValidationError as error:
+        escaped = error
+    for fault in (ValueError("row 7 of the block table is stale"), escaped):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvreuse.server"):
+            internal = api_error_of(fault)
+        assert internal.status_code == 500 and internal.param is None
+        assert "row 7" not in internal.message and "many" not in internal.message
+        assert internal.anthropic_body()["error"]["type"] == "api_error"
+        assert [record.exc_info[1] for record in caplog.records if record.exc_info] == [fault]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    """The real app over a running engine on the tiny model, in this process (starlette's TestClient as the
+    SDKs' transport): where a test reaches inside the server, which a server process would not let it."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from kvreuse.llm import LLM
+    from kvreuse.server.app import build_app
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.state import ServerConfig, ServerState
+
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=0)
+    state = ServerState(engine, ServerConfig())
+    app = build_app(state)
+    engine.start()
+    try:
+        # A 500 is the answer here, not an exception in the test (starlette re-raises what reached its last handler).
+        with TestClient(app, raise_server_exceptions=False) as http:
+            yield SimpleNamespace(state=state, app=app, http=http)
+    finally:
+        engine.shutdown()
+
+
+def openai_client(served):
+    import openai
+
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=served.http)
+
+
+def anthropic_client(served):
+    import anthropic
+
+    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", max_retries=0, http_client=served.http)
+
+
+def ask(api: str, served, **fields):
+    """One short request through the official SDK of ``api``."""
+    fields = {"model": served.state.model_name, "max_tokens": 2,
+              "messages": [{"role": "user", "content": "Where is the cache?"}], **fields}
+    if api == "openai":
+        return openai_client(served).chat.completions.create(**fields)
+    return anthropic_client(served).messages.create(**fields)
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "engine"])
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_an_internal_value_error_is_a_logged_500_in_each_apis_shape(served, api, where, monkeypatch, caplog):
+    """A plain ValueError from inside (the event loop's tokenizer while the request is prepared, or the engine
+    thread once it is queued) is the server's fault through either API: a 500 in that API's shape that does not
+    pass the internal message on, logged with its traceback. It is no 400 (the Messages route answered any
+    ValueError met while preparing with a 400, and logged nothing)."""
+    import logging
+    import traceback
+
+    import anthropic
+    import openai
+
+    fault = ValueError(f"internal invariant broken in the {where}")
+
+    def broken(*args, **kwargs):
+        raise fault
+
+    if where == "tokenizer":
+        monkeypatch.setattr(served.state.engine.inputs.tokenizer, "encode", broken)
+    else:
+        monkeypatch.setattr(served.state.llm_engine, "add_request", broken)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kvreuse.server"):
+        with pytest.raises((openai.InternalServerError, anthropic.InternalServerError)) as caught:
+            ask(api, served)
+    error = caught.value
+    assert error.status_code == 500
+    if api == "openai":
+        assert isinstance(error, openai.InternalServerError)
+        assert error.body["type"] == "server_error" and error.body["param"] is None
+        message = error.body["message"]
+    else:
+        assert isinstance(error, anthropic.InternalServerError)
+        assert error.body["type"] == "error" and error.body["error"]["type"] == "api_error"
+        message = error.body["error"]["message"]
+    assert "invariant" not in message and "ValueError" in message
+    logged = [record for record in caplog.records if record.exc_info is not None]
+    assert [record.exc_info[1] for record in logged] == [fault]
+    assert any(frame.name == "broken" for frame in traceback.extract_tb(logged[0].exc_info[2]))
+    # The server goes on serving through the same route.
+    monkeypatch.undo()
+    assert ask(api, served) is not None
+
+
+class TypedSpec(BaseModel):
+    """A typed body for a route added by a test (at module level: the annotations here are strings that FastAPI
+    resolves in the module)."""
+
+    size: int
+
+
+def test_a_typed_routes_bad_parameter_is_a_400_naming_it(served):
+    """FastAPI's own parsing of a route's typed parameters (RequestValidationError) answers as parse_request
+    does: a 400 whose param is the field, counted from the top of where it was sent (the query, the body), not
+    the whole validation error as text without a param."""
+    from fastapi import Body
+
+    @served.app.get("/test-only/typed")
+    async def typed_query(limit: int) -> dict:
+        return {"limit": limit}
+
+    @served.app.post("/test-only/typed")
+    async def typed_body(spec: TypedSpec = Body(embed=True)) -> dict:
+        return {"size": spec.size}
+
+    assert served.http.get("/test-only/typed", params={"limit": 3}).json() == {"limit": 3}
+    # (response, param, what the message quotes): a bad value deep in a field is named by its top-level field, as
+    # parse_request names it (a union's members add their type names to the location), the message quotes it all.
+    for response, param, quoted in (
+        (served.http.get("/test-only/typed", params={"limit": "many"}), "limit", "limit"),
+        (served.http.get("/test-only/typed"), "limit", "limit"),
+        (served.http.post("/test-only/typed", json={"spec": {"size": "big"}}), "spec", "spec.size"),
+    ):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert repr(quoted) in error["message"]

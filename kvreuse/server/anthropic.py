@@ -5,7 +5,9 @@ message blocks): each breakpoint pins the prompt prefix that ends with that bloc
 refreshed on every hit. Usage reports Anthropic's three numbers, which add up to the prompt:
 ``cache_read_input_tokens`` (reused from the cache), ``cache_creation_input_tokens`` (computed and
 written up to the last breakpoint) and ``input_tokens`` (the rest). Streaming sends Anthropic's
-event sequence; nothing goes out before the first token exists.
+event sequence; nothing goes out before the first token exists. Errors are in Anthropic's shape, mapped as the
+OpenAI routes' are (server/errors.py): a mistake in the request is a 4xx whose message starts with the field
+(also in ``param``), anything else a 500 logged with its traceback.
 
 Tool use goes through the same path as the OpenAI chat route: ``tools`` (name, description,
 input_schema) become OpenAI-shaped tools that the chat template lists in the prompt, the history's
@@ -30,7 +32,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -38,9 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.errors import InvalidRequestError
 from kvreuse.outputs import RequestOutput
-from kvreuse.sampling import SamplingParams
 from kvreuse.server.anthropic_protocol import (
     ContentBlocks,
     MessagesRequest,
@@ -50,21 +51,22 @@ from kvreuse.server.anthropic_protocol import (
     check_tool_history,
     openai_messages,
     tool_setup,
-    validation_message,
+    validation_error,
 )
-from kvreuse.server.errors import APIError
+from kvreuse.server.errors import APIError, api_error_of
 
 if TYPE_CHECKING:
-    from kvreuse.server.state import ServerState
+    from kvreuse.lora.request import LoRARequest
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.auth import Tenant
+    from kvreuse.server.state import ChatInputs, ServerState
+    from kvreuse.tool_parsers import ToolParser
+
 
 # --- errors in Anthropic's shape ----------------------------------------------------------------------
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str) -> JSONResponse:
-    error_type = _ERROR_TYPES.get(status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": error_type, "message": message}}, status_code=status)
+def anthropic_error(error: APIError) -> JSONResponse:
+    """An error as this API's clients read it (server/errors.py maps every failure to an `APIError`)."""
+    return JSONResponse(error.anthropic_body(), status_code=error.status_code, headers=error.headers)
 
 
 # --- responses -------------------------------------------------------------------------------------------
@@ -102,9 +104,19 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def _named(message: str, param: str | None) -> str:
-    """Anthropic's error has no field for the parameter: the message names it up front."""
-    return message if param is None or message.startswith(param) else f"{param}: {message}"
+@dataclass(frozen=True)
+class _Prepared:
+    """A Messages request, checked and turned into what the engine takes."""
+
+    body: MessagesRequest
+    tenant: Tenant | None
+    lora_request: LoRARequest | None
+    cache_salt: str | None
+    inputs: ChatInputs
+    params: SamplingParams
+    pins: list[PinSpec]
+    last_breakpoint: int  # where the last cache_control breakpoint ends (0: none); usage counts creation up to it
+    tool_parser: ToolParser | None  # reads tool calls out of the reply (None: its text is all text)
 
 
 def anthropic_router(state: ServerState) -> APIRouter:
@@ -115,113 +127,113 @@ def anthropic_router(state: ServerState) -> APIRouter:
     async def messages(request: Request) -> Response:
         arrival_time = time.monotonic()
         try:
-            # The anthropic SDK sends x-api-key; accept it as well as a bearer token.
-            authorization = request.headers.get("authorization")
-            if authorization is None and request.headers.get("x-api-key"):
-                authorization = f"Bearer {request.headers['x-api-key']}"
-            tenant = state.auth.authenticate(authorization)
-            state.check_accepting()
-            try:
-                body = MessagesRequest.model_validate_json(await request.body())
-            except ValidationError as error:
-                return anthropic_error(400, validation_message(error))
-            if body.model != state.model_name and body.model not in state.adapters:
-                return anthropic_error(404, f"model: {body.model!r} is not served here (try {state.model_name!r})")
-            adapter = state.adapters.get(body.model)
-            lora_request = adapter.lora_request if adapter is not None else None
-            check_tool_history(body.messages)
-            check_chunk_marks(body)
-            tools = tool_setup(body, state.tool_parser)
-            salt = state.auth.cache_salt(tenant, None)
-            conversation = openai_messages(blocks_of(body.system), [blocks_of(m.content) for m in body.messages],
-                                            [m.role for m in body.messages])
-            # The tools are in the prompt whatever tool_choice says; replayed turns are encoded with the ids
-            # generated under the same cache salt (the tenant's), as the OpenAI chat route does.
-            tokenized = state.engine.inputs.from_messages(conversation, tools=tools.tools or None,
-                                                          memory_scope=salt or "")
-            token_ids = tokenized.token_ids
-            prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
-            max_tokens = state.max_tokens((body.max_tokens, "max_tokens"), num_prompt_tokens)
-            block_size = state.llm_engine.kv.block_size
-            breakpoints = breakpoint_prefixes(state.engine.inputs, body, token_ids, tools.tools, salt or "")
-            owner = tenant.tenant_id if tenant is not None and state.auth.isolate_tenants else None
-            pins = [PinSpec(num_tokens=length, key=f"breakpoint\x00{salt or ''}\x00{token_ids[:length]}",
-                            kind="breakpoint", ttl=ttl, owner=owner)
-                    for length, ttl in breakpoints if length >= block_size]
-            last_breakpoint = max((length for length, _ in breakpoints), default=0)
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
-                stop=body.stop_sequences or None,
-                # A format whose tags are special tokens needs them in the text to find the calls.
-                skip_special_tokens=not (tools.parser is not None and tools.parser.needs_special_tokens),
-                structured_outputs=tools.constraint,
-            )
-            # Compiled now (a refused grammar is a 400 naming tools); the engine then finds it ready.
-            await state.check_constraint(params.structured_outputs)
-        except APIError as error:
-            return anthropic_error(error.status_code, _named(str(error.message), error.param))
-        except InvalidRequestError as error:
-            return anthropic_error(400, _named(error.message, error.param))
-        except ValueError as error:
-            return anthropic_error(400, str(error))
-
-        message_id = f"msg_{uuid.uuid4().hex}"
-        admission = state.admit()
-        state.engine.metrics.request_started(body.model if lora_request is not None else None)
-        outputs = state.engine.generate(message_id, prompt, params, cache_salt=salt, arrival_time=arrival_time,
-                                        pins=pins, lora_request=lora_request, owner=state.request_owner(tenant))
-        if not body.stream:
-            try:
-                final = None
-                async for output in outputs:
-                    final = output
-            finally:
-                admission.release()
-            assert final is not None
-            completion = final.outputs[0]
-            blocks = ContentBlocks(tools.parser.stream() if tools.parser is not None else None)
-            blocks.feed(completion.text, finished=True)
-            stop_reason, stop_sequence = _stop_reason(final, blocks.made_calls)
-            return JSONResponse({
-                "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
-                "content": blocks.content(),
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": _usage(final, last_breakpoint, len(completion.token_ids)),
-            })
-
-        async def events() -> AsyncIterator[bytes]:
-            started = False
-            blocks = ContentBlocks(tools.parser.stream() if tools.parser is not None else None)
-            try:
-                async for output in outputs:
-                    completion = output.outputs[0]
-                    if not started and not completion.token_ids:
-                        continue  # nothing is sent before the first token exists
-                    if not started:
-                        started = True
-                        yield _sse("message_start", {"type": "message_start", "message": {
-                            "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
-                            "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": _usage(output, last_breakpoint, 1)}})
-                    # text_delta holds back a possible start of a stop string (kvreuse.output_processor), and
-                    # the parser's extractor holds back text that may still become a call.
-                    for name, data in blocks.feed(completion.text_delta, finished=output.finished):
-                        yield _sse(name, data)
-                    if output.finished:
-                        stop_reason, stop_sequence = _stop_reason(output, blocks.made_calls)
-                        usage = _usage(output, last_breakpoint, len(completion.token_ids))
-                        yield _sse("message_delta", {"type": "message_delta",
-                                                     "delta": {"stop_reason": stop_reason,
-                                                               "stop_sequence": stop_sequence},
-                                                     "usage": {"output_tokens": usage["output_tokens"]}})
-                        yield _sse("message_stop", {"type": "message_stop"})
-            finally:
-                await outputs.aclose()  # a client that went away aborts its request
-                admission.release()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            prepared = await _prepare(state, request)
+            return await _answer(state, prepared, arrival_time)
+        except Exception as error:  # every failure in this API's shape, through the one mapping (server/errors.py)
+            return anthropic_error(api_error_of(error))
 
     return router
+
+
+def _authenticate(state: ServerState, request: Request) -> Tenant | None:
+    # The anthropic SDK sends x-api-key; accept it as well as a bearer token.
+    authorization = request.headers.get("authorization")
+    if authorization is None and request.headers.get("x-api-key"):
+        authorization = f"Bearer {request.headers['x-api-key']}"
+    return state.auth.authenticate(authorization)
+
+
+async def _prepare(state: ServerState, request: Request) -> _Prepared:
+    """The request checked (a 4xx naming the field) and turned into the engine's inputs: the conversation, its
+    tools and output budget as the OpenAI chat route turns them (`ServerState.chat_inputs`), the breakpoints'
+    pins, and the sampling parameters with their constraint compiled."""
+    tenant = _authenticate(state, request)
+    state.check_accepting()
+    try:
+        body = MessagesRequest.model_validate_json(await request.body())
+    except ValidationError as error:
+        raise validation_error(error) from None
+    if body.model != state.model_name and body.model not in state.adapters:
+        raise APIError(404, f"model: {body.model!r} is not served here (try {state.model_name!r})", param="model",
+                       code="model_not_found")
+    adapter = state.adapters.get(body.model)
+    check_tool_history(body.messages)
+    check_chunk_marks(body)
+    tools = tool_setup(body, state.tool_parser)
+    salt = state.auth.cache_salt(tenant, None)
+    conversation = openai_messages(blocks_of(body.system), [blocks_of(m.content) for m in body.messages],
+                                   [m.role for m in body.messages])
+    inputs = state.chat_inputs(conversation, tools=tools.tools or None, cache_salt=salt,
+                               requested_max_tokens=(body.max_tokens, "max_tokens"))
+    breakpoints = breakpoint_prefixes(state.engine.inputs, body, inputs.token_ids, tools.tools, salt or "")
+    pins = [PinSpec(num_tokens=length, key=f"breakpoint\x00{salt or ''}\x00{inputs.token_ids[:length]}",
+                    kind="breakpoint", ttl=ttl, owner=state.owner_of(tenant))
+            for length, ttl in breakpoints if length >= state.llm_engine.kv.block_size]
+    params = body.sampling_params(inputs.max_tokens, tools)
+    # Compiled now (a refused grammar is a 400 naming tools); the engine then finds it ready.
+    await state.check_constraint(params.structured_outputs)
+    return _Prepared(body, tenant, adapter.lora_request if adapter is not None else None, salt, inputs, params, pins,
+                     max((length for length, _ in breakpoints), default=0), tools.parser)
+
+
+async def _answer(state: ServerState, prepared: _Prepared, arrival_time: float) -> Response:
+    """Queue the request and answer it: the whole message, or its stream of events."""
+    message_id = f"msg_{uuid.uuid4().hex}"
+    admission = state.admit()
+    lora_request = prepared.lora_request
+    state.engine.metrics.request_started(prepared.body.model if lora_request is not None else None)
+    outputs = state.engine.generate(message_id, prepared.inputs.prompt, prepared.params,
+                                    cache_salt=prepared.cache_salt, arrival_time=arrival_time, pins=prepared.pins,
+                                    lora_request=lora_request, owner=state.request_owner(prepared.tenant))
+    if prepared.body.stream:
+        return StreamingResponse(_events(state, prepared, message_id, outputs, admission.release),
+                                 media_type="text/event-stream")
+    try:
+        final = None
+        async for output in outputs:
+            final = output
+    finally:
+        admission.release()
+    assert final is not None
+    completion = final.outputs[0]
+    blocks = ContentBlocks(prepared.tool_parser.stream() if prepared.tool_parser is not None else None)
+    blocks.feed(completion.text, finished=True)
+    stop_reason, stop_sequence = _stop_reason(final, blocks.made_calls)
+    return JSONResponse({
+        "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+        "content": blocks.content(),
+        "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+        "usage": _usage(final, prepared.last_breakpoint, len(completion.token_ids)),
+    })
+
+
+async def _events(state: ServerState, prepared: _Prepared, message_id: str, outputs: AsyncIterator[RequestOutput],
+                  release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The reply as Anthropic's stream of events; nothing is sent before the first token exists."""
+    started = False
+    blocks = ContentBlocks(prepared.tool_parser.stream() if prepared.tool_parser is not None else None)
+    try:
+        async for output in outputs:
+            completion = output.outputs[0]
+            if not started and not completion.token_ids:
+                continue  # nothing is sent before the first token exists
+            if not started:
+                started = True
+                yield _sse("message_start", {"type": "message_start", "message": {
+                    "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+                    "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": _usage(output, prepared.last_breakpoint, 1)}})
+            # text_delta holds back a possible start of a stop string (kvreuse.output_processor), and
+            # the parser's extractor holds back text that may still become a call.
+            for name, data in blocks.feed(completion.text_delta, finished=output.finished):
+                yield _sse(name, data)
+            if output.finished:
+                stop_reason, stop_sequence = _stop_reason(output, blocks.made_calls)
+                usage = _usage(output, prepared.last_breakpoint, len(completion.token_ids))
+                yield _sse("message_delta", {"type": "message_delta",
+                                             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                             "usage": {"output_tokens": usage["output_tokens"]}})
+                yield _sse("message_stop", {"type": "message_stop"})
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]  # a client that went away aborts its request
+        release()

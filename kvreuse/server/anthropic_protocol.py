@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import InputProcessor, common_prefix_length
 from kvreuse.messages import CHUNK_SCOPE, validate_tools
-from kvreuse.sampling import MAX_STOP_STRINGS
+from kvreuse.sampling import MAX_STOP_STRINGS, SamplingParams
 from kvreuse.server.errors import APIError
 from kvreuse.structured_outputs import StructuredOutputsParams
 from kvreuse.tool_parsers import StreamDelta, ToolCallStream, ToolParser
@@ -175,6 +175,28 @@ class MessagesRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
+    def sampling_params(self, max_tokens: int, tools: ToolSetup) -> SamplingParams:
+        """How to sample the reply: this request's fields, the tool setup's constraint (None: nothing enforced).
+        SamplingParams' refusals name this API's fields."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                stop=self.stop_sequences or None,
+                # A format whose tags are special tokens needs them in the text to find the calls.
+                skip_special_tokens=not (tools.parser is not None and tools.parser.needs_special_tokens),
+                structured_outputs=tools.constraint,
+            )
+        except InvalidRequestError as error:
+            raise InvalidRequestError(error.message, _SAMPLING_FIELDS.get(error.param, error.param),
+                                      error.code) from None
+
+
+# SamplingParams' names for this API's fields.
+_SAMPLING_FIELDS = {"stop": "stop_sequences"}
+
 
 # --- validation errors --------------------------------------------------------------------------------
 def field_path(location: tuple[Any, ...]) -> str:
@@ -194,12 +216,13 @@ def field_path(location: tuple[Any, ...]) -> str:
     return path
 
 
-def validation_message(error: ValidationError) -> str:
-    """The error a client can act on: where a field may be a string or a list of blocks, the string branch's
-    complaint says nothing about a list that was sent, so a deeper one comes first."""
+def validation_error(error: ValidationError) -> APIError:
+    """The 400 a client can act on, naming the field: where a field may be a string or a list of blocks, the
+    string branch's complaint says nothing about a list that was sent, so a deeper one comes first."""
     errors = error.errors()
     chosen = next((item for item in errors if item["loc"][-1:] != ("str",)), errors[0])
-    return f"{field_path(chosen['loc'])}: {chosen['msg']}"
+    param = field_path(chosen["loc"]) or None
+    return APIError(400, f"{param}: {chosen['msg']}" if param else chosen["msg"], param=param)
 
 
 # --- the prompt, its tools and its breakpoints ------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 `build_app` takes a `ServerState` (kvreuse/server/state.py: what every route shares, the engine, auth,
 adapters and the drain / in-flight bookkeeping), installs the error handlers (every bad input is a
-4xx in OpenAI's error shape; `InvalidRequestError` maps by its ``param`` and ``code``) and includes
-the routers:
+4xx in OpenAI's error shape; `InvalidRequestError` maps by its ``param`` and ``code``; anything else is a
+logged 500: server/errors.py's `api_error_of`, which /v1/messages renders in Anthropic's shape) and
+includes the routers:
 
 - `server/openai_routes.py`: /v1/chat/completions, /v1/completions, /tokenize, /detokenize
 - `server/anthropic.py`: /v1/messages
@@ -17,7 +18,6 @@ app -> routes -> state. A new capability adds its own router module and one ``in
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,16 +29,14 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.server.anthropic import anthropic_router
 from kvreuse.server.cache_routes import cache_router
 from kvreuse.server.dashboard_routes import install_dashboard
-from kvreuse.server.errors import APIError, bad_request, internal_error
+from kvreuse.server.errors import APIError, api_error_of
 from kvreuse.server.lora_routes import lora_router
 from kvreuse.server.openai_routes import openai_router
-from kvreuse.server.protocol import model_card, remote_url_digest
+from kvreuse.server.protocol import model_card, remote_url_digest, validation_api_error
 from kvreuse.server.state import ServedAdapter, ServerConfig, ServerState
 
 # ServedAdapter, ServerConfig and ServerState live in kvreuse.server.state; the names stay importable here.
 __all__ = ["ServedAdapter", "ServerConfig", "ServerState", "build_app"]
-
-logger = logging.getLogger("kvreuse.server")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -46,28 +44,27 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvreuse", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.server = state
 
+    # What a handler raises goes through the one mapping /v1/messages uses too (server/errors.py): an APIError
+    # as it is, the request's mistake (InvalidRequestError, raised by the input module, SamplingParams, the tool
+    # and grammar checks and the engine, with the field and code attached) a 400 naming the field, anything
+    # else a logged 500.
     @app.exception_handler(APIError)
-    async def api_error_handler(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+    @app.exception_handler(InvalidRequestError)
+    @app.exception_handler(Exception)
+    async def error_handler(_: Request, error: Exception) -> JSONResponse:
+        return _openai_error(api_error_of(error))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error_handler(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        api_error = APIError(error.status_code, str(error.detail))
-        return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
-
-    @app.exception_handler(InvalidRequestError)
-    async def invalid_request_handler(_: Request, error: InvalidRequestError) -> JSONResponse:
-        # Raised by the input module, SamplingParams and the engine, with the field and code attached.
-        return JSONResponse(bad_request(error.message, error.param, error.code).body(), status_code=400)
+        return _openai_error(APIError(error.status_code, str(error.detail), headers=error.headers))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error_handler(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse(bad_request(str(error)).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error_handler(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error while handling a request")
-        return JSONResponse(internal_error(f"internal error: {type(error).__name__}").body(), status_code=500)
+        # A route's typed parameters (FastAPI's own parsing): the 400 names the field, as parse_request's do;
+        # the location's first part says where it was sent (body, query, path, header) and is no field.
+        errors = [{**item, "loc": tuple(item["loc"])[1:] if len(item["loc"]) > 1 else tuple(item["loc"])}
+                  for item in error.errors()]
+        return _openai_error(validation_api_error(errors))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -102,6 +99,10 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(lora_router(state))
     install_dashboard(app, state)
     return app
+
+
+def _openai_error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

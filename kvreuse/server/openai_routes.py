@@ -29,7 +29,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.cache.pins import PinSpec
-from kvreuse.errors import InvalidRequestError
 from kvreuse.inputs import PromptInput
 from kvreuse.outputs import CompletionOutput, RequestOutput
 from kvreuse.sampling import SamplingParams
@@ -76,31 +75,27 @@ def openai_router(state: ServerState) -> APIRouter:
         body.check()
         state.check_stop_token_ids(body.stop_token_ids)
         cache_salt = state.auth.cache_salt(tenant, body.cache_salt)
-        # The tools are in the prompt whatever tool_choice says: constraints act on the logits only. Replayed
-        # turns are encoded with the ids generated under the same cache salt (the tenant's), never another's.
-        # Text parts marked as chunks are encoded on their own; their spans go to the engine in the prompt dict.
-        tokenized = state.engine.inputs.from_messages(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tools=body.tools, memory_scope=cache_salt or "")
+        inputs = state.chat_inputs(body.messages, tools=body.tools, cache_salt=cache_salt,
+                                   requested_max_tokens=body.requested_max_tokens,
+                                   add_generation_prompt=body.add_generation_prompt)
         tools = body.tool_setup(state.tool_parser)
-        token_ids = tokenized.token_ids
-        prompt, num_prompt_tokens = tokenized.as_engine_prompt(), len(token_ids)
-        max_tokens = state.max_tokens(body.requested_max_tokens, num_prompt_tokens)
         renames = {"logprobs": "top_logprobs", "max_tokens": body.requested_max_tokens[1]}
-        params = body.sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs, renames=renames, tools=tools)
+        params = body.sampling_params(max_tokens=inputs.max_tokens, logprobs=body.num_logprobs, renames=renames,
+                                      tools=tools)
         await state.check_constraint(params.structured_outputs)
         pins: list[PinSpec] = []
         if body.save_system_prompt_kv_cache:
-            spec = system_prompt_pin(state.tokenizer, body.messages, token_ids,
+            spec = system_prompt_pin(state.tokenizer, body.messages, inputs.token_ids,
                                      adapter=adapter.digest if adapter is not None else None)
             try:
-                state.llm_engine.check_pin(spec, num_prompt_tokens)  # reads configuration only
+                state.llm_engine.check_pin(spec, inputs.num_prompt_tokens)  # reads configuration only
             except ValueError as error:
                 raise bad_request(str(error), "save_system_prompt_kv_cache") from None
             pins.append(dataclasses.replace(spec, owner=state.owner_of(tenant)))
         generation = _Generation(
             chat=True, request_id=f"chatcmpl-{uuid.uuid4().hex}", model=body.model or state.model_name,
             created=int(time.time()), adapter=adapter,
-            prompts=[prompt], prompt_lengths=[num_prompt_tokens], params=[params],
+            prompts=[inputs.prompt], prompt_lengths=[inputs.num_prompt_tokens], params=[params],
             cache_salt=cache_salt, arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
             num_logprobs=body.num_logprobs, user=body.user, pins=pins, owner=state.request_owner(tenant),
@@ -242,8 +237,8 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except EngineError as error:
         raise internal_error(str(error)) from None
-    except InvalidRequestError as error:  # the engine refused the request (the handlers' checks should have)
-        raise bad_request(error.message, error.param, error.code) from None
+    # Anything else goes to the app's error mapping: the engine refusing the request (InvalidRequestError, which
+    # the handlers' checks should have found) a 400 naming the field, any other fault a logged 500.
     finally:
         if not handed_to_stream:
             admission.release()

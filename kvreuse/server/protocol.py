@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -338,11 +338,13 @@ def parse_request(model_class: type[RequestModelT], body: bytes) -> RequestModel
     try:
         return model_class.model_validate_json(body)
     except ValidationError as error:
-        raise _validation_error_to_api_error(error) from None
+        raise validation_api_error(error.errors(include_url=False)) from None
 
 
-def _validation_error_to_api_error(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
+def validation_api_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """A 400 naming the field of pydantic's first error (``errors``: a ValidationError's ``errors()``, or
+    FastAPI's for a route's typed parameters, each ``loc`` counted from the top of the request)."""
+    first = errors[0]
     kind = first["type"]
     location = [str(part) for part in first["loc"]]
     param = ".".join(location) or None

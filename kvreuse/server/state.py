@@ -27,7 +27,7 @@ from kvreuse.server.protocol import TokenTexts
 from kvreuse.structured_outputs import StructuredOutputsParams
 from kvreuse.tool_parsers import ToolParser, choose
 
-__all__ = ["ServedAdapter", "ServerConfig", "ServerState"]
+__all__ = ["ChatInputs", "ServedAdapter", "ServerConfig", "ServerState"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,20 @@ class ServedAdapter:
         return {"id": self.lora_request.lora_name, "object": "model", "created": created, "owned_by": "kvreuse",
                 "root": self.lora_request.lora_path, "parent": parent, "permission": [],
                 "adapter_digest": self.digest}
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """A chat request's conversation as the engine takes it (`ServerState.chat_inputs`): the prompt (its ids,
+    with the chunks' spans where parts are marked as chunks) and the output budget it leaves."""
+
+    prompt: PromptInput
+    token_ids: list[int]
+    max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,19 @@ class ServerState:
         except InvalidRequestError as error:
             raise bad_request(error.message, param, error.code) from None
         return tokenized.as_engine_prompt(), len(tokenized.token_ids)
+
+    def chat_inputs(self, messages: Any, *, tools: list[Any] | None, cache_salt: str | None,
+                    requested_max_tokens: tuple[int | None, str], add_generation_prompt: bool = True) -> ChatInputs:
+        """A conversation in OpenAI's shape (both chat APIs hand theirs over so) as engine inputs, checked: a bad
+        message or tool is a 400 naming it, and so is a ``requested_max_tokens`` (value, field) the context has
+        no room for. The tools are in the prompt whatever tool_choice says (constraints act on the logits only).
+        Replayed turns are encoded with the ids generated under the same cache salt (the tenant's), never
+        another's. Text parts marked as chunks are encoded on their own; their spans go to the engine in the
+        prompt dict."""
+        tokenized = self.engine.inputs.from_messages(messages, add_generation_prompt=add_generation_prompt,
+                                                     tools=tools, memory_scope=cache_salt or "")
+        max_tokens = self.max_tokens(requested_max_tokens, len(tokenized.token_ids))
+        return ChatInputs(tokenized.as_engine_prompt(), tokenized.token_ids, max_tokens)
 
     async def check_constraint(self, constraint: StructuredOutputsParams | None) -> None:
         """Compile a structured-output constraint before the request is queued (on the engine's grammar
