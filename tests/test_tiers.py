@@ -343,6 +343,52 @@ def test_corrupt_and_misnamed_records_are_rejected_and_removed(tiny_model: Path,
         record.decode(path.read_bytes(), engine.tier_store.fingerprint, key, tokens, engine.tier_store.layout)
 
 
+def test_truncated_record_is_rejected_as_truncated_and_removed(tiny_model: Path, tmp_path: Path, cold):
+    disk = tmp_path / "disk"
+    llm = make_llm(tiny_model, kv_disk_dir=str(disk))
+    engine = llm.engine
+    assert tokens_of(run_checked(engine, [PROMPTS[0]])) == [cold(PROMPTS[0])]
+    engine.flush_tiers()
+    engine.reset_prefix_cache(("device",))
+
+    # Block 3's record cut short inside its payload, as a copy that stopped or a damaged disk leaves it.
+    cut = file_of_block(disk, PROMPTS[0][3 * BLOCK:4 * BLOCK])
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:len(whole) - 100])
+    outputs = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(outputs) == [cold(PROMPTS[0])]
+    assert outputs[0].cached_tokens_by_tier["disk"] == 3 * BLOCK  # the run stops before the cut record
+    stats = llm.stats()["kv_tiers"]["disk"]
+    assert stats["verify_failures"] == {"truncated": 1} and stats["hits"] == 3
+
+    # It was dropped from the tier (a record still listed is never written again), so the recomputed block
+    # was written anew, whole.
+    engine.flush_tiers()
+    key = bytes.fromhex(cut.name.removesuffix(DiskTier.SUFFIX))
+    record.decode(cut.read_bytes(), engine.tier_store.fingerprint, key, PROMPTS[0][3 * BLOCK:4 * BLOCK],
+                  engine.tier_store.layout)
+
+
+def test_record_cut_anywhere_is_truncated_and_other_damage_keeps_its_reason():
+    layout = record.BlockLayout(shape=(2, 8), dtype="float32", num_bytes=64)
+    key, tokens = b"k" * 16, [5, 6, 7, 8]
+    data = record.encode("fp", key, b"n" * 16, tokens, layout, bytes(range(64)))
+    assert bytes(record.decode(data, "fp", key, tokens, layout)) == bytes(range(64))
+    header_end = len(data) - layout.num_bytes
+    # Empty, inside the magic, inside the header's length, inside the header, one payload byte short.
+    for length in (0, 2, len(record.MAGIC) + 1, header_end - 5, header_end, len(data) - 1):
+        with pytest.raises(record.RecordMismatch) as info:
+            record.decode(data[:length], "fp", key, tokens, layout)
+        assert info.value.reason == "truncated", (length, str(info.value))
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01
+    for damaged, reason in ((bytes(flipped), "checksum"), (data + b"\0", "format"), (b"XXXX" + data[4:], "format"),
+                            (b"KV", "truncated"), (b"XY", "format")):
+        with pytest.raises(record.RecordMismatch) as info:
+            record.decode(damaged, "fp", key, tokens, layout)
+        assert info.value.reason == reason, (damaged[:8], str(info.value))
+
+
 # --- 4. byte caps and protected entries ---------------------------------------------------------------
 def test_disk_and_host_byte_caps_hold(tiny_model: Path, tmp_path: Path, cold):
     disk = tmp_path / "disk"
