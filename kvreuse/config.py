@@ -72,11 +72,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5  # of the KV pool that pins may hold; over it, LRU pins are demoted
     # KV tiers behind the pool (kvreuse.cache.tiers): host memory bytes (0: none), a disk folder and its
-    # byte cap, a Redis URL.
+    # byte cap, a Redis URL, and the most bytes of records queued for the disk/Redis writer (beyond it
+    # blocks are not written, counted in write_drops; kvreuse.cache.tiers.store.DEFAULT_WRITE_QUEUE_BYTES).
     kv_host_memory: int = 0
     kv_disk_dir: str | None = None
     kv_disk_size: int = 20 * 2**30
     kv_remote_url: str | None = None
+    kv_write_queue_size: int = 2**30
     # How the pool stores K and V (vLLM's name and values): "auto" (the model's dtype), "int8", "fp8" /
     # "fp8_e4m3", "fp8_e5m2" (kvreuse.cache.kv_quant: one byte per value, a scale per token and head).
     kv_cache_dtype: str = "auto"
@@ -106,6 +108,8 @@ class CacheConfig:
             raise ValueError(f"kv_host_memory must be >= 0 bytes, got {self.kv_host_memory}")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be positive, got {self.kv_disk_size}")
+        if self.kv_write_queue_size <= 0:
+            raise ValueError(f"kv_write_queue_size must be positive, got {self.kv_write_queue_size}")
         if self.kv_remote_url is not None and not self.kv_remote_url.startswith(
                 ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
             raise ValueError(f"kv_remote_url must be a redis://, rediss://, unix:// or redis+cluster:// URL, got "

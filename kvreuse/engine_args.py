@@ -117,6 +117,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                              "rediss://, unix://; redis+cluster://HOST:PORT for a Redis Cluster): every server with "
                              "the same URL and model shares its prefixes; "
                              "a Redis that is down or slow turns lookups into misses, never errors")
+    parser.add_argument("--kv-write-queue-size", type=memory_size_arg("kv_write_queue_size"), default="1GiB",
+                        metavar="SIZE",
+                        help="most bytes of computed blocks waiting to be written to the disk and remote tiers; "
+                             "beyond it a block is not written (counted in write_drops), the engine never waits")
 
 
 def speculative_config_arg(value: str) -> dict[str, Any] | None:
@@ -191,6 +195,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         speculative_config=getattr(args, "speculative_config", None),
         kv_host_memory=getattr(args, "kv_host_memory", 0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
         kv_disk_size=getattr(args, "kv_disk_size", "20GiB"), kv_remote_url=getattr(args, "kv_remote_url", None),
+        kv_write_queue_size=getattr(args, "kv_write_queue_size", "1GiB"),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         attention_backend=getattr(args, "attention_backend", "auto"),

@@ -65,6 +65,7 @@ class LLM:
         kv_disk_dir: str | None = None,
         kv_disk_size: int | str = "20GiB",
         kv_remote_url: str | None = None,
+        kv_write_queue_size: int | str = "1GiB",
         enable_torch_compile: bool = False,
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
@@ -78,7 +79,8 @@ class LLM:
         """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
         KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
-        with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0").
+        with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0"); ``kv_write_queue_size``: the most
+        bytes of blocks waiting to be written to disk and Redis (beyond it a block is not written, and counted).
         ``enable_torch_compile``: run decode steps through torch.compile (compiled when the engine
         starts: minutes the first time on a machine, seconds once inductor's disk cache has them).
         ``quantization`` (vLLM's name): "gguf" keeps a GGUF file's quantized weights in memory and runs on
@@ -119,6 +121,7 @@ class LLM:
                 kv_disk_dir=str(kv_disk_dir) if kv_disk_dir else None,
                 kv_disk_size=parse_memory_size(kv_disk_size, "kv_disk_size"),
                 kv_remote_url=kv_remote_url,
+                kv_write_queue_size=parse_memory_size(kv_write_queue_size, "kv_write_queue_size"),
                 kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 max_pinned_fraction=max_pinned_fraction,

@@ -10,7 +10,9 @@ tier is shared between engines, separated by tenant, and a Redis that stops neve
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,8 +28,9 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.cache.tiers import record
+from kvreuse.cache.tiers import backends, record
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
+from kvreuse.cache.tiers.store import DEFAULT_WRITE_QUEUE_BYTES, BlockRef, TieredStore
 from kvreuse.engine import LLMEngine
 from kvreuse.outputs import RequestOutput
 
@@ -343,6 +346,52 @@ def test_corrupt_and_misnamed_records_are_rejected_and_removed(tiny_model: Path,
         record.decode(path.read_bytes(), engine.tier_store.fingerprint, key, tokens, engine.tier_store.layout)
 
 
+def test_truncated_record_is_rejected_as_truncated_and_removed(tiny_model: Path, tmp_path: Path, cold):
+    disk = tmp_path / "disk"
+    llm = make_llm(tiny_model, kv_disk_dir=str(disk))
+    engine = llm.engine
+    assert tokens_of(run_checked(engine, [PROMPTS[0]])) == [cold(PROMPTS[0])]
+    engine.flush_tiers()
+    engine.reset_prefix_cache(("device",))
+
+    # Block 3's record cut short inside its payload, as a copy that stopped or a damaged disk leaves it.
+    cut = file_of_block(disk, PROMPTS[0][3 * BLOCK:4 * BLOCK])
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:len(whole) - 100])
+    outputs = run_checked(engine, [PROMPTS[0]])
+    assert tokens_of(outputs) == [cold(PROMPTS[0])]
+    assert outputs[0].cached_tokens_by_tier["disk"] == 3 * BLOCK  # the run stops before the cut record
+    stats = llm.stats()["kv_tiers"]["disk"]
+    assert stats["verify_failures"] == {"truncated": 1} and stats["hits"] == 3
+
+    # It was dropped from the tier (a record still listed is never written again), so the recomputed block
+    # was written anew, whole.
+    engine.flush_tiers()
+    key = bytes.fromhex(cut.name.removesuffix(DiskTier.SUFFIX))
+    record.decode(cut.read_bytes(), engine.tier_store.fingerprint, key, PROMPTS[0][3 * BLOCK:4 * BLOCK],
+                  engine.tier_store.layout)
+
+
+def test_record_cut_anywhere_is_truncated_and_other_damage_keeps_its_reason():
+    layout = record.BlockLayout(shape=(2, 8), dtype="float32", num_bytes=64)
+    key, tokens = b"k" * 16, [5, 6, 7, 8]
+    data = record.encode("fp", key, b"n" * 16, tokens, layout, bytes(range(64)))
+    assert bytes(record.decode(data, "fp", key, tokens, layout)) == bytes(range(64))
+    header_end = len(data) - layout.num_bytes
+    # Empty, inside the magic, inside the header's length, inside the header, one payload byte short.
+    for length in (0, 2, len(record.MAGIC) + 1, header_end - 5, header_end, len(data) - 1):
+        with pytest.raises(record.RecordMismatch) as info:
+            record.decode(data[:length], "fp", key, tokens, layout)
+        assert info.value.reason == "truncated", (length, str(info.value))
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01
+    for damaged, reason in ((bytes(flipped), "checksum"), (data + b"\0", "format"), (b"XXXX" + data[4:], "format"),
+                            (b"KV", "truncated"), (b"XY", "format")):
+        with pytest.raises(record.RecordMismatch) as info:
+            record.decode(damaged, "fp", key, tokens, layout)
+        assert info.value.reason == reason, (damaged[:8], str(info.value))
+
+
 # --- 4. byte caps and protected entries ---------------------------------------------------------------
 def test_disk_and_host_byte_caps_hold(tiny_model: Path, tmp_path: Path, cold):
     disk = tmp_path / "disk"
@@ -407,6 +456,228 @@ def test_disk_tier_never_drops_protected_entries(tmp_path: Path):
     again.put(keys[7], b"c" * 100)  # no room and nothing else may go: the new entry is the one dropped
     assert again.get_many(keys[4:7]) == [b"b" * 100] * 3
     assert again.get_many([keys[7]]) == [None] and again.num_bytes <= 300
+
+
+# --- 4b. the writer thread: a full disk, a bounded queue, errors, flush -------------------------------------
+LAYOUT = record.BlockLayout(shape=(2, 8), dtype="float32", num_bytes=64)
+
+
+def block_ref(index: int) -> BlockRef:
+    return BlockRef(key=bytes([index]) * 16, namespace=b"n" * 16, tokens=[index] * BLOCK)
+
+
+def block_payload(index: int) -> bytes:
+    return bytes([index]) * LAYOUT.num_bytes
+
+
+class GatedTier:
+    """A write-through tier whose writes wait for ``gate`` (a disk or Redis slower than the engine) and then
+    call ``fail(index)`` (raise to fail that block's write)."""
+
+    name = "remote"
+
+    def __init__(self, fail=lambda index: None, open_gate: bool = True) -> None:
+        self.gate = threading.Event()
+        if open_gate:
+            self.gate.set()
+        self.fail = fail
+        self.records: dict[bytes, bytes] = {}
+
+    def get_many(self, keys):
+        return [self.records.get(key) for key in keys]
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        assert self.gate.wait(30), "the test never opened the gate"
+        self.fail(key[0])
+        self.records[key] = data
+        return True
+
+    def delete(self, key: bytes) -> None:
+        self.records.pop(key, None)
+
+    def clear(self) -> int:
+        count = len(self.records)
+        self.records.clear()
+        return count
+
+
+def flush_within(store: TieredStore, seconds: float = 30, **kwargs) -> int:
+    """``store.flush()`` from another thread, failing the test (not hanging it) if it does not return."""
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(store.flush(**kwargs)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"flush() did not return within {seconds} s"
+    return result[0]
+
+
+def test_full_disk_write_leaves_no_temporary_file_and_is_counted(tmp_path: Path, monkeypatch, caplog):
+    # A simulation: a real full disk cannot be made here, so the disk tier's file writes write half the
+    # record and then fail with ENOSPC, as a write on a disk that fills does.
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20, fingerprint="f" * 32)
+    store = TieredStore("fp", LAYOUT, [tier])
+    partial: list[Path] = []
+    real_open = open
+
+    class FullDiskFile:
+        def __init__(self, path, mode):
+            self.handle = real_open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.handle.close()
+
+        def write(self, data: bytes) -> int:
+            self.handle.write(data[:len(data) // 2])
+            self.handle.flush()
+            partial.append(Path(self.handle.name))
+            assert partial[-1].stat().st_size == len(data) // 2 > 0  # the half-written temporary file is there
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.handle.name)
+
+    monkeypatch.setattr(backends, "open", FullDiskFile, raising=False)
+    with caplog.at_level(logging.DEBUG, logger="kvreuse"):
+        store.store(block_ref(1), block_payload(1))
+        store.store(block_ref(2), block_payload(2))
+        assert flush_within(store) == 0
+    assert len(partial) == 2 and ".tmp-" in partial[0].name
+    assert list(tier.root.iterdir()) == [], "a failed write left a file behind"
+    assert tier.num_bytes == 0 and tier.get_many([block_ref(1).key]) == [None]
+    disk = store.snapshot()["disk"]
+    assert (disk["write_errors"], disk["stores"], disk["store_bytes"]) == (2, 0, 0)
+    warnings = [entry for entry in caplog.records if entry.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()  # once, then counted
+
+    # Space again: the writer is still there and the next block is stored.
+    monkeypatch.undo()
+    store.store(block_ref(3), block_payload(3))
+    assert flush_within(store) == 0
+    assert [path.name for path in tier.root.iterdir()] == [tier._path(block_ref(3).key).name]
+    assert store.snapshot()["disk"]["stores"] == 1 and store.snapshot()["disk"]["write_errors"] == 2
+
+
+def test_write_queue_is_bounded_and_a_full_queue_drops_without_waiting():
+    slow = GatedTier(open_gate=False)
+    record_bytes = len(record.encode("fp", block_ref(0).key, block_ref(0).namespace, block_ref(0).tokens, LAYOUT,
+                                     block_payload(0)))
+    assert TieredStore("fp", LAYOUT, [slow]).max_queue_bytes == DEFAULT_WRITE_QUEUE_BYTES
+    with pytest.raises(ValueError, match="kv_write_queue_size"):
+        TieredStore("fp", LAYOUT, [slow], max_queue_bytes=0)
+    store = TieredStore("fp", LAYOUT, [slow], max_queue_bytes=3 * record_bytes)
+
+    # Ten blocks while the writer is stuck on the first: three fit in the queue, seven are dropped, and the
+    # engine's side (store) never waits for the writer.
+    stored = threading.Event()
+
+    def engine_step() -> None:
+        for index in range(10):
+            store.store(block_ref(index), block_payload(index))
+        stored.set()
+
+    threading.Thread(target=engine_step, daemon=True).start()
+    assert stored.wait(30), "store() waited for the writer"
+    assert store.snapshot()["remote"]["write_drops"] == 7
+    # A bounded flush returns with what is still unwritten.
+    assert flush_within(store, timeout_s=0.05) == 3
+
+    slow.gate.set()
+    assert flush_within(store) == 0
+    assert sorted(slow.records) == [block_ref(index).key for index in range(3)]
+    assert store.snapshot()["remote"]["stores"] == 3
+    store.store(block_ref(10), block_payload(10))  # written blocks leave the queue: room again
+    assert flush_within(store) == 0
+    assert block_ref(10).key in slow.records
+    assert (store.snapshot()["remote"]["stores"], store.snapshot()["remote"]["write_drops"]) == (4, 7)
+
+
+def test_write_queue_size_reaches_the_store(tiny_model: Path, tmp_path: Path):
+    llm = make_llm(tiny_model, kv_disk_dir=str(tmp_path / "disk"), kv_write_queue_size="64KiB")
+    assert llm.engine.tier_store.max_queue_bytes == 64 * 1024
+    with pytest.raises(ValueError, match="kv_write_queue_size"):
+        make_llm(tiny_model, kv_disk_dir=str(tmp_path / "disk"), kv_write_queue_size=0)
+
+
+def test_writer_survives_any_error_per_record(caplog):
+    def fail(index: int) -> None:
+        if index in (1, 3):
+            raise RuntimeError(f"a bug writing block {index}")
+
+    tier = GatedTier(fail)
+    store = TieredStore("fp", LAYOUT, [tier])
+    with caplog.at_level(logging.DEBUG, logger="kvreuse"):
+        for index in range(5):
+            store.store(block_ref(index), block_payload(index))
+        assert flush_within(store) == 0
+    assert sorted(tier.records) == [block_ref(index).key for index in (0, 2, 4)]
+    remote = store.snapshot()["remote"]
+    assert (remote["stores"], remote["write_errors"], remote["write_drops"]) == (3, 2, 0)
+    # Logged once with its traceback; the second is counted (and at debug level only).
+    warnings = [entry for entry in caplog.records if entry.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "RuntimeError" in warnings[0].getMessage() and warnings[0].exc_info
+
+
+class WriterKiller(BaseException):
+    """Not an Exception (as SystemExit or KeyboardInterrupt): the writer does not catch it, its thread ends."""
+
+
+def test_flush_does_not_wait_for_a_writer_that_ended(monkeypatch, caplog):
+    def fail(index: int) -> None:
+        if index == 1:
+            raise WriterKiller()
+
+    ended: list[type] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: ended.append(args.exc_type))
+    tier = GatedTier(fail, open_gate=False)
+    store = TieredStore("fp", LAYOUT, [tier])
+    for index in range(4):  # all queued while the writer waits on block 0
+        store.store(block_ref(index), block_payload(index))
+    with caplog.at_level(logging.WARNING, logger="kvreuse"):
+        tier.gate.set()  # block 0 is written; block 1 ends the writer thread
+        assert flush_within(store) == 3  # blocks 1 to 3 were not written, and flush says so
+        store.store(block_ref(4), block_payload(4))  # no writer to queue for: dropped, counted
+        assert flush_within(store) == 3
+    assert ended == [WriterKiller] and list(tier.records) == [block_ref(0).key]
+    assert store.snapshot()["remote"]["write_drops"] == 1
+    messages = [entry.getMessage() for entry in caplog.records]
+    assert any("3 queued block(s)" in message and "writer thread has ended" in message for message in messages)
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    from kvreuse.cache.tiers.record import BlockLayout
+    from kvreuse.cache.tiers.store import BlockRef, TieredStore
+
+    class Broken:
+        name = "disk"
+
+        def put(self, key, data):
+            if key[0] == 0:
+                raise RuntimeError("a bug in this write")  # ended the old writer thread
+            if key[0] == 1:
+                raise KeyboardInterrupt  # ends any writer thread
+            return True
+
+    layout = BlockLayout(shape=(2, 8), dtype="float32", num_bytes=64)
+    store = TieredStore("fp", layout, [Broken()])
+    for index in range(4):
+        store.store(BlockRef(bytes([index]) * 16, b"n" * 16, [index] * 4), bytes(64))
+    print("queued", flush=True)
+""")
+
+
+def test_exit_does_not_hang_when_the_writer_failed(tmp_path: Path):
+    """The interpreter's exit-time flush: before, a write that raised anything but OSError ended the writer and
+    the exit waited forever for its queue."""
+    import kvreuse
+
+    script = tmp_path / "exit_after_failed_writes.py"
+    script.write_text(EXIT_SCRIPT, encoding="utf-8")
+    source = str(Path(kvreuse.__file__).parents[1])  # the kvreuse this test imports, not an installed one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "queued" in done.stdout, done.stderr[-3000:]
+    assert "RuntimeError" in done.stderr  # logged, and the writer went on to the next record
+    assert "queued block(s)" in done.stderr and "writer thread has ended" in done.stderr, done.stderr[-3000:]
 
 
 # --- 5. Redis --------------------------------------------------------------------------------------

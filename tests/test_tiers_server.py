@@ -29,6 +29,7 @@ from server_process import (
     stop_server,
 )
 
+from kvreuse.cache.tiers.store import DEFAULT_WRITE_QUEUE_BYTES
 from kvreuse.router.app import RouterConfig, RouterState
 from kvreuse.router.backends import remote_group_of
 from kvreuse.router.policy import (
@@ -336,16 +337,18 @@ def test_tier_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch):
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser, default_model="m")
     args = parser.parse_args(["--kv-host-memory", "4GiB", "--kv-disk-dir", "/tmp/kv", "--kv-disk-size", "2GiB",
-                              "--kv-remote-url", "redis://:secret@cache:6379/0"])
+                              "--kv-remote-url", "redis://:secret@cache:6379/0", "--kv-write-queue-size", "64MiB"])
     seen = {}
     monkeypatch.setattr(kvreuse.llm, "LLM", lambda *a, **kw: seen.update(kw))
     llm_from_args(args)
     assert (seen["kv_host_memory"], seen["kv_disk_dir"], seen["kv_disk_size"], seen["kv_remote_url"]) == (
         4 << 30, "/tmp/kv", 2 << 30, "redis://:secret@cache:6379/0")
+    assert seen["kv_write_queue_size"] == 64 << 20
     defaults = parser.parse_args([])
-    assert (defaults.kv_host_memory, defaults.kv_disk_dir, defaults.kv_disk_size, defaults.kv_remote_url) == (
-        0, None, 20 << 30, None)
-    for bad in (["--kv-remote-url", "http://cache:6379"], ["--kv-disk-size", "lots"], ["--kv-host-memory", "-1"]):
+    assert (defaults.kv_host_memory, defaults.kv_disk_dir, defaults.kv_disk_size, defaults.kv_remote_url,
+            defaults.kv_write_queue_size) == (0, None, 20 << 30, None, DEFAULT_WRITE_QUEUE_BYTES)
+    for bad in (["--kv-remote-url", "http://cache:6379"], ["--kv-disk-size", "lots"], ["--kv-host-memory", "-1"],
+                ["--kv-write-queue-size", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     assert redact_url("redis://user:secret@cache:6379/0") == "redis://user:***@cache:6379/0"

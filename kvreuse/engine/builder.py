@@ -420,7 +420,7 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     if cache_config.kv_remote_url:
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
-    return TieredStore(fingerprint, layout, tiers)
+    return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
 
 
 def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, model_config: ModelConfig,

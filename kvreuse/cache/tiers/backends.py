@@ -73,9 +73,10 @@ class DiskTier:
     """One file per block under ``directory/<fingerprint>/``, LRU within ``capacity_bytes``.
 
     Writes go to a temporary file in the same folder, then ``os.replace``: a crash leaves either the
-    whole record or none. Files left by earlier runs are found at start-up (oldest first, by mtime), so
-    a restarted server hits what the last one computed. Keys protected by ``protect`` (pinned
-    prefixes) are never dropped to make room.
+    whole record or none, and a write that fails (a full disk) removes its temporary file and raises.
+    Files left by earlier runs are found at start-up (oldest first, by mtime), so a restarted server
+    hits what the last one computed. Keys protected by ``protect`` (pinned prefixes) are never
+    dropped to make room.
     """
 
     name = "disk"
@@ -126,7 +127,8 @@ class DiskTier:
         return found
 
     def put(self, key: bytes, record: bytes) -> bool:
-        """Write ``record`` (atomically); False when it was not stored (larger than the whole tier)."""
+        """Write ``record`` (atomically); False when it was not stored (larger than the whole tier); an
+        OSError (a full or read-only disk) leaves no file behind and is raised for the store to count."""
         with self._lock:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
@@ -135,9 +137,13 @@ class DiskTier:
             return False
         path = self._path(key)
         temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(temporary, "wb") as handle:
-            handle.write(record)
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(record)
+            os.replace(temporary, path)
+        except BaseException:  # a full disk (ENOSPC) mid-write, or anything else: no partial file stays
+            temporary.unlink(missing_ok=True)
+            raise
         with self._lock:
             self._sizes[key] = len(record)
             self.num_bytes += len(record)

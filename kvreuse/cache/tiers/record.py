@@ -6,8 +6,9 @@ payload is: the block's full chained key, its namespace key, its token ids, the 
 layer layout, draft; see ``kvreuse.cache.tiers.fingerprint``), the payload's shape and dtype, and a
 BLAKE2b checksum of the payload. ``decode`` returns the payload only when every one of those equals
 what the reader expects; anything else (another model, another key, other tokens, a flipped byte,
-a truncated file, a record copied under another name) raises ``RecordMismatch`` with the reason, and
-the caller counts it as a miss and drops the entry. Plain Python, no torch.
+a truncated file, a record copied under another name) raises ``RecordMismatch`` with the reason
+(format, truncated, fingerprint, key, tokens, layout, checksum), and the caller counts it as a miss
+and drops the entry. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -58,10 +59,14 @@ def encode(fingerprint: str, key: bytes, namespace: bytes, tokens: Sequence[int]
 def decode(data: bytes, fingerprint: str, key: bytes, tokens: Sequence[int], layout: BlockLayout) -> memoryview:
     """The payload of ``data`` if it is the block (fingerprint, key, tokens, layout) with an intact
     payload; else RecordMismatch."""
-    if len(data) < len(MAGIC) + _LENGTH.size or data[: len(MAGIC)] != MAGIC:
+    start = len(MAGIC) + _LENGTH.size
+    if len(data) < start and MAGIC.startswith(bytes(data[: len(MAGIC)])):
+        raise RecordMismatch("truncated", f"{len(data)} bytes, cut before the header's length")
+    if data[: len(MAGIC)] != MAGIC:
         raise RecordMismatch("format", "not a kvreuse block record")
     (header_length,) = _LENGTH.unpack_from(data, len(MAGIC))
-    start = len(MAGIC) + _LENGTH.size
+    if len(data) < start + header_length:
+        raise RecordMismatch("truncated", f"{len(data)} bytes, cut inside the {header_length}-byte header")
     try:
         header = json.loads(data[start: start + header_length])
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -77,8 +82,10 @@ def decode(data: bytes, fingerprint: str, key: bytes, tokens: Sequence[int], lay
     if header.get("shape") != list(layout.shape) or header.get("dtype") != layout.dtype:
         raise RecordMismatch("layout", f"shape {header.get('shape')} {header.get('dtype')}")
     payload = memoryview(data)[start + header_length:]
-    if len(payload) != layout.num_bytes:
-        raise RecordMismatch("checksum", f"payload of {len(payload)} bytes, expected {layout.num_bytes}")
+    if len(payload) < layout.num_bytes:
+        raise RecordMismatch("truncated", f"payload of {len(payload)} bytes, expected {layout.num_bytes}")
+    if len(payload) > layout.num_bytes:
+        raise RecordMismatch("format", f"payload of {len(payload)} bytes, expected {layout.num_bytes}")
     if checksum(payload) != header.get("checksum"):
         raise RecordMismatch("checksum", "the payload's checksum does not match")
     return payload
