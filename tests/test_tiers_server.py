@@ -322,11 +322,16 @@ def test_no_tiers_no_extension_and_no_tier_metrics(tiny_model: Path, tmp_path: P
     plain = ServerMetrics("m", lambda: Stats()).render()[0].decode()
     assert "kv_tier" not in plain
     Stats.tiers = {"disk": {"queries": 3, "hits": 2, "hit_bytes": 64, "stores": 5, "store_bytes": 90,
-                            "load_seconds": 0.5, "store_seconds": 0.25, "verify_failures": {"checksum": 1}}}
+                            "load_seconds": 0.5, "store_seconds": 0.25, "write_errors": 4, "write_drops": 6,
+                            "verify_failures": {"checksum": 1}}}
     text = ServerMetrics("m", lambda: Stats()).render()[0].decode()
     assert 'kvreuse:kv_tier_hits_total{model_name="m",tier="disk"} 2.0' in text
     assert 'kvreuse:kv_tier_verify_failures_total{model_name="m",reason="checksum",tier="disk"} 1.0' in text
     assert 'kvreuse:kv_tier_verify_failures_total{model_name="m",reason="key",tier="disk"} 0.0' in text
+    # A truncated record is its own reason, at 0 from the first scrape; failed and dropped writes are counted.
+    assert 'kvreuse:kv_tier_verify_failures_total{model_name="m",reason="truncated",tier="disk"} 0.0' in text
+    assert 'kvreuse:kv_tier_write_errors_total{model_name="m",tier="disk"} 4.0' in text
+    assert 'kvreuse:kv_tier_write_drops_total{model_name="m",tier="disk"} 6.0' in text
 
 
 # --- flags -------------------------------------------------------------------------------------------

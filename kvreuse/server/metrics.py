@@ -53,7 +53,7 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 
 
 # The reasons kvreuse.cache.tiers.record gives for a refused record: present at 0 from the start (a
 # reason not listed here still shows up once it happens).
-VERIFY_FAILURE_REASONS = ("format", "fingerprint", "key", "tokens", "layout", "checksum")
+VERIFY_FAILURE_REASONS = ("format", "fingerprint", "key", "tokens", "layout", "checksum", "truncated")
 # (metric name, key in EngineStats.tiers[tier], help) of the per-tier KV counters.
 _TIER_COUNTERS = (
     ("kv_tier_queries", "queries", "Blocks looked up in a KV tier (a lookup stops at the first miss)."),
@@ -63,6 +63,10 @@ _TIER_COUNTERS = (
     ("kv_tier_store_bytes", "store_bytes", "Bytes written to a KV tier (records with their headers)."),
     ("kv_tier_load_seconds", "load_seconds", "Seconds spent reading a KV tier (lookups, on the engine thread)."),
     ("kv_tier_store_seconds", "store_seconds", "Seconds spent writing a KV tier (the background writer)."),
+    ("kv_tier_write_errors", "write_errors", "Blocks a KV tier failed to write (a full disk, an unreachable Redis); "
+                                             "the block stays in memory, nothing partial is left."),
+    ("kv_tier_write_drops", "write_drops", "Blocks not queued for a KV tier's writer because its queue was full "
+                                           "(kv_write_queue_size) or the writer had ended."),
 )
 
 
@@ -181,7 +185,7 @@ class _EngineStatsCollector:
         family = CounterMetricFamily(
             f"{PREFIX}kv_tier_verify_failures",
             "Stored blocks refused when read back, by tier and reason (format, fingerprint, key, tokens, layout, "
-            "checksum); each is served as a miss and dropped from its tier.",
+            "checksum, truncated); each is served as a miss and dropped from its tier.",
             labels=["model_name", "tier", "reason"],
         )
         for tier, counts in tiers.items():
