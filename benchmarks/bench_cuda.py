@@ -152,7 +152,7 @@ def speed(model_dir: str, dtype: str, device: torch.device, args: argparse.Names
     begin = time.perf_counter()
     llm = LLM(model_dir, dtype=dtype, device=str(device), kv_cache_memory="8GiB", **CONFIGS[config])
     figures: dict = {"engine_start_s": time.perf_counter() - begin}
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.runner.decode.cuda_graphs
     if graphs is not None:
         figures["graph_sizes"] = graphs.sizes
         figures["graph_memory_mib"] = graphs.memory_bytes / 2**20

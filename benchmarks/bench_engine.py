@@ -8,13 +8,12 @@ Figures (medians of --repeats runs, ratios computed within this run; the machine
   3. A workload with no sharing: throughput with prefix caching on / off.
   4. Decode tokens/s with 16 concurrent requests and with one stream, against transformers generating
      one request at a time, against the same engine with every linear layer on plain F.linear
-     (the kernels before issue 14: the before/after ratio in one run) and against the same engine
-     with enable_torch_compile (decode steps through torch.compile; its start-up time too); the share
+     (the kernels before issue 14: the before/after ratio in one run); the share
      of each decode step spent outside the model (scheduling, metadata, sampling, detokenizing).
   5. Prefix match of a 32k-token prompt in the cache core (hashing reported separately).
   6. With --llama-server BIN --gguf FILE (from ../shared/tools/llama_cpp_peer.sh): llama.cpp's cold
      and warm TTFT on the same shapes (when ttft is in --only) and its one-stream decode tokens/s,
-     each repeat right after kvreuse's one-stream decode (eager and compiled).
+     each repeat right after kvreuse's one-stream decode.
 
     python benchmarks/bench_engine.py --preset qwen2.5-0.5b --dtype bfloat16
 
@@ -173,13 +172,11 @@ def hf_decode_rate(hf_model, args, rng, vocab) -> float:
     return median(rates)
 
 
-def bench_decode(llm, llm_plain, llm_compiled, hf_model, args, rng, vocab) -> dict:
+def bench_decode(llm, llm_plain, hf_model, args, rng, vocab) -> dict:
     """Decode rates at --concurrency and at one stream; with ``llm_plain`` (the same engine on plain
-    F.linear) and ``llm_compiled`` (the same engine with enable_torch_compile) the engines alternate
-    repeat by repeat, so drift in the machine favours none of them."""
+    F.linear) the engines alternate repeat by repeat, so drift in the machine favours neither."""
     once = argparse.Namespace(**{**vars(args), "repeats": 1})
-    engines = ({"measured": llm} | ({"plain": llm_plain} if llm_plain is not None else {})
-               | ({"compiled": llm_compiled} if llm_compiled is not None else {}))
+    engines = {"measured": llm} | ({"plain": llm_plain} if llm_plain is not None else {})
     rates: dict[tuple[str, int], list[float]] = {}
     overheads: dict[int, list[float]] = {}
     for _ in range(args.repeats):
@@ -208,28 +205,17 @@ def bench_decode(llm, llm_plain, llm_compiled, hf_model, args, rng, vocab) -> di
             "plain_kernels_decode_tok_s_one_stream": plain_one,
             "decode_one_stream_measured_over_plain_kernels": one / plain_one,
         }
-    if llm_compiled is not None:  # enable_torch_compile: the decode steps through torch.compile
-        compiled, compiled_one = median(rates["compiled", args.concurrency]), median(rates["compiled", 1])
-        results |= {
-            "compiled_decode_tok_s_concurrent": compiled,
-            "decode_concurrent_compiled_over_eager": compiled / concurrent,
-            "compiled_step_overhead_share_concurrent": median(overheads["compiled", args.concurrency]),
-            "compiled_decode_tok_s_one_stream": compiled_one,
-            "decode_one_stream_compiled_over_eager": compiled_one / one,
-            "compiled_step_overhead_share_one_stream": median(overheads["compiled", 1]),
-        }
     return results
 
 
 SETTLE_S = 2.0  # seconds between llama-server's requests and the next decode measurement
 
 
-def bench_llama_server(llm, llm_compiled, args, rng, vocab) -> dict:
+def bench_llama_server(llm, args, rng, vocab) -> dict:
     """llama.cpp's llama-server on a GGUF of the same folder (../shared/tools/llama_cpp_peer.sh): cold and
     warm TTFT of the same prefix + suffix shapes (one slot, its prompt cache reused across requests),
     and one-stream decode tokens/s from the server's own timings, each repeat right after kvreuse's
-    one-stream decode of the same shape, eager and (with ``llm_compiled``) compiled (the machine's
-    memory bandwidth drifts over minutes)."""
+    one-stream decode of the same shape (the machine's memory bandwidth drifts over minutes)."""
     import subprocess
 
     import httpx
@@ -260,7 +246,7 @@ def bench_llama_server(llm, llm_compiled, args, rng, vocab) -> dict:
                 response.raise_for_status()
                 return time.perf_counter() - start, response.json()
 
-            cold, warm, decode, ours, ours_compiled = [], [], [], [], []
+            cold, warm, decode, ours = [], [], [], []
             one_repeat = argparse.Namespace(**{**vars(args), "repeats": 1})
             for _ in range(args.repeats):
                 if "ttft" in args.only.split(","):
@@ -274,8 +260,6 @@ def bench_llama_server(llm, llm_compiled, args, rng, vocab) -> dict:
                 # they do not slow the measurement that follows (ours, then llama.cpp's own).
                 time.sleep(SETTLE_S)
                 ours.append(decode_rate(llm, one_repeat, rng, vocab, 1)[0])
-                if llm_compiled is not None:
-                    ours_compiled.append(decode_rate(llm_compiled, one_repeat, rng, vocab, 1)[0])
                 time.sleep(SETTLE_S)
                 _, body = complete(random_tokens(rng, args.decode_prompt, vocab), args.decode_tokens)
                 decode.append(body["timings"]["predicted_per_second"])
@@ -287,9 +271,6 @@ def bench_llama_server(llm, llm_compiled, args, rng, vocab) -> dict:
         "kvreuse_decode_tok_s_one_stream_beside_llama_cpp": median(ours),
         "kvreuse_one_stream_over_llama_cpp": median(ours) / median(decode),
     }
-    if ours_compiled:
-        results |= {"compiled_decode_tok_s_one_stream_beside_llama_cpp": median(ours_compiled),
-                    "compiled_one_stream_over_llama_cpp": median(ours_compiled) / median(decode)}
     if cold:
         results |= {"llama_cpp_ttft_cold_s": median(cold), "llama_cpp_ttft_warm_s": median(warm),
                     "llama_cpp_warm_over_cold": median(warm) / median(cold)}
@@ -372,8 +353,6 @@ def main() -> int:
     parser.add_argument("--only", default="ttft,nosharing,decode,match")
     parser.add_argument("--no-plain-baseline", action="store_true",
                         help="skip the second engine on plain F.linear kernels (the before/after decode figures)")
-    parser.add_argument("--no-compiled", action="store_true",
-                        help="skip the third engine with enable_torch_compile (the compiled decode figures)")
     parser.add_argument("--llama-server", default=None,
                         help="llama.cpp's llama-server binary (../shared/tools/llama_cpp_peer.sh prints it)")
     parser.add_argument("--gguf", default=None, help="the GGUF of the same model folder, for --llama-server")
@@ -417,13 +396,6 @@ def main() -> int:
             results.update(bench_ttft(llm, hf_model, args, rng, vocab))
             results["kvreuse_warm_ttft_over_transformers"] = (
                 results["kvreuse_ttft_warm_s"] / results["transformers_ttft_warm_copied_cache_s"])
-        llm_compiled = None
-        if "decode" in only and not args.no_compiled:
-            start = time.perf_counter()
-            llm_compiled = LLM(model_dir, dtype=args.dtype, device="cpu", kv_cache_memory=kv_cache_memory,
-                               enable_torch_compile=True)
-            # Engine start with the decode graphs compiled (inductor's disk cache makes repeats faster).
-            results["compiled_engine_start_s"] = time.perf_counter() - start
         if "decode" in only:
             llm_plain = None
             if not args.no_plain_baseline:
@@ -434,12 +406,12 @@ def main() -> int:
                     os.environ.pop("KVREUSE_LINEAR_KERNEL")
                 else:
                     os.environ["KVREUSE_LINEAR_KERNEL"] = before
-            results.update(bench_decode(llm, llm_plain, llm_compiled, hf_model, args, rng, vocab))
+            results.update(bench_decode(llm, llm_plain, hf_model, args, rng, vocab))
             del llm_plain
         if args.llama_server:
             if not args.gguf:
                 parser.error("--llama-server needs --gguf")
-            results.update(bench_llama_server(llm, llm_compiled, args, rng, vocab))
+            results.update(bench_llama_server(llm, args, rng, vocab))
             if "kvreuse_ttft_warm_s" in results:
                 results["kvreuse_warm_ttft_over_llama_cpp"] = results["kvreuse_ttft_warm_s"] / results["llama_cpp_ttft_warm_s"]
         if "nosharing" in only:

@@ -3,8 +3,7 @@ server on the same Hugging Face folder, one run, side by side.
 
 For each --gguf file, each system runs as a server subprocess with the cores to itself (one at a time):
 ``kvreuse serve --model FILE`` (its weights held as the file's quantized blocks: quantization "gguf", the
-default for a GGUF file on CPU), the same with ``--enable-torch-compile`` (decode steps compiled: minutes
-to start the first time on a machine, seconds once inductor's cache has them) and ``llama-server -m FILE
+default for a GGUF file on CPU) and ``llama-server -m FILE
 -np 16 -c 16384 --kv-unified -t THREADS``; kvreuse's KV pool holds the same --ctx-size tokens (the same
 bytes: bf16 against llama.cpp's f16 cache). One HTTP client measures
 both the same way, with token-id prompts (random ids of the file's vocabulary) on /v1/completions,
@@ -136,7 +135,7 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # invariant mode on the packed int8 kernel since issue 63; this is the measured-plan path it replaced).
 # vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-compiled", "kvreuse-no-batch-invariant", "llama-server", "vllm")
+           "kvreuse-no-batch-invariant", "llama-server", "vllm")
 PEERS = {"llama-server": "gguf", "vllm": "folder"}  # the model kind each peer serves
 
 
@@ -187,7 +186,7 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
         command += ["--kv-cache-dtype", "bfloat16"]
     if system == "kvreuse-no-batch-invariant":
         command += ["--no-batch-invariant"]
-    return command + (["--enable-torch-compile"] if system == "kvreuse-compiled" else [])
+    return command
 
 
 class Client:
@@ -319,7 +318,7 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
         time.sleep(args.settle_s)
         result["rss_idle_bytes"] = tree_status(server.process.pid)["VmRSS"]
         client = Client(server.base_url)
-        # First requests, one and --concurrency at once: lazy set-up (and a compiled batch size) out of the figures.
+        # First requests, one and --concurrency at once: lazy set-up out of the figures.
         asyncio.run(client.decode_rate([tokens(16)], 8))
         asyncio.run(client.decode_rate([tokens(16) for _ in range(args.concurrency)], 8))
         one, long_context, many, cold, warm = [], [], [], [], []

@@ -32,6 +32,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.bench.report import machine_description, write_json
 from kvreuse.loading.gguf import packaged_gguf
 from kvreuse.model_tools.make_model import ensure_model
+from kvreuse.runner.decode import native_step
 
 MODES = ("one call", "per layer", "op by op")
 
@@ -53,22 +54,22 @@ def main() -> int:
             return 1
         args.model = str(found)
     llm = LLM(args.model, dtype="float32", kv_cache_memory="512MiB")
-    model = llm.engine.runner.model
-    native = model.native_step
+    paths = llm.engine.runner.decode
+    native = paths.native_step
     if native is None:
         print("the native decode step does not run here (the start-up log says why): nothing to compare",
               file=sys.stderr)
         return 1
-    step_class = type(native)
-    one_call = step_class.run
+    held_class = native_step.HeldLayers
+    one_call = held_class.run
 
     def per_layer(held, hidden, rope, metadata, first, last) -> None:
         for index in range(first, last):
             one_call(held, hidden, rope, metadata, index, index + 1)
 
     def use(mode: str) -> None:
-        step_class.run = staticmethod(per_layer if mode == "per layer" else one_call)
-        model.native_step = None if mode == "op by op" else native
+        held_class.run = per_layer if mode == "per layer" else one_call
+        paths.native_step = None if mode == "op by op" else native
 
     vocab = llm.engine.model_config.vocab_size
     prompt = {"prompt_token_ids": [(1000 + index) % vocab for index in range(64)]}

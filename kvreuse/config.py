@@ -223,9 +223,15 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is
 QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as loading/loader.py's
 # Which paged attention the model runs (vLLM's option name): auto picks the in-place C++ kernel on CPU
 # (attention/cpu_paged.py) where it builds, else torch (gather + SDPA, attention/torch_paged.py: the
-# reference, and what enable_torch_compile traces); on CUDA auto picks triton (attention/triton_paged.py: Triton kernels
+# reference); on CUDA auto picks triton (attention/triton_paged.py: Triton kernels
 # reading the blocks in place) where triton is installed.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton")
+# The torch.compile'd decode was a third decode path beside the native CPU step and CUDA graphs; measured slower
+# than the native step on CPU (docs/benchmarks.md, "The compiled decode, retired") and refused with the Triton
+# backend on CUDA, where CUDA graphs are the default, it was removed.
+TORCH_COMPILE_RETIRED = ("enable_torch_compile is retired: decode steps run the native CPU step on CPU and CUDA "
+                         "graphs on CUDA, both faster than the compiled decode was (docs/benchmarks.md); drop the "
+                         "option")
 
 
 @dataclass(frozen=True)
@@ -244,7 +250,8 @@ class EngineConfig:
     lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
     speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
-    enable_torch_compile: bool = False  # decode steps through torch.compile (runner/decode/compiled_decode.py)
+    # SGLang's switch for a torch.compile'd decode: retired (TORCH_COMPILE_RETIRED says why); True is refused.
+    enable_torch_compile: bool = False
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # vLLM's name: no CUDA graphs; on CUDA with the triton backend pure decode steps replay captured graphs
     # (runner/decode/cuda_graphs.py). Nothing else uses graphs, so elsewhere it changes nothing.
@@ -257,6 +264,8 @@ class EngineConfig:
     batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_torch_compile:
+            raise ValueError(TORCH_COMPILE_RETIRED)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -83,8 +83,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="adapters resident (and in one batch) at once; the least recently used idle one is unloaded")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     parser.add_argument("--enable-torch-compile", action="store_true",
-                        help="run decode steps through torch.compile (as SGLang's flag): compiled at start-up, "
-                             "minutes the first time on a machine, seconds once inductor's disk cache has them")
+                        help="retired (SGLang's flag): refused with the reason; decode runs the native CPU step or "
+                             "CUDA graphs")
     parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                         help="paged attention: auto (the in-place C++ kernel on CPU where it builds, Triton kernels "
                              "on CUDA, else torch), cpu_paged or triton (that kernel, or fail), torch (gather + "

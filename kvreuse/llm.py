@@ -81,8 +81,8 @@ class LLM:
         KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
         with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0"); ``kv_write_queue_size``: the most
         bytes of blocks waiting to be written to disk and Redis (beyond it a block is not written, and counted).
-        ``enable_torch_compile``: run decode steps through torch.compile (compiled when the engine
-        starts: minutes the first time on a machine, seconds once inductor's disk cache has them).
+        ``enable_torch_compile``: retired; True raises ValueError saying why (the native CPU step and CUDA graphs
+        are the decode paths).
         ``quantization`` (vLLM's name): "gguf" keeps a GGUF file's quantized weights in memory and runs on
         them (the default for a .gguf model on CPU), "int8" quantizes a folder's linear layers at load
         (weight-only), "none" holds every weight in ``dtype``.

@@ -117,7 +117,7 @@ def test_gguf_products_run_on_the_packed_kernel_where_it_runs(tiny_models, gguf_
     assert model.runs_packed_products() == qpacked.available()
     assert model.runs_int8_activations() != qpacked.available()  # qdot8 where the packed kernel does not run
     run(llm, prompts()[1][:1], together=True)
-    held = [args for args in model.native_step._args.values() if not isinstance(args, str)]
+    held = [args for args in llm.engine.runner.decode.native_step._args.values() if not isinstance(args, str)]
     assert held, "the native step ran"
     assert all((KERNEL_CODES["qpacked8"] in layer.kernels) == qpacked.available() for args in held for layer in args)
     other = LLM(str(model_path(tiny_models, gguf_dir, "qwen2:Q5_0")), **options).engine.runner.model

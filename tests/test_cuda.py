@@ -72,9 +72,9 @@ def test_greedy_equals_transformers_on_the_gpu_cold_and_warm(tiny_models: dict[s
     warm, warm_cached = run_checked(llm, prompts)
     assert cold == expected and warm == expected
     if arch in ("qwen3_moe", "gpt_oss"):
-        assert runner.cuda_graphs is None and "mixture-of-experts" in runner.no_graphs_reason
+        assert runner.decode.cuda_graphs is None and "mixture-of-experts" in runner.decode.no_graphs_reason
     else:
-        assert runner.cuda_graphs is not None and runner.cuda_graphs.replays > 0
+        assert runner.decode.cuda_graphs is not None and runner.decode.cuda_graphs.replays > 0
     # Token-granular reuse: all of each prompt but its last token, which is computed to sample from.
     assert cold_cached == [0, 0, 0] and warm_cached == [len(prompt) - 1 for prompt in prompts]
 

@@ -254,7 +254,7 @@ def test_a_bfloat16_pool_under_a_float32_model(tiny_models: dict[str, Path], mon
         outputs[name] = [[(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in run] for run in runs]
         assert runs[1][0].num_cached_tokens == 21
         if name == "native":
-            assert 1 in {rows for rows, args in engine.runner.model.native_step._args.items() if not isinstance(args, str)}
+            assert 1 in {rows for rows, args in engine.runner.decode.native_step._args.items() if not isinstance(args, str)}
     assert outputs["native"] == outputs["kernel"]  # bit for bit
     assert [[ids for ids, _ in run] for run in outputs["kernel"]] == [[ids for ids, _ in run] for run in outputs["torch"]]
 

@@ -59,7 +59,7 @@ def _both(monkeypatch, path: str, **kwargs) -> tuple[LLM, LLM]:
 
 def _native_rows(llm: LLM) -> set[int]:
     """The row counts whose steps ran the native layers."""
-    step = llm.engine.runner.model.native_step
+    step = llm.engine.runner.decode.native_step
     assert step is not None
     return {rows for rows, args in step._args.items() if not isinstance(args, str)}
 
@@ -68,11 +68,15 @@ def _native_rows(llm: LLM) -> set[int]:
 def test_float32_folders_equal_op_by_op_bit_for_bit(tiny_models, monkeypatch, arch):
     native, op_by_op = _both(monkeypatch, str(tiny_models[arch]), dtype="float32", device="cpu", block_size=4,
                              kv_cache_memory="256KiB", max_num_batched_tokens=24)
-    assert op_by_op.engine.runner.model.native_step is None
+    assert op_by_op.engine.runner.decode.native_step is None
     rounds = _rounds()
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert {1, 2, 3} <= _native_rows(native)
     assert native.engine.stats().cache.hit_tokens > 0
+    # The decode paths' choice, counted: prefills on the layers, decode steps native; with the step off, none.
+    paths, off = native.engine.runner.decode.steps, op_by_op.engine.runner.decode.steps
+    assert paths["native_step"] > 0 and paths["layers"] > 0 and paths["cuda_graphs"] == 0
+    assert off["native_step"] == 0 and off["layers"] == sum(paths.values())
 
 
 @pytest.mark.parametrize("arch,kind,kernel", [("llama-plain", "Q4_1", "qdot"), ("llama-plain", "Q4_1", "qdot8"),
@@ -88,7 +92,7 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
     rounds = _rounds(seed=6)
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert 1 in _native_rows(native)
-    qkv = native.engine.runner.model.native_step._args[1][0]
+    qkv = native.engine.runner.decode.native_step._args[1][0]
     expected = native_step.KERNEL_CODES[kernel if kind.lower() in quant_ops.int8_formats() else "qdot"]
     assert set(qkv.kernels) == {expected}
     if arch in ("qwen3_moe", "gpt_oss"):  # the experts run inside the native step (DecodeLayers.set_experts)
@@ -135,7 +139,7 @@ def test_layers_with_windows_scales_and_sinks_equal_op_by_op(tiny_models, monkey
     rounds = _rounds(seed=7)
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert {1, 2} <= _native_rows(native)
-    held = native.engine.runner.model.native_step._args[1]
+    held = native.engine.runner.decode.native_step._args[1]
     assert held[0].attention.sinks is sinks and held[1].attention.scale == 0.3
 
 
@@ -145,14 +149,14 @@ def test_lora_rows_run_op_by_op(tiny_models):
     from kvreuse.attention.forward_batch import ProjectionDeltas
 
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu", kv_cache_memory="256KiB")
-    step, kv_cache = llm.engine.runner.model.native_step, llm.engine.runner.kv_cache
+    step, kv_cache = llm.engine.runner.decode.native_step, llm.engine.runner.kv_cache
     hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
     decode_rows = NativeAttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.int64), fresh_prefills=[], paged=None,
                                           context_chunks=[], covers_whole_batch=False, paged_covers_whole_batch=True)
-    assert step.layers_for(hidden, kv_cache, decode_rows, None) is not None
+    assert step.layers_for(1, hidden.dtype, kv_cache, decode_rows, None) is not None
     lora = ProjectionDeltas.__new__(ProjectionDeltas)
-    assert step.layers_for(hidden, kv_cache, decode_rows, lora) is None
-    assert step.layers_for(hidden, kv_cache, object(), None) is None  # another backend's metadata
+    assert step.layers_for(1, hidden.dtype, kv_cache, decode_rows, lora) is None
+    assert step.layers_for(1, hidden.dtype, kv_cache, object(), None) is None  # another backend's metadata
 
 
 def test_bad_arguments_are_refused_by_name(tiny_models):

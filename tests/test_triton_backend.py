@@ -71,13 +71,14 @@ def test_triton_backend_refusals(tiny_model: Path, monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="attention_backend 'triton' cannot run here: its kernels run on CUDA"):
         LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="2MiB", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="enable_torch_compile traces the torch backend"):
+    # The compiled decode is retired: the option is refused with the reason, whatever the backend.
+    with pytest.raises(ValueError, match="enable_torch_compile is retired: decode steps run the native CPU step"):
         LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="2MiB", attention_backend="triton",
             enable_torch_compile=True)
     llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="2MiB")
     assert not isinstance(llm.engine.runner.attention_backend, TritonPagedAttention)
-    assert llm.engine.runner.cuda_graphs is None
-    assert llm.engine.runner.no_graphs_reason == "CUDA graphs need a CUDA device, this engine runs on cpu"
+    assert llm.engine.runner.decode.cuda_graphs is None
+    assert llm.engine.runner.decode.no_graphs_reason == "CUDA graphs need a CUDA device, this engine runs on cpu"
 
 
 def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch):
@@ -112,9 +113,9 @@ def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: 
                         "enforce_eager" if enforce_eager else None)
     monkeypatch.setattr(cuda_graphs, "estimate_graph_memory", lambda *args: 0)
     from kvreuse.engine import builder
-    from kvreuse.runner import model_runner
+    from kvreuse.runner.decode import paths
     monkeypatch.setattr(builder, "why_no_graphs", lambda model, device, backend, enforce_eager: "stand-in")
-    monkeypatch.setattr(model_runner, "why_no_graphs", cuda_graphs.why_no_graphs)
+    monkeypatch.setattr(paths, "why_no_graphs", cuda_graphs.why_no_graphs)
     prompts = [[(11 * i + 5 * j) % 250 + 1 for j in range(length)] for i, length in enumerate((3, 9, 14, 22, 40))]
     runs = {}
     for name, eager in (("graphs", False), ("eager", True)):
@@ -124,7 +125,7 @@ def test_graph_replay_buffers_on_cpu(tiny_models: dict[str, Path], monkeypatch: 
         params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW + index, ignore_eos=True)
                   for index in range(len(prompts))]
         results = [run_checked(llm, prompts, params)[0] for _ in ("cold", "warm")]
-        runs[name] = (results, llm.engine.runner.cuda_graphs)
+        runs[name] = (results, llm.engine.runner.decode.cuda_graphs)
     assert runs["graphs"][0] == runs["eager"][0]
     graphs = runs["graphs"][1]
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.replays > 10
@@ -144,6 +145,6 @@ def test_commands_take_enforce_eager_and_the_triton_backend(tiny_model: Path):
     llm = llm_from_args(args)
     assert llm.engine.config.enforce_eager and llm.engine.config.attention_backend == "triton"
     assert isinstance(llm.engine.runner.attention_backend, TritonPagedAttention)
-    assert llm.engine.runner.cuda_graphs is None and llm.engine.runner.no_graphs_reason == "enforce_eager"
+    assert llm.engine.runner.decode.cuda_graphs is None and llm.engine.runner.decode.no_graphs_reason == "enforce_eager"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", str(tiny_model), "--attention-backend", "flash"])

@@ -161,7 +161,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         feature_size=model_config.hidden_size if draft is not None else 0,
         kv_cache_dtype=config.cache.kv_cache_dtype,
     )
-    runner = ModelRunner(model, model_config, kv_cache, device, compile_decode=config.enable_torch_compile,
+    runner = ModelRunner(model, model_config, kv_cache, device,
                          max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
                          enforce_eager=config.enforce_eager, max_model_len=max_model_len,
                          batch_invariant=config.batch_invariant)
@@ -226,9 +226,8 @@ def resolve_device(device: str) -> torch.device:
 
 def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> AttentionBackend | None:
     """The attention backend ``config.attention_backend`` asks for; None keeps the model's TorchPagedAttention.
-    auto: the in-place C++ kernel on CPU where it builds and the Triton kernels on CUDA where triton is installed,
-    except under enable_torch_compile (whose graphs trace the torch backend). Logged once, with the reason where
-    it is not the kernel."""
+    auto: the in-place C++ kernel on CPU where it builds and the Triton kernels on CUDA where triton is installed.
+    Logged once, with the reason where it is not the kernel."""
     choice = config.attention_backend
     if config.batch_invariant and choice not in ("auto", "cpu_paged"):
         raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (attention_backend auto "
@@ -243,23 +242,18 @@ def choose_attention_backend(config: EngineConfig, device: torch.device, dtype: 
         return _triton_backend(config, device, asked=choice == "triton")
     backend = cpu_paged.paged_attention_backend(device, dtype, config.batch_invariant)
     if config.batch_invariant:
-        if backend is None or config.enable_torch_compile:  # choice is auto or cpu_paged (checked above)
-            raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (no "
-                             f"enable_torch_compile, the kernel built): device {device}, dtype {dtype}")
+        if backend is None:  # choice is auto or cpu_paged (checked above)
+            raise ValueError(f"batch_invariant runs every attention row in the CPU paged kernel (the kernel "
+                             f"built): device {device}, dtype {dtype}")
         logger.info("attention: cpu_paged, batch-invariant (every row in the kernel, partitions of %d keys)",
                     cpu_paged.INVARIANT_PARTITION)
         return backend
     if choice == "cpu_paged":
-        if config.enable_torch_compile:
-            raise ValueError("attention_backend 'cpu_paged' cannot run under enable_torch_compile (its graphs "
-                             "trace the torch backend); use one or the other")
         if backend is None:
             raise ValueError(f"attention_backend 'cpu_paged' needs a CPU device, a float32 / bfloat16 / float16 "
                              f"model and the kernel built (device {device}, dtype {dtype}; see the log)")
-    elif config.enable_torch_compile or backend is None:
-        reason = ("enable_torch_compile traces the torch backend" if config.enable_torch_compile
-                  else f"the in-place kernel does not run on {device} / {dtype} here")
-        logger.info("attention: torch (gather + SDPA): %s", reason)
+    elif backend is None:
+        logger.info("attention: torch (gather + SDPA): the in-place kernel does not run on %s / %s here", device, dtype)
         return None
     logger.info("attention: cpu_paged (the in-place C++ kernel; chunks over cached context of more than %d "
                 "tokens gather and run SDPA)", cpu_paged.MAX_PAGED_QUERIES)
@@ -273,8 +267,6 @@ def _triton_backend(config: EngineConfig, device: torch.device, asked: bool) -> 
     problem = None
     if importlib.util.find_spec("triton") is None:
         problem = "triton is not installed (pip install triton; torch's CUDA wheels bring it)"
-    elif config.enable_torch_compile:
-        problem = "enable_torch_compile traces the torch backend"
     elif device.type != "cuda" and not interpreted:
         problem = f"its kernels run on CUDA (on {device} only under TRITON_INTERPRET=1, for tests)"
     if problem is not None:
@@ -439,7 +431,6 @@ def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, mo
         return False, str(exc).removeprefix("batch_invariant is ")
     for refused, reason in (
             (config.speculative is not None, "a speculative draft (its float products would run the row-dot GEMV)"),
-            (config.enable_torch_compile, "enable_torch_compile (its graphs trace the torch attention)"),
             (config.attention_backend not in ("auto", "cpu_paged"), f"attention_backend {config.attention_backend}"),
             (os.environ.get(plan_book.KERNEL_ENV, "auto").strip().lower() != "auto",
              f"{plan_book.KERNEL_ENV} forces a product kernel"),

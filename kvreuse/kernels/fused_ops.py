@@ -14,7 +14,7 @@ its quantized products. Four kernels replace them, and a fifth does the sampler'
 - ``argmax_rows(logits)``: greedy sampling's argmax over the vocabulary, vectorised and split between threads.
 
 Each equals the PyTorch code it replaces (the ``reference_*`` functions here, which are what the model
-runs where the kernels do not: CUDA, under ``torch.compile``, or where no compiler built them): float32
+runs where the kernels do not: CUDA, or where no compiler built them): float32
 within float rounding (a norm's summation order, a contracted multiply-add), reduced precision with at
 most the roundings PyTorch does between ops (tests/test_fused_ops.py). Built and cached like the other
 kernels (kernels/rowdot.py).
@@ -66,10 +66,8 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernels run for activations ``x``: on CPU, in a dtype they take, built, and not while
-    torch.compile traces (inductor fuses the reference's ops itself)."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.compiler.is_compiling()
-            and available())
+    """Whether the kernels run for activations ``x``: on CPU, in a dtype they take, and built."""
+    return x.device.type == "cpu" and x.dtype in DTYPES and available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -132,21 +132,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _packed_linear_op(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@torch.library.custom_op("kvreuse::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear as an opaque op for torch.compile: inductor lowers the mkldnn op itself only for
-    weights it packed (frozen constants), and asserts on ours."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 def transpose_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -171,15 +157,7 @@ def run_split_in(x: torch.Tensor, transposed: torch.Tensor, parts: int) -> torch
     partial products are summed."""
     rows, size = x.shape
     blocks = x.view(rows, parts, size // parts).transpose(0, 1)  # [parts, rows, in/parts]
-    return _bmm(blocks, transposed.view(parts, size // parts, -1)).sum(0)
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, except under torch.compile: there inductor rewrites a one-row bmm on CPU into its own
-    multiply-and-sum loops (2x slower than the BLAS call), while baddbmm stays the library call."""
-    if torch.compiler.is_compiling():
-        return torch.baddbmm(a.new_zeros(()).expand(a.shape[0], a.shape[1], b.shape[2]), a, b, beta=0)
-    return torch.bmm(a, b)
+    return torch.bmm(blocks, transposed.view(parts, size // parts, -1)).sum(0)
 
 
 def split_out_weight(weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -191,7 +169,7 @@ def split_out_weight(weight: torch.Tensor, parts: int) -> torch.Tensor:
 def run_split_out(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times each block [in, out/parts], side by side -> [rows, out]."""
     parts = blocks.shape[0]
-    out = _bmm(x.unsqueeze(0).expand(parts, -1, -1), blocks)  # [parts, rows, out/parts]
+    out = torch.bmm(x.unsqueeze(0).expand(parts, -1, -1), blocks)  # [parts, rows, out/parts]
     return out.transpose(0, 1).reshape(x.shape[0], parts * blocks.shape[2])
 
 

@@ -61,9 +61,7 @@ def run_quantized(name: str, x: torch.Tensor,
             return rowdot.rowdot(x.contiguous(), weight.to(x.dtype), plan_book.ROWDOT_GROUP[name])
         return F.linear(x, weight.to(x.dtype))
     if name == "qdot8":
-        # A part's plan offers qdot8 only where its format runs it (plan_for), which the compiled decode
-        # trusts: quant_ops.int8_formats() (a cached build check) is not traced.
-        runs = torch.compiler.is_compiling() or weight.format.name in quant_ops.int8_formats()
+        runs = weight.format.name in quant_ops.int8_formats()  # a fused weight's other parts: qdot
         return quant_ops.qlinear_int8(x, weight) if runs else quant_ops.qlinear(x, weight)
     if name == "qtile_bf16":
         return quant_ops.tiled_linear(x, weight, torch.bfloat16)
@@ -126,8 +124,8 @@ class QuantizedLinearKernel:
 
     @property
     def plan(self) -> LinearPlan:
-        """One plan whose ranges of row counts are those of all parts' plans (the compiled decode reads
-        where kernels switch); each range names the first part's kernel."""
+        """One plan whose ranges of row counts are those of all parts' plans (where any part switches
+        kernel); each range names the first part's kernel."""
         if len(self.plans) == 1:
             return self.plans[0]
         limits = sorted({limit for plan in self.plans for limit, _ in plan.segments})

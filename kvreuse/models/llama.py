@@ -49,13 +49,10 @@ from kvreuse.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 class NativeLayers(Protocol):
-    """All of a decode step's layers in one native call: what the runner sets as ``native_step`` where the
-    native CPU step applies (runner/decode/native_step.py's ``NativeDecodeStep``). ``layers_for`` returns
-    what ``run`` needs for this step, or None where the step is not one it runs."""
+    """All of a step's decoder layers in one native call: what the runner hands ``forward`` where its decode
+    paths chose the native CPU step for the step (runner/decode/paths.py; native_step.py's ``HeldLayers``)."""
 
-    def layers_for(self, hidden: torch.Tensor, kv_caches: Any, attn_metadata: Any, lora: Any) -> Any: ...
-
-    def run(self, held: Any, hidden: torch.Tensor, rope: Any, metadata: Any, first: int, last: int) -> None: ...
+    def run(self, hidden: torch.Tensor, rope: Any, metadata: Any, first: int, last: int) -> None: ...
 
 
 class RopeInputs:
@@ -277,8 +274,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype, device)
         self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
-        # Decode steps' layers in one native call, where set (the runner does: runner/decode/native_step.py).
-        self.native_step: NativeLayers | None = None
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
@@ -299,13 +294,14 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
         lora: ProjectionDeltas | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
-        narrowing: Narrowing | None = None,
+        narrowing: Narrowing | None = None, native: NativeLayers | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
         ``lora`` adds each adapter's deltas to its own token rows. For each layer index in ``aux_layers``
         a copy of the residual stream entering that layer is appended to ``aux_out`` (EAGLE-3's features).
         ``narrowing`` (a blended prefill, attention/blend.py): from layer ``narrowing.at_layer`` on only the rows
-        it keeps run, and the hidden states returned are theirs.
+        it keeps run, and the hidden states returned are theirs. ``native``: the step's decoder layers held in C++
+        (the decode paths' choice, runner/decode/paths.py), run in place of the Python layers.
 
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
@@ -315,17 +311,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         fused = fused_ops.applies(hidden)
         rope = RopeInputs(positions, self.rotary, hidden.dtype, fused)  # shared by every layer
         local_rope = rope if self.local_rotary is None else RopeInputs(positions, self.local_rotary, hidden.dtype, fused)
-        native = self.native_step
-        held = (native.layers_for(hidden, kv_caches, attn_metadata, lora)
-                if native is not None and narrowing is None else None)
         captured: dict[int, torch.Tensor] = {}
-        if held is not None:  # every layer in one native call, in stretches between the captured layers
+        if native is not None:  # every layer in one native call, in stretches between the captured layers
             first = 0
             for index in sorted(aux_layers):
-                native.run(held, hidden, rope, attn_metadata, first, index)
+                native.run(hidden, rope, attn_metadata, first, index)
                 captured[index] = hidden.clone()  # the layers update the residual stream in place
                 first = index
-            native.run(held, hidden, rope, attn_metadata, first, len(self.model.layers))
+            native.run(hidden, rope, attn_metadata, first, len(self.model.layers))
         else:
             for index, layer in enumerate(self.model.layers):
                 if narrowing is not None and index == narrowing.at_layer:

@@ -23,9 +23,7 @@ from kvreuse.attention.rope_shift import move_kv
 from kvreuse.cache.kv import KVCache
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
-from kvreuse.runner.decode import native_step
-from kvreuse.runner.decode.compiled_decode import CompiledDecode
-from kvreuse.runner.decode.cuda_graphs import CudaGraphDecode, why_no_graphs
+from kvreuse.runner.decode.paths import CUDA_GRAPHS, DecodePaths
 from kvreuse.runner.host_allocator import keep_activations_in_heap
 from kvreuse.runner.huge_pages import (
     HugePageReport,
@@ -51,7 +49,6 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device | str,
         attention_backend: AttentionBackend | None = None,
-        compile_decode: bool = False,
         max_num_seqs: int = 64,
         enforce_eager: bool = False,
         max_model_len: int | None = None,
@@ -84,29 +81,15 @@ class ModelRunner:
             self.weight_pages = back_weights_with_huge_pages(model.weight_tensors())
             log_weight_pages(self.weight_pages)
         self.attention_backend = model.attention_backend
-        model.native_step = native_step.for_model(model, self.device, compile_decode)
+        self._metadata_seconds = 0.0  # the current step's attention metadata build (engine overhead, not forward)
         # Seconds spent in the model's forward and logits, the rest of a step being engine overhead.
         # Exact on CPU (synchronous); on CUDA it is launch time unless something synchronizes.
         self.last_forward_seconds = 0.0
-        # enable_torch_compile: pure decode steps run through torch.compile'd graphs, built here.
-        self.compiled_decode: CompiledDecode | None = None
         # Set by a server sharing the CPU with its event loop (LLMEngine.share_cpu_with_event_loop).
         self.step_threads: StepThreads | None = None
-        if compile_decode:
-            self.compiled_decode = CompiledDecode(model, kv_cache, self.device)
-            self.compiled_decode.warm_up(kv_cache.block_size, max_num_seqs)
-        # On CUDA with the triton backend: pure decode steps replay captured graphs (runner/decode/cuda_graphs.py).
-        self.cuda_graphs: CudaGraphDecode | None = None
-        self.no_graphs_reason = why_no_graphs(model, self.device, self.attention_backend, enforce_eager)
-        if self.no_graphs_reason is None:
-            self.cuda_graphs = CudaGraphDecode(model, kv_cache, self.device, max_num_seqs,
-                                               max_model_len or model_config.max_position_embeddings)
-            seconds = self.cuda_graphs.capture()
-            logger.info("CUDA graphs: decode batch sizes %s captured in %.1f s, %.1f MiB; eager: prefill, chunks over "
-                        "cached context, mixed steps, LoRA rows, speculative steps", self.cuda_graphs.sizes,
-                        seconds, self.cuda_graphs.memory_bytes / 2**20)
-        elif self.device.type == "cuda":
-            logger.info("CUDA graphs: off (%s); every step runs eagerly", self.no_graphs_reason)
+        # The decode paths beside the Python layers (the native CPU step, CUDA graphs) and the choice between them.
+        self.decode = DecodePaths(model, kv_cache, self.device, self.attention_backend, max_num_seqs,
+                                  max_model_len or model_config.max_position_embeddings, enforce_eager)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(logits_indices), vocab], one row per sampled token.
@@ -138,28 +121,32 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         batch = self._to_device(batch)
         self.kv_cache.copy_blocks(batch.block_copies)
-        if self.cuda_graphs is not None and self.cuda_graphs.applies(batch, aux_layers):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                hidden, logits = self.cuda_graphs(batch)
-            self.last_forward_seconds = time.perf_counter() - start
-            return StepOutput(logits, hidden, [])
-        metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
         aux: list[torch.Tensor] = []
+        self._metadata_seconds = 0.0
         start = time.perf_counter()
         with torch.inference_mode():
-            narrowing, narrowed = self._blend(batch, aux_layers)
-            if self.compiled_decode is not None and self.compiled_decode.applies(batch, metadata, aux_layers):
-                hidden, logits = self.compiled_decode(batch, metadata)
+            choice = self.decode.choose(batch, aux_layers, self.model.dtype, lambda: self._prepare(batch, aux_layers))
+            if choice.path == CUDA_GRAPHS:
+                hidden, logits = self.decode.cuda_graphs(batch)
             else:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, metadata, batch.lora,
-                                    aux_layers, aux, narrowing)
-                rows = narrowed[0].logits_indices if narrowed else batch.logits_indices
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, choice.metadata, batch.lora,
+                                    aux_layers, aux, choice.narrowing, choice.native)
+                rows = choice.narrowed[0].logits_indices if choice.narrowed else batch.logits_indices
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
-        self.last_forward_seconds = time.perf_counter() - start
+        # The forward and logits only: the attention metadata is engine overhead, as before the decode paths.
+        self.last_forward_seconds = time.perf_counter() - start - self._metadata_seconds
         if policy is not None and threads is not None:
             policy.record(batch.num_tokens, threads, self.last_forward_seconds, longest)
         return StepOutput(logits, hidden, aux)
+
+    def _prepare(self, batch: ForwardBatch, aux_layers: tuple[int, ...]
+                 ) -> tuple[object, Narrowing | None, list[ForwardBatch]]:
+        """What the layers and the native step run on: the step's attention metadata (timed apart), then the
+        blend's moves and narrowing."""
+        start = time.perf_counter()
+        metadata = self.attention_backend.prepare(batch, self.kv_cache.block_size)
+        self._metadata_seconds = time.perf_counter() - start
+        return (metadata, *self._blend(batch, aux_layers))
 
     def _blend(self, batch: ForwardBatch, aux_layers: tuple[int, ...]) -> tuple[Narrowing | None, list[ForwardBatch]]:
         """Move the step's moved K/V into place (turned to its new positions) and, for a blend, the narrowing the

@@ -23,9 +23,6 @@ the next request's arrival or a client's burst of work takes half as long again,
 those flip the choice back and forth (measured: qwen2.5-0.5b's one-stream decode fell to 26 tok/s, below
 either fixed count). The measurement is the step as served, event loop included, so it decides what a
 microbenchmark at start-up could not see.
-
-Compiled decode graphs are built with ``cpp.dynamic_threads`` (runner/decode/compiled_decode.py), so they
-follow the thread count set here.
 """
 
 from __future__ import annotations

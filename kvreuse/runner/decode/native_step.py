@@ -14,7 +14,7 @@ It runs a step when every token is the paged kernel's (decode rows and short chu
 context: ``NativeAttentionMetadata.paged_covers_whole_batch``), the KV pool holds floats (the model's dtype or bfloat16),
 no LoRA adapter is in the batch, and each projection's plan for the step's row count is one of those
 kernels. Anything else runs op by op for that step: prefills, quantized KV pools, LoRA rows, products
-on dequantized tiles or packed layouts, CUDA, torch.compile (``decode_step`` says which, once, at start).
+on dequantized tiles or packed layouts, CUDA (``for_model`` says which, once, at start).
 Each layer's attention is what its ``self_attn.layer_attention`` (a ``LayerAttention``) says: a sliding window,
 a softmax scale of its own, learned sinks, handed to the paged kernel as the op-by-op path hands them
 (``DecodeLayers.set_attention``), with the output projection's bias (gpt-oss). A model with Gemma's norms runs op
@@ -152,13 +152,13 @@ class NativeDecodeStep:
         self._kv_cache: KVCache | None = None
         self._said: set[str] = set()
 
-    def layers_for(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: object, lora: object) -> Any | None:
-        """The ``DecodeLayers`` for this step, or None where it runs op by op."""
+    def layers_for(self, rows: int, dtype: torch.dtype, kv_cache: KVCache, metadata: object,
+                   lora: object) -> HeldLayers | None:
+        """The layers held for a step of ``rows`` tokens in ``dtype``, or None where it runs op by op."""
         if (lora is not None or not isinstance(metadata, NativeAttentionMetadata)
                 or not metadata.paged_covers_whole_batch or kv_cache.scheme is not None
-                or kv_cache.dtype != hidden.dtype or not fused_ops.applies(hidden)):
+                or kv_cache.dtype != dtype or dtype not in fused_ops.DTYPES or not fused_ops.available()):
             return None
-        rows = hidden.shape[0]
         args = self._args.get(rows)
         if args is None and len(self._args) >= MAX_ROW_COUNTS_HELD:
             # Batch-invariant mode sends prefills here too: a new row count each; what is held is a few
@@ -177,7 +177,7 @@ class NativeDecodeStep:
             self._kv_cache = kv_cache
         held = self._held.get(rows)
         if held is None:
-            held = self._held[rows] = self._hold(args, kv_cache)
+            held = self._held[rows] = HeldLayers(self._hold(args, kv_cache))
         return held
 
     def _hold(self, args: list[LayerArgs], kv_cache: KVCache) -> Any:
@@ -209,23 +209,27 @@ class NativeDecodeStep:
             made.append(args)
         return made
 
-    @staticmethod
-    def run(held: Any, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int,
-            last: int) -> None:
+
+@dataclass
+class HeldLayers:
+    """A step's decoder layers held in C++ for one row count (``DecodeLayers``): what the model runs in place of
+    its Python layers (models/llama.py's ``NativeLayers``)."""
+
+    layers: Any  # torch.classes.kvreuse_step.DecodeLayers
+
+    def run(self, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int, last: int) -> None:
         """Decoder layers [first, last) on ``hidden`` [T, hidden] (updated in place), their K/V stored."""
         rows, table = metadata.paged, rope.rotary
-        held.run(hidden, table.cos_cache, table.sin_cache, rope.positions, rows.block_tables, rows.query_start,
-                 rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
+        self.layers.run(hidden, table.cos_cache, table.sin_cache, rope.positions, rows.block_tables,
+                        rows.query_start, rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
 
 
-def for_model(model: Any, device: torch.device, compiling: bool) -> NativeDecodeStep | None:
+def for_model(model: Any, device: torch.device) -> NativeDecodeStep | None:
     """The native step for ``model`` where it can run (logged once either way), else None."""
     if os.environ.get(ENV, "1").strip() == "0":
         reason = f"{ENV}=0"
     elif device.type != "cpu":
         reason = f"not on {device.type}"
-    elif compiling:
-        reason = "enable_torch_compile runs compiled graphs"
     elif getattr(model, "native_step_refusal", None) is not None:
         reason = model.native_step_refusal
     elif not isinstance(model.attention_backend, NativePagedAttention):
