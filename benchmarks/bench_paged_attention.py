@@ -1,7 +1,7 @@
 """The CPU paged attention kernel alone, one call per layer as a decode step makes it, in both of its
 bf16 layouts: ``bf16_dot`` (AVX512_BF16 dot products over keys transposed and values paired as bf16
 words, csrc/paged_attention.cpp) and ``float_rows`` (the pool read as float32 rows, what every other dtype
-and CPU runs; forced with KVREUSE_ATTENTION_NO_BF16_DOT=1).
+and CPU runs; forced with ``paged_attention.use_bf16_dot(False)``).
 
 Cases (bf16 pool and queries, 16-token blocks): qwen2.5-0.5b's shapes (14 query heads over 2 KV heads of
 64) with one decode row after 4,000 tokens and 16 rows after 128 each, and SmolLM2-135M's (9 over 3 of 64)
@@ -61,10 +61,7 @@ def call(case: dict, out: torch.Tensor, layer: int, window: int = 0) -> None:
 
 
 def use(layout: str) -> None:
-    if layout == "float_rows":
-        os.environ[paged_attention.NO_BF16_DOT_ENV] = "1"
-    else:
-        os.environ.pop(paged_attention.NO_BF16_DOT_ENV, None)
+    paged_attention.use_bf16_dot(layout != "float_rows")
 
 
 def main() -> int:

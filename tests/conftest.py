@@ -34,14 +34,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if "KVREUSE_CACHE_DIR" not in os.environ:
         _PRIVATE_CACHE = tempfile.mkdtemp(prefix="kvreuse-cache-")
         os.environ["KVREUSE_CACHE_DIR"] = _PRIVATE_CACHE
-    # Every engine the suite starts (servers and CLI runs included) stays on plain F.linear: measuring
-    # the CPU kernels of real-shaped models in each fresh cache dir would cost the suite minutes on a
-    # busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py
-    # tests the measured choice and the other kernels against plain.
+    # Every engine the suite starts (servers and CLI runs included) stays on plain F.linear unless a test clears
+    # this: measuring the CPU kernels of real-shaped models in each fresh cache dir would cost the suite minutes
+    # on a busy 2-core machine and make its numerics depend on the machine. tests/test_linear_kernels.py tests
+    # the measured choice and the other kernels against plain; the real model's default path runs end to end in
+    # tests/test_gguf.py (in process and through kvreuse demo), and batch-invariant mode's in
+    # tests/test_batch_invariance.py.
     os.environ.setdefault("KVREUSE_LINEAR_KERNEL", "plain")
     # Without a GPU the Triton kernels' tests run them in Triton's interpreter, which works only if the variable is
-    # set before anything imports triton (torch.compile's tests do, and triton.language's own helpers are then
-    # compiled-only): so here, before any test module is imported.
+    # set before anything imports triton (triton.language's own helpers are otherwise compiled-only): so here,
+    # before any test module is imported.
     import torch
 
     if not torch.cuda.is_available():

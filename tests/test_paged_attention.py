@@ -69,6 +69,14 @@ class Pool:
         return self.cache.gather(0, self.slots(table, 0, length), torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def bf16_dot_back_on():
+    """A test that reads bf16 pools as float32 rows (``use_bf16_dot(False)``) leaves the layout on for the next."""
+    yield
+    if paged_attention.available():
+        paged_attention.use_bf16_dot(True)
+
+
 def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads: int,
                partition_size: int = 0, attention: LayerAttention = PLAIN_ATTENTION) -> None:
     """Write every sequence's context, run the kernel once over all of them, compare each with the reference."""
@@ -80,6 +88,7 @@ def run_kernel(pool: Pool, query_lens: list[int], context_lens: list[int], heads
     out = torch.full_like(q, float("nan"))
     rows = paged_rows(query_lens, context_lens, tables, starts, pool.block_size)
     cpu_paged.paged_attention(out, q, pool.cache, 0, rows, partition_size, attention=attention)
+    run_kernel.last = out
     tolerance = 1e-5 if pool.dtype == torch.float32 else 2e-2  # bfloat16: the output's own rounding
     for table, start, query_len, length in zip(tables, starts, query_lens, context_lens):
         keys, values = pool.held(table, length)
@@ -120,11 +129,25 @@ def test_bfloat16_pool_layouts(layout, block_size, heads, kv_heads, dim, monkeyp
     # one-token contexts, and split partitions.
     if layout == "bf16_dot" and not paged_attention.has_bf16_dot():
         pytest.skip("this machine's build has no AVX512_BF16 kernel")
-    if layout == "float_rows":
-        monkeypatch.setenv(paged_attention.NO_BF16_DOT_ENV, "1")
+    paged_attention.use_bf16_dot(layout != "float_rows")  # back on after the test (bf16_dot_back_on)
     pool = Pool(block_size, kv_heads, dim, torch.bfloat16, "auto", num_blocks=1500 // block_size + 40)
     run_kernel(pool, query_lens=[1, 8, 1, 3, 1], context_lens=[1, 40, 333, 17, 600], heads=heads)
     run_kernel(pool, query_lens=[1, 4], context_lens=[300, 120], heads=heads, partition_size=48)
+
+
+def test_the_bf16_layout_switch_changes_the_kernel_that_runs():
+    # Both layouts equal the reference within bf16 rounding (above), so the switch is checked apart: the
+    # AVX512_BF16 dot products round the scores differently from float32 rows, so the outputs' bits differ.
+    if not paged_attention.has_bf16_dot():
+        pytest.skip("this machine's build has no AVX512_BF16 kernel")
+    outputs = []
+    for on in (True, False):
+        paged_attention.use_bf16_dot(on)
+        torch.manual_seed(3)
+        pool = Pool(16, 2, 64, torch.bfloat16, "auto", num_blocks=64)
+        run_kernel(pool, query_lens=[1, 4], context_lens=[300, 120], heads=8)
+        outputs.append(run_kernel.last.clone())
+    assert not torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("partition_size", [16, 48, 512])
@@ -172,8 +195,7 @@ def test_windows_and_sinks_of_a_bfloat16_model(layout, kv_cache_dtype, heads, kv
     # GQA groups of 7 and of 1.
     if layout == "bf16_dot" and not paged_attention.has_bf16_dot():
         pytest.skip("this machine's build has no AVX512_BF16 kernel")
-    if layout == "float_rows":
-        monkeypatch.setenv(paged_attention.NO_BF16_DOT_ENV, "1")
+    paged_attention.use_bf16_dot(layout != "float_rows")  # back on after the test (bf16_dot_back_on)
     pool = Pool(16, kv_heads, 64, torch.bfloat16, kv_cache_dtype, num_blocks=180)
     for attention in (LayerAttention(sliding_window=21, sinks=_sinks(heads, 2)), LayerAttention(sliding_window=3)):
         run_kernel(pool, query_lens=[1, 8, 1, 4], context_lens=[2, 40, 600, 300], heads=heads, attention=attention)

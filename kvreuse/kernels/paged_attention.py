@@ -39,15 +39,17 @@ def available() -> bool:
     return library() is not None
 
 
-# Set (to anything) in the environment, this turns the AVX512_BF16 layout off: bf16 pools are then read
-# through float32 rows like every other dtype (tests compare the two; a user never needs it).
-NO_BF16_DOT_ENV = "KVREUSE_ATTENTION_NO_BF16_DOT"
-
-
 def has_bf16_dot() -> bool:
     """Whether the build here holds the kernel for bf16 pools and bf16 queries that scores with AVX512_BF16's
     dot products (csrc/paged_attention.cpp, chosen per call where head_dim is a multiple of 32)."""
     return available() and bool(torch.ops.kvreuse_attn.has_bf16_dot())
+
+
+def use_bf16_dot(on: bool) -> None:
+    """Whether the kernel's calls from now on use the AVX512_BF16 layout where it applies (on from load). Off, a bf16
+    pool is read through float32 rows like every other dtype: the tests (a fixture) and the benchmark compare the
+    two layouts; a user never needs it."""
+    torch.ops.kvreuse_attn.use_bf16_dot(on)
 
 
 @dataclass

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -45,6 +46,9 @@
 #endif
 
 namespace {
+
+// The AVX512_BF16 layout's switch (use_bf16_dot below): read once per call, set only by tests and benchmarks.
+std::atomic<bool> use_bf16_dot{true};
 
 constexpr int64_t KEY_TILE = 16;     // keys per inner step: one AVX-512 vector or two AVX2 vectors of scores
 constexpr int64_t PREFETCH_TILES = 2;  // how far ahead the pool's rows are asked for
@@ -863,7 +867,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, at::Tensor k_pool, at:
                             coded ? (*v_scales).data_ptr<c10::BFloat16>() : nullptr, kv_heads, dim,
                             v_pool.element_size(), {}},
                   HAS_BF16_DOT && storage == Storage::BFloat16 && q.scalar_type() == at::kBFloat16 && dim % 32 == 0 &&
-                      std::getenv("KVREUSE_ATTENTION_NO_BF16_DOT") == nullptr};
+                      use_bf16_dot.load(std::memory_order_relaxed)};
   problem.keys.init_table();
   problem.values.init_table();
 
@@ -964,6 +968,9 @@ TORCH_LIBRARY(kvreuse_attn, m) {
         "Tensor? v_new, Tensor? slot_mapping) -> ()");
   // Whether this build holds the AVX512_BF16 kernel (bf16 pools and queries, head_dim a multiple of 32).
   m.def("has_bf16_dot() -> bool", []() { return HAS_BF16_DOT; });
+  // Whether calls from now on use it where it applies (on at load; off reads a bf16 pool as float32 rows like every
+  // other dtype: the tests and the benchmark compare the two layouts; a user never needs it).
+  m.def("use_bf16_dot(bool on) -> ()", [](bool on) { use_bf16_dot.store(on, std::memory_order_relaxed); });
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_attn, CPU, m) {
