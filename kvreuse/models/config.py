@@ -143,12 +143,6 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
-    @property
-    def has_windowed_layers(self) -> bool:
-        """Whether some but possibly not all layers attend over a window (Gemma 3, gpt-oss): the engine then
-        keeps every token's K/V, so a prefix hit of any length finds what each layer needs."""
-        return any(self.layer_window(layer) is not None for layer in range(self.num_hidden_layers))
-
     def is_sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
 
