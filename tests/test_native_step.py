@@ -221,3 +221,26 @@ def test_the_fused_expert_activation_is_part_of_the_kv_fingerprint(tiny_models, 
     monkeypatch.setattr(fused_ops, "available", lambda: False)
     assert LLM(str(tiny_models["gpt_oss"]), **options).engine.tier_store.fingerprint != with_kernel["gpt_oss"]
     assert LLM(str(tiny_models["qwen3_moe"]), **options).engine.tier_store.fingerprint == with_kernel["qwen3_moe"]
+
+
+def test_the_float_kernels_and_the_attention_backend_are_part_of_the_kv_fingerprint(tiny_models, monkeypatch,
+                                                                                     tmp_path):
+    """Float weights' product kernels other than plain F.linear (rowdot's, the split products') and an attention
+    backend other than the CPU default (the torch reference) compute K/V that differ by rounding: each is in
+    the fingerprint, so engines that differ in them never share a tier's records. The native decode step is
+    not: it equals the op-by-op layers bit for bit (the tests above), and the fingerprint is the same."""
+    options = dict(dtype="float32", kv_cache_memory="256KiB", block_size=4, kv_disk_dir=str(tmp_path / "disk"))
+    path = str(tiny_models["qwen2"])
+
+    def fingerprint(**extra) -> str:
+        return LLM(path, **options, **extra).engine.tier_store.fingerprint
+
+    plain = fingerprint()  # the suite's KVREUSE_LINEAR_KERNEL=plain: every float product on F.linear
+    assert fingerprint(attention_backend="torch") != plain
+    monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", "rowdot")
+    llm = LLM(path, **options)
+    assert "rowdot" in llm.engine.runner.model.float_product_kernels()
+    assert llm.engine.tier_store.fingerprint != plain
+    monkeypatch.setenv("KVREUSE_LINEAR_KERNEL", "plain")
+    monkeypatch.setenv(native_step.ENV, "0")
+    assert fingerprint() == plain

@@ -178,7 +178,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.cache.has_tiers:
         fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path,
                                          int8_activations=model.runs_int8_activations(),
-                                         bf16_tiles=model.runs_bf16_tiles(), packed_products=model.runs_packed_products())
+                                         bf16_tiles=model.runs_bf16_tiles(), packed_products=model.runs_packed_products(),
+                                         float_products=model.float_product_kernels(),
+                                         attention=type(model.attention_backend).__name__)
         tier_store = make_tiers(config, kv_cache, fingerprint)
         tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
 
@@ -328,7 +330,8 @@ def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
 
 def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: ModelConfig, kv_cache: KVCache,
                        dtype: torch.dtype, draft: EagleDraft | None, tokenizer_path: Path | None = None,
-                       int8_activations: bool = False, bf16_tiles: bool = False, packed_products: bool = False) -> str:
+                       int8_activations: bool = False, bf16_tiles: bool = False, packed_products: bool = False,
+                       float_products: tuple[str, ...] = ("plain",), attention: str = "NativePagedAttention") -> str:
     """Digest of everything that decides KV bytes (see kvreuse.cache.tiers.fingerprint).
 
     A GGUF model adds its weight format (each tensor type and its count, e.g. "gguf:F32x61+Q4_1x210+Q8_0x1")
@@ -342,6 +345,12 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
     whose many-row products may multiply tiles of dequantized weights rounded to bfloat16 (``bf16_tiles``:
     a plan that picks qtile_bf16). So does one whose quantized products run on the packed int8 kernel
     (``packed_products``: batch-invariant mode, kernels/qpacked.py), whose float sums run otherwise than qdot8's.
+    So do float weights' product kernels other than plain F.linear (``float_products``: the measured plans'
+    rowdot, split or oneDNN products sum in other orders) and an attention backend other than the CPU default
+    (``attention``: the torch reference's SDPA and the Triton kernels reduce otherwise than the in-place
+    kernel, and a layer's K/V follow from the earlier layers' attention). The native decode step is not in
+    it: it computes each layer's ops in the same order as the Python layers, bit for bit
+    (tests/test_native_step.py holds every architecture and kernel to that), so it cannot change a block.
     """
     gguf_file = is_gguf_path(model_path)
     if config.load_format == "dummy":
@@ -373,6 +382,8 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         **({"activations": f"int8 (qdot8, arithmetic {quant_ops.INT8_ARITHMETIC})"} if int8_activations else {}),
         **({"weight_tiles": "bfloat16 (qtile_bf16)"} if bf16_tiles else {}),
         **({"packed_products": qpacked.ARITHMETIC} if packed_products else {}),
+        **({"float_products": "+".join(float_products)} if float_products != ("plain",) else {}),
+        **({"attention": attention} if attention != "NativePagedAttention" else {}),
         # Batch-invariant mode's arithmetic: one product kernel at every row count, attention in the paged kernel
         # over fixed partitions; K/V of the default (measured, per row count) arithmetic are another's.
         **({"arithmetic": f"batch-invariant (attention partitions of {cpu_paged.INVARIANT_PARTITION} keys)"}

@@ -416,6 +416,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self._quantized_plans_pick("qpacked8") or (
             self._tied_head_kernel is not None and "qpacked8" in self._tied_head_kernel.plan.kernels)
 
+    def float_product_kernels(self) -> tuple[str, ...]:
+        """The kernels float weights' plans pick at some row count (layers/plan_book.py; "plain" where a layer
+        has no plan): each sums its products in its own order, so the K/V it computes differ from another's by
+        rounding, and the choice is measured per machine (the engine's fingerprint names them)."""
+        kernels = {name for module in self.modules() if isinstance(module, Linear)
+                   if isinstance(module.kernel, LinearKernel) for name in module.kernel.plan.kernels}
+        if any(isinstance(module, Linear) and module.kernel is None and module.quantized is None
+               for module in self.modules()):
+            kernels.add("plain")
+        if isinstance(self._tied_head_kernel, LinearKernel):
+            kernels.update(self._tied_head_kernel.plan.kernels)
+        return tuple(sorted(kernels))
+
     def runs_bf16_tiles(self) -> bool:
         """Whether a quantized product's plan picks qtile_bf16 (dequantized tiles rounded to bfloat16) for
         some row count: the K/V its prefills compute then differ from qtile's (the fingerprint says so)."""
