@@ -370,6 +370,73 @@ def expected_accepted(agreement: list[float]) -> float:
     return total
 
 
+def _start_as_identity(draft: EagleDraft, hidden: int) -> None:
+    """The draft starts as a copy of its input feature (next feature = f_{p-1}): its residual branches closed."""
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, hidden:] = torch.eye(hidden)
+        draft.o_proj.weight.zero_()
+        draft.mlp.down_proj.weight.zero_()
+
+
+def _loss_vocabulary(target: LlamaFamilyForCausalLM, weight: torch.Tensor, features: torch.Tensor,
+                     labels: torch.Tensor, settings: TrainSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels and head rows the cross-entropy runs over: the whole vocabulary up to ``full_vocab_max``,
+    above it the target's likely candidates only (labels outside them -1, ignored)."""
+    vocab = target.config.vocab_size
+    if vocab <= settings.full_vocab_max:
+        return labels, weight
+    candidates = candidate_vocabulary(target, features, labels, settings.candidate_top_k)
+    index = torch.full((vocab,), -1, dtype=torch.long)
+    index[candidates] = torch.arange(candidates.numel())
+    return index[labels], weight[candidates]
+
+
+def _optimizer(parameters: list[torch.nn.Parameter], settings: TrainSettings
+               ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no decay on vectors) under a linear warm-up and a cosine decay to a tenth."""
+    optimizer = torch.optim.AdamW([{"params": [p for p in parameters if p.dim() >= 2], "weight_decay": 0.01},
+                                   {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=settings.lr, betas=(0.9, 0.95))
+    steps = settings.steps
+    warmup = max(1, min(20, steps // 10))
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def _chain_loss(draft: EagleDraft, sequences: torch.Tensor, feats: torch.Tensor, targets: torch.Tensor,
+                head: torch.Tensor, scale: float, position_weight: torch.Tensor, depth_weights: list[float],
+                settings: TrainSettings) -> torch.Tensor:
+    """One batch's loss over the draft's chained predictions, depth by depth: the feature regression (smooth
+    L1) plus the cross-entropy of its logits against the target's tokens (or its soft distribution), each
+    position weighted (the prompt less), deeper links weighted less."""
+    hidden = feats.shape[-1]
+    loss = torch.zeros(())
+    for d, rows in enumerate(_chained_forward(draft, sequences, feats, settings.depth)):
+        rows_d = rows[:, d:]  # the depth-d entry at p needs p >= d (its chain starts at p - d)
+        weights = position_weight[d:].expand(rows_d.shape[0], -1).reshape(-1)
+        per_position = settings.feature_weight * F.smooth_l1_loss(
+            rows_d, feats[:, d:], reduction="none").mean(-1).reshape(-1)
+        if settings.ce_weight:
+            logits = F.linear(rows_d.reshape(-1, hidden), head) * scale
+            if settings.soft_targets:
+                with torch.no_grad():
+                    wanted = F.softmax(F.linear(feats[:, d:].reshape(-1, hidden), head) * scale, dim=-1)
+                ce = -(wanted * F.log_softmax(logits, dim=-1)).sum(-1)
+            else:
+                ce = F.cross_entropy(logits, targets[:, d:].reshape(-1), ignore_index=-1, reduction="none")
+            per_position = per_position + settings.ce_weight * ce
+        per_position = per_position * weights
+        loss = loss + depth_weights[d] * per_position.sum() / weights.sum()
+    return loss / sum(depth_weights)
+
+
 def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData, settings: TrainSettings,
                 log: Callable[[str], None] | None = None) -> tuple[EagleDraft, dict[str, Any]]:
     """Train a fresh EAGLE-1 draft (``config``: the draft's config.json) on ``data``; returns it (float32,
@@ -386,19 +453,9 @@ def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData,
     hidden = features.shape[-1]
     draft = _new_draft(target, config, settings.seed, Path("."))
     if settings.identity_init:
-        with torch.no_grad():  # the draft starts as a copy of its input feature: next feature = f_{p-1}
-            draft.fc.weight.zero_()
-            draft.fc.weight[:, hidden:] = torch.eye(hidden)
-            draft.o_proj.weight.zero_()  # residual branches start closed
-            draft.mlp.down_proj.weight.zero_()
+        _start_as_identity(draft, hidden)
     weight = _lm_weight(draft)
-    if vocab > settings.full_vocab_max:
-        candidates = candidate_vocabulary(target, features, labels, settings.candidate_top_k)
-        index = torch.full((vocab,), -1, dtype=torch.long)
-        index[candidates] = torch.arange(candidates.numel())
-        loss_labels, head = index[labels], weight[candidates]
-    else:
-        loss_labels, head = labels, weight
+    loss_labels, head = _loss_vocabulary(target, weight, features, labels, settings)
     scale = settings.logit_scale
     if scale is None:
         with torch.no_grad():
@@ -409,17 +466,8 @@ def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData,
     position_weight[:data.prompt_len] = settings.prompt_weight
 
     parameters = [parameter for parameter in draft.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in parameters if p.dim() >= 2], "weight_decay": 0.01},
-                                   {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=settings.lr, betas=(0.9, 0.95))
     steps = settings.steps
-    warmup = max(1, min(20, steps // 10))
-
-    def schedule(step: int) -> float:  # linear warm-up, cosine decay to a tenth
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    optimizer, scheduler = _optimizer(parameters, settings)
 
     def validate() -> tuple[float, list[float]]:
         draft.eval()
@@ -428,7 +476,6 @@ def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData,
         draft.train()
         return expected_accepted(agreement), agreement
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(settings.seed)
     depth_weights = [0.8 ** d for d in range(settings.depth)]
     batch_size = min(settings.batch_size, sequences.shape[0])
@@ -444,25 +491,8 @@ def train_draft(target: LlamaFamilyForCausalLM, config: dict, data: DistillData,
     stale = 0
     for step in range(steps):
         batch = torch.randint(0, sequences.shape[0], (batch_size,), generator=generator)
-        feats, targets = features[batch], loss_labels[batch]
-        loss = torch.zeros(())
-        for d, rows in enumerate(_chained_forward(draft, sequences[batch], feats, settings.depth)):
-            rows_d = rows[:, d:]  # the depth-d entry at p needs p >= d (its chain starts at p - d)
-            weights = position_weight[d:].expand(rows_d.shape[0], -1).reshape(-1)
-            per_position = settings.feature_weight * F.smooth_l1_loss(
-                rows_d, feats[:, d:], reduction="none").mean(-1).reshape(-1)
-            if settings.ce_weight:
-                logits = F.linear(rows_d.reshape(-1, hidden), head) * scale
-                if settings.soft_targets:
-                    with torch.no_grad():
-                        wanted = F.softmax(F.linear(feats[:, d:].reshape(-1, hidden), head) * scale, dim=-1)
-                    ce = -(wanted * F.log_softmax(logits, dim=-1)).sum(-1)
-                else:
-                    ce = F.cross_entropy(logits, targets[:, d:].reshape(-1), ignore_index=-1, reduction="none")
-                per_position = per_position + settings.ce_weight * ce
-            per_position = per_position * weights
-            loss = loss + depth_weights[d] * per_position.sum() / weights.sum()
-        loss = loss / sum(depth_weights)
+        loss = _chain_loss(draft, sequences[batch], features[batch], loss_labels[batch], head, scale,
+                           position_weight, depth_weights, settings)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
