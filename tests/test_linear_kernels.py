@@ -99,7 +99,7 @@ def quick_probes(monkeypatch):
 
 def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_probes):
     monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
-    path = tmp_path / "linear-plan_book.json"
+    path = tmp_path / "linear-kernels.json"
     book = PlanBook(path)
     assert book.plan_for(torch.float32, (64, 32)) == plan_book.PLAIN and book.measured == 0  # too small to matter
     plan = book.plan_for(torch.float32, (512, 512))
@@ -131,7 +131,7 @@ def test_plans_are_measured_once_and_read_back(tmp_path, monkeypatch, quick_prob
                          ids=["no-times", "not-a-dict", "not-a-number", "unknown-kernel", "other-rows"])
 def test_a_malformed_entry_is_measured_again(tmp_path, monkeypatch, quick_probes, entry):
     monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
-    path = tmp_path / "linear-plan_book.json"
+    path = tmp_path / "linear-kernels.json"
     book = PlanBook(path)
     key = book._key(torch.float32, (512, 512))
     path.write_text(json.dumps({"version": plan_book.PLAN_VERSION, "plans": {key: entry}}))
@@ -215,7 +215,7 @@ def test_engine_measures_each_shape_once_and_reads_the_verdicts_back(tiny_models
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     shapes = {(sum(m.output_sizes), m.input_size) for m in linears}
     assert sorted(measured) == sorted(shapes)  # each distinct shape once, not once per layer
-    plans = json.loads((tmp_path / "linear-plan_book.json").read_text())["plans"]
+    plans = json.loads((tmp_path / "linear-kernels.json").read_text())["plans"]
     assert len(plans) == len(shapes)
     for module in linears:  # every layer runs what the file's timings decide for its shape
         key = next(k for k in plans if k.endswith(f"| {sum(module.output_sizes)}x{module.input_size}"))
@@ -255,7 +255,7 @@ def test_second_layouts_only_within_the_memory_budget(tiny_models, tmp_path, mon
     qkv = hidden + 2 * llama.num_key_value_heads * (hidden // llama.num_attention_heads)
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter), (vocab, hidden)]
     rows = (1, 8, 64)
-    _plant_timings(tmp_path / "linear-plan_book.json", shapes, {
+    _plant_timings(tmp_path / "linear-kernels.json", shapes, {
         "plain": {n: 100.0 for n in rows}, "packed": {1: 100.0, 8: 50.0, 64: 50.0},
         "transposed": {n: 100.0 for n in rows}, "split_in": {1: 40.0, 8: 100.0, 64: 100.0},
         "split_out": {n: 100.0 for n in rows}})

@@ -452,7 +452,7 @@ def test_plans_are_measured_per_format_and_read_back(built, tmp_path, monkeypatc
     monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
     monkeypatch.setattr(plan_book, "PROBE_ROWS", (1, 16, 256))
     monkeypatch.setattr(plan_book, "MAX_COPIES", 2)
-    path = tmp_path / "linear-plan_book.json"
+    path = tmp_path / "linear-kernels.json"
     book = plan_book.PlanBook(path)
     small = repack_gguf(gguf_blocks("Q4_0", 16, 64), "Q4_0", (16, 64))
     assert quantized_linear.plan_for(book, small, torch.float32) == quantized_linear.DEFAULT_PLAN and book.measured == 0
@@ -488,7 +488,7 @@ def test_stored_timings_without_a_kernel_now_offered_are_measured_again(built, t
     monkeypatch.setenv(plan_book.KERNEL_ENV, "auto")
     monkeypatch.setattr(plan_book, "PROBE_ROWS", (1, 16))
     monkeypatch.setattr(plan_book, "MAX_COPIES", 1)
-    path = tmp_path / "linear-plan_book.json"
+    path = tmp_path / "linear-kernels.json"
     qt = quant.random_quantized("q4_0", 1024, 512)
     book = plan_book.PlanBook(path)
     quantized_linear.plan_for(book, qt, torch.float32)

@@ -87,10 +87,10 @@ def test_rowdot_under_torch_compile(built):
 
 def test_build_name_follows_the_cpu(monkeypatch):
     """Code built with -march=native for one CPU must not load on another sharing the cache dir."""
-    monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
-    avx2 = build.build_name()
-    monkeypatch.setattr(rowdot, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "avx512f"}))
-    assert build.build_name() != avx2 and build.build_name().startswith("kvreuse_rowdot_")
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
+    avx2 = rowdot.build_name()
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "avx512f"}))
+    assert rowdot.build_name() != avx2 and rowdot.build_name().startswith("kvreuse_rowdot_")
 
 
 def test_without_a_compiler_the_library_kernels_remain(tmp_path):
@@ -98,7 +98,7 @@ def test_without_a_compiler_the_library_kernels_remain(tmp_path):
     only the library kernels, and an engine-shaped measurement still runs."""
     script = (
         "import torch\n"
-        "from kvreuse.models import kernels, rowdot\n"
+        "from kvreuse.kernels import rowdot\nfrom kvreuse.layers import plan_book\n"
         "assert not rowdot.available()\n"
         "names = plan_book.runnable_kernels(torch.float32, (512, 512))\n"
         "assert 'plain' in names and not {'rowdot', 'rowdot8'} & set(names), names\n"
@@ -125,7 +125,7 @@ def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_a_built_kernel_loads_without_the_compiler(built):
     """Once built in a cache dir, a later process loads the library directly: even with a failing
     compiler it runs (the build's name already digests source, flags, torch and CPU)."""
-    script = ("import torch\nfrom kvreuse.models import rowdot\nassert rowdot.available()\n"
+    script = ("import torch\nfrom kvreuse.kernels import rowdot\nassert rowdot.available()\n"
               "x, w = torch.randn(2, 40), torch.randn(24, 40)\n"
               "torch.testing.assert_close(rowdot.rowdot(x, w, 8), x @ w.t(), rtol=1e-5, atol=1e-5)\n")
     _run(script, {"CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(built.parents[2])})  # <cache>/kernels/<name>/
@@ -134,7 +134,7 @@ def test_a_built_kernel_loads_without_the_compiler(built):
 def test_an_engine_forced_onto_a_library_kernel_never_builds(tmp_path):
     """KVREUSE_LINEAR_KERNEL=<a library kernel> (as the suite's engines run) asks only about that kernel:
     no build is tried, so no compiler time at start-up."""
-    script = ("import torch\nfrom kvreuse.models import kernels\n"
+    script = ("import torch\nfrom kvreuse.layers import plan_book\n"
               "plan = plan_book.PlanBook().plan_for(torch.float32, (512, 512))\n"
               "assert plan == plan_book.LinearPlan.single('transposed'), plan\n")
     result = _run(script, {"CXX": "/bin/false", "KVREUSE_CACHE_DIR": str(tmp_path),

@@ -112,6 +112,9 @@ class QuantFormat:
         full, tail = self.spans(in_features)
         return full * self.span_bytes() + (self.span_bytes(tail) if tail else 0)
 
+    def bits_per_value(self) -> float:
+        return 8 * self.span_bytes() / SUPER
+
     def check_in_features(self, in_features: int) -> None:
         if in_features <= 0 or in_features % self.block:
             raise ValueError(f"{self.name} needs in_features a positive multiple of {self.block}, got {in_features}")
