@@ -55,6 +55,13 @@ class ChunkSource:
             slots.append(node.block_id * block_size + position % block_size)
         return slots
 
+    def nodes_for(self, block_size: int, offset: int, count: int) -> tuple[CacheNode, ...]:
+        """The source blocks that hold the chunk's tokens ``offset .. offset + count``."""
+        first_block = self.start // block_size
+        low = (self.start + offset) // block_size - first_block
+        high = (self.start + offset + count - 1) // block_size - first_block
+        return self.nodes[low:high + 1]
+
     def holds(self, tokens: Sequence[int], block_size: int) -> bool:
         """Whether this source still holds exactly ``tokens``: the same ids, every block alive and holding them."""
         if tuple(tokens) != self.tokens:
