@@ -235,8 +235,10 @@ def test_documents_seen_alone_are_reused_whole_when_the_prefix_hit_ends_inside_o
         # between them and the question are computed.
         documents = sum(end - start for start, end in spans)
         assert out.num_cached_tokens == spans[0][0] + documents, order
-        moved = llm.engine.drift_report()["moved"]["chunk"]
+        report = llm.engine.drift_report()
+        moved = report["moved"]["chunk"]
         assert moved["spans"] - moved_before["spans"] == len(spans)  # from the chunk index, none as a moved turn
+        assert report["chunk_misses"]["not_indexed"]["spans"] == len(SECTIONS)  # the alone prompts' only
         # The promise a blend keeps: recomputing every moved token gives full prefill's greedy tokens.
         want = reference.chat(messages, greedy(), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == want.outputs[0].token_ids, order
@@ -271,6 +273,26 @@ def test_evicted_sources_are_misses_not_stale_reads(tiny_model: Path) -> None:
     out = llm.chat(rag(*MEASURED), greedy(2), use_tqdm=False)[0]
     assert out.num_moved_tokens == 0 and out.num_cached_tokens == 0
     assert len(llm.engine.kv.chunks) == 3  # the measured prompt's own sections, computed in full and recorded
+    # The drift report says why the sections were computed (issue 64).
+    spans = llm.inputs.from_messages(rag(*MEASURED)).chunk_spans
+    misses = llm.engine.drift_report()["chunk_misses"]
+    assert misses["evicted"] == {"spans": 3, "tokens": sum(end - start for start, end in spans)}
+    assert misses["not_indexed"]["spans"] == 3  # the seen prompt's, before anything was recorded
+
+
+def test_a_prompt_past_one_steps_budget_runs_without_moves_and_says_so(tiny_model: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # A blend runs the rest of its prompt in one step (docs/chunks.md, Limits); a smaller budget takes no moves.
+    spans = make(tiny_model).inputs.from_messages(rag(*MEASURED)).chunk_spans
+    llm = make(tiny_model, chunk_reuse=True, chunk_check_layer=0, max_num_batched_tokens=spans[-1][0])
+    llm.chat(rag(*SEEN), greedy(2), use_tqdm=False)
+    with caplog.at_level(logging.DEBUG, logger="kvreuse"):
+        out = llm.chat(rag(*MEASURED), greedy(2), use_tqdm=False)[0]
+    assert out.num_moved_tokens == 0 and out.num_cached_tokens < spans[0][0] + 1
+    misses = llm.engine.drift_report()["chunk_misses"]["step_budget"]
+    assert misses == {"spans": 3, "tokens": sum(end - start for start, end in spans)}
+    lines = [record.getMessage() for record in caplog.records if " computed: " in record.getMessage()]
+    assert len(lines) == 3 and all("--max-num-batched-tokens" in line for line in lines)
 
 
 def test_off_by_default(tiny_model: Path) -> None:
