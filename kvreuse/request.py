@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvreuse.cache.chunks import MovedSpan
+from kvreuse.cache.chunks import ChunkMissReason, MovedSpan
 from kvreuse.cache.prefix import CacheNode
 from kvreuse.sampling import SamplingParams, SamplingState
 
@@ -43,6 +43,8 @@ class Request:
     # builder), and the position from which its K/V is a blend, cached under blend keys only (None: all exact).
     moved_spans: list[MovedSpan] = field(default_factory=list)
     exact_tokens: int | None = None
+    # Marked chunks (or their rests) this admission left to compute, and why (issue 64): (start, end, reason).
+    chunk_misses: list[tuple[int, int, ChunkMissReason]] = field(default_factory=list)
     num_moved_tokens: int = 0  # prompt tokens whose K/V was moved in from elsewhere (counted as cached)
     num_recomputed_tokens: int = 0  # of those, the ones the blend recomputed
 

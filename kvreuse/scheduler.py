@@ -161,6 +161,8 @@ class Scheduler:
             num_new = min(request.num_tokens - match.num_tokens, budget)
             moved = self.kv.match_moved(request, match)
             if moved and num_new < request.num_tokens - match.num_tokens:
+                request.chunk_misses = sorted(request.chunk_misses + [(span.start, span.end, "step_budget")
+                                                                      for span in moved if span.kind == "chunk"])
                 moved = []
             lookahead = self.config.num_lookahead_tokens if match.num_tokens + num_new >= request.num_tokens else 0
             if not self.kv.admit(request, match, num_new + lookahead, moved):

@@ -193,6 +193,79 @@ def test_a_chunk_seen_only_after_a_blend_is_computed_and_a_new_one_is_not_moved(
     assert out.num_moved_tokens == sum(end - start for start, end in moved)
 
 
+# Issue 64: RAG prompts whose documents are labelled in unmarked parts ("Document 2:") and marked as chunks, each
+# document seen alone first, under its own label. The documents begin alike ("Section: ..."), so a prompt whose
+# first document is not document 1 still hits document 1's alone prompt through "Document 1:\nSection:", a few
+# tokens into its own first document. That document's rest must be read from its chunk source all the same.
+SECTIONS = [f"Section: {title}\n\n{text}" for title, text in zip(("shipping", "gift cards", "returns", "support"), DOCS)]
+COMBINED = ([3, 2, 1, 0], [1, 0, 3, 2])  # the first starts with another document than "Document 1:" held alone
+
+
+def labelled(items: list[tuple[int, int]], question: str) -> list[dict]:
+    """A user message of (label, section) pairs: "Document N:" in an unmarked part, the section in a marked one."""
+    parts = []
+    for label, i in items:
+        parts += [{"type": "text", "text": f"Document {label}:\n"},
+                  {"type": "text", "text": SECTIONS[i] + "\n\n", "cache_control": MARK}]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def combined(order: list[int]) -> list[dict]:
+    return labelled(list(enumerate(order, 1)), "Which one is about returns?")
+
+
+def seen_alone(llm: LLM) -> None:
+    for i in range(len(SECTIONS)):
+        llm.chat(labelled([(i + 1, i)], "Summarize."), greedy(1), use_tqdm=False)
+
+
+def test_documents_seen_alone_are_reused_whole_when_the_prefix_hit_ends_inside_one(tiny_model: Path,
+                                                                                    reference: LLM) -> None:
+    llm = make(tiny_model, chunk_reuse=True, chunk_check_layer=0, chunk_recompute_fraction=1.0)
+    seen_alone(llm)
+    for order in COMBINED:
+        messages = combined(order)
+        spans = llm.inputs.from_messages(messages).chunk_spans
+        moved_before = dict(llm.engine.drift_report()["moved"]["chunk"])
+        out = llm.chat(messages, greedy(), use_tqdm=False)[0]
+        hit = out.num_cached_tokens - out.num_moved_tokens  # the prefix cache's share
+        assert spans[0][0] < hit < spans[0][1], "the prefix hit ends inside the first document (the case)"
+        # Every document is reused: the template's header and the first document's first tokens from the
+        # prefix cache, the rest of every document moved from where it was computed alone. Only the labels
+        # between them and the question are computed.
+        documents = sum(end - start for start, end in spans)
+        assert out.num_cached_tokens == spans[0][0] + documents, order
+        report = llm.engine.drift_report()
+        moved = report["moved"]["chunk"]
+        assert moved["spans"] - moved_before["spans"] == len(spans)  # from the chunk index, none as a moved turn
+        assert report["chunk_misses"]["not_indexed"]["spans"] == len(SECTIONS)  # the alone prompts' only
+        # The promise a blend keeps: recomputing every moved token gives full prefill's greedy tokens.
+        want = reference.chat(messages, greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids, order
+
+
+def test_the_rest_of_a_document_the_hit_ran_into_is_moved_from_the_same_offset(tiny_model: Path,
+                                                                              reference: LLM) -> None:
+    messages = combined(COMBINED[0])
+    full_steps = capture_steps(reference)
+    reference.chat(messages, greedy(1), use_tqdm=False)
+    full_k, full_v = reference.engine.runner.kv_cache.gather(0, full_steps[-1][0].slot_mapping, torch.float32)
+
+    llm = make(tiny_model, chunk_reuse=True, chunk_recompute_fraction=0.0)  # a pure shift: nothing recomputed
+    seen_alone(llm)
+    steps = capture_steps(llm)
+    out = llm.chat(messages, greedy(1), use_tqdm=False)[0]
+    spans = llm.inputs.from_messages(messages).chunk_spans
+    assert out.num_recomputed_tokens == 0 and out.num_cached_tokens == spans[0][0] + sum(e - s for s, e in spans)
+    batch, (moved_k, moved_v) = next((b, m) for b, m in steps if b.moves is not None)
+    positions = batch.positions[batch.blend.moved_rows]
+    assert spans[0][0] < int(positions.min()) < spans[0][1]  # the first document's rest is among the moved tokens
+    # Layer 0's K/V depends only on the token and its position: read from the right source slots and turned by
+    # the right delta, it is full prefill's there.
+    torch.testing.assert_close(moved_v, full_v[positions], rtol=0, atol=0)
+    torch.testing.assert_close(moved_k, full_k[positions], rtol=1e-5, atol=1e-5)
+
+
 def test_evicted_sources_are_misses_not_stale_reads(tiny_model: Path) -> None:
     llm = make(tiny_model, chunk_reuse=True, chunk_check_layer=0)
     llm.chat(rag(*SEEN), greedy(2), use_tqdm=False)
@@ -200,6 +273,26 @@ def test_evicted_sources_are_misses_not_stale_reads(tiny_model: Path) -> None:
     out = llm.chat(rag(*MEASURED), greedy(2), use_tqdm=False)[0]
     assert out.num_moved_tokens == 0 and out.num_cached_tokens == 0
     assert len(llm.engine.kv.chunks) == 3  # the measured prompt's own sections, computed in full and recorded
+    # The drift report says why the sections were computed (issue 64).
+    spans = llm.inputs.from_messages(rag(*MEASURED)).chunk_spans
+    misses = llm.engine.drift_report()["chunk_misses"]
+    assert misses["evicted"] == {"spans": 3, "tokens": sum(end - start for start, end in spans)}
+    assert misses["not_indexed"]["spans"] == 3  # the seen prompt's, before anything was recorded
+
+
+def test_a_prompt_past_one_steps_budget_runs_without_moves_and_says_so(tiny_model: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # A blend runs the rest of its prompt in one step (docs/chunks.md, Limits); a smaller budget takes no moves.
+    spans = make(tiny_model).inputs.from_messages(rag(*MEASURED)).chunk_spans
+    llm = make(tiny_model, chunk_reuse=True, chunk_check_layer=0, max_num_batched_tokens=spans[-1][0])
+    llm.chat(rag(*SEEN), greedy(2), use_tqdm=False)
+    with caplog.at_level(logging.DEBUG, logger="kvreuse"):
+        out = llm.chat(rag(*MEASURED), greedy(2), use_tqdm=False)[0]
+    assert out.num_moved_tokens == 0 and out.num_cached_tokens < spans[0][0] + 1
+    misses = llm.engine.drift_report()["chunk_misses"]["step_budget"]
+    assert misses == {"spans": 3, "tokens": sum(end - start for start, end in spans)}
+    lines = [record.getMessage() for record in caplog.records if " computed: " in record.getMessage()]
+    assert len(lines) == 3 and all("--max-num-batched-tokens" in line for line in lines)
 
 
 def test_off_by_default(tiny_model: Path) -> None:

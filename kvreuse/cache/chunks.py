@@ -35,6 +35,17 @@ from kvreuse.cache.prefix import CacheNode
 
 CHUNK_KEY_TAG = b"kvreuse-chunk"  # keeps a chunk's key apart from the block keys of the same tokens
 
+# Why a marked chunk of a prompt was computed rather than moved (issue 64; the debug log and the drift report):
+ChunkMissReason = Literal["not_indexed", "evicted", "step_budget"]
+CHUNK_MISS_REASONS: dict[str, str] = {
+    "not_indexed": "not in the chunk index (never computed in full for this tenant, adapter and model, or first "
+                   "seen after a moved chunk)",
+    "evicted": "its source blocks were evicted since it was computed (a pool too small for the documents in "
+               "rotation: --kv-cache-memory)",
+    "step_budget": "a blend runs the rest of the prompt in one step, and that rest is over the step's budget "
+                   "(--max-num-batched-tokens)",
+}
+
 
 @dataclass(frozen=True)
 class ChunkSource:
@@ -54,6 +65,13 @@ class ChunkSource:
             node = self.nodes[position // block_size - first_block]
             slots.append(node.block_id * block_size + position % block_size)
         return slots
+
+    def nodes_for(self, block_size: int, offset: int, count: int) -> tuple[CacheNode, ...]:
+        """The source blocks that hold the chunk's tokens ``offset .. offset + count``."""
+        first_block = self.start // block_size
+        low = (self.start + offset) // block_size - first_block
+        high = (self.start + offset + count - 1) // block_size - first_block
+        return self.nodes[low:high + 1]
 
     def holds(self, tokens: Sequence[int], block_size: int) -> bool:
         """Whether this source still holds exactly ``tokens``: the same ids, every block alive and holding them."""
@@ -130,17 +148,22 @@ class ChunkIndex:
 
     def lookup(self, namespace: bytes, tokens: Sequence[int]) -> ChunkSource | None:
         """The chunk's source, token-verified; None on a miss (a dead entry is dropped)."""
+        return self.find(namespace, tokens)[0]
+
+    def find(self, namespace: bytes, tokens: Sequence[int]) -> tuple[ChunkSource | None, ChunkMissReason | None]:
+        """``lookup``, with the reason of a miss: no entry holds these tokens, or the one that did lost a block."""
         key = chunk_key(namespace, tokens)
         source = self._entries.get(key)
         if source is None:
-            return None
+            return None, "not_indexed"
         if not source.holds(tokens, self.block_size):
             if any(node.evicted for node in source.nodes):
                 del self._entries[key]
                 self.num_dead += 1
-            return None
+                return None, "evicted"
+            return None, "not_indexed"  # a key collision: the entry holds other tokens
         self.num_hits += 1
-        return source
+        return source, None
 
     def prune(self) -> int:
         """Drop entries whose blocks were evicted; returns how many."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvreuse.cache.blocks import BlockCopy, BlockPool
-from kvreuse.cache.chunks import ChunkIndex, MovedSpan
+from kvreuse.cache.chunks import ChunkIndex, ChunkMissReason, ChunkSource, MovedSpan
 from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.hashing import blend_key, block_key, extend_block_keys
 from kvreuse.cache.prefix import (
@@ -47,6 +47,7 @@ class CacheSequence(Protocol):
     chunk_spans: tuple[tuple[int, int], ...]
     chunks_recorded: int
     exact_tokens: int | None
+    chunk_misses: list[tuple[int, int, ChunkMissReason]]  # issue 64: chunk tokens admission left to compute, and why
 
     @property
     def num_tokens(self) -> int: ...
@@ -217,27 +218,48 @@ class KVCacheManager:
     def match_moved(self, request: CacheSequence, match: PrefixMatch) -> list[MovedSpan]:
         """The prompt's tokens after ``match`` whose K/V the pool holds at other positions, in prompt order:
         first an earlier turn's tokens moved earlier (right after the prefix hit: a template that dropped a
-        turn's thinking), then each marked chunk found in the chunk index. Never the last prompt token."""
+        turn's thinking), then each marked chunk found in the chunk index. Never the last prompt token.
+        ``request.chunk_misses`` is set to the marked chunks (or their rests) left to compute, and why.
+
+        A hit may end inside a chunk: documents that begin alike ("Section: ...", "The ...") after the same
+        text ("Document 1:") share their first tokens, so a prefix hit from another document runs a few tokens
+        into this one (issue 64). The rest of that chunk is read from the chunk's source at the same offset, as
+        is the rest of a chunk that a moved turn stops inside."""
+        request.chunk_misses = []
         if not self.chunk_reuse:
             return []
         limit = request.num_tokens - 1
         tokens = request.all_token_ids
         spans: list[MovedSpan] = []
-        # A moved turn stops where the first marked chunk begins: chunks are looked up by their own spans.
-        next_chunk = min((start for start, _ in request.chunk_spans if start >= match.num_tokens), default=limit)
-        turn = self._moved_turn(request, match, min(limit, next_chunk))
-        if turn is not None:
-            spans.append(turn)
-        covered = spans[-1].end if spans else match.num_tokens
+        covered = match.num_tokens
+        # The chunk the hit ends inside, when the chunk index holds it, goes first: its source is K/V computed
+        # in full, and a moved turn's may be a blend's.
+        inside = next(((start, end) for start, end in request.chunk_spans if start < covered < end), None)
+        found: dict[tuple[int, int], tuple[ChunkSource | None, ChunkMissReason | None]] = {}
+        if inside is not None:
+            found[inside] = self.chunks.find(request.namespace, tokens[inside[0]:inside[1]])
+        if inside is None or found[inside][0] is None:
+            # A moved turn stops where the next marked chunk begins: chunks are looked up by their own spans.
+            next_chunk = min((start for start, _ in request.chunk_spans if start >= covered), default=limit)
+            turn = self._moved_turn(request, match, min(limit, next_chunk))
+            if turn is not None:
+                spans.append(turn)
+                covered = turn.end
         for start, end in request.chunk_spans:
-            if start < covered or start >= limit:
+            if end <= covered or start >= limit:
                 continue
-            source = self.chunks.lookup(request.namespace, tokens[start:end])
+            offset = max(0, covered - start)  # its first tokens, when the hit or a moved turn holds them
+            count = min(end, limit) - start - offset
+            if count <= 0:
+                continue
+            source, reason = found.get((start, end)) or self.chunks.find(request.namespace, tokens[start:end])
             if source is None:
+                assert reason is not None
+                request.chunk_misses.append((start + offset, start + offset + count, reason))
                 continue
-            count = min(end, limit) - start
-            spans.append(MovedSpan(start, start + count, source.start,
-                                   tuple(source.slots(self.block_size, 0, count)), source.nodes, "chunk"))
+            spans.append(MovedSpan(start + offset, start + offset + count, source.start + offset,
+                                   tuple(source.slots(self.block_size, offset, count)),
+                                   source.nodes_for(self.block_size, offset, count), "chunk"))
             covered = end
         return spans
 

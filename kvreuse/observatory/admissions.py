@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvreuse.cache.chunks import MovedSpan
+from kvreuse.cache.chunks import CHUNK_MISS_REASONS, MovedSpan
 from kvreuse.cache.manager import CacheSequence, KVCacheManager
 from kvreuse.cache.prefix import Divergence, PrefixMatch
 from kvreuse.observatory.drift import DriftLog, cached_continuation
@@ -58,6 +58,8 @@ class AdmissionRecorder:
         self._hits_by_owner: dict[Owner, list[int]] = {}  # owner -> [prompt tokens looked up, tokens hit]
         # Reuse beyond the prefix (issue 39), by kind ("chunk", "turn"): [spans, tokens] moved in at admission.
         self.moved: dict[str, list[int]] = {"chunk": [0, 0], "turn": [0, 0]}
+        # Marked chunks computed rather than moved (issue 64), by reason (CHUNK_MISS_REASONS): [spans, tokens].
+        self.chunk_misses: dict[str, list[int]] = {reason: [0, 0] for reason in CHUNK_MISS_REASONS}
         self._prune_owners_at = MAX_TRACKED_NAMESPACES
 
     def note_owner(self, namespace: bytes, owner: Owner, in_flight: Callable[[], set[bytes]]) -> None:
@@ -86,6 +88,9 @@ class AdmissionRecorder:
             counters[2] += span.num_tokens
             self.moved[span.kind][0] += 1
             self.moved[span.kind][1] += span.num_tokens
+        for start, end, reason in request.chunk_misses:
+            self.chunk_misses[reason][0] += 1
+            self.chunk_misses[reason][1] += end - start
         divergence = None
         if self.kv.enable_prefix_caching:
             self.prefix_hits.record(match)
@@ -103,6 +108,9 @@ class AdmissionRecorder:
         report = self.drift.report(scope, top, self.decode, self.namespace_owners)
         # Moved spans are hits beyond the prefix: each miss above may have been partly served by one.
         report["moved"] = {kind: {"spans": spans, "tokens": tokens} for kind, (spans, tokens) in self.moved.items()}
+        # Marked chunks computed though chunk reuse is on, and why: a document recomputed shows up here.
+        report["chunk_misses"] = {reason: {"spans": spans, "tokens": tokens}
+                                  for reason, (spans, tokens) in self.chunk_misses.items()}
         return report
 
     def cache_tree(self, scope: Scope = ALL, top: int = 8) -> list[dict[str, Any]]:
@@ -126,6 +134,9 @@ class AdmissionRecorder:
                          request.request_id, "chunk" if span.kind == "chunk" else "earlier turn's tokens",
                          span.start, span.end, self.decode(request.all_token_ids[span.start:span.start + 8]),
                          span.source_start, span.delta)
+        for start, end, reason in request.chunk_misses:
+            logger.debug("request %s: chunk tokens [%d, %d) %r... computed: %s", request.request_id, start, end,
+                         self.decode(request.all_token_ids[start:start + 8]), CHUNK_MISS_REASONS[reason])
         if not self.kv.enable_prefix_caching or reused >= total - 1:
             return
         if divergence is None:
