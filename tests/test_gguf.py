@@ -30,6 +30,7 @@ import torch
 from conftest import fresh_cache_dir
 from gguf_files import (
     gguf_name,
+    header_gguf,
     llama3_rope_divisors,
     plant_distribution,
     wide_model_folder,
@@ -383,6 +384,38 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
         LLM(str(tmp_path / "text.gguf"))
     with pytest.raises(ValueError, match=r"GGUF file .* does not exist"):
         LLM(str(tmp_path / "absent.gguf"))
+
+
+# A value of each kind gone wrong, each once read by a bare conversion outside the guarded reader: int("two"),
+# hidden // 0, float("fast"), an empty array taken as "absent" (key_length) or passed to int() (dimension_count),
+# 2048.5 truncated to 2048, bytes that are not UTF-8, bool("false") == True; and a required key missing.
+BAD_METADATA = [
+    ("llama", "llama.block_count", ("two", "STRING")),
+    ("llama", "llama.attention.head_count", (0, "UINT32")),
+    ("llama", "llama.rope.freq_base", ("fast", "STRING")),
+    ("llama", "llama.attention.key_length", ([], "ARRAY")),
+    ("llama", "llama.rope.dimension_count", ([], "ARRAY")),
+    ("llama", "llama.context_length", (2048.5, "FLOAT32")),
+    ("llama", "general.name", (b"\xff\xfe tiny", "STRING")),
+    ("qwen2", "tokenizer.ggml.eos_token_id", ("</s>", "STRING")),
+    ("qwen3moe", "qwen3moe.expert_weights_norm", ("false", "STRING")),
+    ("qwen3moe", "qwen3moe.expert_count", ([4, 8], "ARRAY")),
+    ("llama", "llama.embedding_length", None),
+]
+
+
+@pytest.mark.parametrize(("arch", "key", "change"), BAD_METADATA, ids=[f"{key}={change and change[1]}"
+                                                                        for _, key, change in BAD_METADATA])
+def test_a_bad_metadata_value_is_refused_naming_the_file_and_the_key(tmp_path, arch, key, change):
+    import gguf
+
+    good = header_gguf(tmp_path / "good.gguf", arch)
+    assert read_gguf(good).architecture == arch  # the header as llama.cpp writes it is read: only ``key`` differs
+    bad = header_gguf(tmp_path / "bad.gguf", arch,
+                      {key: None if change is None else (change[0], gguf.GGUFValueType[change[1]])})
+    with pytest.raises(ValueError) as refused:
+        read_gguf(bad)
+    assert str(bad) in str(refused.value) and key in str(refused.value)
 
 
 def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir):

@@ -38,6 +38,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -212,22 +213,71 @@ class GGUFModelInfo:
         return "gguf:" + "+".join(f"{kind}x{counts[kind]}" for kind in sorted(counts))
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (arrays of strings as lists), or ``default`` when absent."""
-    from gguf import GGUFValueType
+# The default of a metadata value that a file must have (GGUFMetadata.get refuses a file without it).
+REQUIRED: Any = object()
+# GGUF value types by what they hold (gguf.GGUFValueType's names: the package is imported only where a file is read).
+_INTEGER_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
+_FLOAT_TYPES = frozenset({"FLOAT32", "FLOAT64"})
+_ACCEPTED_TYPES: dict[type, frozenset[str]] = {
+    int: _INTEGER_TYPES, float: _INTEGER_TYPES | _FLOAT_TYPES, bool: frozenset({"BOOL"}), str: frozenset({"STRING"}),
+}
+_KIND_NAMES: dict[type, str] = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    kind = field.types[0]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
-        return [field.parts[index].tolist()[0] for index in field.data]
-    value = field.parts[field.data[0]].tolist()[0]
-    return bool(value) if kind == GGUFValueType.BOOL else value
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """A GGUF header's key-value fields, read only through ``get``: every value is converted and checked there,
+    so a missing, wrong-typed or corrupt one is a ValueError naming the file and the key, as an unreadable file
+    is (``_open_reader``), never a bare ``int()`` / ``IndexError`` / ``ZeroDivisionError`` from deep inside
+    building the config."""
+
+    path: Path
+    fields: Any  # gguf.GGUFReader.fields: key -> gguf.ReaderField
+
+    def get(self, key: str, kind: type, default: Any = REQUIRED, *, minimum: int | None = None) -> Any:
+        """The value of ``key`` as ``kind`` (int, float, bool or str), or ``default`` where the file has none.
+
+        An integer is any GGUF integer type, a float any number type, as llama.cpp's readers take them; a
+        number stored as a per-layer array (hybrid models' head counts) is taken when every layer has the same
+        value. Raises ValueError naming the file and the key for a missing required value, a value of another
+        type, an empty or nested array, bytes that are not UTF-8, a number that is not finite or is below
+        ``minimum`` (counts that divide, or that must exist: heads, layers).
+        """
+        field = self.fields.get(key)
+        if field is None:
+            if default is REQUIRED:
+                raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
+            return default
+        try:
+            element, values, is_array = _field_values(field)
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
+        if element not in _ACCEPTED_TYPES[kind] or (is_array and kind not in (int, float)):
+            found = ("an empty array" if not values else f"an array of {element}") if is_array else f"a {element} value"
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {found}; expected {_KIND_NAMES[kind]}")
+        if is_array and len(set(values)) != 1:
+            raise ValueError(f"{self.path}: {key} differs between layers ({values}); not supported")
+        value = kind(values[0])
+        if kind is float and not math.isfinite(value):
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected a finite number")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected at least {minimum}")
+        return value
+
+
+def _field_values(field: Any) -> tuple[str, list[Any], bool]:
+    """(the GGUF type name of the value or of an array's elements, the values as Python's, whether an array)
+    of a gguf.ReaderField, as gguf-py lays one out: ``types`` [type] or [ARRAY, element type] (no element
+    type for an empty array), ``data`` the indices in ``parts`` of the values (a string's: its bytes)."""
+    kinds = [kind.name for kind in field.types]
+    is_array = kinds[0] == "ARRAY"
+    if is_array and len(kinds) > 2:
+        raise ValueError(f"an array of arrays ({' of '.join(kinds)})")
+    element = kinds[-1]
+    indices = field.data if is_array else field.data[:1]
+    if element == "STRING":
+        return element, [bytes(field.parts[index]).decode("utf-8") for index in indices], is_array
+    return element, [field.parts[index].tolist()[0] for index in indices], is_array
 
 
 def _open_reader(path: str, size: int) -> Any:
@@ -303,21 +353,16 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     few kB, tensor places included) and the parsed header goes when this returns."""
     path = Path(resolved)
     reader = _open_reader(resolved, size)
-    architecture = _field(reader, "general.architecture")
+    metadata = GGUFMetadata(path, reader.fields)
+    architecture = metadata.get("general.architecture", str)
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    name = _field(reader, "general.name") or path.stem
+    name = metadata.get("general.name", str, "") or path.stem
 
-    def number(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"{architecture}.{key}", default)
-        if isinstance(value, list):  # per-layer values (hybrid models): one value for all layers only
-            if len(set(value)) != 1:
-                raise ValueError(f"{path}: {architecture}.{key} differs between layers ({value}); not supported")
-            value = value[0]
-        if value is None:
-            raise ValueError(f"{path}: the GGUF metadata lacks {architecture}.{key}")
-        return value
+    def own(key: str, kind: type, default: Any = REQUIRED, minimum: int | None = None) -> Any:
+        """The architecture's own metadata value ``<architecture>.<key>`` (GGUFMetadata.get)."""
+        return metadata.get(f"{architecture}.{key}", kind, default, minimum=minimum)
 
     tensor_types: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -348,28 +393,28 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     if "model.embed_tokens.weight" not in shapes:
         raise ValueError(f"{path}: no token_embd.weight tensor")
 
-    heads = int(number("attention.head_count"))
-    hidden = int(number("embedding_length"))
-    head_dim = int(_field(reader, f"{architecture}.attention.key_length") or hidden // heads)
-    rope_dims = _field(reader, f"{architecture}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    heads = own("attention.head_count", int, minimum=1)
+    hidden = own("embedding_length", int, minimum=1)
+    head_dim = own("attention.key_length", int, hidden // heads, minimum=1)
+    rope_dims = own("rope.dimension_count", int, None)
+    if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
                          "supported")
-    scaling = _field(reader, f"{architecture}.rope.scaling.type")
+    scaling = own("rope.scaling.type", str, None)
     if scaling not in (None, "none", "linear", "yarn"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear or yarn)")
-    rope_theta = float(number("rope.freq_base", 10000.0))
-    context_length = int(number("context_length", 2048))
+    rope_theta = own("rope.freq_base", float, 10000.0)
+    context_length = own("context_length", int, 2048, minimum=1)
     rope_scaling = None
     if scaling == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(number("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": own("rope.scaling.factor", float)}
     if scaling == "yarn":
-        rope_scaling = {"rope_type": "yarn", "factor": float(number("rope.scaling.factor")),
-                        "original_max_position_embeddings": int(number("rope.scaling.original_context_length"))}
+        rope_scaling = {"rope_type": "yarn", "factor": own("rope.scaling.factor", float),
+                        "original_max_position_embeddings": own("rope.scaling.original_context_length", int)}
         for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = _field(reader, f"{architecture}.rope.scaling.{key}")
+            value = own(f"rope.scaling.{key}", float, None)
             if value is not None:
-                rope_scaling[ours] = float(value)
+                rope_scaling[ours] = value
         if architecture == "gpt-oss":
             rope_scaling["truncate"] = False
     if rope_factors is not None:
@@ -377,41 +422,43 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     model_class = GGUF_ARCHITECTURES[architecture]
     if architecture == "llama" and "mistral" in name.lower():
         model_class = "MistralForCausalLM"
-    eos_ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(token) for token in eos_ids if token is not None))
+    eos_ids = [metadata.get(f"tokenizer.ggml.{key}", int, None)
+               for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
     hf_config: dict[str, Any] = {
         "architectures": [model_class],
         "model_type": architecture if model_class != "MistralForCausalLM" else "mistral",
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
-        "intermediate_size": int(number("feed_forward_length")),
-        "num_hidden_layers": int(number("block_count")),
+        "intermediate_size": own("feed_forward_length", int),
+        "num_hidden_layers": own("block_count", int, minimum=1),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
+        "num_key_value_heads": own("attention.head_count_kv", int, heads, minimum=1),
         "head_dim": head_dim,
-        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": own("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": context_length,
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id", int, None),
     }
     layers = hf_config["num_hidden_layers"]
     if architecture == "qwen3moe":
         # A layer without a router is dense (Qwen3-MoE's mlp_only_layers); llama.cpp renormalises the chosen
         # experts' weights for this architecture unless the file says otherwise.
         hf_config.update(
-            num_experts=int(number("expert_count")), num_experts_per_tok=int(number("expert_used_count")),
-            moe_intermediate_size=int(number("expert_feed_forward_length")),
-            norm_topk_prob=bool(_field(reader, f"{architecture}.expert_weights_norm", True)),
+            num_experts=own("expert_count", int, minimum=1),
+            num_experts_per_tok=own("expert_used_count", int, minimum=1),
+            moe_intermediate_size=own("expert_feed_forward_length", int),
+            norm_topk_prob=own("expert_weights_norm", bool, True),
             mlp_only_layers=[layer for layer in range(layers) if f"model.layers.{layer}.mlp.gate.weight" not in shapes],
         )
     if architecture == "gemma3":
         pattern = GEMMA3_SLIDING_WINDOW_PATTERN
         hf_config.update(
-            sliding_window=int(number("attention.sliding_window")), sliding_window_pattern=pattern,
+            sliding_window=own("attention.sliding_window", int), sliding_window_pattern=pattern,
             layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
                          for layer in range(layers)],
             rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
@@ -419,11 +466,12 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
             tie_word_embeddings="lm_head.weight" not in shapes,
         )
     if architecture == "gpt-oss":
-        experts_per_token = int(number("expert_used_count"))
+        experts_per_token = own("expert_used_count", int, minimum=1)
         hf_config.update(
-            model_type="gpt_oss", num_local_experts=int(number("expert_count")), num_experts_per_tok=experts_per_token,
-            experts_per_token=experts_per_token, intermediate_size=int(number("expert_feed_forward_length")),
-            sliding_window=int(number("attention.sliding_window")), swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+            model_type="gpt_oss", num_local_experts=own("expert_count", int, minimum=1),
+            num_experts_per_tok=experts_per_token,
+            experts_per_token=experts_per_token, intermediate_size=own("expert_feed_forward_length", int),
+            sliding_window=own("attention.sliding_window", int), swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
             layer_types=["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)],
         )
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
