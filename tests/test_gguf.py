@@ -407,15 +407,36 @@ BAD_METADATA = [
 @pytest.mark.parametrize(("arch", "key", "change"), BAD_METADATA, ids=[f"{key}={change and change[1]}"
                                                                         for _, key, change in BAD_METADATA])
 def test_a_bad_metadata_value_is_refused_naming_the_file_and_the_key(tmp_path, arch, key, change):
-    import gguf
-
     good = header_gguf(tmp_path / "good.gguf", arch)
     assert read_gguf(good).architecture == arch  # the header as llama.cpp writes it is read: only ``key`` differs
     bad = header_gguf(tmp_path / "bad.gguf", arch,
-                      {key: None if change is None else (change[0], gguf.GGUFValueType[change[1]])})
+                      {key: None if change is None else (change[0], gguf_type(change[1]))})
     with pytest.raises(ValueError) as refused:
         read_gguf(bad)
     assert str(bad) in str(refused.value) and key in str(refused.value)
+
+
+@pytest.mark.parametrize("layers", [26, 34, 61, 62])
+def test_gemma3_27b_is_known_by_its_62_layers_as_llama_cpp_knows_it(tmp_path, layers):
+    """Gemma 3 scales queries by 1 / sqrt(head_dim), the 27B by 1 / sqrt(hidden / heads); files store no scale, and
+    llama.cpp (src/models/gemma3.cpp, llama_model_gemma3::load_arch_hparams) tells the 27B by its 62 layers."""
+    from kvreuse.models.config import ModelConfig
+
+    path = header_gguf(tmp_path / f"gemma3-{layers}.gguf", "gemma3", {
+        "gemma3.attention.key_length": (32, gguf_type("UINT32")),
+        "gemma3.rope.dimension_count": (32, gguf_type("UINT32"))}, layers=layers)
+    config = read_gguf(path).hf_config
+    per_head, per_hidden = config["head_dim"], config["hidden_size"] // config["num_attention_heads"]
+    assert per_head != per_hidden  # the two rules differ for this file
+    expected = per_hidden if layers == 62 else per_head
+    assert config["query_pre_attn_scalar"] == expected
+    assert ModelConfig.from_dict(config).attention_scale == pytest.approx(expected ** -0.5)
+
+
+def gguf_type(name: str):
+    import gguf
+
+    return gguf.GGUFValueType[name]
 
 
 def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir):

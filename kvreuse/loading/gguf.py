@@ -66,11 +66,13 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
-# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/llama-model.cpp): five local
-# layers to one global, the local layers' rope base, and the query scale (1 / sqrt(head_dim), except the 62-layer
-# 27B's 1 / sqrt(hidden / heads)).
+# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/models/gemma3.cpp,
+# llama_model_gemma3::load_arch_hparams): five local layers to one global, the local layers' rope base, and the
+# query scale (1 / sqrt(head_dim), except the 27B's 1 / sqrt(hidden / heads); see _gemma3_query_pre_attn_scalar).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# Gemma 3 27B's layer count: how llama.cpp tells it from the other sizes (_gemma3_query_pre_attn_scalar).
+GEMMA3_27B_LAYERS = 62
 # What llama.cpp fixes in code for gpt-oss: even layers slide, odd ones attend to everything; the experts'
 # clamp; and OpenAI's rope_scaling has "truncate": false (transformers' YaRN default is true), which the
 # file does not record.
@@ -462,7 +464,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
             layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
                          for layer in range(layers)],
             rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+            query_pre_attn_scalar=_gemma3_query_pre_attn_scalar(hidden, heads, head_dim, layers),
             tie_word_embeddings="lm_head.weight" not in shapes,
         )
     if architecture == "gpt-oss":
@@ -476,6 +478,17 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         )
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
                          tensor_types=tensor_types, tensors=tuple(places))
+
+
+def _gemma3_query_pre_attn_scalar(hidden: int, heads: int, head_dim: int, layers: int) -> int:
+    """Gemma 3's query scale is 1 / sqrt(this): head_dim for every size but the 27B, hidden / heads for it.
+
+    A GGUF file does not say which: llama.cpp's converter (conversion/gemma.py, Gemma3Model) writes no
+    query_pre_attn_scalar, nor ``gemma3.attention.scale``, and llama.cpp itself (src/models/gemma3.cpp,
+    llama_model_gemma3::load_arch_hparams) takes the 27B by its layer count (``case 62: type = LLM_TYPE_27B``)
+    and sets ``f_attention_scale`` from the type, reading no key. The same rule here runs a file as llama.cpp
+    runs it (for the 27B, 5376 / 32 = 168, its config.json's query_pre_attn_scalar)."""
+    return hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim
 
 
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, context_length: int,
