@@ -433,6 +433,34 @@ def test_gemma3_27b_is_known_by_its_62_layers_as_llama_cpp_knows_it(tmp_path, la
     assert ModelConfig.from_dict(config).attention_scale == pytest.approx(expected ** -0.5)
 
 
+def test_a_new_architecture_is_an_entry_of_the_table(tmp_path, monkeypatch):
+    """_read_info is generic over ARCHITECTURES: an entry alone (its class, its own keys, fixed and derived
+    fields, its layer tensor names) makes a file of that architecture readable, its keys under its own prefix."""
+    from kvreuse.loading import gguf as gguf_module
+    from kvreuse.loading.gguf import Derived, Fixed, GGUFArchitecture, MetadataKey
+
+    entry = GGUFArchitecture(
+        "Qwen2ForCausalLM", "qwen2", layer_tensors={"ffn_gate_inp": "mlp.gate"},
+        config=(("sliding_window", MetadataKey("attention.sliding_window")),
+                ("norm_topk_prob", MetadataKey("expert_weights_norm", bool, False)),
+                ("hidden_activation", Fixed("gelu")),
+                ("heads_per_kv_head", Derived(lambda config, shapes: config["num_attention_heads"]
+                                              // config["num_key_value_heads"]))))
+    monkeypatch.setitem(gguf_module.ARCHITECTURES, "tinyarch", entry)
+    path = header_gguf(tmp_path / "tinyarch.gguf", "tinyarch",
+                       {"tinyarch.attention.sliding_window": (16, gguf_type("UINT32"))}, layers=3)
+    info = read_gguf(path)
+    config = info.hf_config
+    assert info.architecture == "tinyarch" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (config["num_hidden_layers"], config["sliding_window"], config["norm_topk_prob"]) == (3, 16, False)
+    assert config["hidden_activation"] == "gelu" and config["heads_per_kv_head"] == 2
+    assert list(config)[-4:] == ["sliding_window", "norm_topk_prob", "hidden_activation", "heads_per_kv_head"]
+    assert gguf_module._our_name("blk.0.ffn_gate_inp.weight", entry.layer_tensors) == "model.layers.0.mlp.gate.weight"
+    without = header_gguf(tmp_path / "lacking.gguf", "tinyarch")
+    with pytest.raises(ValueError, match=r"lacks tinyarch\.attention\.sliding_window"):
+        read_gguf(without)
+
+
 def gguf_type(name: str):
     import gguf
 
