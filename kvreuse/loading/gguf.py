@@ -26,8 +26,13 @@ are stored unpermuted. Llama 3.1-style rope scaling is stored as one divisor per
 (``rope_freqs.weight``), which transformers' loader ignores; it becomes config.json's ``llama3``
 rope scaling here (``_llama3_rope_scaling``), so such files run as llama.cpp runs them.
 
+What differs between architectures (their own metadata keys and the config.json fields they give, what
+llama.cpp fixes in code for them, their tensor names and storage) is their entry of ``ARCHITECTURES``; the
+reading is generic over it. Every metadata value is read through ``GGUFMetadata.get``, which checks it.
+
 Refusals are ``ValueError`` naming the file and what is wrong: an architecture or tensor type kvreuse
-cannot run, a truncated or corrupt file, a tensor that has no place in the model.
+cannot run, a truncated or corrupt file, a missing, wrong-typed or corrupt metadata value (and its key), a
+tensor that has no place in the model.
 """
 
 from __future__ import annotations
