@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -205,6 +206,57 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     scaling = config.get("rope_scaling") or {}
     if arch == "llama" and scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config, head_dim))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def header_gguf(out: Path, arch: str = "llama", changes: dict[str, tuple[Any, Any] | None] | None = None,
+                *, layers: int = 2) -> Path:
+    """A GGUF file that is a model's header and nothing else but a zero token embedding (all ``read_gguf``
+    needs): the metadata llama.cpp's converter writes for a small ``arch`` model (hidden 64, 4 heads of 16,
+    ``layers`` layers), then ``changes``: a key's (value, gguf.GGUFValueType) written instead of its own, or None
+    to leave it out. An empty list as an ARRAY is written too (gguf.GGUFWriter refuses one; a file may hold it)."""
+    import gguf
+
+    class EmptyArrayWriter(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0:  # element type UINT32, count 0
+                return ((self._pack("I", vtype) if add_vtype else b"") + self._pack("I", gguf.GGUFValueType.UINT32)
+                        + self._pack("Q", 0))
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    kind = gguf.GGUFValueType
+    values: dict[str, tuple[Any, Any]] = {
+        "general.name": (f"kvreuse {arch} header", kind.STRING),
+        f"{arch}.context_length": (2048, kind.UINT32), f"{arch}.embedding_length": (64, kind.UINT32),
+        f"{arch}.block_count": (layers, kind.UINT32), f"{arch}.feed_forward_length": (128, kind.UINT32),
+        f"{arch}.attention.head_count": (4, kind.UINT32), f"{arch}.attention.head_count_kv": (2, kind.UINT32),
+        f"{arch}.attention.key_length": (16, kind.UINT32), f"{arch}.rope.dimension_count": (16, kind.UINT32),
+        f"{arch}.rope.freq_base": (10000.0, kind.FLOAT32),
+        f"{arch}.attention.layer_norm_rms_epsilon": (1e-6, kind.FLOAT32),
+        "tokenizer.ggml.eos_token_id": (2, kind.UINT32), "tokenizer.ggml.bos_token_id": (1, kind.UINT32),
+    }
+    if arch == "qwen3moe":
+        values.update({"qwen3moe.expert_count": (4, kind.UINT32), "qwen3moe.expert_used_count": (2, kind.UINT32),
+                       "qwen3moe.expert_feed_forward_length": (32, kind.UINT32),
+                       "qwen3moe.expert_weights_norm": (True, kind.BOOL)})
+    if arch in ("gemma3", "gpt-oss"):
+        values[f"{arch}.attention.sliding_window"] = (16, kind.UINT32)
+    if arch == "gpt-oss":
+        values.update({"gpt-oss.expert_count": (4, kind.UINT32), "gpt-oss.expert_used_count": (2, kind.UINT32),
+                       "gpt-oss.expert_feed_forward_length": (32, kind.UINT32)})
+    for key, change in (changes or {}).items():
+        if change is None:
+            values.pop(key, None)
+        else:
+            values[key] = change
+    writer = EmptyArrayWriter(str(out), arch)
+    for key, (value, value_type) in values.items():
+        writer.add_key_value(key, value, value_type)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

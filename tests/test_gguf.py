@@ -30,6 +30,7 @@ import torch
 from conftest import fresh_cache_dir
 from gguf_files import (
     gguf_name,
+    header_gguf,
     llama3_rope_divisors,
     plant_distribution,
     wide_model_folder,
@@ -408,6 +409,87 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
         LLM(str(tmp_path / "text.gguf"))
     with pytest.raises(ValueError, match=r"GGUF file .* does not exist"):
         LLM(str(tmp_path / "absent.gguf"))
+
+
+# A value of each kind gone wrong, each once read by a bare conversion outside the guarded reader: int("two"),
+# hidden // 0, float("fast"), an empty array taken as "absent" (key_length) or passed to int() (dimension_count),
+# 2048.5 truncated to 2048, bytes that are not UTF-8, bool("false") == True; and a required key missing.
+BAD_METADATA = [
+    ("llama", "llama.block_count", ("two", "STRING")),
+    ("llama", "llama.attention.head_count", (0, "UINT32")),
+    ("llama", "llama.rope.freq_base", ("fast", "STRING")),
+    ("llama", "llama.attention.key_length", ([], "ARRAY")),
+    ("llama", "llama.rope.dimension_count", ([], "ARRAY")),
+    ("llama", "llama.context_length", (2048.5, "FLOAT32")),
+    ("llama", "general.name", (b"\xff\xfe tiny", "STRING")),
+    ("qwen2", "tokenizer.ggml.eos_token_id", ("</s>", "STRING")),
+    ("qwen3moe", "qwen3moe.expert_weights_norm", ("false", "STRING")),
+    ("qwen3moe", "qwen3moe.expert_count", ([4, 8], "ARRAY")),
+    ("llama", "llama.embedding_length", None),
+]
+
+
+@pytest.mark.parametrize(("arch", "key", "change"), BAD_METADATA, ids=[f"{key}={change and change[1]}"
+                                                                        for _, key, change in BAD_METADATA])
+def test_a_bad_metadata_value_is_refused_naming_the_file_and_the_key(tmp_path, arch, key, change):
+    good = header_gguf(tmp_path / "good.gguf", arch)
+    assert read_gguf(good).architecture == arch  # the header as llama.cpp writes it is read: only ``key`` differs
+    bad = header_gguf(tmp_path / "bad.gguf", arch,
+                      {key: None if change is None else (change[0], gguf_type(change[1]))})
+    with pytest.raises(ValueError) as refused:
+        read_gguf(bad)
+    assert str(bad) in str(refused.value) and key in str(refused.value)
+
+
+@pytest.mark.parametrize("layers", [26, 34, 61, 62])
+def test_gemma3_27b_is_known_by_its_62_layers_as_llama_cpp_knows_it(tmp_path, layers):
+    """Gemma 3 scales queries by 1 / sqrt(head_dim), the 27B by 1 / sqrt(hidden / heads); files store no scale, and
+    llama.cpp (src/models/gemma3.cpp, llama_model_gemma3::load_arch_hparams) tells the 27B by its 62 layers."""
+    from kvreuse.models.config import ModelConfig
+
+    path = header_gguf(tmp_path / f"gemma3-{layers}.gguf", "gemma3", {
+        "gemma3.attention.key_length": (32, gguf_type("UINT32")),
+        "gemma3.rope.dimension_count": (32, gguf_type("UINT32"))}, layers=layers)
+    config = read_gguf(path).hf_config
+    per_head, per_hidden = config["head_dim"], config["hidden_size"] // config["num_attention_heads"]
+    assert per_head != per_hidden  # the two rules differ for this file
+    expected = per_hidden if layers == 62 else per_head
+    assert config["query_pre_attn_scalar"] == expected
+    assert ModelConfig.from_dict(config).attention_scale == pytest.approx(expected ** -0.5)
+
+
+def test_a_new_architecture_is_an_entry_of_the_table(tmp_path, monkeypatch):
+    """_read_info is generic over ARCHITECTURES: an entry alone (its class, its own keys, fixed and derived
+    fields, its layer tensor names) makes a file of that architecture readable, its keys under its own prefix."""
+    from kvreuse.loading import gguf as gguf_module
+    from kvreuse.loading.gguf import Derived, Fixed, GGUFArchitecture, MetadataKey
+
+    entry = GGUFArchitecture(
+        "Qwen2ForCausalLM", "qwen2", layer_tensors={"ffn_gate_inp": "mlp.gate"},
+        config=(("sliding_window", MetadataKey("attention.sliding_window")),
+                ("norm_topk_prob", MetadataKey("expert_weights_norm", bool, False)),
+                ("hidden_activation", Fixed("gelu")),
+                ("heads_per_kv_head", Derived(lambda config, shapes: config["num_attention_heads"]
+                                              // config["num_key_value_heads"]))))
+    monkeypatch.setitem(gguf_module.ARCHITECTURES, "tinyarch", entry)
+    path = header_gguf(tmp_path / "tinyarch.gguf", "tinyarch",
+                       {"tinyarch.attention.sliding_window": (16, gguf_type("UINT32"))}, layers=3)
+    info = read_gguf(path)
+    config = info.hf_config
+    assert info.architecture == "tinyarch" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (config["num_hidden_layers"], config["sliding_window"], config["norm_topk_prob"]) == (3, 16, False)
+    assert config["hidden_activation"] == "gelu" and config["heads_per_kv_head"] == 2
+    assert list(config)[-4:] == ["sliding_window", "norm_topk_prob", "hidden_activation", "heads_per_kv_head"]
+    assert gguf_module._our_name("blk.0.ffn_gate_inp.weight", entry.layer_tensors) == "model.layers.0.mlp.gate.weight"
+    without = header_gguf(tmp_path / "lacking.gguf", "tinyarch")
+    with pytest.raises(ValueError, match=r"lacks tinyarch\.attention\.sliding_window"):
+        read_gguf(without)
+
+
+def gguf_type(name: str):
+    import gguf
+
+    return gguf.GGUFValueType[name]
 
 
 def test_tokenizer_is_converted_once_and_can_be_overridden(tiny_models, gguf_dir):

@@ -26,8 +26,13 @@ are stored unpermuted. Llama 3.1-style rope scaling is stored as one divisor per
 (``rope_freqs.weight``), which transformers' loader ignores; it becomes config.json's ``llama3``
 rope scaling here (``_llama3_rope_scaling``), so such files run as llama.cpp runs them.
 
+What differs between architectures (their own metadata keys and the config.json fields they give, what
+llama.cpp fixes in code for them, their tensor names and storage) is their entry of ``ARCHITECTURES``; the
+reading is generic over it. Every metadata value is read through ``GGUFMetadata.get``, which checks it.
+
 Refusals are ``ValueError`` naming the file and what is wrong: an architecture or tensor type kvreuse
-cannot run, a truncated or corrupt file, a tensor that has no place in the model.
+cannot run, a truncated or corrupt file, a missing, wrong-typed or corrupt metadata value (and its key), a
+tensor that has no place in the model.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,25 +61,18 @@ from kvreuse.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# general.architecture -> our ModelConfig architecture (llama files whose general.name says Mistral are
-# MistralForCausalLM: the same model code; llama.cpp stores Mistral as llama).
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gpt-oss": "GptOssForCausalLM",
-}
-# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/llama-model.cpp): five local
-# layers to one global, the local layers' rope base, and the query scale (1 / sqrt(head_dim), except the 62-layer
-# 27B's 1 / sqrt(hidden / heads)).
+# What llama.cpp fixes in code for Gemma 3 rather than storing in the file (src/models/gemma3.cpp,
+# llama_model_gemma3::load_arch_hparams): five local layers to one global, the local layers' rope base, and the
+# query scale (1 / sqrt(head_dim), except the 27B's 1 / sqrt(hidden / heads); see _gemma3_query_pre_attn_scalar).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
-# What llama.cpp fixes in code for gpt-oss: even layers slide, odd ones attend to everything; the experts'
-# clamp; and OpenAI's rope_scaling has "truncate": false (transformers' YaRN default is true), which the
-# file does not record.
+# Gemma 3 27B's layer count: how llama.cpp tells it from the other sizes (_gemma3_query_pre_attn_scalar).
+GEMMA3_27B_LAYERS = 62
+# What llama.cpp fixes in code for gpt-oss (src/models/openai-moe.cpp): even layers slide, odd ones attend to
+# everything; the experts' clamp; and OpenAI's rope_scaling has "truncate": false (transformers' YaRN default is
+# true), which the file does not record.
 GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_SLIDING_WINDOW_PATTERN = 2
 # The tensor types kvreuse loads (dequantized with gguf.quants.dequantize): float files, the legacy
 # quants of Q8_0 / Q4_0 / Q4_1 files, the K-quants of the common Q4_K_M / Q5_K_M / Q6_K files and the Q5_0 /
 # Q5_1 that llama-quantize falls back to for rows whose width is not a multiple of 256 (qwen2.5-0.5b: 896).
@@ -99,14 +98,6 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Where an architecture names a tensor otherwise: Gemma 3's ffn_norm is the norm before its MLP, its
-# post_attention_norm the attention output's own; Qwen3-MoE's router.
-_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
-    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
-}
 # Tensors stored as ``NAME.weight`` that are a parameter of their own in the model (no .weight suffix).
 _PARAMETER_TENSORS: dict[str, str] = {"attn_sinks": "self_attn.sinks"}
 # A layer's experts stacked in one tensor [experts, rows, cols]; each expert's rows are contiguous, so each
@@ -120,6 +111,195 @@ _GLOBAL_TENSORS: dict[str, str] = {
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rotary frequency divisors (see _llama3_rope_scaling)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _OUR_LAYER_NAME = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|bias)$")
+
+
+# The default of a metadata value that a file must have (GGUFMetadata.get refuses a file without it).
+REQUIRED: Any = object()
+# GGUF value types by what they hold (gguf.GGUFValueType's names: the package is imported only where a file is read).
+_INTEGER_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
+_FLOAT_TYPES = frozenset({"FLOAT32", "FLOAT64"})
+_ACCEPTED_TYPES: dict[type, frozenset[str]] = {
+    int: _INTEGER_TYPES, float: _INTEGER_TYPES | _FLOAT_TYPES, bool: frozenset({"BOOL"}), str: frozenset({"STRING"}),
+}
+_KIND_NAMES: dict[type, str] = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """A GGUF header's key-value fields, read only through ``get``: every value is converted and checked there,
+    so a missing, wrong-typed or corrupt one is a ValueError naming the file and the key, as an unreadable file
+    is (``_open_reader``), never a bare ``int()`` / ``IndexError`` / ``ZeroDivisionError`` from deep inside
+    building the config."""
+
+    path: Path
+    fields: Any  # gguf.GGUFReader.fields: key -> gguf.ReaderField
+
+    def get(self, key: str, kind: type, default: Any = REQUIRED, *, minimum: int | None = None) -> Any:
+        """The value of ``key`` as ``kind`` (int, float, bool or str), or ``default`` where the file has none.
+
+        An integer is any GGUF integer type, a float any number type, as llama.cpp's readers take them; a
+        number stored as a per-layer array (hybrid models' head counts) is taken when every layer has the same
+        value. Raises ValueError naming the file and the key for a missing required value, a value of another
+        type, an empty or nested array, bytes that are not UTF-8, a number that is not finite or is below
+        ``minimum`` (counts that divide, or that must exist: heads, layers).
+        """
+        field = self.fields.get(key)
+        if field is None:
+            if default is REQUIRED:
+                raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
+            return default
+        try:
+            element, values, is_array = _field_values(field)
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
+        if element not in _ACCEPTED_TYPES[kind] or (is_array and kind not in (int, float)):
+            found = ("an empty array" if not values else f"an array of {element}") if is_array else f"a {element} value"
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {found}; expected {_KIND_NAMES[kind]}")
+        if is_array and len(set(values)) != 1:
+            raise ValueError(f"{self.path}: {key} differs between layers ({values}); not supported")
+        value = kind(values[0])
+        if kind is float and not math.isfinite(value):
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected a finite number")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected at least {minimum}")
+        return value
+
+
+def _field_values(field: Any) -> tuple[str, list[Any], bool]:
+    """(the GGUF type name of the value or of an array's elements, the values as Python's, whether an array)
+    of a gguf.ReaderField, as gguf-py lays one out: ``types`` [type] or [ARRAY, element type] (no element
+    type for an empty array), ``data`` the indices in ``parts`` of the values (a string's: its bytes)."""
+    kinds = [kind.name for kind in field.types]
+    is_array = kinds[0] == "ARRAY"
+    if is_array and len(kinds) > 2:
+        raise ValueError(f"an array of arrays ({' of '.join(kinds)})")
+    element = kinds[-1]
+    indices = field.data if is_array else field.data[:1]
+    if element == "STRING":
+        return element, [bytes(field.parts[index]).decode("utf-8") for index in indices], is_array
+    return element, [field.parts[index].tolist()[0] for index in indices], is_array
+
+
+# --- what differs per architecture ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetadataKey:
+    """A config.json field read from the architecture's own metadata, ``<architecture>.<key>``."""
+
+    key: str  # after the architecture's prefix: "expert_count" is "qwen3moe.expert_count" in a qwen3moe file
+    kind: type = int  # int, float, bool or str (GGUFMetadata.get)
+    default: Any = REQUIRED  # what a file without the key means; REQUIRED: such a file is refused
+    minimum: int | None = None  # counts that must be there (experts): 1
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A config.json field that llama.cpp fixes in its code for the architecture: the file does not record it."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A config.json field computed from the fields before it and the tensors' shapes (by our names)."""
+
+    compute: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]]], Any]
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """What differs between GGUF architectures; ``_read_info`` and ``_placed`` are generic over it.
+
+    A file's config.json starts with the fields that llama.cpp's common keys give (heads, widths, rope, special
+    tokens: ``_read_info``), read under the architecture's prefix (its ``general.architecture``, as llama.cpp's
+    ``"%s.block_count"``); ``config`` then adds the architecture's own fields in order, each read from a key,
+    fixed, or derived. A field named there that the common ones have replaces its value in place.
+    """
+
+    model_class: str  # config.json's architectures[0]: the model code that runs it
+    model_type: str
+    config: tuple[tuple[str, MetadataKey | Fixed | Derived], ...] = ()
+    # rope_scaling entries llama.cpp fixes for the architecture's YaRN, beside the file's factor and betas
+    yarn: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # llama.cpp layer tensor -> ours where the architecture differs from (or adds to) _LAYER_TENSORS
+    layer_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # (a word of general.name, model_class, model_type): another model that llama.cpp stores as this architecture
+    variants: tuple[tuple[str, str, str], ...] = ()
+    rope_rows_interleaved: bool = False  # the q / k rows in llama.cpp's rope layout, put back (_placed)
+    rope_freqs: bool = False  # a rope_freqs.weight tensor is Llama 3 rope scaling (_llama3_rope_scaling)
+    norms_plus_one: bool = False  # norm weights stored as 1 + weight (ggml's norm multiplies by the weight)
+
+
+def _sliding_layer_types(pattern: int) -> Derived:
+    """config.json's ``layer_types`` as llama.cpp lays out sliding-window layers (src/llama-hparams.cpp,
+    ``llama_hparams::set_swa_pattern``): the last layer of every ``pattern`` attends to everything, the others
+    slide."""
+    return Derived(lambda config, shapes: ["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+                                           for layer in range(config["num_hidden_layers"])])
+
+
+def _dense_layers(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> list[int]:
+    """Qwen3-MoE's ``mlp_only_layers``: the layers without a router, whose MLP is dense."""
+    return [layer for layer in range(config["num_hidden_layers"])
+            if f"model.layers.{layer}.mlp.gate.weight" not in shapes]
+
+
+def _gemma3_query_pre_attn_scalar(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Gemma 3's query scale is 1 / sqrt(this): head_dim for every size but the 27B, hidden / heads for it.
+
+    A GGUF file does not say which: llama.cpp's converter (conversion/gemma.py, Gemma3Model) writes no
+    query_pre_attn_scalar, nor ``gemma3.attention.scale``, and llama.cpp itself (src/models/gemma3.cpp,
+    llama_model_gemma3::load_arch_hparams) takes the 27B by its layer count (``case 62: type = LLM_TYPE_27B``)
+    and sets ``f_attention_scale`` from the type, reading no key. The same rule here runs a file as llama.cpp
+    runs it (for the 27B, 5376 / 32 = 168, its config.json's query_pre_attn_scalar)."""
+    if config["num_hidden_layers"] == GEMMA3_27B_LAYERS:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+# general.architecture -> what differs for it. A new architecture is an entry here (and its model code).
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    # llama.cpp's converter stores llama's q / k rows permuted, Llama 3.1's rope scaling as rope_freqs.weight, and
+    # Mistral as llama (general.name says which: the same model code runs it).
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rope_rows_interleaved=True, rope_freqs=True,
+                              variants=(("mistral", "MistralForCausalLM", "mistral"),)),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    # A layer without a router is dense (Qwen3-MoE's mlp_only_layers); llama.cpp renormalises the chosen experts'
+    # weights for this architecture unless the file says otherwise.
+    "qwen3moe": GGUFArchitecture(
+        "Qwen3MoeForCausalLM", "qwen3moe", layer_tensors={"ffn_gate_inp": "mlp.gate"},
+        config=(("num_experts", MetadataKey("expert_count", minimum=1)),
+                ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
+                ("moe_intermediate_size", MetadataKey("expert_feed_forward_length")),
+                ("norm_topk_prob", MetadataKey("expert_weights_norm", bool, True)),
+                ("mlp_only_layers", Derived(_dense_layers)))),
+    # Gemma 3's ffn_norm is the norm before its MLP, its post_attention_norm the attention output's own.
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM", "gemma3", norms_plus_one=True,
+        layer_tensors={"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"},
+        config=(("sliding_window", MetadataKey("attention.sliding_window")),
+                ("sliding_window_pattern", Fixed(GEMMA3_SLIDING_WINDOW_PATTERN)),
+                ("layer_types", _sliding_layer_types(GEMMA3_SLIDING_WINDOW_PATTERN)),
+                ("rope_local_base_freq", Fixed(GEMMA3_LOCAL_ROPE_THETA)),
+                ("hidden_activation", Fixed("gelu_pytorch_tanh")),
+                ("query_pre_attn_scalar", Derived(_gemma3_query_pre_attn_scalar)))),
+    # gpt-oss's experts are its MLP: their width is intermediate_size.
+    "gpt-oss": GGUFArchitecture(
+        "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
+        layer_tensors={"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
+        config=(("num_local_experts", MetadataKey("expert_count", minimum=1)),
+                ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
+                ("experts_per_token", MetadataKey("expert_used_count", minimum=1)),
+                ("intermediate_size", MetadataKey("expert_feed_forward_length")),
+                ("sliding_window", MetadataKey("attention.sliding_window")),
+                ("swiglu_limit", Fixed(GPT_OSS_SWIGLU_LIMIT)),
+                ("layer_types", _sliding_layer_types(GPT_OSS_SLIDING_WINDOW_PATTERN)))),
+}
+# general.architecture -> our ModelConfig architecture (config.json's architectures[0]).
+GGUF_ARCHITECTURES: dict[str, str] = {name: spec.model_class for name, spec in ARCHITECTURES.items()}
 
 
 def is_gguf_path(path: str | os.PathLike[str]) -> bool:
@@ -197,7 +377,7 @@ class GGUFModelInfo:
     """What a GGUF file's header says about its model: enough to build it and to name its weights."""
 
     path: Path
-    architecture: str  # the file's general.architecture (llama, qwen2, qwen3)
+    architecture: str  # the file's general.architecture: a key of ARCHITECTURES
     name: str  # general.name, or the file name
     hf_config: dict[str, Any]  # config.json-shaped: ModelConfig.from_dict(hf_config)
     tensor_types: dict[str, str]  # our tensor name -> ggml type name
@@ -210,24 +390,6 @@ class GGUFModelInfo:
         model fingerprint, so KV computed with one quantization is never served to another."""
         counts = Counter(self.tensor_types.values())
         return "gguf:" + "+".join(f"{kind}x{counts[kind]}" for kind in sorted(counts))
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (arrays of strings as lists), or ``default`` when absent."""
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    kind = field.types[0]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
-        return [field.parts[index].tolist()[0] for index in field.data]
-    value = field.parts[field.data[0]].tolist()[0]
-    return bool(value) if kind == GGUFValueType.BOOL else value
 
 
 def _open_reader(path: str, size: int) -> Any:
@@ -256,7 +418,9 @@ def _version(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
-def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
+def _our_name(gguf_name: str, layer_tensors: Mapping[str, str]) -> str | None:
+    """Our (Hugging Face's) name of a tensor of the file, None for one with no place in the model; ``layer_tensors``:
+    the architecture's own layer names (GGUFArchitecture.layer_tensors)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
@@ -265,7 +429,7 @@ def _our_name(gguf_name: str, architecture: str = "llama") -> str | None:
     layer, module, kind = match.groups()
     if module in _PARAMETER_TENSORS and kind == "weight":
         return f"model.layers.{layer}.{_PARAMETER_TENSORS[module]}"
-    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    names = {**_LAYER_TENSORS, **layer_tensors}
     if module not in names:
         return None
     return f"model.layers.{layer}.{names[module]}.{kind}"
@@ -300,31 +464,96 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
 @functools.lru_cache(maxsize=8)
 def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     """``read_gguf`` per file version: the header is parsed once here, what kvreuse needs of it is kept (a
-    few kB, tensor places included) and the parsed header goes when this returns."""
+    few kB, tensor places included) and the parsed header goes when this returns. Generic over the
+    architectures: what differs between them is their entry of ``ARCHITECTURES``."""
     path = Path(resolved)
     reader = _open_reader(resolved, size)
-    architecture = _field(reader, "general.architecture")
-    if architecture not in GGUF_ARCHITECTURES:
+    metadata = GGUFMetadata(path, reader.fields)
+    architecture = metadata.get("general.architecture", str)
+    if architecture not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(GGUF_ARCHITECTURES)}")
-    name = _field(reader, "general.name") or path.stem
+                         f"{', '.join(ARCHITECTURES)}")
+    spec = ARCHITECTURES[architecture]
+    name = metadata.get("general.name", str, "") or path.stem
 
-    def number(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"{architecture}.{key}", default)
-        if isinstance(value, list):  # per-layer values (hybrid models): one value for all layers only
-            if len(set(value)) != 1:
-                raise ValueError(f"{path}: {architecture}.{key} differs between layers ({value}); not supported")
-            value = value[0]
-        if value is None:
-            raise ValueError(f"{path}: the GGUF metadata lacks {architecture}.{key}")
-        return value
+    def own(key: str, kind: type, default: Any = REQUIRED, minimum: int | None = None) -> Any:
+        """The architecture's own metadata value ``<architecture>.<key>`` (GGUFMetadata.get)."""
+        return metadata.get(f"{architecture}.{key}", kind, default, minimum=minimum)
 
+    tensor_types, shapes, places, rope_factors = _tensor_places(reader, path, architecture, spec)
+    heads = own("attention.head_count", int, minimum=1)
+    hidden = own("embedding_length", int, minimum=1)
+    head_dim = own("attention.key_length", int, hidden // heads, minimum=1)
+    rope_dims = own("rope.dimension_count", int, None)
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
+                         "supported")
+    scaling = own("rope.scaling.type", str, None)
+    if scaling not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear or yarn)")
+    rope_theta = own("rope.freq_base", float, 10000.0)
+    context_length = own("context_length", int, 2048, minimum=1)
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": own("rope.scaling.factor", float)}
+    if scaling == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": own("rope.scaling.factor", float),
+                        "original_max_position_embeddings": own("rope.scaling.original_context_length", int)}
+        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = own(f"rope.scaling.{key}", float, None)
+            if value is not None:
+                rope_scaling[ours] = value
+        rope_scaling.update(spec.yarn)
+    if rope_factors is not None:
+        rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
+    model_class, model_type = spec.model_class, spec.model_type
+    for word, variant_class, variant_type in spec.variants:
+        if word in name.lower():
+            model_class, model_type = variant_class, variant_type
+    eos_ids = [metadata.get(f"tokenizer.ggml.{key}", int, None)
+               for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
+    hf_config: dict[str, Any] = {
+        "architectures": [model_class],
+        "model_type": model_type,
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": own("feed_forward_length", int),
+        "num_hidden_layers": own("block_count", int, minimum=1),
+        "num_attention_heads": heads,
+        "num_key_value_heads": own("attention.head_count_kv", int, heads, minimum=1),
+        "head_dim": head_dim,
+        "rms_norm_eps": own("attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": context_length,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id", int, None),
+    }
+    for field_name, source in spec.config:
+        if isinstance(source, MetadataKey):
+            hf_config[field_name] = own(source.key, source.kind, source.default, source.minimum)
+        elif isinstance(source, Fixed):
+            hf_config[field_name] = copy.deepcopy(source.value)
+        else:
+            hf_config[field_name] = source.compute(hf_config, shapes)
+    return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
+                         tensor_types=tensor_types, tensors=tuple(places))
+
+
+def _tensor_places(reader: Any, path: Path, architecture: str, spec: GGUFArchitecture) -> tuple[
+        dict[str, str], dict[str, tuple[int, ...]], list[GGUFTensorPlace], np.ndarray | None]:
+    """(our tensor name -> ggml type, our name -> shape, every tensor's place in the file's order, the rope
+    divisors of rope_freqs.weight or None) of a file's tensors. Raises ValueError for a type kvreuse cannot
+    load, a tensor with no place in the model, a file without a token embedding."""
     tensor_types: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     places: list[GGUFTensorPlace] = []
     rope_factors: np.ndarray | None = None
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS and architecture == "llama" and tensor.tensor_type.name == "F32":
+        if tensor.name == ROPE_FREQS and spec.rope_freqs and tensor.tensor_type.name == "F32":
             rope_factors = np.array(tensor.data, dtype=np.float64).reshape(-1)
             continue
         kind = tensor.tensor_type.name
@@ -338,7 +567,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
                 shapes[place.name] = place.shape
             places.extend(experts)
             continue
-        ours = _our_name(tensor.name, architecture)
+        ours = _our_name(tensor.name, spec.layer_tensors)
         if ours is None:
             raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
         tensor_types[ours] = kind
@@ -347,87 +576,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
                                       offset=int(tensor.data_offset), n_bytes=int(tensor.n_bytes)))
     if "model.embed_tokens.weight" not in shapes:
         raise ValueError(f"{path}: no token_embd.weight tensor")
-
-    heads = int(number("attention.head_count"))
-    hidden = int(number("embedding_length"))
-    head_dim = int(_field(reader, f"{architecture}.attention.key_length") or hidden // heads)
-    rope_dims = _field(reader, f"{architecture}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
-                         "supported")
-    scaling = _field(reader, f"{architecture}.rope.scaling.type")
-    if scaling not in (None, "none", "linear", "yarn"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear or yarn)")
-    rope_theta = float(number("rope.freq_base", 10000.0))
-    context_length = int(number("context_length", 2048))
-    rope_scaling = None
-    if scaling == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(number("rope.scaling.factor"))}
-    if scaling == "yarn":
-        rope_scaling = {"rope_type": "yarn", "factor": float(number("rope.scaling.factor")),
-                        "original_max_position_embeddings": int(number("rope.scaling.original_context_length"))}
-        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = _field(reader, f"{architecture}.rope.scaling.{key}")
-            if value is not None:
-                rope_scaling[ours] = float(value)
-        if architecture == "gpt-oss":
-            rope_scaling["truncate"] = False
-    if rope_factors is not None:
-        rope_scaling = _llama3_rope_scaling(rope_factors, head_dim, rope_theta, context_length, path)
-    model_class = GGUF_ARCHITECTURES[architecture]
-    if architecture == "llama" and "mistral" in name.lower():
-        model_class = "MistralForCausalLM"
-    eos_ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(token) for token in eos_ids if token is not None))
-    hf_config: dict[str, Any] = {
-        "architectures": [model_class],
-        "model_type": architecture if model_class != "MistralForCausalLM" else "mistral",
-        "vocab_size": shapes["model.embed_tokens.weight"][0],
-        "hidden_size": hidden,
-        "intermediate_size": int(number("feed_forward_length")),
-        "num_hidden_layers": int(number("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": context_length,
-        "tie_word_embeddings": "lm_head.weight" not in shapes,
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
-        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-    }
-    layers = hf_config["num_hidden_layers"]
-    if architecture == "qwen3moe":
-        # A layer without a router is dense (Qwen3-MoE's mlp_only_layers); llama.cpp renormalises the chosen
-        # experts' weights for this architecture unless the file says otherwise.
-        hf_config.update(
-            num_experts=int(number("expert_count")), num_experts_per_tok=int(number("expert_used_count")),
-            moe_intermediate_size=int(number("expert_feed_forward_length")),
-            norm_topk_prob=bool(_field(reader, f"{architecture}.expert_weights_norm", True)),
-            mlp_only_layers=[layer for layer in range(layers) if f"model.layers.{layer}.mlp.gate.weight" not in shapes],
-        )
-    if architecture == "gemma3":
-        pattern = GEMMA3_SLIDING_WINDOW_PATTERN
-        hf_config.update(
-            sliding_window=int(number("attention.sliding_window")), sliding_window_pattern=pattern,
-            layer_types=["full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
-                         for layer in range(layers)],
-            rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
-            tie_word_embeddings="lm_head.weight" not in shapes,
-        )
-    if architecture == "gpt-oss":
-        experts_per_token = int(number("expert_used_count"))
-        hf_config.update(
-            model_type="gpt_oss", num_local_experts=int(number("expert_count")), num_experts_per_tok=experts_per_token,
-            experts_per_token=experts_per_token, intermediate_size=int(number("expert_feed_forward_length")),
-            sliding_window=int(number("attention.sliding_window")), swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
-            layer_types=["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)],
-        )
-    return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
-                         tensor_types=tensor_types, tensors=tuple(places))
+    return tensor_types, shapes, places, rope_factors
 
 
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, context_length: int,
@@ -517,7 +666,8 @@ def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.nda
     row_order = None
     match = _OUR_LAYER_NAME.match(place.name)
     module = match.group(1) if match is not None else ""
-    if info.architecture == "llama" and module in permuted:
+    spec = ARCHITECTURES[info.architecture]
+    if spec.rope_rows_interleaved and module in permuted:
         row_order = _llama_rope_row_order(shape[0], permuted[module])
         if raw.ndim == 2:
             raw = raw[row_order]
@@ -527,7 +677,7 @@ def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.nda
                                  "be un-permuted")
             width = raw.size // shape[0]
             raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
-    if info.architecture == "gemma3" and place.name.endswith("norm.weight"):
+    if spec.norms_plus_one and place.name.endswith("norm.weight"):
         # llama.cpp's converter stores Gemma's norm weights as 1 + weight (ggml's norm multiplies by the weight);
         # Gemma's norm here adds the 1 itself, as transformers' does.
         if place.ggml_type != "F32":
