@@ -551,26 +551,18 @@ struct Problem {
   bool bf16_dot;  // bf16 pool and q, AVX512_BF16 built in, head_dim a multiple of 32: attend_rows_bf16
 };
 
-// Attend one item: its tile's rows over keys [key_begin, key_end). Leaves the running max, sum and
-// (unnormalised) accumulator of every row in m, l, acc.
 // What one thread converts a tile's keys into: float32 K and V of KEY_TILE keys.
 struct Scratch {
   std::vector<float> keys = std::vector<float>(KEY_TILE * MAX_TILE_KV_VALUES);
   std::vector<float> values = std::vector<float>(KEY_TILE * MAX_TILE_KV_VALUES);
 };
 
-void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scratch, float* m, float* l,
-            float* acc) {
+// The tile's query rows as the loop reads them: float32 pre-multiplied by the softmax scale (q), or on the bf16
+// path the raw bf16 values two to a word (q_pairs; the scale is applied to the scores); a query's heads of the
+// run are adjacent in q. Each row's running max, sum and accumulator start empty.
+inline void load_queries(const Problem& p, const Tile& tile, int64_t rows, int64_t rows_per_query, float* q,
+                         uint32_t* q_pairs, float* m, float* l, float* acc) {
   const int64_t dim = p.dim, group = p.group;
-  const int64_t kv_count = tile.kv_end - tile.kv_begin, rows_per_query = kv_count * group;
-  const int64_t rows = (tile.query_end - tile.query_begin) * rows_per_query;
-  const int64_t query_len = p.query_lens[tile.seq], context_len = p.context_lens[tile.seq];
-  const int64_t first_position = context_len - query_len;  // absolute position of query 0
-  const int64_t* table = p.tables + tile.seq * p.table_width;
-  // Queries as float32, pre-multiplied by the softmax scale. A query's heads of the run are adjacent in q.
-  alignas(64) float q[MAX_TILE_ROWS * MAX_HEAD_DIM];
-  // The bf16 path's q: the raw bf16 values (the scale is applied to the scores), two a 32-bit word.
-  alignas(64) uint32_t q_pairs[MAX_TILE_ROWS * MAX_HEAD_DIM / 2];
   const int64_t token0 = p.query_start[tile.seq] + tile.query_begin;
   const int64_t first_head = tile.kv_begin * group;
   for (int64_t r = 0; r < rows; ++r) {
@@ -600,6 +592,61 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
     l[r] = 0.0f;
     std::fill(acc + r * dim, acc + (r + 1) * dim, 0.0f);
   }
+}
+
+// Ask for the K and V rows of keys [begin, end) of a sequence (its block table) for KV heads [kv_begin,
+// kv_begin + kv_count): blocks lie anywhere in the pool, a jump the hardware prefetcher does not foresee. The
+// block and offset are stepped: a 64-bit division per key costs more than reading the key.
+inline void prefetch_keys(const Problem& p, const int64_t* table, int64_t kv_begin, int64_t kv_count, int64_t begin,
+                          int64_t end) {
+  int64_t block = begin / p.block_size, offset = begin - block * p.block_size;
+  for (int64_t position = begin; position < end; ++position) {
+    const int64_t slot = table[block] * p.block_size + offset;
+    p.keys.prefetch(slot, kv_begin, kv_count);
+    p.values.prefetch(slot, kv_begin, kv_count);
+    if (++offset == p.block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+// Each row's keys [hidden, visible) of a tile of n keys from key0: all of them, or those at or before the
+// row's position (needs_mask) and inside its window (needs_window). Row i is query i / group, at position
+// first_query_position + i / group. Only a tile that masks pays the division (per row and tile: measurable
+// on a long decode row).
+inline void mask_rows(RowBlock& rows, int64_t count, int64_t group, int64_t first_query_position, int64_t key0,
+                      int64_t n, int64_t window, bool needs_mask, bool needs_window) {
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t visible = n, hidden = 0;
+    if (needs_mask || needs_window) {
+      const int64_t position = first_query_position + i / group;
+      if (needs_mask) visible = std::max<int64_t>(0, std::min(n, position + 1 - key0));  // keys <= position
+      if (needs_window) {
+        hidden = std::max<int64_t>(0, std::min(n, position - window + 1 - key0));
+        if (hidden >= visible) visible = hidden = 0;  // the row's window and this tile do not meet
+      }
+    }
+    rows.visible[i] = visible;
+    rows.hidden[i] = hidden;
+  }
+}
+
+// Attend one item: its tile's rows over keys [key_begin, key_end). Leaves the running max, sum and
+// (unnormalised) accumulator of every row in m, l, acc.
+void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scratch, float* m, float* l,
+            float* acc) {
+  const int64_t dim = p.dim, group = p.group;
+  const int64_t kv_count = tile.kv_end - tile.kv_begin, rows_per_query = kv_count * group;
+  const int64_t rows = (tile.query_end - tile.query_begin) * rows_per_query;
+  const int64_t query_len = p.query_lens[tile.seq], context_len = p.context_lens[tile.seq];
+  const int64_t first_position = context_len - query_len;  // absolute position of query 0
+  const int64_t* table = p.tables + tile.seq * p.table_width;
+  // Queries as float32, pre-multiplied by the softmax scale. A query's heads of the run are adjacent in q.
+  alignas(64) float q[MAX_TILE_ROWS * MAX_HEAD_DIM];
+  // The bf16 path's q: the raw bf16 values (the scale is applied to the scores), two a 32-bit word.
+  alignas(64) uint32_t q_pairs[MAX_TILE_ROWS * MAX_HEAD_DIM / 2];
+  load_queries(p, tile, rows, rows_per_query, q, q_pairs, m, l, acc);
   // K and V of the tile's keys as float32: kt[(j * kv_count + kv) * dim + d], the same for vt.
   float* kt = scratch.keys.data();
   float* vt = scratch.values.data();
@@ -624,19 +671,9 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
   const int64_t first_row_limit = first_position + tile.query_begin + 1;
   // With a window the last query's keys start latest: a tile before this start masks some rows' first keys.
   const int64_t last_row_window_start = first_position + tile.query_end - p.window;
-  {  // the first tiles' rows, which the loop's prefetch (PREFETCH_TILES ahead) never asks for
-    const int64_t end = std::min(item.key_end, item.key_begin + PREFETCH_TILES * KEY_TILE);
-    int64_t block = item.key_begin / p.block_size, offset = item.key_begin - block * p.block_size;
-    for (int64_t position = item.key_begin; position < end; ++position) {
-      const int64_t slot = table[block] * p.block_size + offset;
-      p.keys.prefetch(slot, tile.kv_begin, kv_count);
-      p.values.prefetch(slot, tile.kv_begin, kv_count);
-      if (++offset == p.block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-  }
+  // The first tiles' rows, which the loop's prefetch (PREFETCH_TILES ahead) never asks for.
+  prefetch_keys(p, table, tile.kv_begin, kv_count, item.key_begin,
+                std::min(item.key_end, item.key_begin + PREFETCH_TILES * KEY_TILE));
   for (int64_t key0 = item.key_begin; key0 < item.key_end; key0 += KEY_TILE) {
     const int64_t n = std::min(KEY_TILE, item.key_end - key0);
     // Block and offset of the tile's first key, then stepped: a 64-bit division per key costs more than
@@ -645,20 +682,7 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
     // Ask for the rows of the tile PREFETCH_TILES ahead now: blocks lie anywhere in the pool, a jump the
     // hardware prefetcher does not foresee.
     const int64_t next_begin = key0 + PREFETCH_TILES * KEY_TILE;
-    const int64_t next_end = std::min(item.key_end, next_begin + KEY_TILE);
-    if (next_begin < next_end) {
-      int64_t next_block = next_begin / p.block_size;
-      int64_t next_offset = next_begin - next_block * p.block_size;
-      for (int64_t position = next_begin; position < next_end; ++position) {
-        const int64_t slot = table[next_block] * p.block_size + next_offset;
-        p.keys.prefetch(slot, tile.kv_begin, kv_count);
-        p.values.prefetch(slot, tile.kv_begin, kv_count);
-        if (++next_offset == p.block_size) {
-          next_offset = 0;
-          ++next_block;
-        }
-      }
-    }
+    prefetch_keys(p, table, tile.kv_begin, kv_count, next_begin, std::min(item.key_end, next_begin + KEY_TILE));
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = table[block] * p.block_size + offset;
       slots[j] = slot;
@@ -698,20 +722,8 @@ void attend(const Problem& p, const Tile& tile, const Item& item, Scratch& scrat
       // The rows that read this KV head: its group of heads of each query of the tile.
       RowBlock& block_rows = rows_of[kv];
       const int64_t count = (tile.query_end - tile.query_begin) * group;
-      for (int64_t i = 0; i < count; ++i) {
-        int64_t visible = n, hidden = 0;  // keys [hidden, visible) of this tile the row may attend to
-        // Only a tile that masks pays the division (per row and tile: measurable on a long decode row).
-        if (needs_mask || needs_window) {
-          const int64_t position = first_position + tile.query_begin + i / group;
-          if (needs_mask) visible = std::max<int64_t>(0, std::min(n, position + 1 - key0));  // keys <= position
-          if (needs_window) {
-            hidden = std::max<int64_t>(0, std::min(n, position - p.window + 1 - key0));
-            if (hidden >= visible) visible = hidden = 0;  // the row's window and this tile do not meet
-          }
-        }
-        block_rows.visible[i] = visible;
-        block_rows.hidden[i] = hidden;
-      }
+      mask_rows(block_rows, count, group, first_position + tile.query_begin, key0, n, p.window, needs_mask,
+                needs_window);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
       if (p.bf16_dot) {
         attend_block_bf16(block_rows, count, key_words + kv * (dim / 2) * KEY_TILE,
