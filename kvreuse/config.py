@@ -226,12 +226,12 @@ QUANTIZATION_METHODS = ("none", "gguf", "int8")  # as loading/loader.py's
 # reference); on CUDA auto picks triton (attention/triton_paged.py: Triton kernels
 # reading the blocks in place) where triton is installed.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton")
-# The torch.compile'd decode was a third decode path beside the native CPU step and CUDA graphs; measured slower
-# than the native step on CPU (docs/benchmarks.md, "The compiled decode, retired") and refused with the Triton
-# backend on CUDA, where CUDA graphs are the default, it was removed.
+# The torch.compile'd decode was a third decode path beside the native CPU step and CUDA graphs; measured within
+# run-to-run noise of the native step on CPU (docs/benchmarks.md, "The compiled decode, retired"), unable to run
+# the CPU attention kernel or batch-invariant mode, and refused with the Triton backend on CUDA, it was removed.
 TORCH_COMPILE_RETIRED = ("enable_torch_compile is retired: decode steps run the native CPU step on CPU and CUDA "
-                         "graphs on CUDA, both faster than the compiled decode was (docs/benchmarks.md); drop the "
-                         "option")
+                         "graphs on CUDA (the compiled decode was no faster beyond noise and could not run the CPU "
+                         "attention kernel or batch-invariant mode: docs/benchmarks.md); drop the option")
 
 
 @dataclass(frozen=True)
