@@ -1,7 +1,7 @@
 """What the CPU can do, read from /proc/cpuinfo: its feature flags and whether it does bfloat16 natively.
 
-A leaf of the model package: the dtype policy (``loader.py``), the kernel planner (``kernels.py``) and the
-row-dot build (``rowdot.py``) all read these facts, so they live below all three.
+The lowest of the kernels: the dtype policy (loading/loader.py), the plan book (layers/plan_book.py) and every
+kernel's build (kernels/build.py) read these facts, so they live below all three.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from kvreuse.kernels.quant import QuantizedTensor
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table held quantized: looked-up rows are dequantized (qlinear's kernel), in ``dtype``;
+    """An embedding table held quantized: looked-up rows are dequantized (kernels/quant_ops.py's kernel), in ``dtype``;
     a tied output projection reads the same quantized table (``quantized``)."""
 
     def __init__(self, table: QuantizedTensor, dtype: torch.dtype) -> None:

@@ -60,7 +60,7 @@ class Linear(nn.Module):
         return out
 
     def choose_cpu_kernel(self, book: PlanBook, max_layouts: int = 2, batch_invariant: bool = False) -> bool:
-        """Run this layer on the kernel(s) measured fastest for its shape, per row count (kernels.py);
+        """Run this layer on the kernel(s) measured fastest for its shape, per row count (plan_book.py);
         ``batch_invariant``: on the one kernel whose rows do not depend on the row count, at every count.
 
         The plain weight is released unless the plan still uses it, so memory grows only where a
