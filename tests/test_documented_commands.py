@@ -253,7 +253,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_engine.py": (r"kvreuse_warm_over_cold\s+\S", r"warm_over_cold_flop_floor\s+0\.\d",
                         r"cold_prefill_speed_ratio\s+\S", r"decode_speed_ratio\s+\S",
                         r"step_overhead_share_concurrent\s+\S", r"linear_kernels\s+\S", r"weight_layouts_extra_mib\s+\S",
-                        r"decode_one_stream_compiled_over_eager\s+\S",
+                        r"kvreuse_decode_tok_s_one_stream\s+\S",
                         r"prefix_match_ms\s+\S"),
     "bench_pins.py": (r"TTFT warm hit \(median\)\s+\S", r"TTFT pinned, after flood\s+\S",
                       r"pinned-after-flood / warm\s+\S"),
