@@ -170,33 +170,77 @@ class LoRAConfig:
 
 
 # --- speculative decoding: vLLM's ``speculative_config`` dict, validated once at start-up ------------------
-# ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}`` with vLLM's names;
-# a bad value fails with the field named, before any weight is read.
+# ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}`` with vLLM's names (an EAGLE
+# draft model); ``{"method": "cache", ...}``: the cache drafter (spec/cache_drafter.py), drafts copied from the
+# request's own tokens and its namespace's earlier sequences, with its knobs below; ``{"method": "ngram", ...}``:
+# vLLM's prompt lookup, the same drafter reading the request's own tokens only; ``{"method": "none"}``: no drafting.
+# Left unset (None) the cache drafter runs where verification is exact (batch-invariant mode on: builder.py).
+# A bad value fails with the field named, before any weight is read.
 
-SPECULATIVE_METHODS = ("eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")
+CACHE_METHODS = ("cache", "ngram")
+SPECULATIVE_METHODS = (*EAGLE_METHODS, *CACHE_METHODS, "none")
 # Verification computes 1 + k target tokens per step; beyond this a draft that is ever wrong costs
 # more in rejected rows than it can save.
 MAX_SPECULATIVE_TOKENS = 16
+# The cache drafter's defaults: drafts of up to 8 tokens from a match of 2 to 16 tokens; each namespace keeps the
+# last 256Ki tokens of its finished sequences to draft from (4 bytes a token and its index: about 4 MiB at most).
+CACHE_DRAFT_TOKENS = 8
+CACHE_DRAFT_FIELDS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "namespace_tokens")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    model: str  # the draft's folder
-    num_speculative_tokens: int
+    model: str | None = None  # the EAGLE draft's folder
+    num_speculative_tokens: int = CACHE_DRAFT_TOKENS  # most tokens drafted per step
+    # The cache drafter: the shortest and longest run of last tokens matched against earlier text (vLLM's names).
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 16
+    # Tokens of finished sequences each namespace keeps to draft from ("ngram": 0, the request's own tokens only).
+    namespace_tokens: int = 1 << 18
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
             )
-        if not isinstance(self.model, str) or not self.model:
+        if self.method in EAGLE_METHODS and (not isinstance(self.model, str) or not self.model):
             raise ValueError("speculative_config.model must name the draft's folder")
+        if self.method not in EAGLE_METHODS and self.model is not None:
+            raise ValueError(f"speculative_config.model is for an EAGLE draft; method {self.method!r} has none")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        for name, low, high in (("prompt_lookup_min", 1, 64), ("prompt_lookup_max", 1, 64),
+                                ("namespace_tokens", 0, 1 << 26)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"speculative_config.{name} must be an int in [{low}, {high}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "ngram" and self.namespace_tokens:
+            object.__setattr__(self, "namespace_tokens", 0)  # vLLM's ngram: the request's own tokens only
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """An EAGLE draft: its K/V and features live in the blocks (part of the namespace)."""
+        return self.method in EAGLE_METHODS
+
+    @property
+    def uses_cache_drafter(self) -> bool:
+        return self.method in CACHE_METHODS
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that mean something for this method, as ``--speculative-config`` takes them."""
+        if self.method == "none":
+            return {"method": "none"}
+        if self.uses_draft_model:
+            return {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
+        return {"method": self.method, **{name: getattr(self, name) for name in CACHE_DRAFT_FIELDS}}
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -208,15 +252,29 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"--speculative-config is not valid JSON: {error}") from None
+            if value is None:
+                return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
-        known = {"method", "model", "num_speculative_tokens"}
+        method = value.get("method")
+        if method is None:
+            raise ValueError("speculative_config lacks method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if method in EAGLE_METHODS:
+            known, required = {"method", "model", "num_speculative_tokens"}, {"method", "model", "num_speculative_tokens"}
+        elif method in CACHE_METHODS:
+            known, required = {"method", *CACHE_DRAFT_FIELDS}, {"method"}
+        else:
+            known, required = {"method"}, {"method"}
         reject_unknown_fields(value, known, "speculative_config")
-        missing = sorted(name for name in known if name not in value)
+        missing = sorted(name for name in required if name not in value)
         if missing:
             raise ValueError(f"speculative_config lacks {', '.join(missing)}")
-        return cls(method=value["method"], model=str(value["model"]),
-                   num_speculative_tokens=value["num_speculative_tokens"])
+        fields = dict(value)
+        if "model" in fields:
+            fields["model"] = str(fields["model"])
+        return cls(**fields)
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # auto: a .gguf file is gguf
@@ -249,7 +307,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
     max_model_len: int | None = None  # None: the model's context length, capped by the KV pool
-    speculative: SpeculativeConfig | None = None  # EAGLE speculative decoding (None: off)
+    # Speculative decoding: an EAGLE draft, the cache drafter, or {"method": "none"}; None (auto): the cache drafter
+    # where verification is exact (batch-invariant mode on), none elsewhere (the builder says which and why).
+    speculative: SpeculativeConfig | None = None
     # SGLang's switch for a torch.compile'd decode: retired (TORCH_COMPILE_RETIRED says why); True is refused.
     enable_torch_compile: bool = False
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS

@@ -99,9 +99,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help="no CUDA graphs (as vLLM's flag): on CUDA, pure decode steps otherwise replay one "
                              "captured graph per padded batch size")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
-                        help='EAGLE speculative decoding, as vLLM\'s: \'{"method": "eagle" | "eagle3", "model": '
-                             'DRAFT_DIR, "num_speculative_tokens": K}\' (greedy outputs are unchanged; the draft\'s '
-                             'digest becomes part of every cache key)')
+                        help='speculative decoding, as vLLM\'s: an EAGLE draft \'{"method": "eagle" | "eagle3", '
+                             '"model": DRAFT_DIR, "num_speculative_tokens": K}\' (its digest becomes part of every '
+                             'cache key); the cache drafter \'{"method": "cache", "num_speculative_tokens": 8, '
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 16, "namespace_tokens": 262144}\' (any '
+                             'field may be left out; "ngram": the request\'s own tokens only); \'{"method": "none"}\': '
+                             'no drafting. Default: the cache drafter where batch-invariant mode is on. Greedy '
+                             'outputs are unchanged')
     # KV tiers behind the device pool (kvreuse.cache.tiers): host memory, a disk folder, a Redis server.
     parser.add_argument("--kv-host-memory", type=memory_size_arg("kv_host_memory", allow_zero=True), default=0,
                         metavar="SIZE",
@@ -133,7 +137,7 @@ def speculative_config_arg(value: str) -> dict[str, Any] | None:
         raise argparse.ArgumentTypeError(str(error)) from None
     if config is None:  # the JSON null: no speculation
         return None
-    return {"method": config.method, "model": config.model, "num_speculative_tokens": config.num_speculative_tokens}
+    return config.as_dict()
 
 
 def memory_size_arg(field_name: str, allow_zero: bool = False) -> Callable[[str], int]:

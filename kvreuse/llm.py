@@ -76,8 +76,11 @@ class LLM:
         chunk_check_layer: int | None = None,
         chunk_recompute_first: int = 0,
     ) -> None:
-        """``speculative_config``: vLLM's dict, ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
-        "num_speculative_tokens": k}`` (or its JSON text); None: no speculation.
+        """``speculative_config``: vLLM's dict (or its JSON text): ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
+        "num_speculative_tokens": k}`` (an EAGLE draft); ``{"method": "cache", ...}`` (the cache drafter, with
+        ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``, ``namespace_tokens``; "ngram": the
+        request's own tokens only); ``{"method": "none"}``: no drafting. None: the cache drafter where
+        batch-invariant mode is on (exact verification), none elsewhere.
         KV tiers behind the device pool: ``kv_host_memory`` (bytes or "4GiB"; 0: none), ``kv_disk_dir``
         with ``kv_disk_size``, ``kv_remote_url`` ("redis://host:port/0"); ``kv_write_queue_size``: the most
         bytes of blocks waiting to be written to disk and Redis (beyond it a block is not written, and counted).

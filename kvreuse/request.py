@@ -53,6 +53,8 @@ class Request:
     # Drafted tokens to verify in the next step (speculative decoding). They are not part of
     # all_token_ids: only the ones the target accepts are appended.
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafted tokens verified for it (speculative decoding)
+    num_accepted_draft_tokens: int = 0  # of those, the ones the target accepted
     status: RequestStatus = RequestStatus.WAITING
 
     # KV blocks: block_ids[i] holds tokens [i*bs, (i+1)*bs). The first len(cached_nodes) of them are

@@ -40,7 +40,7 @@ from kvreuse.cache.tiers.fingerprint import files_digest, model_fingerprint
 from kvreuse.cache.tiers.glue import TierGlue
 from kvreuse.cache.tiers.record import BlockLayout
 from kvreuse.cache.tiers.store import TieredStore
-from kvreuse.config import EngineConfig, cache_dir
+from kvreuse.config import EngineConfig, SpeculativeConfig, cache_dir
 from kvreuse.grammar.compiler import GrammarCompiler
 from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.kernels import fused_ops, paged_attention, qpacked, quant_ops
@@ -62,6 +62,7 @@ from kvreuse.runner.host_allocator import return_free_heap
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.sampling import Sampler
 from kvreuse.scheduler import Scheduler
+from kvreuse.spec.cache_drafter import CacheDrafter
 from kvreuse.spec.decoding import SpeculativeDecoding
 from kvreuse.spec.eagle import EagleDraft, load_eagle_draft
 from kvreuse.spec.proposer import EagleProposer
@@ -105,12 +106,27 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed, quantization=config.quantization)
+    cache_drafts_asked = config.speculative is not None and config.speculative.uses_cache_drafter
+    if cache_drafts_asked and config.batch_invariant is False:
+        raise ValueError(f"speculative_config method {config.speculative.method!r} verifies drafts exactly only in "
+                         f"batch-invariant mode (a verified row must be the bits a one-token step gives), and "
+                         f"batch_invariant=False turns it off: drop one of the two")
     if config.batch_invariant is None:
         on, reason = auto_batch_invariant(config, model, model_config, device)
+        if cache_drafts_asked and not on:
+            on, reason = True, f"cache drafts asked for (speculative_config), where auto says off: {reason}"
         config = dataclasses.replace(config, batch_invariant=on)
         logger.info("batch-invariant mode %s (auto: %s)", "on" if on else "off", reason)
     if config.batch_invariant:
-        refuse_batch_invariant(config, model_config)
+        try:
+            refuse_batch_invariant(config, model_config)
+            if cache_drafts_asked and device.type != "cpu":
+                raise ValueError(f"batch_invariant is built for CPU only so far (device {device})")
+        except ValueError as error:
+            if not cache_drafts_asked:
+                raise
+            raise ValueError(f"speculative_config method {config.speculative.method!r} verifies drafts exactly only "
+                             f"in batch-invariant mode: {error}") from None
     gguf_file = is_gguf_path(model_path)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer or model_path)
     tokenizer = Tokenizer(tokenizer_path)
@@ -119,7 +135,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # target's KV blocks, so every block costs a little more and holds both.
     draft: EagleDraft | None = None
     extra_bytes_per_token = 0
-    if config.speculative is not None:
+    if config.speculative is not None and config.speculative.uses_draft_model:
+        assert config.speculative.model is not None
         draft = load_eagle_draft(config.speculative.model, config.speculative.method, model,
                                  model_config.num_hidden_layers, dtype, device)
         if device.type == "cpu":
@@ -191,10 +208,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         scheduler_config = dataclasses.replace(scheduler_config, max_loras=config.lora.max_loras)
     sampler = Sampler()
     spec = None
+    cache_settings, why = cache_drafter_settings(config, device)
+    logger.info("cache drafts: %s", why)
+    cache_drafter = (CacheDrafter(cache_settings.prompt_lookup_min, cache_settings.prompt_lookup_max,
+                                  cache_settings.namespace_tokens) if cache_settings is not None else None)
     if draft is not None and config.speculative is not None:
         k = config.speculative.num_speculative_tokens
-        spec = SpeculativeDecoding(EagleProposer(draft, kv_cache, device, sampler), k, config.cache.block_size)
+        spec = SpeculativeDecoding(max(k, cache_settings.num_speculative_tokens if cache_settings else 0),
+                                   config.cache.block_size, eagle=EagleProposer(draft, kv_cache, device, sampler),
+                                   cache=cache_drafter)
         scheduler_config = dataclasses.replace(scheduler_config, num_lookahead_tokens=k)
+    elif cache_drafter is not None and cache_settings is not None:
+        spec = SpeculativeDecoding(cache_settings.num_speculative_tokens, config.cache.block_size, cache=cache_drafter)
     pins = PinRegistry(kv.index, int(config.cache.max_pinned_fraction * num_blocks))
     disk = tier_store.tier("disk") if tier_store is not None else None
     if isinstance(disk, DiskTier):
@@ -202,9 +227,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     structured = StructuredOutputManager(
         GrammarCompiler(tokenizer_path, model_config.vocab_size, sorted(tokenizer.eos_token_ids)),
         model_config.vocab_size, sorted(tokenizer.eos_token_ids))
-    if spec is not None:
-        spec.proposer.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
+    if spec is not None and spec.eagle is not None:
+        spec.eagle.draft_mask = lambda requests, drafted, logits: structured.mask_drafts(
             [id(request) for request in requests], drafted, logits)
+    if spec is not None:
+        spec.constrain = structured.allowed_draft
     if device.type == "cpu":
         return_free_heap()  # what building the rest freed
     return EngineParts(
@@ -426,6 +453,24 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
 
 
+def cache_drafter_settings(config: EngineConfig, device: torch.device) -> tuple[SpeculativeConfig | None, str]:
+    """The cache drafter's settings (None: it does not run), and why. It runs where its drafts are verified exactly:
+    batch-invariant mode gives a verification row the bits a one-token step gives (every product and attention
+    row on one arithmetic whatever the step's rows). Asked for (method cache or ngram), the builder turned the
+    mode on or refused; left unset, it runs where the mode is on; with an EAGLE draft it runs beside it when the
+    mode is on; {"method": "none"} turns it off."""
+    asked = config.speculative
+    if asked is not None and asked.method == "none":
+        return None, 'off (speculative_config {"method": "none"})'
+    if asked is not None and asked.uses_cache_drafter:
+        return asked, f"on ({asked.as_dict()})"
+    if not config.batch_invariant or device.type != "cpu":
+        return None, ("off (auto: a verified draft is exact only in batch-invariant mode, which is off here; "
+                      "speculative_config {\"method\": \"cache\"} turns both on)")
+    settings = SpeculativeConfig(method="cache")
+    return settings, f"on (auto: batch-invariant mode is on; {settings.as_dict()})"
+
+
 def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, model_config: ModelConfig,
                          device: torch.device) -> tuple[bool, str]:
     """Whether batch-invariant mode is on when not asked either way, and why: on where it costs little, which is
@@ -441,7 +486,8 @@ def auto_batch_invariant(config: EngineConfig, model: LlamaFamilyForCausalLM, mo
     except ValueError as exc:
         return False, str(exc).removeprefix("batch_invariant is ")
     for refused, reason in (
-            (config.speculative is not None, "a speculative draft (its float products would run the row-dot GEMV)"),
+            (config.speculative is not None and config.speculative.uses_draft_model,
+             "an EAGLE draft (its float products would run the row-dot GEMV)"),
             (config.attention_backend not in ("auto", "cpu_paged"), f"attention_backend {config.attention_backend}"),
             (os.environ.get(plan_book.KERNEL_ENV, "auto").strip().lower() != "auto",
              f"{plan_book.KERNEL_ENV} forces a product kernel"),
@@ -469,7 +515,7 @@ def refuse_batch_invariant(config: EngineConfig, model_config: ModelConfig) -> N
 
 def refuse_chunk_reuse(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner) -> None:
     """A ValueError naming why chunk reuse (issue 39) cannot run with this configuration, if it cannot."""
-    if config.speculative is not None:
+    if config.speculative is not None and config.speculative.uses_draft_model:
         raise ValueError("chunk_reuse with speculative decoding is not implemented: a blended prefill returns the "
                          "recomputed rows' hidden states only, and the draft reads every row's")
     if not isinstance(runner.attention_backend, (TorchPagedAttention, cpu_paged.NativePagedAttention)):

@@ -220,7 +220,7 @@ class LLMEngine:
             self.observatory.admitted(request, match, group.owner, wall_now)
 
         batch, items = build_forward_batch(scheduled.scheduled, self.kv.block_size, self.device, self.kv.take_copies(),
-                                           self.lora, copy_tables=self.spec is not None, blend=self.blend)
+                                           self.lora, copy_tables=self.proposer is not None, blend=self.blend)
         logits = self.spec.forward(self.runner, batch) if self.spec is not None else self.runner.execute(batch)
         if batch.blend is not None:  # how many moved tokens each blended sequence recomputed
             for item in items:
@@ -243,16 +243,21 @@ class LLMEngine:
             group, sample = self._sequences[id(item.request)]
             if result.finish is not None:
                 self.structured.remove(id(item.request))
+                if self.spec is not None:
+                    self.spec.forget(item.request)
                 self.scheduler.finish(item.request, *result.finish)
                 sample.output.finish_reason, sample.output.stop_reason = result.finish
             touched[group.request_id] = group
         if self.spec is not None:
-            self.spec.draft(items, self.max_model_len)
+            self.spec.draft(items, self.max_model_len, len(self.scheduler.running))
         if self.tier_glue is not None:  # after the draft's K/V: a stored block is complete
             self.tier_glue.store_computed(self.kv.take_new_blocks())
         outputs = failed + [self._make_output(group) for group in touched.values()]
-        self.step_timings.append(StepTiming(batch.num_tokens, batch.num_seqs, time.perf_counter() - step_start,
-                                            self.runner.last_forward_seconds))
+        timing = StepTiming(batch.num_tokens, batch.num_seqs, time.perf_counter() - step_start,
+                            self.runner.last_forward_seconds)
+        self.step_timings.append(timing)
+        if self.spec is not None:
+            self.spec.record_step(timing.num_tokens, timing.forward_s, timing.step_s)
         return outputs
 
     def _take_tokens(self, logits: torch.Tensor, sampling: list[StepItem]) -> list[VerifyResult]:
@@ -279,7 +284,7 @@ class LLMEngine:
         results = verify(self.sampler, logits, verify_items, finish_check)
         if self.spec is not None:
             for item, result in zip(sampling, results):
-                self.spec.record(len(item.draft_token_ids), result.num_accepted)
+                self.spec.record(item.request, len(item.draft_token_ids), result.num_accepted)
         for item, result in zip(sampling, results):
             # A grammar that can go no further ends its sequence (EOS is all it would allow next).
             if self.structured.accept(id(item.request), result.token_ids) and result.finish is None:

@@ -134,6 +134,18 @@ class StructuredOutputManager:
                 matcher.rollback(consumed)
         self._mask(logits, bitmask, [row for row, _, _ in rows])
 
+    def allowed_draft(self, key: int, drafted: list[int]) -> list[int]:
+        """A cache draft for sequence ``key`` as its grammar allows it: up to the first token it forbids; where
+        none is left, the tokens the grammar forces next (the target can take nothing else, so they are free
+        drafts). An unconstrained sequence's draft is returned as it is."""
+        matcher = self._matchers.get(key)
+        if matcher is None:
+            return drafted
+        valid = matcher.validate_tokens(drafted) if drafted else 0
+        if valid:
+            return drafted[:valid]
+        return list(matcher.compute_ff_tokens())
+
     def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
         """-inf on the tokens ``bitmask`` disallows, in rows ``indices`` of ``logits``."""
         index = torch.tensor(indices, dtype=torch.long)

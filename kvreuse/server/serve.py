@@ -144,7 +144,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
                 llm.engine.device, llm.engine.dtype,
                 f"; speculative decoding: {speculative.method} draft {speculative.model} (digest "
                 f"{llm.engine.draft_digest}, in /v1/models), {speculative.num_speculative_tokens} tokens per step"
-                if speculative is not None else "",
+                if speculative is not None and speculative.uses_draft_model else "",
                 f"; {len(api_keys)} API key(s), {len(admin_keys)} admin key(s)"
                 f"{', tenants isolated' if args.isolate_tenants else ''}" if api_keys or admin_keys else "")
     logger.info("tool calls: %s", f"{state.tool_parser.name} parser" + (

@@ -1,16 +1,28 @@
-"""SpeculativeDecoding: what an engine step does differently when an EAGLE draft is loaded.
+"""SpeculativeDecoding: what an engine step does differently when it drafts tokens to verify.
 
-The forward also returns every token's hidden state, from which the draft's input feature of each
-token is stored at its slot; after the target's tokens are verified and appended, the draft's K/V
-catch up with the positions that became final and each decoding sequence drafts its next tokens
-(``EagleProposer``), kept in ``Request.spec_token_ids`` for the next step to verify. With random
-sampling the proposal distribution of each drafted token is kept until that verification (rejection
-sampling needs it). Counters under vLLM's names (``SpecDecodeStats``).
+Two drafters, either or both:
+
+- ``EagleProposer`` (an EAGLE draft model): the forward also returns every token's hidden state, from which the
+  draft's input feature of each token is stored at its slot; after the target's tokens are verified and
+  appended, the draft's K/V catch up with the positions that became final and each decoding sequence drafts
+  its next tokens. With random sampling the proposal distribution of each drafted token is kept until that
+  verification (rejection sampling needs it).
+- ``CacheDrafter``: tokens copied from the request's own text and its namespace's earlier sequences
+  (spec/cache_drafter.py); its proposal is a point mass (the drafted token), which verification handles.
+
+A sequence's draft goes in ``Request.spec_token_ids`` for the next step to verify. With both drafters, the one
+expected to add more accepted tokens drafts the step (the cache draft's expected tokens from its confidence and
+the request's acceptance; EAGLE's from its measured mean accepted length). A cache draft keeps only the tokens
+whose verification rows pay for themselves (spec/draft_cost.py); a constrained sequence's cache draft stops at
+the first token its grammar forbids, and a grammar that forces tokens drafts them. A seeded random request is
+drafted for by EAGLE only as before and never by the cache: its draws must not depend on what the namespace
+holds or on the machine's timing. Counters under vLLM's names (``SpecDecodeStats``), and per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -18,61 +30,143 @@ from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.request import Request, RequestStatus
 from kvreuse.runner.input_batch import StepItem
 from kvreuse.runner.model_runner import ModelRunner
-from kvreuse.spec.proposer import DraftJob, EagleProposer
+from kvreuse.spec.cache_drafter import CacheDrafter
+from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
+from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
 from kvreuse.spec.stats import SpecDecodeStats
+
+EAGLE, CACHE = "eagle", "cache"
 
 
 class SpeculativeDecoding:
-    def __init__(self, proposer: EagleProposer, num_speculative_tokens: int, block_size: int) -> None:
-        self.proposer = proposer
+    def __init__(self, num_speculative_tokens: int, block_size: int, eagle: EagleProposer | None = None,
+                 cache: CacheDrafter | None = None) -> None:
+        if eagle is None and cache is None:
+            raise ValueError("speculative decoding needs a drafter")
+        self.eagle = eagle
+        self.cache = cache
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.stats = SpecDecodeStats(num_speculative_tokens)
+        self.cost = DraftCost()
+        # Accepted tokens per verification, by the drafter that drafted (choosing between the two).
+        self.by_source = {EAGLE: AcceptanceRate(accepted=1.0, checked=1.0), CACHE: AcceptanceRate()}
+        # A constrained sequence's draft as its grammar allows it (key, drafted) -> kept tokens (or forced ones).
+        self.constrain: Callable[[int, list[int]], list[int]] | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}  # id(Request) -> q of its drafted tokens (random sampling)
+        self._acceptance: dict[int, AcceptanceRate] = {}  # id(Request) -> how its drafts fared
+        self._source: dict[int, str] = {}  # id(Request) -> the drafter of its pending draft
+
+    @property
+    def proposer(self) -> EagleProposer | None:
+        return self.eagle
 
     def forward(self, runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
-        """The target's step, storing every token's draft input feature; returns the logits."""
-        output = runner.run(batch, self.proposer.aux_layers)
-        self.proposer.store_features(output, batch.slot_mapping)
+        """The target's step (storing every token's draft input feature for EAGLE); returns the logits."""
+        if self.eagle is None:
+            return runner.execute(batch)
+        output = runner.run(batch, self.eagle.aux_layers)
+        self.eagle.store_features(output, batch.slot_mapping)
         return output.logits
 
     def take_draft_probs(self, request: Request, num_drafted: int) -> torch.Tensor | None:
-        """The proposal distribution of the tokens ``request`` drafted (None when greedy or none drafted)."""
+        """The proposal distribution of the tokens ``request`` drafted (None: greedy, none drafted, or a cache
+        draft, whose proposal is the drafted token itself)."""
         probs = self._draft_probs.pop(id(request), None)
         return probs[:num_drafted] if probs is not None else None
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted:
-            self.stats.record(num_drafted, num_accepted)
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        if not num_drafted:
+            return
+        self.stats.record(num_drafted, num_accepted)
+        request.num_draft_tokens += num_drafted
+        request.num_accepted_draft_tokens += num_accepted
+        self._acceptance.setdefault(id(request), AcceptanceRate()).record(num_drafted, num_accepted)
+        source = self._source.get(id(request))
+        if source is not None:
+            rate = self.by_source[source]
+            rate.accepted = 0.9 * rate.accepted + num_accepted
+            rate.checked = 0.9 * rate.checked + 1
+
+    def record_step(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
+        """A step's measured times, for the cost of a verification row."""
+        self.cost.record(rows, forward_seconds, step_seconds)
 
     def forget(self, request: Request) -> None:
-        """``request`` ended (finished, stopped by a string, aborted): drop what was kept for it."""
-        self._draft_probs.pop(id(request), None)
+        """``request`` ended (finished, stopped by a string, aborted): drop what was kept for it; its tokens go to
+        its namespace's store for the cache drafter."""
+        key = id(request)
+        self._draft_probs.pop(key, None)
+        self._acceptance.pop(key, None)
+        self._source.pop(key, None)
+        if self.cache is not None:
+            self.cache.finish(key, request.namespace, request.all_token_ids)
 
     def stats_snapshot(self) -> SpecDecodeStats:
         """A copy: the server reads stats on another thread while the engine keeps counting."""
         return dataclasses.replace(self.stats, accepted_per_position=list(self.stats.accepted_per_position))
 
-    def draft(self, items: list[StepItem], max_model_len: int) -> None:
-        """Bring the draft's K/V up to date for every sequence that ran and draft the next tokens of
-        those that decode next step."""
+    def draft(self, items: list[StepItem], max_model_len: int, num_sequences: int) -> None:
+        """Bring EAGLE's K/V up to date for every sequence that ran and draft the next tokens of those that
+        decode next step (``num_sequences`` of them in all, for the cost of a row)."""
         jobs: list[DraftJob] = []
+        limits: list[int] = []
         for item in items:
             request = item.request
             request.spec_token_ids = []
             valid_end = request.num_computed_tokens
-            num_propose = 0
+            limit = 0
             if request.status is not RequestStatus.FINISHED and valid_end == request.num_tokens - 1:
                 params = request.sampling_params
-                num_propose = max(0, min(
+                limit = max(0, min(
                     self.num_speculative_tokens,
                     params.max_tokens - request.num_output_tokens - 1,  # drafts the target can still take
                     max_model_len - request.num_tokens - 1,
-                    len(item.table) * self.block_size - valid_end,  # the lookahead slots held
                 ))
-            jobs.append(DraftJob(request, item.start, valid_end, num_propose, item.table))
-        for index, proposal in self.proposer.run(jobs).items():
-            request = jobs[index].request
-            request.spec_token_ids = proposal.token_ids
-            if proposal.probs is not None:
-                self._draft_probs[id(request)] = proposal.probs
+            limits.append(limit)
+            # EAGLE writes its chain's K/V into the lookahead slots the sequence holds.
+            eagle_limit = min(limit, len(item.table) * self.block_size - valid_end)
+            jobs.append(DraftJob(request, item.start, valid_end, max(0, eagle_limit), item.table))
+        eagle: dict[int, Proposal] = self.eagle.run(jobs) if self.eagle is not None else {}
+        for index, (item, limit) in enumerate(zip(items, limits)):
+            if limit <= 0:
+                continue
+            request = item.request
+            key = id(request)
+            proposal = eagle.get(index)
+            tokens, expected = self._cache_draft(request, limit, num_sequences)
+            if tokens and (proposal is None or expected >= self.by_source[EAGLE].rate * len(proposal.token_ids)):
+                request.spec_token_ids = tokens
+                self._source[key] = CACHE
+            elif proposal is not None and proposal.token_ids:
+                request.spec_token_ids = proposal.token_ids
+                self._source[key] = EAGLE
+                if proposal.probs is not None:
+                    self._draft_probs[key] = proposal.probs
+
+    def _cache_draft(self, request: Request, limit: int, num_sequences: int) -> tuple[list[int], float]:
+        """The cache drafter's tokens for ``request`` (as its grammar allows and its rows pay), and the accepted
+        tokens they are expected to add."""
+        if self.cache is None:
+            return [], 0.0
+        state = request.sampling_state
+        if state is not None and state.generator is not None and not state.params.greedy:
+            return [], 0.0  # seeded: its draws must not depend on the namespace or the machine
+        key = id(request)
+        draft = self.cache.propose(key, request.namespace, request.all_token_ids, limit)
+        tokens, confidence = draft.token_ids, draft.confidence
+        if self.constrain is not None:
+            kept = self.constrain(key, tokens)
+            if kept != tokens[:len(kept)]:  # the grammar forces these: the target takes them whatever it computes
+                return kept[:limit], float(len(kept[:limit]))
+            tokens, confidence = kept, confidence[:len(kept)]
+        if not tokens:
+            return [], 0.0
+        acceptance = self._acceptance.get(key)
+        rate = acceptance.rate if acceptance is not None else AcceptanceRate().rate
+        keep = self.cost.keep(confidence, rate, num_sequences)
+        expected, running = 0.0, 1.0
+        for share in confidence[:keep]:
+            running *= share * rate
+            expected += running
+        return tokens[:keep], expected

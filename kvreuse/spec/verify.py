@@ -12,6 +12,7 @@ the tokens taken at rows < j, exactly as if they had been decoded one per step:
 - a random row uses standard speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023):
   accept the drafted token d with probability min(1, p(d) / q(d)), where p is the target's processed
   distribution and q the draft's proposal distribution; on rejection draw from normalise(max(p - q, 0)).
+  A cache draft's q is the drafted token itself: accept with probability p(d), else draw from p without d.
   The output then has exactly the target's distribution. Seeded requests draw only from their own
   generator, so a fixed seed reproduces.
 
@@ -34,7 +35,9 @@ class VerifyItem:
     state: SamplingState
     first_row: int  # its first logits row; rows first_row .. first_row + len(draft_token_ids)
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]: q of each drafted token (random rows)
+    # [len(draft_token_ids), V]: q of each drafted token (random rows); None: q is the drafted token itself (a
+    # cache draft's point mass)
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -108,10 +111,13 @@ def _rejection_sample(sampler: Sampler, logits: torch.Tensor, items: list[Verify
     accepted: list[bool] = []
     for row, i in enumerate(rows_of):
         item = items[i]
-        assert item.draft_probs is not None, "a random row's drafted tokens need their proposal distribution"
         drafted = item.draft_token_ids[position]
         p = target_probs[row]
-        q = item.draft_probs[position].to(p.device, torch.float32)
+        if item.draft_probs is None:  # a point mass on the drafted token
+            q = torch.zeros_like(p)
+            q[drafted] = 1.0
+        else:
+            q = item.draft_probs[position].to(p.device, torch.float32)
         uniform = torch.rand((), generator=item.state.generator, device=p.device) if item.state.generator is not None \
             else torch.rand((), device=p.device)
         # Accept with probability min(1, p/q): u * q < p avoids dividing by a tiny q.

@@ -1,0 +1,227 @@
+"""CacheDrafter: draft the next tokens by copying text the engine has already seen, in the request's namespace.
+
+What a request will generate is often already written: an edit returns the function it was shown, an agent's
+tool arguments quote the last tool result, a RAG answer quotes its passage, a chat turn restates the last. The
+drafter finds the longest run of the sequence's last tokens (``prompt_lookup_min`` to ``prompt_lookup_max``)
+that occurred before, in two places:
+
+- the request's own prompt and output (vLLM's ``ngram`` prompt lookup reads only these);
+- the namespace's store: the tokens of this namespace's finished sequences, kept in least-recently-used order up
+  to ``namespace_tokens`` a namespace, each stored once past the prefix it shares with a stored one (as the radix
+  tree stores a shared prefix once). It holds what the tree cached for the namespace and the outputs that
+  followed, and outlives the pool's evictions within its own budget.
+
+The namespace is the blocks' (``cache.hashing.namespace_key``: cache salt, adapter, model, EAGLE draft), so a
+request drafts only from its own tenant's, adapter's and model's text: a draft from another namespace would let a
+client time what others wrote (an accepted draft makes a step return more tokens).
+
+The occurrences with the longest match vote for the continuation: at each depth the most frequent next token
+is taken, with ``f`` its share of the occurrences still agreeing. ``Draft.confidence`` holds each token's ``f``;
+the caller multiplies by the acceptance the request has seen (``AcceptanceRate``) and keeps a token while the
+expected accepted tokens it adds pay for its verification row (``DraftCost`` in spec/draft_cost.py). Nothing
+matches: nothing is proposed. When the occurrences branch, the chain follows the majority; a token tree of
+several branches would need a tree mask in the paged kernels and slots for every branch (not built: one chain).
+
+Pure Python, no torch: a lookup is a dict access and at most ``MAX_CANDIDATES`` backward comparisons per source.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Occurrences of the lookup key remembered per source (the latest ones: recent text repeats more).
+MAX_CANDIDATES = 32
+# Namespaces with a store at once; the least recently used goes beyond it.
+MAX_NAMESPACES = 256
+# The store's prefix sharing works on runs of this many tokens (the pool's block size by default).
+SHARE_RUN = 16
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)  # each token's share of the occurrences voting for it
+    match_len: int = 0  # tokens of the sequence's end that matched
+    source: str = ""  # "request" | "namespace"
+
+
+class TokenIndex:
+    """Token sequences and, for each run of ``key_len`` tokens, where its occurrences end (latest last)."""
+
+    def __init__(self, key_len: int) -> None:
+        self.key_len = key_len
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, least recently used first
+        self.index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        self.indexed: dict[int, int] = {}  # id -> tokens of it indexed so far
+        self.num_tokens = 0
+        self._next_id = 0
+
+    def add(self, tokens: list[int]) -> int:
+        sequence_id = self._next_id
+        self._next_id += 1
+        self.sequences[sequence_id] = tokens
+        self.indexed[sequence_id] = 0
+        self.extend(sequence_id)
+        return sequence_id
+
+    def extend(self, sequence_id: int) -> None:
+        """Index the tokens appended to sequence ``sequence_id`` since the last call."""
+        tokens = self.sequences[sequence_id]
+        start = self.indexed[sequence_id]
+        key_len = self.key_len
+        index = self.index
+        for end in range(max(start, key_len), len(tokens) + 1):
+            key = tuple(tokens[end - key_len:end])
+            entries = index.get(key)
+            if entries is None:
+                entries = index[key] = deque(maxlen=MAX_CANDIDATES)
+            entries.append((sequence_id, end))
+        self.num_tokens += len(tokens) - start
+        self.indexed[sequence_id] = len(tokens)
+
+    def remove(self, sequence_id: int) -> None:
+        tokens = self.sequences.pop(sequence_id)
+        self.indexed.pop(sequence_id)
+        self.num_tokens -= len(tokens)
+        for end in range(self.key_len, len(tokens) + 1):
+            key = tuple(tokens[end - self.key_len:end])
+            entries = self.index.get(key)
+            if entries is None:
+                continue
+            kept = [entry for entry in entries if entry[0] != sequence_id]
+            if kept:
+                self.index[key] = deque(kept, maxlen=MAX_CANDIDATES)
+            else:
+                del self.index[key]
+
+    def candidates(self, query: Sequence[int], max_len: int) -> tuple[int, list[tuple[list[int], int]]]:
+        """The longest match (at least ``key_len``, at most ``max_len`` tokens) of the end of ``query`` that is
+        followed by at least one token, and every occurrence of that length as (tokens, continuation start)."""
+        key_len = self.key_len
+        if len(query) < key_len:
+            return 0, []
+        entries = self.index.get(tuple(query[-key_len:]))
+        if not entries:
+            return 0, []
+        best = 0
+        found: list[tuple[list[int], int]] = []
+        for sequence_id, end in reversed(entries):
+            tokens = self.sequences.get(sequence_id)
+            if tokens is None or end >= len(tokens):
+                continue  # the query's own end, or a sequence that ends there: nothing follows
+            length = key_len
+            limit = min(max_len, end, len(query))
+            while length < limit and tokens[end - length - 1] == query[-length - 1]:
+                length += 1
+            if length > best:
+                best, found = length, [(tokens, end)]
+            elif length == best:
+                found.append((tokens, end))
+        return best, found
+
+
+class NamespaceStore:
+    """One namespace's finished sequences, least recently used first, within ``budget`` tokens."""
+
+    def __init__(self, key_len: int, budget: int) -> None:
+        self.tokens = TokenIndex(key_len)
+        self.budget = budget
+        self._runs: dict[int, int] = {}  # chained hash of a sequence's first runs -> the sequence holding them
+        self._owned: dict[int, list[int]] = {}  # sequence -> the run hashes it introduced
+
+    def add(self, tokens: Sequence[int], overlap: int) -> None:
+        """Store ``tokens`` past the prefix a stored sequence already holds (keeping ``overlap`` tokens before
+        it, so a match across the boundary is found)."""
+        shared = 0
+        chained = 0
+        hashes: list[int] = []
+        for start in range(0, len(tokens) - SHARE_RUN + 1, SHARE_RUN):
+            chained = hash((chained, tuple(tokens[start:start + SHARE_RUN])))
+            owner = self._runs.get(chained)
+            if owner is not None and owner in self.tokens.sequences and not hashes:
+                self.tokens.sequences.move_to_end(owner)  # its prefix is in use again
+                shared = start + SHARE_RUN
+            else:
+                hashes.append(chained)
+        rest = list(tokens[max(0, shared - overlap):])
+        if len(rest) <= self.tokens.key_len:
+            return
+        sequence_id = self.tokens.add(rest)
+        for chained in hashes:
+            self._runs[chained] = sequence_id
+        self._owned[sequence_id] = hashes
+        while self.tokens.num_tokens > self.budget and len(self.tokens.sequences) > 1:
+            oldest = next(iter(self.tokens.sequences))
+            self.tokens.remove(oldest)
+            for chained in self._owned.pop(oldest, []):
+                if self._runs.get(chained) == oldest:
+                    del self._runs[chained]
+
+
+class CacheDrafter:
+    """Drafts for the engine's decoding sequences (see the module doc). ``track(key, tokens)`` as a sequence
+    grows, ``propose`` for its next step, ``finish`` when it ends (its tokens go to its namespace's store)."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, namespace_tokens: int) -> None:
+        self.min_len = prompt_lookup_min
+        self.max_len = prompt_lookup_max
+        self.namespace_tokens = namespace_tokens
+        self._own: dict[int, tuple[TokenIndex, int]] = {}  # sequence key -> its own tokens' index, the id in it
+        self._stores: OrderedDict[str | None, NamespaceStore] = OrderedDict()
+
+    def propose(self, key: int, namespace: str | None, tokens: list[int], max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` tokens to follow ``tokens`` (the sequence's prompt and output, which this call
+        indexes as they grow: the same list object each step)."""
+        own = self._own.get(key)
+        if own is None:
+            index = TokenIndex(self.min_len)
+            own = self._own[key] = (index, index.add(tokens))
+        else:
+            own[0].extend(own[1])
+        best_len, found = own[0].candidates(tokens, self.max_len)
+        source = "request"
+        store = self._stores.get(namespace) if self.namespace_tokens else None
+        if store is not None:
+            self._stores.move_to_end(namespace)
+            length, more = store.tokens.candidates(tokens, self.max_len)
+            if length > best_len:
+                best_len, found, source = length, more, "namespace"
+            elif length == best_len and more:
+                found = found + more
+        if best_len < self.min_len or not found or max_tokens <= 0:
+            return Draft()
+        draft = Draft(match_len=best_len, source=source)
+        agreeing = found
+        for depth in range(max_tokens):
+            votes = Counter(seq[start + depth] for seq, start in agreeing if start + depth < len(seq))
+            if not votes:
+                break
+            token, count = votes.most_common(1)[0]
+            draft.token_ids.append(token)
+            draft.confidence.append(count / len(agreeing))
+            agreeing = [(seq, start) for seq, start in agreeing
+                        if start + depth < len(seq) and seq[start + depth] == token]
+        return draft
+
+    def finish(self, key: int, namespace: str | None, tokens: Sequence[int]) -> None:
+        """The sequence ended: forget its own index and keep its tokens in its namespace's store."""
+        self._own.pop(key, None)
+        if not self.namespace_tokens or len(tokens) <= self.min_len:
+            return
+        store = self._stores.get(namespace)
+        if store is None:
+            store = self._stores[namespace] = NamespaceStore(self.min_len, self.namespace_tokens)
+            while len(self._stores) > MAX_NAMESPACES:
+                self._stores.popitem(last=False)
+        else:
+            self._stores.move_to_end(namespace)
+        store.add(tokens, overlap=self.max_len)
+
+    def forget(self, key: int) -> None:
+        self._own.pop(key, None)
+
+    def stored_tokens(self, namespace: str | None) -> int:
+        store = self._stores.get(namespace)
+        return store.tokens.num_tokens if store is not None else 0
