@@ -61,3 +61,7 @@ class RequestOutput:
     # many of them the blend recomputed.
     num_moved_tokens: int = 0
     num_recomputed_tokens: int = 0
+    # Speculative decoding, over the request's samples: verifications, drafted tokens verified, accepted ones.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

@@ -55,6 +55,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafted tokens verified for it (speculative decoding)
     num_accepted_draft_tokens: int = 0  # of those, the ones the target accepted
+    num_drafts: int = 0  # verifications of at least one drafted token
     status: RequestStatus = RequestStatus.WAITING
 
     # KV blocks: block_ids[i] holds tokens [i*bs, (i+1)*bs). The first len(cached_nodes) of them are

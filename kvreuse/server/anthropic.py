@@ -54,6 +54,7 @@ from kvreuse.server.anthropic_protocol import (
     validation_error,
 )
 from kvreuse.server.errors import APIError, api_error_of
+from kvreuse.server.protocol import DRAFTS_FIELD, drafts_usage
 
 if TYPE_CHECKING:
     from kvreuse.lora.request import LoRARequest
@@ -90,6 +91,8 @@ def _usage(output: RequestOutput, last_breakpoint: int, output_tokens: int) -> d
     if output.num_moved_tokens:  # chunk reuse: read tokens moved in from other positions, and the recomputed
         usage[MOVED_INPUT_FIELD] = output.num_moved_tokens
         usage[RECOMPUTED_INPUT_FIELD] = output.num_recomputed_tokens
+    if output.num_draft_tokens:  # speculative decoding: how the drafts fared, as in the OpenAI routes' usage
+        usage[DRAFTS_FIELD] = drafts_usage(output.num_drafts, output.num_draft_tokens, output.num_accepted_draft_tokens)
     return usage
 
 

@@ -503,7 +503,10 @@ def _usage(generation: _Generation, outputs: dict[int, RequestOutput]) -> dict[s
     by_tier = sum_cached_by_tier(output.cached_tokens_by_tier for output in outputs.values())
     moved = (sum(output.num_moved_tokens for output in outputs.values()),
              sum(output.num_recomputed_tokens for output in outputs.values()))
-    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens, by_tier, moved)
+    drafts = (sum(output.num_drafts for output in outputs.values()),
+              sum(output.num_draft_tokens for output in outputs.values()),
+              sum(output.num_accepted_draft_tokens for output in outputs.values()))
+    return usage(sum(generation.prompt_lengths), completion_tokens, cached_tokens, by_tier, moved, drafts)
 
 
 def _full_response(state: ServerState, generation: _Generation, finals: dict[int, RequestOutput]) -> dict[str, Any]:

@@ -394,26 +394,41 @@ CACHED_BY_TIER_FIELD = "kvreuse_cached_tokens_by_tier"
 # Chunk reuse (issue 39): cached tokens moved in from other positions, and of them the ones recomputed.
 MOVED_FIELD = "kvreuse_moved_tokens"
 RECOMPUTED_FIELD = "kvreuse_recomputed_tokens"
+# Speculative decoding (issue 65), in usage.completion_tokens_details where the request's tokens were drafted.
+DRAFTS_FIELD = "kvreuse_drafts"
+
+
+def drafts_usage(num_drafts: int, num_draft_tokens: int, num_accepted: int) -> dict[str, Any]:
+    """How the drafts of a request fared: verifications, drafted and accepted tokens, the acceptance rate and the
+    mean accepted length (tokens a verification step yielded: 1 + accepted per draft, vLLM's definition)."""
+    return {"drafts": num_drafts, "draft_tokens": num_draft_tokens, "accepted_tokens": num_accepted,
+            "acceptance_rate": round(num_accepted / num_draft_tokens, 4) if num_draft_tokens else 0.0,
+            "mean_accepted_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else 0.0}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-          cached_by_tier: dict[str, int] | None = None, moved: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+          cached_by_tier: dict[str, int] | None = None, moved: tuple[int, int] = (0, 0),
+          drafts: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
     """OpenAI's usage object; with KV tiers, ``prompt_tokens_details`` also splits ``cached_tokens`` by
     the tier the tokens came from (``{"device": .., "host": .., "disk": .., "remote": ..}``, the tiers
     the server has; they add up to ``cached_tokens``). ``moved``: (moved, recomputed) tokens of chunk reuse;
     where any moved, ``cached_tokens`` includes them and two kvreuse fields say how many, and how many of
-    them were recomputed to blend them in."""
+    them were recomputed to blend them in. ``drafts``: (verifications, drafted, accepted) tokens of speculative
+    decoding; where any were drafted, ``completion_tokens_details`` holds ``drafts_usage`` under a kvreuse field."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     if cached_by_tier is not None:
         details[CACHED_BY_TIER_FIELD] = cached_by_tier
     if moved[0]:
         details[MOVED_FIELD], details[RECOMPUTED_FIELD] = moved
-    return {
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": details,
     }
+    if drafts[1]:
+        body["completion_tokens_details"] = {DRAFTS_FIELD: drafts_usage(*drafts)}
+    return body
 
 
 def sum_cached_by_tier(splits: Iterable[dict[str, int] | None]) -> dict[str, int] | None:

@@ -22,6 +22,7 @@ holds or on the machine's timing. Counters under vLLM's names (``SpecDecodeStats
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,8 @@ from kvreuse.spec.cache_drafter import CacheDrafter
 from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
 from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
 from kvreuse.spec.stats import SpecDecodeStats
+
+logger = logging.getLogger("kvreuse")
 
 EAGLE, CACHE = "eagle", "cache"
 
@@ -79,6 +82,7 @@ class SpeculativeDecoding:
         if not num_drafted:
             return
         self.stats.record(num_drafted, num_accepted)
+        request.num_drafts += 1
         request.num_draft_tokens += num_drafted
         request.num_accepted_draft_tokens += num_accepted
         self._acceptance.setdefault(id(request), AcceptanceRate()).record(num_drafted, num_accepted)
@@ -96,6 +100,11 @@ class SpeculativeDecoding:
         """``request`` ended (finished, stopped by a string, aborted): drop what was kept for it; its tokens go to
         its namespace's store for the cache drafter."""
         key = id(request)
+        if request.num_drafts:
+            logger.debug("request %s: %d drafts, %d of %d drafted tokens accepted (rate %.2f, mean accepted length %.2f)",
+                         request.request_id, request.num_drafts, request.num_accepted_draft_tokens,
+                         request.num_draft_tokens, request.num_accepted_draft_tokens / request.num_draft_tokens,
+                         1 + request.num_accepted_draft_tokens / request.num_drafts)
         self._draft_probs.pop(key, None)
         self._acceptance.pop(key, None)
         self._source.pop(key, None)
