@@ -48,6 +48,7 @@ class DraftCost:
         self._forward: dict[int, float] = {}  # rows -> running mean of the forward's seconds
         self._counts: dict[int, int] = {}
         self.overhead = 0.0  # running mean of a step's seconds outside the forward
+        self._steps = 0
         self._per_row: float | None = None
         self._fixed = 0.0
 
@@ -57,7 +58,9 @@ class DraftCost:
         previous = self._forward.get(rows)
         self._forward[rows] = forward_seconds if previous is None else (1 - EMA) * previous + EMA * forward_seconds
         self._counts[rows] = self._counts.get(rows, 0) + 1
-        self.overhead = (1 - EMA) * self.overhead + EMA * max(0.0, step_seconds - forward_seconds)
+        outside = max(0.0, step_seconds - forward_seconds)
+        self.overhead = outside if self._steps == 0 else (1 - EMA) * self.overhead + EMA * outside
+        self._steps += 1
         self._per_row = None  # refit on next use
 
     def _fit(self) -> tuple[float, float]:
