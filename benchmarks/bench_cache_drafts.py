@@ -431,51 +431,61 @@ def with_counters(figures: dict, before: dict | None, after: dict | None) -> dic
     return figures
 
 
-def measure(system: str, model: str, args: argparse.Namespace, plan: dict[str, tuple[list[Job], list[Job]]],
-            log_dir: Path) -> dict:
+def run_phase(url: str, system: str, jobs: list[Job], max_tokens: int, at_once: bool) -> tuple[dict, list[Reply]]:
+    """One workload's requests one at a time or all at once; their figures (with /metrics' deltas for kvreuse)."""
+    counted = system.startswith("kvreuse")
+    before = spec_counters(url)[0] if counted else None
+    started = time.perf_counter()
+    replies = asyncio.run((all_at_once if at_once else one_at_a_time)(url, jobs, max_tokens))
+    wall = time.perf_counter() - started
+    after = spec_counters(url)[0] if counted else None
+    return with_counters(phase_figures(replies, wall if at_once else None), before, after), replies
+
+
+def measure(system: str, model: str, args: argparse.Namespace, runs: list[tuple[str, str, list[Job]]],
+            log_dir: Path, result: dict) -> None:
+    """Start ``system``'s server and run each (workload, phase, jobs) of ``runs`` on it in turn (phase:
+    "one_stream" or "streams"); the figures, texts and requests go into ``result``."""
     port = free_port()
     command = command_for(system, model, port, args)
-    result: dict = {"command": command, "workloads": {}}
-    with ServerProcess(command, log_dir / f"{system}.log", f"http://127.0.0.1:{port}") as server:
+    result.setdefault("commands", []).append(command)
+    workloads = result.setdefault("workloads", {})
+    log = log_dir / f"{system}-{len(result['commands'])}.log"
+    with ServerProcess(command, log, f"http://127.0.0.1:{port}") as server:
         started = time.perf_counter()
         server.wait_ready(timeout_s=900)
-        result["start_s"] = time.perf_counter() - started
+        result.setdefault("start_s", time.perf_counter() - started)
         url = server.base_url
         if system.startswith("kvreuse"):
             drafting = re.search(r"cache drafts: (.*)", server.log_path.read_text(errors="replace"))
             result["cache_drafts_log"] = drafting.group(1).strip() if drafting else None
-        # Lazy set-up out of the figures: one request alone, then --streams at once (texts no workload sends).
-        warm = [Job(f"warm-{n}", [{"role": "user", "content": f"Count from {n} to {n + 5}."}])
-                for n in range(args.streams)]
-        asyncio.run(one_at_a_time(url, warm[:1], 8))
-        asyncio.run(all_at_once(url, warm, 8))
-        for workload, (single, many) in plan.items():
+            result["spec_metric_prefixes"] = spec_counters(url)[1]
+        # Lazy set-up out of the figures (kernels, thread pools, the verification of a draft): one request alone,
+        # then --streams at once, each asking to copy a line (so that a drafter drafts) no workload sends.
+        warm = [Job(f"warm-{n}", [{"role": "user", "content": f"Repeat this line exactly: {n} alpha beta gamma "
+                                                             f"delta epsilon zeta eta theta iota kappa {n}"}])
+                for n in range(max(args.streams, 1))]
+        asyncio.run(one_at_a_time(url, warm[:1], 24))
+        asyncio.run(all_at_once(url, warm, 24))
+        for workload, phase, jobs in runs:
             time.sleep(args.settle_s)
-            before, prefixes = spec_counters(url) if system.startswith("kvreuse") else (None, [])
-            replies = asyncio.run(one_at_a_time(url, single, args.max_tokens))
-            after, _ = spec_counters(url) if system.startswith("kvreuse") else (None, [])
-            one = with_counters(phase_figures(replies), before, after)
-            time.sleep(args.settle_s)
-            before, _ = spec_counters(url) if system.startswith("kvreuse") else (None, [])
-            started = time.perf_counter()
-            replies_many = asyncio.run(all_at_once(url, many, args.max_tokens))
-            wall = time.perf_counter() - started
-            after, _ = spec_counters(url) if system.startswith("kvreuse") else (None, [])
-            streams = with_counters(phase_figures(replies_many, wall), before, after)
-            texts = {reply.key: reply.text for reply in replies + replies_many}
-            valid = None
+            figures, replies = run_phase(url, system, jobs, args.max_tokens, at_once=phase == "streams")
+            entry = workloads.setdefault(workload, {"one_stream": None, "streams": None, "texts": {},
+                                                    "requests": []})
+            entry[phase] = figures
+            entry["texts"] |= {reply.key: reply.text for reply in replies}
+            entry["requests"] += [{"phase": phase, "key": reply.key, "tokens": reply.tokens,
+                                   "ttft_s": round(reply.ttft_s, 4), "span_s": round(reply.span_s, 4),
+                                   "drafts": reply.drafts, "finish_reason": reply.finish_reason}
+                                  for reply in replies]
             if workload == "agent":
-                valid = sum(is_json(reply.text) for reply in replies + replies_many) / max(1, len(texts))
-            result["workloads"][workload] = {"one_stream": one, "streams": streams, "texts": texts,
-                                             "valid_json_share": valid}
-            print(f"  {system} {workload}: 1 stream {fmt(one.get('decode_tok_s_median'), '{:.1f}')} tok/s, "
-                  f"{args.streams} streams {fmt(streams.get('output_tok_s'), '{:.1f}')} tok/s, accepted length "
-                  f"{fmt(one.get('mean_accepted_length'), '{:.2f}')} ({one['requests']} + {streams['requests']} "
-                  f"requests, {streams['wall_s']:.0f} s at once)", flush=True)
-        if system.startswith("kvreuse"):
-            result["spec_metric_prefixes"] = prefixes
-        result["rss_peak_bytes"] = bench_gguf.tree_status(server.process.pid)["VmHWM"]
-    return result
+                entry[f"valid_json_share_{phase}"] = sum(map(is_json, (r.text for r in replies))) / max(1, len(replies))
+            rate = figures.get("decode_tok_s_median") if phase == "one_stream" else figures.get("output_tok_s")
+            print(f"  {system} {workload}, {'1 stream' if phase == 'one_stream' else f'{len(jobs)} streams'}: "
+                  f"{fmt(rate, '{:.1f}')} tok/s, accepted length {fmt(figures.get('mean_accepted_length'), '{:.2f}')}, "
+                  f"{figures['requests']} requests, {figures['completion_tokens']} tokens", flush=True)
+        result["rss_peak_bytes"] = max(result.get("rss_peak_bytes", 0),
+                                       bench_gguf.tree_status(server.process.pid)["VmHWM"])
 
 
 def is_json(text: str) -> bool:

@@ -243,6 +243,8 @@ COMMANDS: dict[str, str] = {
     "llama-server,kvreuse --repeats 1 --rounds 1 --chat-turns 8 --out gemma3.json": SCRIPT,
     "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"eagle\", \"model\": \"./tiny-draft\", "
     "\"num_speculative_tokens\": 3}' --port 8000": SERVE,
+    "kvreuse serve --model ./tiny --speculative-config '{\"method\": \"cache\", \"num_speculative_tokens\": 8}' "
+    "--port 8000": SERVE,
     # docs/observatory.md
     "kvreuse diagnose docs/examples/drift-chats.jsonl --tokenizer ./tiny --chat": DIAGNOSE,
     "kvreuse diagnose docs/examples/drift-tools.jsonl --tokenizer ./tiny --chat": DIAGNOSE,

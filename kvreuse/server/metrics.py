@@ -216,6 +216,16 @@ class _EngineStatsCollector:
         for position, count in enumerate(per_position):
             family.add_metric([self._model_name, str(position)], count)
         yield family
+        accepted, drafted = sum(per_position), spec.num_draft_tokens
+        for name, documentation, value in (
+                ("spec_decode_acceptance_rate", "Accepted over drafted tokens since start.",
+                 accepted / drafted if drafted else 0.0),
+                ("spec_decode_mean_acceptance_length",
+                 "Tokens a verification step yielded since start: 1 + accepted tokens per draft.",
+                 1 + accepted / spec.num_drafts if spec.num_drafts else 0.0)):
+            gauge = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
 
 
 def cache_config_labels(config: EngineConfig, num_blocks: int) -> dict[str, str]:
