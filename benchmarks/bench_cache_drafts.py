@@ -1,8 +1,8 @@
 """The cache drafter served: kvreuse with drafts copied from the request's and its namespace's earlier text, beside
 kvreuse without them and beside llama.cpp's llama-server with each of its n-gram drafters, on the same GGUF file.
 
-Four workloads, each sent through the OpenAI chat API (streamed, temperature 0, --max-tokens at most; the prompts
-of the one-stream runs and of the --streams runs are different ones, and no prompt is sent twice to a server):
+Four workloads, each sent through the OpenAI chat API (streamed, temperature 0, at most --max-tokens; the prompts
+sent one at a time and those sent at once are different ones, and no prompt is sent twice to a server):
 
 - edit: a function of Python's standard library (inspect.getsource, its docstring left out) and an instruction
   to return it with its name changed: the answer copies the prompt;
@@ -28,20 +28,22 @@ Systems, each a server process started here on a free port, one at a time (the c
 
 Figures per workload and system:
 
-- decode tok/s, one stream: requests one at a time; a request's tokens after its first over the time from its
-  first streamed content to its last (its usage's completion_tokens); the median over the workload's requests
-  (the agent: every turn of every loop). Beside it, the bandwidth floor: the machine's read bandwidth (a torch sum
-  over a 512 MiB tensor on 2 threads, the median of 5) over the bytes a token reads (the GGUF file's tensor bytes;
-  bfloat16 weights: 2 bytes a value);
+- decode tok/s, one stream: --prompts requests one at a time (agent: --agent-loops loops, every turn a request); a
+  request's tokens after its first over the time from its first streamed content to its last (tokens: its usage's
+  completion_tokens); the median over the requests. Beside it, the bandwidth floor: the machine's read bandwidth (a
+  torch sum over a 512 MiB tensor on 2 threads, the median of 5) over the bytes a token reads (the GGUF file's
+  tensor bytes; bfloat16 weights: 2 bytes a value);
 - the mean accepted length: kvreuse's 1 + accepted / drafts (vLLM's definition: tokens a verification with a
   draft yielded) from the deltas of /metrics' spec_decode counters over the one-stream run; llama-server reports
   drafted and accepted tokens (its response ``timings``' draft_n, draft_n_accepted) but not how many drafts, so
   for every system the table also gives tokens per decode step, (tokens - 1) / (tokens - 1 - accepted) over the
   run's requests, and the acceptance rate accepted / drafted;
-- --streams streams: as many prompts (agent: loops) at once; all streams' completion tokens over the run's wall
-  time (prefills included);
-- greedy equality: each request's text with kvreuse's drafts on against off (the one-stream and the --streams
-  runs); any that differ are printed.
+- --streams streams: as many other prompts (agent: loops) at once; all their completion tokens over the run's wall
+  time (prefills included). Run by the kvreuse systems and, per workload, by the llama-server n-gram drafter that
+  was fastest on one stream (restarted for it); --all-streams: by every system (llama-server's 16 streams are slow:
+  94.7 tok/s against kvreuse's 373 on this file in docs/bench_gguf_peers_after_layout_xeon_s23.json);
+- greedy equality: each request's text with kvreuse's drafts on against off (one stream and at once); any that
+  differ are printed. The n-gram drafters' texts are compared with llama-server's without drafts likewise.
 Ratios: kvreuse / kvreuse-off, and kvreuse / the best llama-server n-gram drafter (the best per column).
 
     python benchmarks/bench_cache_drafts.py --llama-server BIN [--gguf FILE] [--workloads edit,agent,quote,control]
@@ -62,6 +64,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -470,10 +473,10 @@ def measure(system: str, model: str, args: argparse.Namespace, runs: list[tuple[
         for workload, phase, jobs in runs:
             time.sleep(args.settle_s)
             figures, replies = run_phase(url, system, jobs, args.max_tokens, at_once=phase == "streams")
-            entry = workloads.setdefault(workload, {"one_stream": None, "streams": None, "texts": {},
-                                                    "requests": []})
+            entry = workloads.setdefault(workload, {"one_stream": None, "streams": None,
+                                                    "texts": {"one_stream": {}, "streams": {}}, "requests": []})
             entry[phase] = figures
-            entry["texts"] |= {reply.key: reply.text for reply in replies}
+            entry["texts"][phase] |= {reply.key: reply.text for reply in replies}
             entry["requests"] += [{"phase": phase, "key": reply.key, "tokens": reply.tokens,
                                    "ttft_s": round(reply.ttft_s, 4), "span_s": round(reply.span_s, 4),
                                    "drafts": reply.drafts, "finish_reason": reply.finish_reason}
@@ -533,12 +536,12 @@ def fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def differences(results: dict, workload: str, system: str, reference: str) -> tuple[int, int, list[tuple]]:
-    ours = results[system]["workloads"][workload]["texts"]
-    theirs = results[reference]["workloads"][workload]["texts"]
+def differences(results: dict, workload: str, system: str, reference: str, phase: str) -> tuple[int, list[tuple]]:
+    """(requests compared, [(key, ours, theirs) that differ]) of one phase."""
+    ours = results[system]["workloads"][workload]["texts"][phase]
+    theirs = results[reference]["workloads"][workload]["texts"][phase]
     keys = [key for key in ours if key in theirs]
-    differ = [(key, ours[key], theirs[key]) for key in keys if ours[key] != theirs[key]]
-    return len(keys) - len(differ), len(keys), differ
+    return len(keys), [(key, ours[key], theirs[key]) for key in keys if ours[key] != theirs[key]]
 
 
 def first_difference(a: str, b: str) -> str:
@@ -546,65 +549,72 @@ def first_difference(a: str, b: str) -> str:
     return f"at character {at}: {a[max(0, at - 40):at + 40]!r} vs {b[max(0, at - 40):at + 40]!r}"
 
 
+def figure(results: dict, system: str, workload: str, phase: str, key: str) -> float | None:
+    figures = results.get(system, {}).get("workloads", {}).get(workload, {}).get(phase)
+    return None if figures is None else figures.get(key)
+
+
 def report(results: dict, workloads: list[str], args: argparse.Namespace, floors: dict[str, float]) -> dict:
-    """Print each workload's table and ratios; return the ratios and equalities for the JSON."""
-    systems = list(results)
+    """Print each workload's table and ratios; return the equalities and ratios for the JSON."""
+    systems = [system for system in SYSTEMS if system in results]
+    peers = [system for system in systems if system in LLAMA_SYSTEMS and system != "llama-server"]
     summary: dict = {}
     for workload in workloads:
-        print(f"\n{workload}: {args.prompts} prompt(s) one at a time, {args.streams} at once"
-              f"{f' (loops of {args.agent_turns} turns)' if workload == 'agent' else ''}")
-        header = (f"{'system':28}{'1-stream tok/s':>15}{'of floor':>10}{'acc. len':>10}{'tok/step':>10}{'accept':>8}"
-                  f"{f'{args.streams} streams tok/s':>18}{'tokens':>8}{'TTFT ms':>9}  greedy = drafts off")
-        print(header)
-        entry: dict = {"equal": {}, "ratios": {}}
+        what = (f"loop(s) of {args.agent_turns} turns" if workload == "agent" else "prompt(s)")
+        print(f"\n{workload}: {args.agent_loops if workload == 'agent' else args.prompts} {what} one at a time, "
+              f"{args.streams} at once")
+        print(f"{'system':27}{'1-stream tok/s':>15}{'of floor':>9}{'acc.len':>8}{'tok/step':>9}{'accept':>7}"
+              f"{'TTFT ms':>8}{'tokens':>7}{f'{args.streams} streams tok/s':>18}  greedy = drafts off (1; "
+              f"{args.streams} streams)")
+        entry: dict = {"equal": {}, "ratios": {}, "differences": {}}
         for system in systems:
-            figures = results[system]["workloads"][workload]
-            one, many = figures["one_stream"], figures["streams"]
-            floor = floors["bf16" if "bf16" in system else "file"]
-            rate = one.get("decode_tok_s_median")
-            equal = ""
-            if system in PAIRS and PAIRS[system] in results:
-                same_one, total_one, differ = differences(results, workload, system, PAIRS[system])
-                equal = f"{same_one} of {total_one}"
-                entry["equal"][system] = {"equal": same_one, "compared": total_one,
-                                          "differ": [key for key, _, _ in differ]}
-                entry.setdefault("differences", {})[system] = [
-                    {"key": key, "on": on, "off": off} for key, on, off in differ]
-            elif system in LLAMA_SYSTEMS and system != "llama-server" and "llama-server" in results:
-                same, total, _ = differences(results, workload, system, "llama-server")
-                equal = f"({same} of {total} = llama-server's)"
-            if figures.get("valid_json_share") is not None:
-                equal += f"  JSON {figures['valid_json_share']:.0%}"
-            print(f"{system:28}{fmt(rate, '{:.1f}'):>15}{fmt(rate / floor if rate else None, '{:.0%}'):>10}"
-                  f"{fmt(one.get('mean_accepted_length'), '{:.2f}'):>10}{fmt(one.get('tokens_per_step'), '{:.2f}'):>10}"
-                  f"{fmt(one.get('acceptance_rate'), '{:.2f}'):>8}{fmt(many.get('output_tok_s'), '{:.1f}'):>18}"
-                  f"{one['mean_tokens']:>8.0f}{fmt(one.get('ttft_ms_median'), '{:.0f}'):>9}  {equal}")
-        for system, differ in entry.get("differences", {}).items():
-            for item in differ:
-                print(f"  DIFFERS {system} vs {PAIRS[system]}: {item['key']} "
-                      f"{first_difference(item['on'], item['off'])}")
-
-        def column(system: str, phase: str, key: str, workload: str = workload) -> float | None:
-            return results[system]["workloads"][workload][phase].get(key)
-
-        peers = [system for system in systems if system in LLAMA_SYSTEMS and system != "llama-server"]
-        for ours, off in PAIRS.items():
-            if ours not in results:
+            figures = results[system]["workloads"].get(workload)
+            if figures is None:
                 continue
+            one, many = figures["one_stream"] or {}, figures["streams"] or {}
+            rate = one.get("decode_tok_s_median")
+            floor = floors["bf16" if "bf16" in system else "file"]
+            note = ""
+            reference = PAIRS.get(system) or ("llama-server" if system in peers else None)
+            if reference in results and workload in results[reference]["workloads"]:
+                counts = []
+                for phase in ("one_stream", "streams"):
+                    compared, differ = differences(results, workload, system, reference, phase)
+                    if compared:
+                        counts.append(f"{compared - len(differ)} of {compared}")
+                    if system in PAIRS:
+                        entry["equal"].setdefault(system, {})[phase] = {"equal": compared - len(differ),
+                                                                        "compared": compared}
+                        entry["differences"].setdefault(system, []).extend(
+                            {"phase": phase, "key": key, "on": on, "off": off} for key, on, off in differ)
+                note = "; ".join(counts) if system in PAIRS else f"({'; '.join(counts)} = llama-server's)"
+            shares = [figures.get(f"valid_json_share_{phase}") for phase in ("one_stream", "streams")]
+            if any(share is not None for share in shares):
+                note += "  JSON " + "/".join(fmt(share, "{:.0%}") for share in shares)
+            print(f"{system:27}{fmt(rate, '{:.1f}'):>15}{fmt(rate / floor if rate else None, '{:.0%}'):>9}"
+                  f"{fmt(one.get('mean_accepted_length'), '{:.2f}'):>8}{fmt(one.get('tokens_per_step'), '{:.2f}'):>9}"
+                  f"{fmt(one.get('acceptance_rate'), '{:.2f}'):>7}{fmt(one.get('ttft_ms_median'), '{:.0f}'):>8}"
+                  f"{fmt(one.get('mean_tokens'), '{:.0f}'):>7}{fmt(many.get('output_tok_s'), '{:.1f}'):>18}  {note}")
+        for system, differ in entry["differences"].items():
+            for item in differ:
+                print(f"  DIFFERS {system} vs {PAIRS[system]} ({item['phase']}): {item['key']} "
+                      f"{first_difference(item['on'], item['off'])}")
+        for ours, off in PAIRS.items():
             ratios = {}
             for label, phase, key in (("1 stream", "one_stream", "decode_tok_s_median"),
                                       (f"{args.streams} streams", "streams", "output_tok_s")):
-                mine = column(ours, phase, key)
-                if off in results and mine and column(off, phase, key):
-                    ratios[f"{label}: / {off}"] = mine / column(off, phase, key)
-                rated = [(column(peer, phase, key), peer) for peer in peers if column(peer, phase, key)]
-                if mine and rated:
+                mine = figure(results, ours, workload, phase, key)
+                if not mine:
+                    continue
+                if figure(results, off, workload, phase, key):
+                    ratios[f"{label} / {off}"] = mine / figure(results, off, workload, phase, key)
+                rated = [(figure(results, peer, workload, phase, key), peer) for peer in peers
+                         if figure(results, peer, workload, phase, key)]
+                if rated:
                     best, name = max(rated)
-                    ratios[f"{label}: / best llama-server n-gram ({name})"] = mine / best
-                if mine and "llama-server" in results and column("llama-server", phase, key):
-                    ratios[f"{label}: / llama-server (no drafts)"] = mine / column("llama-server", phase, key)
-            entry["ratios"][ours] = ratios
+                    ratios[f"{label} / best llama-server n-gram ({name.removeprefix('llama-server-')})"] = mine / best
             if ratios:
+                entry["ratios"][ours] = ratios
                 print(f"  {ours}: " + "; ".join(f"{label} {value:.2f}x" for label, value in ratios.items()))
         summary[workload] = entry
     return summary
@@ -616,43 +626,53 @@ def main() -> int:
     parser.add_argument("--llama-server", default=None, help="llama-server's binary (without it: kvreuse alone)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, among {list(WORKLOADS)}")
     parser.add_argument("--systems", default=None,
-                        help=f"comma-separated, among {list(SYSTEMS)} (default: all but the bf16 ones; with --bf16 "
-                             "those too)")
+                        help=f"comma-separated, among {list(SYSTEMS)} (default: all but the bf16 ones, and those "
+                             "with --bf16; the llama-server ones only with --llama-server)")
     parser.add_argument("--bf16", action="store_true",
                         help="also kvreuse on the file's weights as bfloat16 (--quantization none), drafts on and off")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts (agent: loops) per workload, one at a time")
-    parser.add_argument("--streams", type=int, default=16, help="prompts (agent: loops) per workload at once")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per workload sent one at a time")
+    parser.add_argument("--agent-loops", type=int, default=None,
+                        help="agent loops sent one at a time (default: half of --prompts, at least 1)")
+    parser.add_argument("--agent-turns", type=int, default=AGENT_TURNS,
+                        help=f"requests per agent loop (at most {AGENT_TURNS})")
+    parser.add_argument("--streams", type=int, default=16,
+                        help="prompts (agent: loops) per workload sent at once (0: no such run)")
+    parser.add_argument("--all-streams", action="store_true",
+                        help="run the --streams prompts on every system (default: the kvreuse systems and, per "
+                             "workload, the llama-server n-gram drafter fastest on one stream)")
     parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--agent-turns", type=int, default=AGENT_TURNS, help=f"requests per agent loop (at most "
-                                                                             f"{AGENT_TURNS})")
     parser.add_argument("--ctx-size", type=int, default=65536,
                         help="KV tokens: llama-server's -c (shared by its slots), kvreuse's pool in the same bytes")
     parser.add_argument("--llama-spec-args", default="",
-                        help="flags added to the llama-server n-gram systems (e.g. '--spec-draft-n-max 8')")
+                        help="flags added to the llama-server n-gram systems (e.g. '--spec-ngram-mod-n-min 8')")
     parser.add_argument("--bandwidth-threads", type=int, default=2)
-    parser.add_argument("--json", default=None, help="write the figures, texts and ratios as JSON")
+    parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary folder)")
+    parser.add_argument("--json", default=None,
+                        help="write the figures, each request's text and timings, and the ratios as JSON (rewritten "
+                             "after each system, so a run cut short leaves what it measured)")
     args = parser.parse_args()
     args.settle_s = SETTLE_S
     workloads = args.workloads.split(",")
     if any(workload not in WORKLOADS for workload in workloads):
         parser.error(f"--workloads must be among {list(WORKLOADS)}, got {args.workloads!r}")
     if args.systems is None:
-        systems = [system for system in SYSTEMS if "bf16" not in system or args.bf16]
-        if not args.llama_server:
-            systems = [system for system in systems if system not in LLAMA_SYSTEMS]
+        systems = [system for system in SYSTEMS if ("bf16" not in system or args.bf16)
+                   and (system not in LLAMA_SYSTEMS or args.llama_server)]
     else:
-        systems = args.systems.split(",")
-    if any(system not in SYSTEMS for system in systems):
-        parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
+        systems = [system for system in SYSTEMS if system in args.systems.split(",")]
+        if len(systems) != len(set(args.systems.split(","))):
+            parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
     if any(system in LLAMA_SYSTEMS for system in systems) and not args.llama_server:
         parser.error("the llama-server systems need --llama-server BIN")
     if not 1 <= args.agent_turns <= AGENT_TURNS:
         parser.error(f"--agent-turns must be 1 to {AGENT_TURNS}")
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the smallest sizes, kvreuse alone
-        args.prompts, args.streams, args.max_tokens, args.agent_turns, args.settle_s = 1, 2, 8, 2, 0.0
-        args.ctx_size = 4096
+        args.prompts, args.agent_loops, args.streams, args.max_tokens, args.agent_turns = 1, 1, 2, 8, 2
+        args.settle_s, args.ctx_size = 0.0, 4096
         systems = ["kvreuse", "kvreuse-off"]
         print("KVREUSE_BENCH_SMOKE=1: kvreuse on and off alone with the smallest sizes; the figures mean nothing")
+    if args.agent_loops is None:
+        args.agent_loops = max(1, args.prompts // 2)
     model = args.gguf
     if model is None:
         from kvreuse.loading.gguf import packaged_gguf
@@ -661,6 +681,8 @@ def main() -> int:
         if path is None:
             parser.error(f"no --gguf FILE and no packaged one: {why}")
         model = str(path)
+    # A SIGTERM (timeout, a CI job cancelled) unwinds like Ctrl-C: each server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     print(f"machine: {machine_description()}")
     flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
@@ -677,42 +699,72 @@ def main() -> int:
           + (f", {floors['bf16']:.0f} tok/s in bfloat16" if any("bf16" in s for s in systems) else ""))
 
     functions = stdlib_functions()
-    single_range, many_range = range(args.prompts), range(args.prompts, args.prompts + args.streams)
-    needed = args.prompts + args.streams
-    if 3 * needed > len(functions):
-        parser.error(f"--prompts + --streams is at most {len(functions) // 3} here (standard-library functions)")
-    plan = {workload: (workload_jobs(workload, single_range, functions, args.agent_turns),
-                       workload_jobs(workload, many_range, functions, args.agent_turns)) for workload in workloads}
-    print(f"systems: {', '.join(systems)}; workloads: {', '.join(workloads)}; {args.prompts} prompt(s) one at a time, "
-          f"{args.streams} at once, at most {args.max_tokens} tokens each", flush=True)
+    counts = {workload: args.agent_loops if workload == "agent" else args.prompts for workload in workloads}
+    most = max(counts.values()) + args.streams
+    if 3 * most > len(functions):
+        parser.error(f"prompts + --streams is at most {len(functions) // 3} here (standard-library functions)")
+    plan = {workload: (workload_jobs(workload, range(counts[workload]), functions, args.agent_turns),
+                       workload_jobs(workload, range(counts[workload], counts[workload] + args.streams), functions,
+                                     args.agent_turns)) for workload in workloads}
+    print(f"systems: {', '.join(systems)}; workloads: {', '.join(workloads)}; {args.prompts} prompt(s) "
+          f"({args.agent_loops} agent loop(s) of {args.agent_turns} turns) one at a time, {args.streams} at once, at "
+          f"most {args.max_tokens} tokens each", flush=True)
 
     results: dict[str, dict] = {}
     started = time.perf_counter()
+    header = {"machine": machine_description(), "cpu_flags": cpu_flags, "model": model, "args": vars(args),
+              "systems": systems, "bytes_per_token": {"file": file_bytes, "bf16": bf16_bytes},
+              "read_bandwidth_bytes_s": bandwidth, "floor_tok_s": floors}
+
+    def save(summary: dict | None = None) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({**header, "seconds": time.perf_counter() - started,
+                                                   "results": results, "summary": summary}, indent=2))
+
+    peers = [system for system in systems if system in LLAMA_SYSTEMS and system != "llama-server"]
     with tempfile.TemporaryDirectory() as tmp:
-        for system in systems:
+        log_dir = Path(args.log_dir or tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+        def run(system: str, runs: list[tuple[str, str, list[Job]]]) -> None:
             try:
-                results[system] = measure(system, model, args, plan, Path(tmp))
+                measure(system, model, args, runs, log_dir, results.setdefault(system, {}))
             except Exception:
-                log = Path(tmp) / f"{system}.log"
-                if log.exists():
-                    print(f"--- {system}'s log (end) ---\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
+                logs = sorted(log_dir.glob(f"{system}-*.log"))
+                if logs:
+                    print(f"--- {logs[-1]} (end) ---\n{logs[-1].read_text(errors='replace')[-4000:]}",
+                          file=sys.stderr)
                 raise
+            finally:
+                save()
+
+        for system in systems:
+            at_once = args.streams > 0 and (args.all_streams or system not in LLAMA_SYSTEMS)
+            run(system, [(workload, phase, plan[workload][phase == "streams"]) for workload in workloads
+                         for phase in ("one_stream", "streams") if phase == "one_stream" or at_once])
             if results[system].get("cache_drafts_log"):
                 print(f"  {system}: cache drafts {results[system]['cache_drafts_log']}")
-    kvreuse_prefixes = {system: results[system].get("spec_metric_prefixes") for system in results
-                        if system.startswith("kvreuse")}
-    for system, prefixes in kvreuse_prefixes.items():
-        if PAIRS.get(system) and not prefixes:
-            print(f"NOTE: {system}'s /metrics had no spec_decode counters")
+        if peers and args.streams > 0 and not args.all_streams:
+            # --streams at once on the n-gram drafter that was fastest on one stream, per workload.
+            best = {workload: max(peers, key=lambda peer: figure(results, peer, workload, "one_stream",
+                                                                 "decode_tok_s_median") or 0)
+                    for workload in workloads}
+            print("llama-server n-gram drafters at once: the fastest on one stream: "
+                  + ", ".join(f"{workload} {peer.removeprefix('llama-server-')}" for workload, peer in best.items()))
+            for peer in dict.fromkeys(best.values()):
+                run(peer, [(workload, "streams", plan[workload][1]) for workload in workloads
+                           if best[workload] == peer])
+    for system, result in results.items():
+        if system in PAIRS and not result.get("spec_metric_prefixes"):
+            print(f"NOTE: {system}'s /metrics has no spec_decode counters")
+        elif system in PAIRS and "vllm:" not in result["spec_metric_prefixes"]:
+            print(f"NOTE: {system}'s /metrics has spec_decode counters under {result['spec_metric_prefixes']} only "
+                  "(no vllm:spec_decode_*)")
     summary = report(results, workloads, args, floors)
-    print(f"\nfloor: {floors['file']:.0f} tok/s (file weights) at {bandwidth / 1e9:.1f} GB/s; run took "
-          f"{time.perf_counter() - started:.0f} s")
+    print(f"\nbandwidth floor: {floors['file']:.0f} tok/s (the file's weights at {bandwidth / 1e9:.1f} GB/s); the run "
+          f"took {time.perf_counter() - started:.0f} s")
+    save(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "machine": machine_description(), "cpu_flags": cpu_flags, "model": model, "args": vars(args),
-            "systems": systems, "bytes_per_token": {"file": file_bytes, "bf16": bf16_bytes},
-            "read_bandwidth_bytes_s": bandwidth, "floor_tok_s": floors, "results": results, "summary": summary,
-        }, indent=2))
         print(f"wrote {args.json}")
     return 0
 

@@ -21,6 +21,7 @@ from kvreuse.cache.hashing import namespace_key
 from kvreuse.config import SpeculativeConfig
 from kvreuse.engine import LLMEngine
 from kvreuse.kernels import paged_attention, quant_ops, rowdot
+from kvreuse.model_tools.make_draft import make_random_draft
 from kvreuse.sampling import Sampler, SamplingState
 from kvreuse.spec.cache_drafter import SHARE_RUN, CacheDrafter, NamespaceStore
 from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
@@ -294,6 +295,24 @@ def test_a_grammar_cuts_drafts_and_its_forced_tokens_are_drafted(tiny_models):
     assert structured.allowed_draft(key, bad) == forced  # a forbidden first token: the forced ones instead
     assert structured.allowed_draft(key, forced[:1] + bad) == forced[:1]  # cut at the first forbidden token
     engine.abort_request("g")
+
+
+@kernels
+def test_with_an_eagle_draft_each_step_takes_the_better_draft(looping_model, tmp_path):
+    """A random EAGLE draft (accepts almost nothing) beside the cache drafter, batch-invariant mode on: the echoed
+    walks are drafted by the cache, the rest by EAGLE, and greedy output is the plain run's."""
+    draft = make_random_draft(looping_model, tmp_path / "draft", seed=5)
+    both = LLM(looping_model, device="cpu", kv_cache_memory="2MiB", dtype="float32", block_size=4,
+               batch_invariant=True, speculative_config={"method": "eagle", "model": str(draft),
+                                                         "num_speculative_tokens": 2})
+    plain = LLM(looping_model, device="cpu", kv_cache_memory="2MiB", dtype="float32", block_size=4,
+                batch_invariant=True, speculative_config=OFF)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = echo_prompts(looping_model) + looping_prompts()[3:]
+    assert run_checked(both.engine, prompts, params) == run_checked(plain.engine, prompts, params)
+    spec = both.engine.spec
+    assert spec.eagle is not None and spec.cache is not None
+    assert spec.drafts_by_source["cache"] > 0 and spec.drafts_by_source["eagle"] > 0
 
 
 def test_bad_speculative_configs_name_the_field(tiny_models):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -59,6 +60,7 @@ class SpeculativeDecoding:
         self._draft_probs: dict[int, torch.Tensor] = {}  # id(Request) -> q of its drafted tokens (random sampling)
         self._acceptance: dict[int, AcceptanceRate] = {}  # id(Request) -> how its drafts fared
         self._source: dict[int, str] = {}  # id(Request) -> the drafter of its pending draft
+        self.drafts_by_source: Counter[str] = Counter()  # drafts each drafter made (tests and --debug read it)
 
     @property
     def proposer(self) -> EagleProposer | None:
@@ -147,9 +149,11 @@ class SpeculativeDecoding:
             if tokens and (proposal is None or expected >= self.by_source[EAGLE].rate * len(proposal.token_ids)):
                 request.spec_token_ids = tokens
                 self._source[key] = CACHE
+                self.drafts_by_source[CACHE] += 1
             elif proposal is not None and proposal.token_ids:
                 request.spec_token_ids = proposal.token_ids
                 self._source[key] = EAGLE
+                self.drafts_by_source[EAGLE] += 1
                 if proposal.probs is not None:
                     self._draft_probs[key] = proposal.probs
 
