@@ -28,7 +28,8 @@ Systems, each a server process started here on a free port, one at a time (the c
 
 Figures per workload and system:
 
-- decode tok/s, one stream: --prompts requests one at a time (agent: --agent-loops loops, every turn a request); a
+- decode tok/s, one stream: --prompts requests one at a time (agent: --agent-loops loops, half of --prompts unless
+  given, every turn a request; the table's JSON column is the share of its replies that parse as JSON); a
   request's tokens after its first over the time from its first streamed content to its last (tokens: its usage's
   completion_tokens); the median over the requests. Beside it, the bandwidth floor: the machine's read bandwidth (a
   torch sum over a 512 MiB tensor on 2 threads, the median of 5) over the bytes a token reads (the GGUF file's
@@ -302,6 +303,17 @@ async def chat(client: httpx.AsyncClient, base_url: str, key: str, messages: lis
             "stream_options": {"include_usage": True}}
     if response_format is not None:
         body["response_format"] = response_format
+    for attempt in range(2):
+        try:
+            return await stream_chat(client, base_url, key, body)
+        except httpx.RemoteProtocolError as error:  # the server closed the connection before any response
+            if attempt or "without sending a response" not in str(error):
+                raise
+            print(f"  {key}: {error}; sent again", flush=True)
+    raise AssertionError("unreachable")
+
+
+async def stream_chat(client: httpx.AsyncClient, base_url: str, key: str, body: dict) -> Reply:
     start = time.perf_counter()
     first = last = None
     text, chunks, usage, timings, finish = [], 0, None, None, None
@@ -348,8 +360,13 @@ async def run_job(client: httpx.AsyncClient, base_url: str, job: Job, max_tokens
     return replies
 
 
+# A connection per request: one kept alive between requests was once closed by llama-server (cpp-httplib) as the
+# next request went out on it ("Server disconnected without sending a response"); a new one costs well under 1 ms.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
 async def one_at_a_time(base_url: str, jobs: list[Job], max_tokens: int) -> list[Reply]:
-    async with httpx.AsyncClient(timeout=900) as client:
+    async with httpx.AsyncClient(timeout=900, limits=NO_KEEPALIVE) as client:
         replies = []
         for job in jobs:
             replies += await run_job(client, base_url, job, max_tokens)
@@ -357,7 +374,7 @@ async def one_at_a_time(base_url: str, jobs: list[Job], max_tokens: int) -> list
 
 
 async def all_at_once(base_url: str, jobs: list[Job], max_tokens: int) -> list[Reply]:
-    limits = httpx.Limits(max_connections=len(jobs) + 4)
+    limits = httpx.Limits(max_connections=len(jobs) + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         done = await asyncio.gather(*(run_job(client, base_url, job, max_tokens) for job in jobs))
     return [reply for replies in done for reply in replies]
