@@ -1,16 +1,19 @@
-"""Whether a drafted token is worth its verification row: a cost model measured on the machine, per step.
+"""How many drafted tokens are worth verifying: a cost model measured on the machine, per step.
 
-Verifying a draft adds rows to the next forward. On a CPU one decode stream is bounded by streaming the weights,
-so a few more rows cost little; with 16 busy streams the step is compute-bound and every row costs about what a
-token is worth. ``DraftCost`` fits the forward's time as ``fixed + per_row * rows`` from the steps the engine
-ran (seconds per row count, a running mean each), and a token drafted for a sequence is kept while
+Verifying a draft adds rows to the next forward. How much they cost is the machine's and the kernel's business:
+on the Xeon VM of docs/benchmarks.md SmolLM2 Q4_1's forward takes 4.4 ms for one row, 5.6 for two, 7.7 for four
+and 15 for nine (the packed int8 kernel sums exactly on VNNI up to 4 rows; above, without AMX, it takes the
+slower path), so the fitted line of an earlier version undercounted short drafts and overcounted nothing.
+``DraftCost`` keeps the forward's time per row count (a running mean each) and the step's time around it, and
+a draft of k tokens for a sequence is cut to the k that maximises
 
-    expected tokens it adds * (step time / sequences decoding)  >  per_row
+    (sequences decoding + expected accepted tokens of the first k) / (forward time at sequences + k + the rest)
 
-(what an accepted token saves against what its row costs). The expected tokens of the i-th drafted token are
-the product, over the tokens up to it, of the drafter's confidence and the request's acceptance rate so far
-(``AcceptanceRate``). Before two row counts have been measured the row is taken as free, so the first drafts
-are what measures it; a decision never depends on anything but the request's own draft and the machine's times.
+the expected tokens per second of the step. The expected tokens of the i-th drafted token are the product, over
+the tokens up to it, of the drafter's confidence and the request's acceptance rate so far (``AcceptanceRate``).
+A row count never measured is worth trying, so the first drafts are what measures it; with 16 busy streams a
+row costs what a token is worth and only near-certain drafts pay. A decision depends on nothing but the
+request's own draft and the machine's times.
 """
 
 from __future__ import annotations
@@ -46,57 +49,50 @@ class AcceptanceRate:
 class DraftCost:
     def __init__(self) -> None:
         self._forward: dict[int, float] = {}  # rows -> running mean of the forward's seconds
-        self._counts: dict[int, int] = {}
         self.overhead = 0.0  # running mean of a step's seconds outside the forward
         self._steps = 0
-        self._per_row: float | None = None
-        self._fixed = 0.0
 
     def record(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
         if rows <= 0 or rows > MAX_ROWS or forward_seconds <= 0:
             return
         previous = self._forward.get(rows)
         self._forward[rows] = forward_seconds if previous is None else (1 - EMA) * previous + EMA * forward_seconds
-        self._counts[rows] = self._counts.get(rows, 0) + 1
         outside = max(0.0, step_seconds - forward_seconds)
         self.overhead = outside if self._steps == 0 else (1 - EMA) * self.overhead + EMA * outside
         self._steps += 1
-        self._per_row = None  # refit on next use
 
-    def _fit(self) -> tuple[float, float]:
-        """(fixed, per_row) by least squares over the row counts measured at least twice; per_row 0 (free)
-        until two of them are."""
-        if self._per_row is not None:
-            return self._fixed, self._per_row
-        points = [(rows, seconds) for rows, seconds in self._forward.items() if self._counts[rows] >= 2]
-        if len(points) < 2:
-            self._fixed, self._per_row = (points[0][1] if points else 0.0), 0.0
-            return self._fixed, self._per_row
-        n = len(points)
-        mean_x = sum(x for x, _ in points) / n
-        mean_y = sum(y for _, y in points) / n
-        var = sum((x - mean_x) ** 2 for x, _ in points)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
-        self._per_row = max(0.0, slope)
-        self._fixed = max(0.0, mean_y - self._per_row * mean_x)
-        return self._fixed, self._per_row
-
-    def threshold(self, num_sequences: int) -> float:
-        """The expected accepted tokens a drafted token must add to pay for its row, with ``num_sequences``
-        sequences decoding: per_row over the time one token of the step is worth."""
-        fixed, per_row = self._fit()
-        if per_row <= 0:
-            return 0.0
-        sequences = max(1, num_sequences)
-        token_seconds = (fixed + per_row * sequences + self.overhead) / sequences
-        return per_row / token_seconds if token_seconds > 0 else 0.0
+    def forward_seconds(self, rows: int) -> float | None:
+        """The forward's time for ``rows`` rows: measured, or between the nearest measured counts on both sides
+        (a straight line); None above the largest count measured (not known yet)."""
+        exact = self._forward.get(rows)
+        if exact is not None:
+            return exact
+        below = max((count for count in self._forward if count < rows), default=None)
+        above = min((count for count in self._forward if count > rows), default=None)
+        if above is None:
+            return None
+        if below is None:
+            return self._forward[above]
+        low, high = self._forward[below], self._forward[above]
+        return low + (high - low) * (rows - below) / (above - below)
 
     def keep(self, confidence: list[float], acceptance: float, num_sequences: int) -> int:
-        """How many of a draft's tokens to verify: while each adds more expected tokens than the threshold."""
-        threshold = self.threshold(num_sequences)
-        expected = 1.0
-        for count, share in enumerate(confidence):
-            expected *= share * acceptance
-            if expected <= threshold:
-                return count
-        return len(confidence)
+        """How many of a draft's tokens to verify: the count that gives the most expected tokens per second of
+        step, with ``num_sequences`` sequences decoding (each yields one token without drafts). A row count not
+        measured yet is taken as worth trying, so that the drafts measure it."""
+        base = max(1, num_sequences)
+        plain = self.forward_seconds(base)
+        if plain is None:
+            return len(confidence)
+        best, best_rate = 0, base / (plain + self.overhead)
+        expected, running = 0.0, 1.0
+        for count, share in enumerate(confidence, start=1):
+            running *= share * acceptance
+            expected += running
+            seconds = self.forward_seconds(base + count)
+            if seconds is None:
+                return len(confidence)
+            rate = (base + expected) / (seconds + self.overhead)
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return best
