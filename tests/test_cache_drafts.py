@@ -278,13 +278,20 @@ def test_a_grammar_cuts_drafts_and_its_forced_tokens_are_drafted(tiny_models):
                 batch_invariant=True, speculative_config=OFF)
     pattern = r"The answer is (yes|no)\. Thank you for asking, and goodbye(!|\.)"
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
-    prompts = ["Reply please.", "Say something else please."]
-    drafted = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    assert drafted == [o.outputs[0].text for o in plain.generate(prompts, params)]
-    assert all(text.startswith("The answer is ") and "goodbye" in text for text in drafted)
+    # The second prompt holds the answer followed by more words: a draft copied from it runs past the grammar's end.
+    prompts = ["Reply please.", "Say: The answer is yes. Thank you for asking, and goodbye! See you at the docks."]
+
+    def ended(outputs) -> list[tuple]:
+        return [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                for o in outputs]
+
+    drafted = ended(llm.generate(prompts, params))
+    assert drafted == ended(plain.generate(prompts, params))
+    assert all(text.startswith("The answer is ") and "goodbye" in text for text, *_ in drafted)
     stats = llm.engine.stats().spec_decode
-    # The fixed words are forced by the grammar: drafted, and every one accepted.
-    assert stats.num_accepted_tokens == stats.num_draft_tokens > 10
+    # The fixed words are forced by the grammar: drafted, and every one accepted; the one token drafted past the
+    # second prompt's end is the only one refused.
+    assert stats.num_accepted_tokens > 10 and stats.num_draft_tokens - stats.num_accepted_tokens == 1
     structured = llm.engine.structured
     engine = llm.engine
     engine.add_request("g", "Reply please.", params)

@@ -282,13 +282,19 @@ class LLMEngine:
             return None
 
         results = verify(self.sampler, logits, verify_items, finish_check)
+        for item, result in zip(sampling, results):
+            # A grammar that can go no further ends its sequence (EOS is all it would allow next), after the token
+            # that ended it: accepted drafts past it are dropped, as a step without drafts never made them.
+            taken = self.structured.accept(id(item.request), result.token_ids)
+            if taken is not None and taken < len(result.token_ids):
+                del result.token_ids[taken:], result.logprobs[taken:]
+                result.num_accepted = min(result.num_accepted, taken - 1)
+                result.finish = ("stop", None)
+            elif taken is not None and result.finish is None:
+                result.finish = ("stop", None)
         if self.spec is not None:
             for item, result in zip(sampling, results):
                 self.spec.record(item.request, len(item.draft_token_ids), result.num_accepted)
-        for item, result in zip(sampling, results):
-            # A grammar that can go no further ends its sequence (EOS is all it would allow next).
-            if self.structured.accept(id(item.request), result.token_ids) and result.finish is None:
-                result.finish = ("stop", None)
         return results
 
     def _resolve_grammars(self) -> list[RequestOutput]:

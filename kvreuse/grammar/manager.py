@@ -156,18 +156,23 @@ class StructuredOutputManager:
             masked.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
             logits.index_copy_(0, index, masked)
 
-    def accept(self, key: int, token_ids: Sequence[int]) -> bool:
-        """Advance sequence ``key`` by the tokens it was given this step (an EOS ends it, unconsumed).
-        True when its grammar can go no further, so the sequence ends here."""
+    def accept(self, key: int, token_ids: Sequence[int]) -> int | None:
+        """Advance sequence ``key`` by the tokens it was given this step (an EOS ends it, unconsumed). None while
+        its grammar can go on; else how many of ``token_ids`` it took before it could go no further, so the
+        sequence ends after them (tokens a verified draft added past that point are dropped, as a step without
+        drafts would never have made them)."""
         matcher = self._matchers.get(key)
         if matcher is None:
-            return False
+            return None
         tokens = list(token_ids)
         if tokens and tokens[-1] in self.eos_token_ids:
             tokens.pop()
-        if tokens and not matcher.consume_tokens(tokens):
-            # Cannot happen for tokens sampled under the mask; if it does, stop rather than run unconstrained.
-            logger.error("structured outputs: a sampled token was refused by its grammar (%s); ending the sequence",
-                         matcher.get_error())
-            return True
-        return matcher.is_stopped()
+        for count, token in enumerate(tokens, start=1):
+            if not matcher.consume_token(token):
+                # Cannot happen for tokens sampled under the mask; if it does, stop rather than run unconstrained.
+                logger.error("structured outputs: a sampled token was refused by its grammar (%s); ending the "
+                             "sequence", matcher.get_error())
+                return count
+            if matcher.is_stopped():
+                return count
+        return len(token_ids) if matcher.is_stopped() else None
