@@ -12,7 +12,8 @@ apps in one process never share counters). Engine totals (cache queries and hits
 preemptions, evictions, running / waiting, KV usage) are read from the latest `EngineStats` snapshot
 when Prometheus scrapes; per-request latencies are histograms the engine loop observes as outputs
 come out of the engine. With speculative decoding the engine's draft counters are exported too
-(``kvreuse:spec_decode_*``, vLLM's ``vllm:spec_decode_*``); without it they are absent. With KV tiers
+(``kvreuse:spec_decode_*``: vLLM's ``spec_decode_*`` names under kvreuse's prefix, not under ``vllm:``), with the
+acceptance rate and mean acceptance length as gauges; without it they are absent. With KV tiers
 (host, disk, remote) their counters are exported with a ``tier`` label (``kvreuse:kv_tier_*``);
 without tiers they are absent.
 """
