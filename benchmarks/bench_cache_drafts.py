@@ -77,6 +77,7 @@ from pathlib import Path
 
 import httpx
 
+from kvreuse.bench.client import sse_chunks
 from kvreuse.bench.compare import ServerProcess, free_port
 
 
@@ -317,15 +318,8 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, key: str, body: 
     start = time.perf_counter()
     first = last = None
     text, chunks, usage, timings, finish = [], 0, None, None, None
-    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{key}: {response.status_code}: {(await response.aread()).decode(errors='replace')}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{key}: error in the stream: {chunk['error']}")
+    try:
+        async for chunk in sse_chunks(client, f"{base_url}/v1/chat/completions", body):
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings
             for choice in chunk.get("choices") or ():
@@ -337,6 +331,8 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, key: str, body: 
                     last = now
                     text.append(content)
                     chunks += 1
+    except RuntimeError as error:
+        raise RuntimeError(f"{key}: {error}") from None
     tokens = (usage or {}).get("completion_tokens") or (timings or {}).get("predicted_n") or chunks
     drafts = None
     spent = ((usage or {}).get("completion_tokens_details") or {}).get("kvreuse_drafts")

@@ -63,6 +63,7 @@ import httpx
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_engine import machine_description  # noqa: E402
 
+from kvreuse.bench.client import sse_chunks  # noqa: E402
 from kvreuse.bench.compare import ServerProcess, free_port  # noqa: E402
 
 SERVED = "bench-model"
@@ -199,18 +200,12 @@ class Client:
                 "stream": True}
         start = time.perf_counter()
         first = last = None
-        async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode(errors='replace')}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                first = now if first is None else first
-                last = now
+        async for chunk in sse_chunks(client, f"{self.base_url}/v1/completions", body):
+            if not chunk.get("choices"):
+                continue
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
         if first is None or last is None:
             raise RuntimeError("the stream had no tokens")
         return first - start, last - start, max_tokens

@@ -29,7 +29,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -489,6 +489,21 @@ async def _stream_request(http: httpx.AsyncClient, path: str, body: dict[str, An
     # Real decoding takes milliseconds per token; chunks closer together than this came in one burst.
     result.output_arrived_at_end = (result.output_tokens >= 2 and
                                     last_event_at - first_event_at < BURST_S_PER_TOKEN * (result.output_tokens - 1))
+
+
+async def sse_chunks(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of one streamed OpenAI request, for the benchmark scripts that time them themselves: a
+    RuntimeError on a status other than 200 (with the body) or on an error event; ``[DONE]`` ends it."""
+    async with http.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode(errors='replace')}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk and not chunk.get("choices"):
+                raise RuntimeError(f"error in the stream: {chunk['error']}")
+            yield chunk
 
 
 def _choice_event(choice: dict[str, Any], endpoint: str) -> tuple[str, bool]:
