@@ -183,8 +183,8 @@ SPECULATIVE_METHODS = (*EAGLE_METHODS, *CACHE_METHODS, "none")
 # Verification computes 1 + k target tokens per step; beyond this a draft that is ever wrong costs
 # more in rejected rows than it can save.
 MAX_SPECULATIVE_TOKENS = 16
-# The cache drafter's defaults: drafts of up to 8 tokens from a match of 2 to 16 tokens; each namespace keeps the
-# last 256Ki tokens of its finished sequences to draft from (4 bytes a token and its index: about 4 MiB at most).
+# The cache drafter's defaults: drafts of up to 8 tokens from a match of 2 to 16 tokens; the namespaces' stores keep
+# the last 128Ki tokens of finished sequences to draft from, all together (about 30 MB at most with their index).
 CACHE_DRAFT_TOKENS = 8
 CACHE_DRAFT_FIELDS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "namespace_tokens")
 
@@ -197,8 +197,9 @@ class SpeculativeConfig:
     # The cache drafter: the shortest and longest run of last tokens matched against earlier text (vLLM's names).
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 16
-    # Tokens of finished sequences each namespace keeps to draft from ("ngram": 0, the request's own tokens only).
-    namespace_tokens: int = 1 << 18
+    # Tokens of finished sequences the namespaces' stores keep to draft from, all together ("ngram": 0, the
+    # request's own tokens only).
+    namespace_tokens: int = 1 << 17
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

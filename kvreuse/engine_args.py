@@ -102,7 +102,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
                         help='speculative decoding, as vLLM\'s: an EAGLE draft \'{"method": "eagle" | "eagle3", '
                              '"model": DRAFT_DIR, "num_speculative_tokens": K}\' (its digest becomes part of every '
                              'cache key); the cache drafter \'{"method": "cache", "num_speculative_tokens": 8, '
-                             '"prompt_lookup_min": 2, "prompt_lookup_max": 16, "namespace_tokens": 262144}\' (any '
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 16, "namespace_tokens": 131072}\' (any '
                              'field may be left out; "ngram": the request\'s own tokens only); \'{"method": "none"}\': '
                              'no drafting. Default: the cache drafter where batch-invariant mode is on. Greedy '
                              'outputs are unchanged')

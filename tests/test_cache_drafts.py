@@ -67,6 +67,16 @@ def test_a_namespace_drafts_only_from_its_own_sequences():
     assert drafter.propose(4, None, list(query), 4).token_ids == []
 
 
+def test_all_namespaces_together_stay_within_the_budget_least_recently_used_first():
+    drafter = CacheDrafter(prompt_lookup_min=2, prompt_lookup_max=4, namespace_tokens=100)
+    drafter.finish(1, "a", list(range(0, 60)))
+    drafter.finish(2, "b", list(range(100, 160)))  # over the budget: namespace a, the least recently used, goes
+    assert drafter.stored_tokens("a") == 0 and drafter.stored_tokens("b") == 60
+    drafter.finish(3, "b", list(range(200, 230)))
+    drafter.finish(4, "c", list(range(300, 330)))
+    assert drafter.stored_tokens("b") + drafter.stored_tokens("c") <= 100 and drafter.stored_tokens("c") == 30
+
+
 def test_the_store_keeps_a_shared_prefix_once_and_evicts_the_least_recently_used():
     store = NamespaceStore(key_len=2, budget=3 * SHARE_RUN + 40)
     system = list(range(1000, 1000 + 2 * SHARE_RUN))  # two runs every sequence shares
@@ -340,7 +350,7 @@ def test_bad_speculative_configs_name_the_field(tiny_models):
     assert SpeculativeConfig.from_value({"method": "ngram"}).namespace_tokens == 0  # vLLM's: the request only
     assert SpeculativeConfig.from_value('{"method": "cache", "num_speculative_tokens": 4}').as_dict() == {
         "method": "cache", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 16,
-        "namespace_tokens": 1 << 18}
+        "namespace_tokens": 1 << 17}
     with pytest.raises(ValueError, match="batch_invariant=False"):
         LLM(str(tiny_models["qwen2"]), device="cpu", kv_cache_memory="2MiB", dtype="float32",
             speculative_config=CACHE, batch_invariant=False)

@@ -6,10 +6,11 @@ drafter finds the longest run of the sequence's last tokens (``prompt_lookup_min
 that occurred before, in two places:
 
 - the request's own prompt and output (vLLM's ``ngram`` prompt lookup reads only these);
-- the namespace's store: the tokens of this namespace's finished sequences, kept in least-recently-used order up
-  to ``namespace_tokens`` a namespace, each stored once past the prefix it shares with a stored one (as the radix
-  tree stores a shared prefix once). It holds what the tree cached for the namespace and the outputs that
-  followed, and outlives the pool's evictions within its own budget.
+- the namespace's store: the tokens of this namespace's finished sequences, each stored once past the prefix it
+  shares with a stored one (as the radix tree stores a shared prefix once). It holds what the tree cached for the
+  namespace and the outputs that followed, and outlives the pool's evictions within its own budget:
+  ``namespace_tokens`` for all namespaces together, the least recently used namespace's oldest sequences first
+  out (about 150-230 bytes a token with its index: 128Ki tokens, the default, take at most about 30 MB).
 
 The namespace is the blocks' (``cache.hashing.namespace_key``: cache salt, adapter, model, EAGLE draft), so a
 request drafts only from its own tenant's, adapter's and model's text: a draft from another namespace would let a
@@ -27,7 +28,7 @@ Pure Python, no torch: a lookup is a dict access and at most ``MAX_CANDIDATES`` 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,12 +49,16 @@ class Draft:
 
 
 class TokenIndex:
-    """Token sequences and, for each run of ``key_len`` tokens, where its occurrences end (latest last)."""
+    """Token sequences and, for each run of ``key_len`` tokens, where its latest occurrences end.
+
+    Kept small, since a store holds many tokens: a run's key is its hash and its occurrences one packed int each
+    (``sequence id << 32 | end``) in a list; a hash collision costs a comparison, never a wrong draft (the run's
+    tokens are checked)."""
 
     def __init__(self, key_len: int) -> None:
         self.key_len = key_len
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, least recently used first
-        self.index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        self.index: dict[int, list[int]] = {}
         self.indexed: dict[int, int] = {}  # id -> tokens of it indexed so far
         self.num_tokens = 0
         self._next_id = 0
@@ -72,12 +77,16 @@ class TokenIndex:
         start = self.indexed[sequence_id]
         key_len = self.key_len
         index = self.index
+        packed = sequence_id << 32
         for end in range(max(start, key_len), len(tokens) + 1):
-            key = tuple(tokens[end - key_len:end])
+            key = hash(tuple(tokens[end - key_len:end]))
             entries = index.get(key)
             if entries is None:
-                entries = index[key] = deque(maxlen=MAX_CANDIDATES)
-            entries.append((sequence_id, end))
+                index[key] = [packed | end]
+                continue
+            entries.append(packed | end)
+            if len(entries) > 2 * MAX_CANDIDATES:
+                del entries[:-MAX_CANDIDATES]
         self.num_tokens += len(tokens) - start
         self.indexed[sequence_id] = len(tokens)
 
@@ -86,13 +95,13 @@ class TokenIndex:
         self.indexed.pop(sequence_id)
         self.num_tokens -= len(tokens)
         for end in range(self.key_len, len(tokens) + 1):
-            key = tuple(tokens[end - self.key_len:end])
+            key = hash(tuple(tokens[end - self.key_len:end]))
             entries = self.index.get(key)
             if entries is None:
                 continue
-            kept = [entry for entry in entries if entry[0] != sequence_id]
+            kept = [entry for entry in entries if entry >> 32 != sequence_id]
             if kept:
-                self.index[key] = deque(kept, maxlen=MAX_CANDIDATES)
+                self.index[key] = kept
             else:
                 del self.index[key]
 
@@ -102,15 +111,17 @@ class TokenIndex:
         key_len = self.key_len
         if len(query) < key_len:
             return 0, []
-        entries = self.index.get(tuple(query[-key_len:]))
+        tail = list(query[-key_len:])
+        entries = self.index.get(hash(tuple(tail)))
         if not entries:
             return 0, []
         best = 0
         found: list[tuple[list[int], int]] = []
-        for sequence_id, end in reversed(entries):
-            tokens = self.sequences.get(sequence_id)
-            if tokens is None or end >= len(tokens):
-                continue  # the query's own end, or a sequence that ends there: nothing follows
+        for entry in entries[-MAX_CANDIDATES:][::-1]:
+            tokens = self.sequences.get(entry >> 32)
+            end = entry & 0xFFFFFFFF
+            if tokens is None or end >= len(tokens) or tokens[end - key_len:end] != tail:
+                continue  # the query's own end, a sequence that ends there, or another run with the same hash
             length = key_len
             limit = min(max_len, end, len(query))
             while length < limit and tokens[end - length - 1] == query[-length - 1]:
@@ -153,11 +164,17 @@ class NamespaceStore:
             self._runs[chained] = sequence_id
         self._owned[sequence_id] = hashes
         while self.tokens.num_tokens > self.budget and len(self.tokens.sequences) > 1:
-            oldest = next(iter(self.tokens.sequences))
-            self.tokens.remove(oldest)
-            for chained in self._owned.pop(oldest, []):
-                if self._runs.get(chained) == oldest:
-                    del self._runs[chained]
+            self.evict_oldest()
+
+    def evict_oldest(self) -> int:
+        """Drop the least recently used sequence; returns the tokens freed."""
+        oldest = next(iter(self.tokens.sequences))
+        before = self.tokens.num_tokens
+        self.tokens.remove(oldest)
+        for chained in self._owned.pop(oldest, []):
+            if self._runs.get(chained) == oldest:
+                del self._runs[chained]
+        return before - self.tokens.num_tokens
 
 
 class CacheDrafter:
@@ -218,6 +235,13 @@ class CacheDrafter:
         else:
             self._stores.move_to_end(namespace)
         store.add(tokens, overlap=self.max_len)
+        # All namespaces together within the budget: the least recently used namespace's oldest sequences go first.
+        total = sum(each.tokens.num_tokens for each in self._stores.values())
+        while total > self.namespace_tokens and self._stores:
+            oldest_namespace, oldest = next(iter(self._stores.items()))
+            total -= oldest.evict_oldest()
+            if not oldest.tokens.sequences:
+                del self._stores[oldest_namespace]
 
     def forget(self, key: int) -> None:
         self._own.pop(key, None)
