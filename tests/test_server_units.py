@@ -420,13 +420,15 @@ def test_small_steps_leave_a_core_to_the_event_loop(tiny_model):
 
     async def run() -> list:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        return [output async for output in engine.generate("r", "A very long story about caches:", params)]
+        prompt = "A very long story about caches, the blocks they keep and the prompts that find them again:"
+        return [output async for output in engine.generate("r", prompt, params)]
 
     outputs = run_on_engine_thread(engine, run)
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
     assert [name for name, _, _ in seen] == ["kvreuse-engine"] * 4
     prefill, *decodes = seen
-    assert prefill[2] > 4 and prefill[1] == threads
+    # Small is up to 17 tokens (one stream verifying 16 drafted ones): this prefill is larger.
+    assert prefill[2] > llm.engine.runner.step_threads.small_step_tokens and prefill[1] == threads
     assert [(count, tokens) for _, count, tokens in decodes] == [(threads - 1, 1)] * 3
     assert torch.get_num_threads() == threads
 
