@@ -178,8 +178,8 @@ class NamespaceStore:
 
 
 class CacheDrafter:
-    """Drafts for the engine's decoding sequences (see the module doc). ``track(key, tokens)`` as a sequence
-    grows, ``propose`` for its next step, ``finish`` when it ends (its tokens go to its namespace's store)."""
+    """Drafts for the engine's decoding sequences (see the module doc): ``propose`` for a sequence's next step
+    (indexing its tokens as they grow), ``finish`` when it ends (its tokens go to its namespace's store)."""
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, namespace_tokens: int) -> None:
         self.min_len = prompt_lookup_min
@@ -242,9 +242,6 @@ class CacheDrafter:
             total -= oldest.evict_oldest()
             if not oldest.tokens.sequences:
                 del self._stores[oldest_namespace]
-
-    def forget(self, key: int) -> None:
-        self._own.pop(key, None)
 
     def stored_tokens(self, namespace: str | None) -> int:
         store = self._stores.get(namespace)
