@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvreuse.config import EngineConfig
 from kvreuse.engine.stats import EngineStats
-from kvreuse.spec.stats import SpecDecodeStats
+from kvreuse.spec.stats import SpecDecodeStats, acceptance_rate, mean_acceptance_length
 
 PREFIX = "kvreuse:"
 VLLM_PREFIX = "vllm:"
@@ -220,10 +220,10 @@ class _EngineStatsCollector:
         accepted, drafted = sum(per_position), spec.num_draft_tokens
         for name, documentation, value in (
                 ("spec_decode_acceptance_rate", "Accepted over drafted tokens since start.",
-                 accepted / drafted if drafted else 0.0),
+                 acceptance_rate(accepted, drafted)),
                 ("spec_decode_mean_acceptance_length",
                  "Tokens a verification step yielded since start: 1 + accepted tokens per draft.",
-                 1 + accepted / spec.num_drafts if spec.num_drafts else 0.0)):
+                 mean_acceptance_length(accepted, spec.num_drafts))):
             gauge = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
             gauge.add_metric([self._model_name], value)
             yield gauge

@@ -29,6 +29,7 @@ from kvreuse.errors import InvalidRequestError
 from kvreuse.messages import validate_tools
 from kvreuse.sampling import SamplingParams, TokenLogprobs
 from kvreuse.server.errors import APIError, bad_request
+from kvreuse.spec.stats import acceptance_rate, mean_acceptance_length
 from kvreuse.structured_outputs import CONSTRAINTS, StructuredOutputsParams
 from kvreuse.tool_parsers import (
     ToolCall,
@@ -402,8 +403,8 @@ def drafts_usage(num_drafts: int, num_draft_tokens: int, num_accepted: int) -> d
     """How the drafts of a request fared: verifications, drafted and accepted tokens, the acceptance rate and the
     mean accepted length (tokens a verification step yielded: 1 + accepted per draft, vLLM's definition)."""
     return {"drafts": num_drafts, "draft_tokens": num_draft_tokens, "accepted_tokens": num_accepted,
-            "acceptance_rate": round(num_accepted / num_draft_tokens, 4) if num_draft_tokens else 0.0,
-            "mean_accepted_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else 0.0}
+            "acceptance_rate": round(acceptance_rate(num_accepted, num_draft_tokens), 4),
+            "mean_accepted_length": round(mean_acceptance_length(num_accepted, num_drafts), 4)}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,

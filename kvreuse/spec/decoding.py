@@ -35,7 +35,7 @@ from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.spec.cache_drafter import CacheDrafter
 from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
 from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
-from kvreuse.spec.stats import SpecDecodeStats
+from kvreuse.spec.stats import SpecDecodeStats, acceptance_rate, mean_acceptance_length
 
 logger = logging.getLogger("kvreuse")
 
@@ -105,8 +105,9 @@ class SpeculativeDecoding:
         if request.num_drafts:
             logger.debug("request %s: %d drafts, %d of %d drafted tokens accepted (rate %.2f, mean accepted length %.2f)",
                          request.request_id, request.num_drafts, request.num_accepted_draft_tokens,
-                         request.num_draft_tokens, request.num_accepted_draft_tokens / request.num_draft_tokens,
-                         1 + request.num_accepted_draft_tokens / request.num_drafts)
+                         request.num_draft_tokens,
+                         acceptance_rate(request.num_accepted_draft_tokens, request.num_draft_tokens),
+                         mean_acceptance_length(request.num_accepted_draft_tokens, request.num_drafts))
         self._draft_probs.pop(key, None)
         self._acceptance.pop(key, None)
         self._source.pop(key, None)

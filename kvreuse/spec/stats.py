@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def acceptance_rate(num_accepted: float, num_draft_tokens: float) -> float:
+    """Accepted over drafted tokens (0 before any draft)."""
+    return num_accepted / num_draft_tokens if num_draft_tokens else 0.0
+
+
+def mean_acceptance_length(num_accepted: float, num_drafts: float) -> float:
+    """Tokens a verification step yielded: 1 (the target's own) + accepted drafts per draft made (0 before any)."""
+    return 1 + num_accepted / num_drafts if num_drafts else 0.0
+
+
 @dataclass
 class SpecDecodeStats:
     """Speculative decoding counters, as vLLM's ``vllm:spec_decode_*`` metrics."""
@@ -22,7 +32,7 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -38,6 +48,5 @@ class SpecDecodeStats:
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_acceptance_rate": self.acceptance_rate,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
-            # Tokens per verification: 1 (the target's own) + accepted drafts, per draft made.
-            "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
+            "spec_decode_mean_acceptance_length": mean_acceptance_length(self.num_accepted_tokens, self.num_drafts),
         }
