@@ -53,8 +53,10 @@ class SpeculativeDecoding:
         self.block_size = block_size
         self.stats = SpecDecodeStats(num_speculative_tokens)
         self.cost = DraftCost()
-        # Accepted tokens per verification, by the drafter that drafted (choosing between the two).
-        self.by_source = {EAGLE: AcceptanceRate(accepted=1.0, checked=1.0), CACHE: AcceptanceRate()}
+        # EAGLE's accepted tokens per verification (decayed sums, from a prior of one), against which a cache
+        # draft's expected tokens are compared when both drafters run.
+        self._eagle_accepted = 1.0
+        self._eagle_drafts = 1.0
         # A constrained sequence's draft as its grammar allows it (key, drafted) -> kept tokens (or forced ones).
         self.constrain: Callable[[int, list[int]], list[int]] | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}  # id(Request) -> q of its drafted tokens (random sampling)
@@ -88,11 +90,9 @@ class SpeculativeDecoding:
         request.num_draft_tokens += num_drafted
         request.num_accepted_draft_tokens += num_accepted
         self._acceptance.setdefault(id(request), AcceptanceRate()).record(num_drafted, num_accepted)
-        source = self._source.get(id(request))
-        if source is not None:
-            rate = self.by_source[source]
-            rate.accepted = 0.9 * rate.accepted + num_accepted
-            rate.checked = 0.9 * rate.checked + 1
+        if self._source.get(id(request)) == EAGLE:
+            self._eagle_accepted = 0.9 * self._eagle_accepted + num_accepted
+            self._eagle_drafts = 0.9 * self._eagle_drafts + 1
 
     def record_step(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
         """A step's measured times, for the cost of a verification row."""
@@ -121,7 +121,7 @@ class SpeculativeDecoding:
     def draft(self, items: list[StepItem], max_model_len: int, num_sequences: int) -> None:
         """Bring EAGLE's K/V up to date for every sequence that ran and draft the next tokens of those that
         decode next step (``num_sequences`` of them in all, for the cost of a row)."""
-        jobs: list[DraftJob] = []
+        jobs: list[DraftJob] = []  # EAGLE's, one per item
         limits: list[int] = []
         for item in items:
             request = item.request
@@ -136,10 +136,11 @@ class SpeculativeDecoding:
                     max_model_len - request.num_tokens - 1,
                 ))
             limits.append(limit)
-            # EAGLE writes its chain's K/V into the lookahead slots the sequence holds.
-            eagle_limit = min(limit, len(item.table) * self.block_size - valid_end)
-            jobs.append(DraftJob(request, item.start, valid_end, max(0, eagle_limit), item.table))
+            if self.eagle is not None:  # it writes its chain's K/V into the lookahead slots the sequence holds
+                eagle_limit = min(limit, len(item.table) * self.block_size - valid_end)
+                jobs.append(DraftJob(request, item.start, valid_end, max(0, eagle_limit), item.table))
         eagle: dict[int, Proposal] = self.eagle.run(jobs) if self.eagle is not None else {}
+        eagle_expected = self._eagle_accepted / self._eagle_drafts
         for index, (item, limit) in enumerate(zip(items, limits)):
             if limit <= 0:
                 continue
@@ -147,7 +148,7 @@ class SpeculativeDecoding:
             key = id(request)
             proposal = eagle.get(index)
             tokens, expected = self._cache_draft(request, limit, num_sequences)
-            if tokens and (proposal is None or expected >= self.by_source[EAGLE].rate * len(proposal.token_ids)):
+            if tokens and (proposal is None or expected >= eagle_expected):
                 request.spec_token_ids = tokens
                 self._source[key] = CACHE
                 self.drafts_by_source[CACHE] += 1
@@ -172,7 +173,8 @@ class SpeculativeDecoding:
         if self.constrain is not None:
             kept = self.constrain(key, tokens)
             if kept != tokens[:len(kept)]:  # the grammar forces these: the target takes them whatever it computes
-                return kept[:limit], float(len(kept[:limit]))
+                forced = kept[:limit]
+                return forced, float(len(forced))
             tokens, confidence = kept, confidence[:len(kept)]
         if not tokens:
             return [], 0.0

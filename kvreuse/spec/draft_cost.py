@@ -18,6 +18,7 @@ request's own draft and the machine's times.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 # Row counts measured at most (steps above it are prefills, not verification).
@@ -49,6 +50,7 @@ class AcceptanceRate:
 class DraftCost:
     def __init__(self) -> None:
         self._forward: dict[int, float] = {}  # rows -> running mean of the forward's seconds
+        self._measured: list[int] = []  # its row counts, sorted (a draft's sizing looks its neighbours up per step)
         self.overhead = 0.0  # running mean of a step's seconds outside the forward
         self._steps = 0
 
@@ -56,6 +58,8 @@ class DraftCost:
         if rows <= 0 or rows > MAX_ROWS or forward_seconds <= 0:
             return
         previous = self._forward.get(rows)
+        if previous is None:
+            bisect.insort(self._measured, rows)
         self._forward[rows] = forward_seconds if previous is None else (1 - EMA) * previous + EMA * forward_seconds
         outside = max(0.0, step_seconds - forward_seconds)
         self.overhead = outside if self._steps == 0 else (1 - EMA) * self.overhead + EMA * outside
@@ -67,12 +71,13 @@ class DraftCost:
         exact = self._forward.get(rows)
         if exact is not None:
             return exact
-        below = max((count for count in self._forward if count < rows), default=None)
-        above = min((count for count in self._forward if count > rows), default=None)
-        if above is None:
+        place = bisect.bisect_left(self._measured, rows)
+        if place == len(self._measured):
             return None
-        if below is None:
+        above = self._measured[place]
+        if place == 0:
             return self._forward[above]
+        below = self._measured[place - 1]
         low, high = self._forward[below], self._forward[above]
         return low + (high - low) * (rows - below) / (above - below)
 
