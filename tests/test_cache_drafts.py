@@ -24,7 +24,7 @@ from kvreuse.kernels import paged_attention, quant_ops, rowdot
 from kvreuse.model_tools.make_draft import make_random_draft
 from kvreuse.sampling import Sampler, SamplingState
 from kvreuse.spec.cache_drafter import SHARE_RUN, CacheDrafter, NamespaceStore
-from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
+from kvreuse.spec.draft_cost import STALE_STEPS, AcceptanceRate, DraftCost, expected_gains
 from kvreuse.spec.verify import VerifyItem, verify
 from kvreuse.structured_outputs import StructuredOutputsParams
 
@@ -93,20 +93,47 @@ def test_the_store_keeps_a_shared_prefix_once_and_evicts_the_least_recently_used
 
 def test_the_draft_length_maximises_expected_tokens_per_second_of_measured_steps():
     cost = DraftCost()
-    assert cost.keep([1.0] * 8, 0.9, num_sequences=1) == 8  # nothing measured: drafts are what measures it
-    # The Xeon's SmolLM2 Q4_1 forward (docs/benchmarks.md): cheap up to 4 rows, a jump above; 0.3 ms around it.
-    for rows, ms in ((1, 4.4), (2, 5.6), (4, 7.7), (5, 16.8), (9, 15.3), (16, 20.0), (17, 21.5), (24, 30.0)):
-        cost.record(rows, ms / 1e3, (ms + 0.3) / 1e3)
-    assert cost.forward_seconds(3) == pytest.approx((5.6 + 7.7) / 2 / 1e3)  # between measured counts
-    assert cost.forward_seconds(40) is None
+    sure, likely, unlikely = expected_gains([1.0] * 8, 1.0), expected_gains([1.0] * 8, 0.8), expected_gains([1.0] * 8, 0.2)
+    assert likely[:3] == pytest.approx([0.8, 0.64, 0.512])
+    assert cost.allocate([likely], num_sequences=1) == [8]  # nothing measured: drafts are what measures it
+    # The Xeon's SmolLM2 Q4_1 step (docs/benchmarks.md): cheap up to 4 rows, a jump above.
+    for rows, ms in ((1, 4.7), (2, 5.9), (4, 8.0), (5, 17.1), (9, 15.6), (16, 20.3), (17, 21.8), (24, 30.3),
+                     (40, 52.0), (64, 80.0), (144, 150.0)):
+        cost.record(rows, ms / 1e3)
+    assert cost.step_seconds(3) == pytest.approx((5.9 + 8.0) / 2 / 1e3)  # between measured counts
+    assert cost.step_seconds(200) is None
     # Sure drafts: all 8 pay (9 tokens in 15.6 ms against 1 in 4.7).
-    assert cost.keep([1.0] * 8, 1.0, 1) == 8
+    assert cost.allocate([sure], 1) == [8]
     # Likely ones: 3 of them, in the cheap rows (1 + 0.8 + 0.64 + 0.51 tokens in 8.0 ms), not 8 in the slow ones.
-    assert cost.keep([1.0] * 8, 0.8, 1) == 3
-    assert cost.keep([1.0] * 8, 0.2, 1) == 0  # unlikely ones: none
-    # 16 streams: a row costs what a token is worth; the same likely draft is not worth it.
-    assert cost.keep([1.0] * 8, 0.8, 16) == 0
-    assert cost.keep([1.0] * 8, 1.0, 16) == 8  # a certain one still is
+    assert cost.allocate([likely], 1) == [3]
+    assert cost.allocate([unlikely], 1) == [0]  # unlikely ones: none
+    # 16 streams: a row costs what a token is worth; the same likely draft is not worth it, a certain one is.
+    assert cost.allocate([likely], 16) == [0]
+    assert cost.allocate([sure], 16) == [8]
+    # A step's drafts are sized together: two likely ones alone at one stream would take 3 each; together their
+    # best tokens go first and the step stops where the next row costs more than it brings.
+    assert cost.allocate([likely, likely], 2) == [1, 1]
+    # Sixteen sure drafts of 8 (144 rows) are not worth what one is: 16 + 8 rows take the best.
+    mixed = cost.allocate([sure] + [likely] * 15, 16)
+    assert mixed == [8] + [0] * 15
+    assert cost.allocate([sure] * 16, 16) == [8] * 16  # 144 rows: 144 tokens in 150 ms against 16 in 20.3
+
+
+def test_a_row_count_measured_slow_once_is_measured_again():
+    cost = DraftCost()
+    for rows, ms in ((1, 4.7), (2, 5.9), (3, 7.0), (4, 8.0)):
+        cost.record(rows, ms / 1e3)
+    likely = expected_gains([1.0] * 3, 0.8)
+    assert cost.allocate([likely], 1) == [3]
+    cost.record(4, 0.5)  # one step met something else: 4 rows now look slow, so they are not chosen
+    assert cost.allocate([likely], 1) == [2]
+    for _ in range(STALE_STEPS):  # steps at one row: the 4-row time grows stale
+        cost.record(1, 4.7e-3)
+    assert cost.allocate([likely], 1) == [3]  # tried again once, to measure it
+    assert cost.allocate([likely], 1) == [2]  # and not at every step
+    for _ in range(10):
+        cost.record(4, 8.0e-3)
+    assert cost.allocate([likely], 1) == [3]
 
 
 def test_the_acceptance_rate_follows_the_latest_drafts():

@@ -257,7 +257,7 @@ class LLMEngine:
                             self.runner.last_forward_seconds)
         self.step_timings.append(timing)
         if self.spec is not None:
-            self.spec.record_step(timing.num_tokens, timing.forward_s, timing.step_s)
+            self.spec.record_step(timing.num_tokens, timing.step_s)
         return outputs
 
     def _take_tokens(self, logits: torch.Tensor, sampling: list[StepItem]) -> list[VerifyResult]:

@@ -12,8 +12,9 @@ Two drafters, either or both:
 
 A sequence's draft goes in ``Request.spec_token_ids`` for the next step to verify. With both drafters, the one
 expected to add more accepted tokens drafts the step (the cache draft's expected tokens from its confidence and
-the request's acceptance; EAGLE's from its measured mean accepted length). A cache draft keeps only the tokens
-whose verification rows pay for themselves (spec/draft_cost.py); a constrained sequence's cache draft stops at
+the request's acceptance; EAGLE's from its measured mean accepted length). The step's cache drafts are cut
+together, to the tokens whose verification rows pay for themselves beside every other draft's rows
+(spec/draft_cost.py); a constrained sequence's cache draft stops at
 the first token its grammar forbids, and a grammar that forces tokens drafts them. A seeded random request is
 drafted for by EAGLE only as before and never by the cache: its draws must not depend on what the namespace
 holds or on the machine's timing. Counters under vLLM's names (``SpecDecodeStats``), and per request.
@@ -33,7 +34,7 @@ from kvreuse.request import Request, RequestStatus
 from kvreuse.runner.input_batch import StepItem
 from kvreuse.runner.model_runner import ModelRunner
 from kvreuse.spec.cache_drafter import CacheDrafter
-from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost
+from kvreuse.spec.draft_cost import AcceptanceRate, DraftCost, expected_gains
 from kvreuse.spec.proposer import DraftJob, EagleProposer, Proposal
 from kvreuse.spec.stats import SpecDecodeStats, acceptance_rate, mean_acceptance_length
 
@@ -94,9 +95,9 @@ class SpeculativeDecoding:
             self._eagle_accepted = 0.9 * self._eagle_accepted + num_accepted
             self._eagle_drafts = 0.9 * self._eagle_drafts + 1
 
-    def record_step(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
-        """A step's measured times, for the cost of a verification row."""
-        self.cost.record(rows, forward_seconds, step_seconds)
+    def record_step(self, rows: int, step_seconds: float) -> None:
+        """A step's measured time, for the cost of a verification row."""
+        self.cost.record(rows, step_seconds)
 
     def forget(self, request: Request) -> None:
         """``request`` ended (finished, stopped by a string, aborted): drop what was kept for it; its tokens go to
@@ -141,32 +142,44 @@ class SpeculativeDecoding:
                 jobs.append(DraftJob(request, item.start, valid_end, max(0, eagle_limit), item.table))
         eagle: dict[int, Proposal] = self.eagle.run(jobs) if self.eagle is not None else {}
         eagle_expected = self._eagle_accepted / self._eagle_drafts
+        # Each sequence's cache draft (uncut), or EAGLE's where it is expected to add more; then the cache drafts
+        # are cut together, against the rows every draft of the step adds (spec/draft_cost.py).
+        cached: list[tuple[Request, list[int], list[float]]] = []
+        eagle_rows, eagle_tokens = 0, 0.0
         for index, (item, limit) in enumerate(zip(items, limits)):
             if limit <= 0:
                 continue
             request = item.request
             key = id(request)
             proposal = eagle.get(index)
-            tokens, expected = self._cache_draft(request, limit, num_sequences)
-            if tokens and (proposal is None or expected >= eagle_expected):
-                request.spec_token_ids = tokens
-                self._source[key] = CACHE
-                self.drafts_by_source[CACHE] += 1
+            tokens, gains = self._cache_draft(request, limit)
+            if tokens and (proposal is None or sum(gains) >= eagle_expected):
+                cached.append((request, tokens, gains))
             elif proposal is not None and proposal.token_ids:
                 request.spec_token_ids = proposal.token_ids
                 self._source[key] = EAGLE
                 self.drafts_by_source[EAGLE] += 1
+                eagle_rows += len(proposal.token_ids)
+                eagle_tokens += eagle_expected
                 if proposal.probs is not None:
                     self._draft_probs[key] = proposal.probs
+        if not cached:
+            return
+        keep = self.cost.allocate([gains for _, _, gains in cached], num_sequences, eagle_rows, eagle_tokens)
+        for (request, tokens, _), count in zip(cached, keep):
+            if count:
+                request.spec_token_ids = tokens[:count]
+                self._source[id(request)] = CACHE
+                self.drafts_by_source[CACHE] += 1
 
-    def _cache_draft(self, request: Request, limit: int, num_sequences: int) -> tuple[list[int], float]:
-        """The cache drafter's tokens for ``request`` (as its grammar allows and its rows pay), and the accepted
-        tokens they are expected to add."""
+    def _cache_draft(self, request: Request, limit: int) -> tuple[list[int], list[float]]:
+        """The cache drafter's tokens for ``request`` (as its grammar allows), and each one's expected accepted
+        tokens (a token its grammar forces: one)."""
         if self.cache is None:
-            return [], 0.0
+            return [], []
         state = request.sampling_state
         if state is not None and state.generator is not None and not state.params.greedy:
-            return [], 0.0  # seeded: its draws must not depend on the namespace or the machine
+            return [], []  # seeded: its draws must not depend on the namespace or the machine
         key = id(request)
         draft = self.cache.propose(key, request.namespace, request.all_token_ids, limit)
         tokens, confidence = draft.token_ids, draft.confidence
@@ -174,15 +187,10 @@ class SpeculativeDecoding:
             kept = self.constrain(key, tokens)
             if kept != tokens[:len(kept)]:  # the grammar forces these: the target takes them whatever it computes
                 forced = kept[:limit]
-                return forced, float(len(forced))
+                return forced, [1.0] * len(forced)
             tokens, confidence = kept, confidence[:len(kept)]
         if not tokens:
-            return [], 0.0
+            return [], []
         acceptance = self._acceptance.get(key)
         rate = acceptance.rate if acceptance is not None else AcceptanceRate().rate
-        keep = self.cost.keep(confidence, rate, num_sequences)
-        expected, running = 0.0, 1.0
-        for share in confidence[:keep]:
-            running *= share * rate
-            expected += running
-        return tokens[:keep], expected
+        return tokens, expected_gains(confidence, rate)

@@ -1,19 +1,26 @@
-"""How many drafted tokens are worth verifying: a cost model measured on the machine, per step.
+"""How many drafted tokens are worth verifying: a cost model measured on the machine, sized over the whole step.
 
 Verifying a draft adds rows to the next forward. How much they cost is the machine's and the kernel's business:
 on the Xeon VM of docs/benchmarks.md SmolLM2 Q4_1's forward takes 4.4 ms for one row, 5.6 for two, 7.7 for four
 and 15 for nine (the packed int8 kernel sums exactly on VNNI up to 4 rows; above, without AMX, it takes the
-slower path), so the fitted line of an earlier version undercounted short drafts and overcounted nothing.
-``DraftCost`` keeps the forward's time per row count (a running mean each) and the step's time around it, and
-a draft of k tokens for a sequence is cut to the k that maximises
+slower path), so a fitted line undercounts short drafts. ``DraftCost`` keeps the step's time per row count (a
+running mean each: the forward, the sampling and verification of its rows, the drafting around it), and the
+step's drafts are cut together (``allocate``): every drafted token of every sequence is worth its expected
+accepted tokens (the product, over the tokens of its draft up to it, of the drafter's confidence and the
+request's acceptance rate so far: ``AcceptanceRate``), the tokens are taken best first, and the step keeps the
+count N that maximises
 
-    (sequences decoding + expected accepted tokens of the first k) / (forward time at sequences + k + the rest)
+    (sequences decoding + expected accepted tokens of the best N) / (step time at sequences + N rows)
 
-the expected tokens per second of the step. The expected tokens of the i-th drafted token are the product, over
-the tokens up to it, of the drafter's confidence and the request's acceptance rate so far (``AcceptanceRate``).
-A row count never measured is worth trying, so the first drafts are what measures it; with 16 busy streams a
-row costs what a token is worth and only near-certain drafts pay. A decision depends on nothing but the
-request's own draft and the machine's times.
+the expected tokens per second of the step. Sizing each sequence's draft alone, as if no other sequence added
+rows, over-drafts a busy step: sixteen sequences that each find 3 rows worth it add 48 rows together, which
+none of them priced (issue 65's run 3 lost 15% at 16 streams on the edit workload that way).
+
+A row count never measured is worth trying once, so drafts are what measures it. A count measured slow once
+(a step that met a page fault or another process) would never be chosen again and so never measured again:
+every ``EXPLORE_EVERY`` steps the step keeps the drafts up to the nearest count above its choice whose
+measurement is older than ``STALE_STEPS`` steps. A decision depends on nothing but the step's drafts and the
+machine's times (a cache draft never changes greedy output; seeded requests are never cache-drafted).
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from dataclasses import dataclass
 MAX_ROWS = 512
 # Weight of a new measurement in a row count's running mean.
 EMA = 0.2
+# A row count's time is re-measured when it is this many steps old, at most once every EXPLORE_EVERY steps.
+STALE_STEPS = 512
+EXPLORE_EVERY = 64
 
 
 @dataclass
@@ -47,28 +57,39 @@ class AcceptanceRate:
         self.checked = 0.8 * self.checked + min(num_accepted + 1, num_drafted)
 
 
+def expected_gains(confidence: list[float], acceptance: float) -> list[float]:
+    """Each drafted token's expected accepted tokens: it counts only if every token before it was accepted."""
+    gains, running = [], 1.0
+    for share in confidence:
+        running *= share * acceptance
+        gains.append(running)
+    return gains
+
+
 class DraftCost:
     def __init__(self) -> None:
-        self._forward: dict[int, float] = {}  # rows -> running mean of the forward's seconds
-        self._measured: list[int] = []  # its row counts, sorted (a draft's sizing looks its neighbours up per step)
-        self.overhead = 0.0  # running mean of a step's seconds outside the forward
+        self._seconds: dict[int, float] = {}  # rows -> running mean of the step's seconds
+        self._measured_at: dict[int, int] = {}  # rows -> the step that last measured it
+        self._measured: list[int] = []  # the row counts measured, sorted (looked up per step by bisection)
         self._steps = 0
+        self._last_explore = -EXPLORE_EVERY
 
-    def record(self, rows: int, forward_seconds: float, step_seconds: float) -> None:
-        if rows <= 0 or rows > MAX_ROWS or forward_seconds <= 0:
+    def record(self, rows: int, step_seconds: float) -> None:
+        self._steps += 1
+        if rows <= 0 or rows > MAX_ROWS or step_seconds <= 0:
             return
-        previous = self._forward.get(rows)
+        previous = self._seconds.get(rows)
         if previous is None:
             bisect.insort(self._measured, rows)
-        self._forward[rows] = forward_seconds if previous is None else (1 - EMA) * previous + EMA * forward_seconds
-        outside = max(0.0, step_seconds - forward_seconds)
-        self.overhead = outside if self._steps == 0 else (1 - EMA) * self.overhead + EMA * outside
-        self._steps += 1
+        if previous is not None:  # a step that met something else (a page fault, another process) counts as 2x
+            step_seconds = (1 - EMA) * previous + EMA * min(step_seconds, 2 * previous)
+        self._seconds[rows] = step_seconds
+        self._measured_at[rows] = self._steps
 
-    def forward_seconds(self, rows: int) -> float | None:
-        """The forward's time for ``rows`` rows: measured, or between the nearest measured counts on both sides
-        (a straight line); None above the largest count measured (not known yet)."""
-        exact = self._forward.get(rows)
+    def step_seconds(self, rows: int) -> float | None:
+        """A step's time at ``rows`` rows: measured, or between the nearest measured counts on both sides (a
+        straight line); None above the largest count measured (not known yet)."""
+        exact = self._seconds.get(rows)
         if exact is not None:
             return exact
         place = bisect.bisect_left(self._measured, rows)
@@ -76,28 +97,51 @@ class DraftCost:
             return None
         above = self._measured[place]
         if place == 0:
-            return self._forward[above]
+            return self._seconds[above]
         below = self._measured[place - 1]
-        low, high = self._forward[below], self._forward[above]
+        low, high = self._seconds[below], self._seconds[above]
         return low + (high - low) * (rows - below) / (above - below)
 
-    def keep(self, confidence: list[float], acceptance: float, num_sequences: int) -> int:
-        """How many of a draft's tokens to verify: the count that gives the most expected tokens per second of
-        step, with ``num_sequences`` sequences decoding (each yields one token without drafts). A row count not
-        measured yet is taken as worth trying, so that the drafts measure it."""
-        base = max(1, num_sequences)
-        plain = self.forward_seconds(base)
+    def allocate(self, gains: list[list[float]], num_sequences: int, extra_rows: int = 0,
+                 extra_tokens: float = 0.0) -> list[int]:
+        """How many of each draft's tokens to verify next step: ``gains[i]`` are draft i's tokens' expected
+        accepted tokens (non-increasing: ``expected_gains``), ``num_sequences`` sequences decode (each yields one
+        token without drafts), and ``extra_rows`` rows already chosen (another drafter's) add ``extra_tokens``.
+        The best tokens of all drafts are kept together, as many as give the step the most expected tokens per
+        second."""
+        ranked = sorted(((gain, index, position) for index, draft in enumerate(gains)
+                         for position, gain in enumerate(draft)), key=lambda t: (-t[0], t[2], t[1]))
+        base = max(1, num_sequences) + extra_rows
+        tokens = max(1, num_sequences) + extra_tokens
+        plain = self.step_seconds(base)
         if plain is None:
-            return len(confidence)
-        best, best_rate = 0, base / (plain + self.overhead)
-        expected, running = 0.0, 1.0
-        for count, share in enumerate(confidence, start=1):
-            running *= share * acceptance
-            expected += running
-            seconds = self.forward_seconds(base + count)
-            if seconds is None:
-                return len(confidence)
-            rate = (base + expected) / (seconds + self.overhead)
-            if rate > best_rate:
-                best, best_rate = count, rate
-        return best
+            count = len(ranked)  # nothing measured at or above this step: the drafts measure it
+        else:
+            count, best_rate = 0, tokens / plain
+            expected = tokens
+            for taken, (gain, _, _) in enumerate(ranked, start=1):
+                expected += gain
+                seconds = self.step_seconds(base + taken)
+                if seconds is None:
+                    count = len(ranked)
+                    break
+                if expected / seconds > best_rate:
+                    count, best_rate = taken, expected / seconds
+            else:
+                count = self._explored(base, count, len(ranked))
+        keep = [0] * len(gains)
+        for _, index, position in ranked[:count]:
+            keep[index] = max(keep[index], position + 1)
+        return keep
+
+    def _explored(self, base: int, count: int, most: int) -> int:
+        """``count``, or the nearest larger count (up to ``most``) whose step time is stale, when it is time to
+        re-measure one."""
+        if self._steps - self._last_explore < EXPLORE_EVERY:
+            return count
+        for larger in range(count + 1, most + 1):
+            measured_at = self._measured_at.get(base + larger)
+            if measured_at is not None and self._steps - measured_at >= STALE_STEPS:
+                self._last_explore = self._steps
+                return larger
+        return count
