@@ -256,7 +256,9 @@ class LLMEngine:
         timing = StepTiming(batch.num_tokens, batch.num_seqs, time.perf_counter() - step_start,
                             self.runner.last_forward_seconds)
         self.step_timings.append(timing)
-        if self.spec is not None:
+        if self.spec is not None and all(item.num_tokens == len(item.draft_token_ids) + 1 for item in items):
+            # Decode and verification steps only: a prefill chunk's rows run GEMM-shaped, cheaper a row than the
+            # few rows a draft adds, and would price drafts low between the counts measured.
             self.spec.record_step(timing.num_tokens, timing.step_s)
         return outputs
 

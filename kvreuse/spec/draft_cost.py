@@ -3,8 +3,9 @@
 Verifying a draft adds rows to the next forward. How much they cost is the machine's and the kernel's business:
 on the Xeon VM of docs/benchmarks.md SmolLM2 Q4_1's forward takes 4.4 ms for one row, 5.6 for two, 7.7 for four
 and 15 for nine (the packed int8 kernel sums exactly on VNNI up to 4 rows; above, without AMX, it takes the
-slower path), so a fitted line undercounts short drafts. ``DraftCost`` keeps the step's time per row count (a
-running mean each: the forward, the sampling and verification of its rows, the drafting around it), and the
+slower path), so a fitted line undercounts short drafts. ``DraftCost`` keeps the time of decode and verification
+steps per row count (a running mean each: the forward, the sampling and verification of its rows, the drafting
+around it; the engine leaves prefill steps out, whose GEMM-shaped rows cost less each than a draft's), and the
 step's drafts are cut together (``allocate``): every drafted token of every sequence is worth its expected
 accepted tokens (the product, over the tokens of its draft up to it, of the drafter's confidence and the
 request's acceptance rate so far: ``AcceptanceRate``), the tokens are taken best first, and the step keeps the
