@@ -134,9 +134,11 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # llama.cpp's f16 bytes, int8 half of them), the pool in the model-dtype pool's bytes.
 # kvreuse-no-batch-invariant: kvreuse with --no-batch-invariant (a q8_0 / q4_0 / q4_1 file's default is batch-
 # invariant mode on the packed int8 kernel since issue 63; this is the measured-plan path it replaced).
+# kvreuse-no-drafts: kvreuse with --speculative-config '{"method": "none"}' (where batch-invariant mode is on, the
+# cache drafter is on by default since issue 65; a random-weight preset's output repeats itself and drafts well).
 # vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-no-batch-invariant", "llama-server", "vllm")
+           "kvreuse-no-batch-invariant", "kvreuse-no-drafts", "llama-server", "vllm")
 PEERS = {"llama-server": "gguf", "vllm": "folder"}  # the model kind each peer serves
 
 
@@ -187,6 +189,8 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
         command += ["--kv-cache-dtype", "bfloat16"]
     if system == "kvreuse-no-batch-invariant":
         command += ["--no-batch-invariant"]
+    if system == "kvreuse-no-drafts":
+        command += ["--speculative-config", '{"method": "none"}']
     return command
 
 

@@ -259,6 +259,20 @@ def test_by_default_drafting_runs_where_batch_invariant_mode_is_on(tiny_models, 
 
 
 @kernels
+def test_the_cost_model_measures_decode_and_verification_steps_only(looping_model):
+    llm = LLM(looping_model, device="cpu", kv_cache_memory="2MiB", dtype="float32", block_size=4,
+              speculative_config=CACHE)
+    prompts = echo_prompts(looping_model)
+    run_checked(llm.engine, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    rows = llm.engine.spec.cost.measured_rows
+    # Two sequences decoding, each verifying at most 8 drafted tokens: the steps measured; their prefill (one
+    # step of both prompts) priced rows low and is left out.
+    assert rows and max(rows) <= len(prompts) * (1 + llm.engine.spec.num_speculative_tokens)
+    assert sum(map(len, prompts)) not in rows
+
+
+@kernels
 def test_verification_rows_run_in_the_native_step(looping_model):
     llm = LLM(looping_model, device="cpu", kv_cache_memory="2MiB", dtype="float32", block_size=4,
               speculative_config=CACHE)

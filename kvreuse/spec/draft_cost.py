@@ -87,6 +87,11 @@ class DraftCost:
         self._seconds[rows] = step_seconds
         self._measured_at[rows] = self._steps
 
+    @property
+    def measured_rows(self) -> list[int]:
+        """The row counts measured so far, in order."""
+        return list(self._measured)
+
     def step_seconds(self, rows: int) -> float | None:
         """A step's time at ``rows`` rows: measured, or between the nearest measured counts on both sides (a
         straight line); None above the largest count measured (not known yet)."""
