@@ -95,7 +95,11 @@ def test_the_draft_length_maximises_expected_tokens_per_second_of_measured_steps
     cost = DraftCost()
     sure, likely, unlikely = expected_gains([1.0] * 8, 1.0), expected_gains([1.0] * 8, 0.8), expected_gains([1.0] * 8, 0.2)
     assert likely[:3] == pytest.approx([0.8, 0.64, 0.512])
-    assert cost.allocate([likely], num_sequences=1) == [8]  # nothing measured: drafts are what measures it
+    assert cost.allocate([likely], num_sequences=1) == [0]  # nothing measured: the undrafted step measures it
+    cost.record(1, 4.7e-3)
+    assert cost.allocate([sure], 1) == [4]  # past what is measured: one pass of 4 rows further at a time
+    cost.record(5, 17.1e-3)
+    assert cost.allocate([sure], 1) == [8]  # 9 tokens in at most 2 x 17.1 ms beats 1 in 4.7: further still
     # The Xeon's SmolLM2 Q4_1 step (docs/benchmarks.md): cheap up to 4 rows, a jump above.
     for rows, ms in ((1, 4.7), (2, 5.9), (4, 8.0), (5, 17.1), (9, 15.6), (16, 20.3), (17, 21.8), (24, 30.3),
                      (40, 52.0), (64, 80.0), (144, 150.0)):
@@ -113,6 +117,8 @@ def test_the_draft_length_maximises_expected_tokens_per_second_of_measured_steps
     # A step's drafts are sized together: two likely ones alone at one stream would take 3 each; together their
     # best tokens go first and the step stops where the next row costs more than it brings.
     assert cost.allocate([likely, likely], 2) == [1, 1]
+    # Past the largest count measured (144) a step goes 4 rows further at most, not the 160 rows offered.
+    assert cost.allocate([sure] * 20, 144) == [1] * 4 + [0] * 16
     # Sixteen sure drafts of 8 (144 rows) are not worth what one is: 16 + 8 rows take the best.
     mixed = cost.allocate([sure] + [likely] * 15, 16)
     assert mixed == [8] + [0] * 15
@@ -336,6 +342,8 @@ def test_a_grammar_cuts_drafts_and_its_forced_tokens_are_drafted(tiny_models):
         return [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
                 for o in outputs]
 
+    for rows in range(1, 65):  # rows priced flat: every draft is verified (the grammar's test, not the cost model's)
+        llm.engine.spec.cost.record(rows, 1e-3)
     drafted = ended(llm.generate(prompts, params))
     assert drafted == ended(plain.generate(prompts, params))
     assert all(text.startswith("The answer is ") and "goodbye" in text for text, *_ in drafted)

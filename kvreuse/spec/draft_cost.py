@@ -17,7 +17,8 @@ the expected tokens per second of the step. Sizing each sequence's draft alone, 
 rows, over-drafts a busy step: sixteen sequences that each find 3 rows worth it add 48 rows together, which
 none of them priced (issue 65's run 3 lost 15% at 16 streams on the edit workload that way).
 
-A row count never measured is worth trying once, so drafts are what measures it. A count measured slow once
+Past the largest row count measured, a step goes at most ``EXPLORE_ROWS`` further, and only while the rate still
+rises at that count; a step whose own rows were never measured drafts nothing (it measures them). A count measured slow once
 (a step that met a page fault or another process) would never be chosen again and so never measured again:
 every ``EXPLORE_EVERY`` steps the step keeps the drafts up to the nearest count above its choice whose
 measurement is older than ``STALE_STEPS`` steps. A decision depends on nothing but the step's drafts and the
@@ -36,6 +37,10 @@ EMA = 0.2
 # A row count's time is re-measured when it is this many steps old, at most once every EXPLORE_EVERY steps.
 STALE_STEPS = 512
 EXPLORE_EVERY = 64
+# Rows a step may go past the largest count measured: one more pass of the packed kernel (4 rows). A step far
+# past it (16 streams drafting 8 each: 144 rows, three times a 16-row step on a 0.5B Q8_0 file) costs more than
+# its drafts ever bring back when it turns out slow.
+EXPLORE_ROWS = 4
 
 
 @dataclass
@@ -121,15 +126,16 @@ class DraftCost:
         tokens = max(1, num_sequences) + extra_tokens
         plain = self.step_seconds(base)
         if plain is None:
-            count = len(ranked)  # nothing measured at or above this step: the drafts measure it
+            count = 0  # nothing measured at or above this step's rows: this step, undrafted, measures them
         else:
             count, best_rate = 0, tokens / plain
             expected = tokens
             for taken, (gain, _, _) in enumerate(ranked, start=1):
                 expected += gain
                 seconds = self.step_seconds(base + taken)
-                if seconds is None:
-                    count = len(ranked)
+                if seconds is None:  # past the largest count measured: a few rows further, if rates still rise
+                    if count == taken - 1:
+                        count = min(len(ranked), self._measured[-1] + EXPLORE_ROWS - base)
                     break
                 if expected / seconds > best_rate:
                     count, best_rate = taken, expected / seconds
