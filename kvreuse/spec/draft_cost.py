@@ -18,7 +18,8 @@ rows, over-drafts a busy step: sixteen sequences that each find 3 rows worth it 
 none of them priced (issue 65's run 3 lost 15% at 16 streams on the edit workload that way).
 
 Past the largest row count measured, a step goes at most ``EXPLORE_ROWS`` further, and only while the rate still
-rises at that count; a step whose own rows were never measured drafts nothing (it measures them). A count measured slow once
+rises at that count; a step whose own rows were never measured drafts nothing (it measures them). A count
+measured slow once
 (a step that met a page fault or another process) would never be chosen again and so never measured again:
 every ``EXPLORE_EVERY`` steps the step keeps the drafts up to the nearest count above its choice whose
 measurement is older than ``STALE_STEPS`` steps. A decision depends on nothing but the step's drafts and the
@@ -87,7 +88,7 @@ class DraftCost:
         previous = self._seconds.get(rows)
         if previous is None:
             bisect.insort(self._measured, rows)
-        if previous is not None:  # a step that met something else (a page fault, another process) counts as 2x
+        else:  # a step that met something else (a page fault, another process) counts as 2x the mean at most
             step_seconds = (1 - EMA) * previous + EMA * min(step_seconds, 2 * previous)
         self._seconds[rows] = step_seconds
         self._measured_at[rows] = self._steps
