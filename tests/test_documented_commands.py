@@ -169,6 +169,8 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_agent.py --model models/smollm2-135m-v2384 --dtype float32 --systems "
     "kvreuse,llama-server,kvreuse-no-tools,llama-server-no-tools --llama-server BIN --gguf "
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
+    # docs/benchmarks.md: token trees measured before building them (issue 65)
+    "python benchmarks/bench_draft_trees.py --json docs/bench_draft_trees_xeon_s26.json": SCRIPT,
     # docs/benchmarks.md: the quantized KV cache (issue 31)
     "python benchmarks/bench_kv_quant.py --json-out kv_quant.json": SCRIPT,
     "python benchmarks/bench_batch_invariance.py --json-out invariance.json": SCRIPT,
@@ -274,6 +276,10 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
+    "bench_draft_trees.py": (r"step ms by rows: 1: \d+\.\d\d, 2: \d",
+                             r"(?m)^\| edit \| chain \| \d\.\d{3} \| \d+\.\d\d \| 1\.000x",
+                             r"(?m)^\| agent \| tree-2 \| \d\.\d{3} \|",
+                             r"measured price of an extra row .*2: -?\d\.\d{3}"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
     "bench_batch_invariance.py": (r"(?m)^auto \| off \| \d+ of \d+ \| \d+ of \d+ \| \d+\.\d",
                                   r"(?m)^float32 \| on \| 0 of \d+ \| 0 of \d+ \| \d+\.\d"),
@@ -287,6 +293,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_kv_quant.py": (r"(?m)^  int8\s+\d+\.\d+\s+\d\.\d+ /", r"capacity at the same kv_cache_memory .*int8 \d",
                           r"(?m)^  auto, twice the memory\s+\d", r"(?m)^  fp8_e4m3\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d ms"),
 }
+# What a script's --json file must hold (the scripts that take --json).
+JSON_KEYS = {"bench_engine.py": "kvreuse_warm_over_cold", "bench_draft_trees.py": "workloads"}
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 
 # --- Extraction ---------------------------------------------------------------------------------------------
@@ -1088,7 +1096,7 @@ class DocRuns:
         notes = f"table printed ({seconds:.1f} s)"
         if option(argv, "--json"):
             figures = json.loads((cwd / option(argv, "--json")).read_text())
-            assert "kvreuse_warm_over_cold" in figures, figures
+            assert JSON_KEYS[script] in figures, figures
             notes += f"; {option(argv, '--json')} written"
         return notes
 

@@ -20,8 +20,10 @@ The occurrences with the longest match vote for the continuation: at each depth 
 is taken, with ``f`` its share of the occurrences still agreeing. ``Draft.confidence`` holds each token's ``f``;
 the caller multiplies by the acceptance the request has seen (``AcceptanceRate``) and keeps a token while the
 expected accepted tokens it adds pay for its verification row (``DraftCost`` in spec/draft_cost.py). Nothing
-matches: nothing is proposed. When the occurrences branch, the chain follows the majority; a token tree of
-several branches would need a tree mask in the paged kernels and slots for every branch (not built: one chain).
+matches: nothing is proposed. When the occurrences branch, the chain follows the majority. A token tree of several
+branches is not built: measured on the four workloads of benchmarks/bench_cache_drafts.py, even a tree that knew
+the answer yields at most 9% more tokens a step than this chain, and a verification row costs a fifth to a third of
+a one-row step on a CPU (benchmarks/bench_draft_trees.py; docs/benchmarks.md, "Token trees").
 
 Pure Python, no torch: a lookup is a dict access and at most ``MAX_CANDIDATES`` backward comparisons per source.
 """
