@@ -10,6 +10,8 @@ workloads as benchmarks/bench_cache_drafts.py (edit, agent, quote, control; thei
    finished requests in the same order, one namespace) drafts at every step, and the step takes the accepted
    tokens plus one. Four ways to draft, each a tree of up to ``--draft-tokens`` levels:
    - ``chain``: the drafter's majority chain (what the engine verifies, before the cost model cuts it);
+   - ``chain-cut``: the same chain cut just past its last accepted token (knowing the answer): the best any cut
+     of this drafter's chain could do, the cost model's ceiling;
    - ``tree-2``: the chain and the runner-up continuation where the occurrences first disagree;
    - ``tree-all``: every distinct continuation of the longest-match occurrences the drafter found (its whole
      candidate set as a trie);
@@ -20,7 +22,8 @@ workloads as benchmarks/bench_cache_drafts.py (edit, agent, quote, control; thei
    For each: tokens per step and rows per step (a tree's rows: its distinct nodes plus the bonus row).
 3. The machine's cost of a step by its rows: one sequence's decode steps run with 0 to R-1 drafted tokens
    appended (always rejected: random tokens), ``--steps`` steps each, the median step time. A mode's rate is its
-   tokens over the sum of its steps' times, and each tree's gain over the chain follows; ``break-even`` is the
+   tokens over the sum of its steps' times, against the chain's and against one token per one-row step (no
+   drafts), and each tree's gain over the chain follows; ``break-even`` is the
    cost of an extra row, as a share of a one-row step, at which the tree would only match the chain (a flat
    per-row price: 1 + c (rows - 1)).
 
@@ -49,7 +52,7 @@ import bench_cache_drafts as workloads  # noqa: E402  (a sibling script: its pro
 from kvreuse.config import CACHE_DRAFT_TOKENS  # noqa: E402
 from kvreuse.spec.cache_drafter import CacheDrafter, TokenIndex  # noqa: E402
 
-MODES = ("chain", "tree-2", "tree-all", "any-ngram")
+MODES = ("chain", "chain-cut", "tree-2", "tree-all", "any-ngram")
 NAMESPACE = "bench"
 ANY_NGRAM_OCCURRENCES = 64
 
@@ -144,7 +147,9 @@ def replay(conversations: list[Conversation], mode: str, depth: int, lookup_min:
             truth = output[position:position + depth]
             chain = drafter.propose(key, NAMESPACE, tokens, depth).token_ids
             taken, rows = accepted(chain, truth), len(chain)
-            if chain and mode != "chain":
+            if mode == "chain-cut":  # drafted up to its last accepted token: the row after it yields the next one
+                rows = taken
+            if chain and mode not in ("chain", "chain-cut"):
                 if mode == "any-ngram":
                     store = drafter._stores.get(NAMESPACE)
                     indexes = [drafter._own[key][0]] + ([store.tokens] if store is not None else [])
@@ -256,8 +261,9 @@ def main() -> int:
     costs = step_costs(llm, min(max_rows, 2 * args.draft_tokens + 1), args.steps)
     print("step ms by rows: " + ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in costs.items()))
 
-    print("\n| workload | mode | tokens / step | rows / step | rate vs chain | break-even row cost |")
-    print("|---|---|---|---|---|---|")
+    print("\n| workload | mode | tokens / step | rows / step | rate vs chain | rate vs no drafts "
+          "| break-even row cost |")
+    print("|---|---|---|---|---|---|---|")
     for workload, by_mode in tallies.items():
         chain = by_mode["chain"]
         chain_seconds = sum(seconds_at(costs, rows) * count for rows, count in chain.row_counts.items())
@@ -266,6 +272,8 @@ def main() -> int:
             per_step, rows_per_step = tally.tokens / tally.steps, tally.rows / tally.steps
             seconds = sum(seconds_at(costs, rows) * count for rows, count in tally.row_counts.items())
             versus = (tally.tokens / seconds) / (chain.tokens / chain_seconds) if mode != "any-ngram" else None
+            # Against one token a step at one row's time (what the same requests take without drafts).
+            over_plain = (tally.tokens / seconds) * costs[1] if mode != "any-ngram" else None
             chain_per_step, chain_rows = chain.tokens / chain.steps, chain.rows / chain.steps
             # Rate parity under a flat row price c: T_t / (1 + c (R_t - 1)) = T_c / (1 + c (R_c - 1)).
             denominator = chain_per_step * (rows_per_step - 1) - per_step * (chain_rows - 1)
@@ -273,10 +281,12 @@ def main() -> int:
                 else None
             figures[workload][mode] = {"steps": tally.steps, "tokens": tally.tokens, "tokens_per_step": per_step,
                                        "rows_per_step": rows_per_step, "rate_vs_chain": versus,
+                                       "rate_vs_no_drafts": over_plain,
                                        "break_even_row_cost": even}
             print(f"| {workload} | {mode} | {per_step:.3f} | "
                   f"{rows_per_step:.2f}{' (not counted)' if mode == 'any-ngram' else ''} | "
-                  f"{'' if versus is None else f'{versus:.3f}x'} | {'' if even is None else f'{even:.3f}'} |")
+                  f"{'' if versus is None else f'{versus:.3f}x'} | "
+                  f"{'' if over_plain is None else f'{over_plain:.3f}x'} | {'' if even is None else f'{even:.3f}'} |")
     one_row = costs[1]
     print("\nmeasured price of an extra row (share of a one-row step): "
           + ", ".join(f"{rows}: {(seconds / one_row - 1) / (rows - 1):.3f}" for rows, seconds in costs.items()

@@ -39,6 +39,11 @@ def test_the_runner_up_branch_takes_what_the_chain_misses():
     assert chain.tokens == tree2.tokens == sum(len(c.output) for c in conversations)
     assert tree2.steps == chain.steps - 1  # the last request in one step instead of two
     assert tallies["any-ngram"].steps <= tallies["tree-all"].steps <= tree2.steps
+    # Cut just past its last accepted token the chain takes the same steps with fewer rows: the last request's
+    # first step (the chain rejected at once) verifies nothing but its own row.
+    cut = tallies["chain-cut"]
+    assert (cut.steps, cut.tokens) == (chain.steps, chain.tokens)
+    assert chain.rows > cut.rows >= cut.tokens
     # The last request's first tree: the chain's 4 nodes, the runner-up's 4, and the bonus row.
     assert tree2.row_counts[9] == 1 and chain.row_counts[9] == 0
 
