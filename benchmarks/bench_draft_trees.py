@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cache_drafts as workloads  # noqa: E402  (a sibling script: its prompts and agent loop)
+import bench_cache_drafts as workloads  # a sibling script: its prompts and agent loop
 
-from kvreuse.config import CACHE_DRAFT_TOKENS  # noqa: E402
-from kvreuse.spec.cache_drafter import CacheDrafter, TokenIndex  # noqa: E402
+from kvreuse.config import CACHE_DRAFT_TOKENS
+from kvreuse.inputs import common_prefix_length
+from kvreuse.spec.cache_drafter import CacheDrafter, TokenIndex
 
 MODES = ("chain", "chain-cut", "tree-2", "tree-all", "any-ngram")
 NAMESPACE = "bench"
@@ -95,15 +96,6 @@ def greedy_conversations(llm, workload: str, prompts: int, max_tokens: int) -> l
     return conversations
 
 
-def accepted(branch: list[int] | tuple[int, ...], truth: list[int]) -> int:
-    count = 0
-    for drafted, actual in zip(branch, truth):
-        if drafted != actual:
-            break
-        count += 1
-    return count
-
-
 def trie_nodes(branches: list[tuple[int, ...]]) -> int:
     """Distinct nodes of the trie the branches make (the rows verifying them as one tree takes)."""
     return len({branch[:depth] for branch in branches for depth in range(1, len(branch) + 1)})
@@ -146,7 +138,7 @@ def replay(conversations: list[Conversation], mode: str, depth: int, lookup_min:
         while position < len(output):
             truth = output[position:position + depth]
             chain = drafter.propose(key, NAMESPACE, tokens, depth).token_ids
-            taken, rows = accepted(chain, truth), len(chain)
+            taken, rows = common_prefix_length(chain, truth), len(chain)
             if mode == "chain-cut":  # drafted up to its last accepted token: the row after it yields the next one
                 rows = taken
             if chain and mode not in ("chain", "chain-cut"):
@@ -154,12 +146,12 @@ def replay(conversations: list[Conversation], mode: str, depth: int, lookup_min:
                     store = drafter._stores.get(NAMESPACE)
                     indexes = [drafter._own[key][0]] + ([store.tokens] if store is not None else [])
                     for sequence, start in every_occurrence(indexes, tokens):
-                        taken = max(taken, accepted(sequence[start:start + depth], truth))
+                        taken = max(taken, common_prefix_length(sequence[start:start + depth], truth))
                 else:
                     continuations = [tuple(sequence[start:start + depth])
                                      for sequence, start in longest_occurrences(drafter, key, tokens)]
                     branches = [tuple(chain)] + tree_branches(mode, tuple(chain), continuations)
-                    taken = max(accepted(branch, truth) for branch in branches)
+                    taken = max(common_prefix_length(branch, truth) for branch in branches)
                     rows = trie_nodes(branches)
             step_tokens = min(taken + 1, len(output) - position)
             tally.steps += 1
@@ -235,12 +227,9 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: the tiny preset, 1 prompt, 8 tokens, 2 steps a row count; the figures mean "
               "nothing", flush=True)
         args.model, args.prompts, args.max_tokens, args.steps = str(ensure_model("tiny", dtype="float32")), 1, 8, 2
-    if args.model is None:
+    if args.model is None:  # the packaged SmolLM2 file, or a usage error saying why there is none
         found, why = packaged_gguf()
-        if found is None:
-            print(f"--model not given and {why}", file=sys.stderr)
-            return 1
-        args.model = str(found)
+        args.model = str(found) if found is not None else parser.error(f"--model not given and {why}")
     # The cache drafter asked for by name: it also turns on batch-invariant mode, as the default does on a
     # Q4_1 file; the drafts change no greedy token, and the step costs below are of verification steps.
     llm = LLM(args.model, speculative_config={"method": "cache"})

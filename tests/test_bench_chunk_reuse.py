@@ -4,7 +4,6 @@ the documented command is tests/test_documented_commands.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -12,17 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_chunk_reuse.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_chunk_reuse", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_chunk_reuse")
 
 
 def run_script(*argv: str) -> subprocess.CompletedProcess[str]:

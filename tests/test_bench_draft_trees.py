@@ -4,20 +4,11 @@ the documented command is tests/test_documented_commands.py's."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_draft_trees.py"
+from bench_scripts import load_benchmark
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_draft_trees", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_draft_trees")
 
 
 def test_a_trees_rows_are_its_distinct_nodes():
