@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def main() -> int:
             spy = subprocess.Popen(["py-spy", "record", "-o", args.py_spy, "--pid", str(server.process.pid), "--threads",
                                     "--nonblocking", "--rate", "250"])
             served_rate(base_url, args.tokens * 2)
-            spy.terminate()
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt; SIGTERM kills it before that
             spy.wait(30)
     offline = offline_rate(model, args.tokens, args.repeats, args.drafts)
     print(f"one stream, {args.tokens} tokens, median of {args.repeats}: served {served:.1f} tok/s, offline "
