@@ -171,6 +171,8 @@ COMMANDS: dict[str, str] = {
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
     # docs/benchmarks.md: token trees measured before building them (issue 65)
     "python benchmarks/bench_draft_trees.py --json docs/bench_draft_trees_xeon_s26.json": SCRIPT,
+    # docs/benchmarks.md: where a hybrid model's recurrent state is kept, simulated (issue 66)
+    "python benchmarks/simulate_state_snapshots.py --json docs/simulate_state_snapshots.json": SCRIPT,
     # docs/benchmarks.md: the quantized KV cache (issue 31)
     "python benchmarks/bench_kv_quant.py --json-out kv_quant.json": SCRIPT,
     "python benchmarks/bench_batch_invariance.py --json-out invariance.json": SCRIPT,
@@ -280,6 +282,9 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
                              r"(?m)^\| edit \| chain \| \d\.\d{3} \| \d+\.\d\d \| 1\.000x",
                              r"(?m)^\| agent \| tree-2 \| \d\.\d{3} \|",
                              r"measured price of an extra row .*2: -?\d\.\d{3}"),
+    "simulate_state_snapshots.py": (r"(?m)^\| branch \| saved \| \d\.\d{3} \(\d+/\d+\)",
+                                    r"(?m)^\| block-528 \| - \| \d\.\d{3}", r"(?m)^mixed: \d+ requests",
+                                    r"wrote docs/simulate_state_snapshots.json"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
     "bench_batch_invariance.py": (r"(?m)^auto \| off \| \d+ of \d+ \| \d+ of \d+ \| \d+\.\d",
                                   r"(?m)^float32 \| on \| 0 of \d+ \| 0 of \d+ \| \d+\.\d"),
@@ -294,7 +299,8 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
                           r"(?m)^  auto, twice the memory\s+\d", r"(?m)^  fp8_e4m3\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d ms"),
 }
 # What a script's --json file must hold (the scripts that take --json).
-JSON_KEYS = {"bench_engine.py": "kvreuse_warm_over_cold", "bench_draft_trees.py": "workloads"}
+JSON_KEYS = {"bench_engine.py": "kvreuse_warm_over_cold", "bench_draft_trees.py": "workloads",
+             "simulate_state_snapshots.py": "results"}
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 
 # --- Extraction ---------------------------------------------------------------------------------------------

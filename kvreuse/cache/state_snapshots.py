@@ -1,0 +1,216 @@
+"""StateSnapshots: a hybrid model's recurrent state at chosen token positions, anchored in the prefix index (issue 66).
+
+A recurrent layer (a gated delta rule, a short convolution, a Mamba-2 scan) keeps no per-token K/V: its whole past
+is one fixed-size state. A prefix hit on a hybrid model therefore needs, besides the attention layers' cached
+blocks, the recurrent state exactly at some token of the match; the request resumes there and recomputes the
+tokens from that snapshot to the end of the match. Every other engine keys these states by coarse blocks (vLLM:
+block boundaries of 528-2,144 tokens) or a few checkpoints (llama.cpp); here a snapshot sits at any token:
+
+- it is anchored at the prefix index's node of the last full block before its position (a namespace's root for a
+  position inside the first block) and holds the tokens from that block's end to its position (its ``tail``, fewer
+  than a block). The anchor's chained key holds the namespace (tenant, adapter, model file and weight format, KV
+  dtype, draft) and every token before the block; the tail is compared token by token. So a snapshot is keyed by
+  everything that decides its bytes, as the blocks are, and is never served to a prefix it does not end;
+- ``lookup`` returns the deepest snapshot at or before the end of a request's match, and says what it costs when
+  that is short of the match ("state not kept at token 412: nearest snapshot at 384, 28 tokens recomputed");
+- snapshots live within a byte budget; the caller drops a node's snapshots when the prefix index evicts the node
+  (its blocks are gone, so no hit can end there), and frees each dropped snapshot's ``handle``.
+
+Which snapshot goes when the budget is full is the retention policy: ``lru`` (least recently used first, the
+baseline) or ``saved`` (the least compute saved per byte first, Marconi's idea: a snapshot is worth the tokens it
+saves beyond the next snapshot up its own path, times its hits, decayed with age, over its bytes; a system prompt's
+end that every request hits stays, a finished request's end that nobody continues goes). Torch-free: a snapshot's
+state is the caller's ``handle`` (a slot in a state pool, a tier record); this module keeps metadata.
+
+Not wired to the engine yet: no hybrid model runs in kvreuse so far (models/config.py refuses them), and
+benchmarks/simulate_state_snapshots.py measures the placements and policies on traces of the issue's workloads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvreuse.cache.prefix import CacheNode
+
+POLICIES = ("lru", "saved")
+# Hits, and a new snapshot's claim of a first use, halve in weight after this many lookups without a use (the ``saved``
+# policy): a prompt that stopped coming back loses its claim on the budget.
+HIT_HALF_LIFE = 256
+
+
+@dataclass(eq=False)
+class Snapshot:
+    anchor: CacheNode  # the node of the last full block before ``position`` (a root: inside the first block)
+    tail: tuple[int, ...]  # the tokens from the anchor's end to ``position``
+    position: int  # the prefix's length: the state is the one after token position - 1
+    num_bytes: int
+    handle: object  # the caller's: where the state's tensors are
+    reason: str  # why it was taken: "chunk", "finish", "branch", "pin"
+    last_used: int
+    hits: float = 0.0  # decayed count (HIT_HALF_LIFE)
+    below: int = 0  # snapshots added below it on its path with it as their nearest (2 or more: a branch point)
+
+
+class SnapshotHit(NamedTuple):
+    snapshot: Snapshot | None  # the deepest snapshot at or before the match's end; None: none on this path
+    resume: int  # tokens the request need not recompute: the snapshot's position (0 without one)
+    matched: int  # tokens the blocks matched
+    explanation: str | None  # why fewer tokens are reused than matched (None: the snapshot ends the match)
+
+
+class StateSnapshots:
+    def __init__(self, block_size: int, budget_bytes: int, policy: str = "saved") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"snapshot policy {policy!r} is not one of {', '.join(POLICIES)}")
+        if budget_bytes < 0:
+            raise ValueError(f"snapshot budget_bytes must be >= 0, got {budget_bytes}")
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self.num_bytes = 0
+        self._at: dict[CacheNode, dict[tuple[int, ...], Snapshot]] = {}  # anchor -> tail -> snapshot
+        self._clock = itertools.count(1)
+        self._now = 0
+
+    def __len__(self) -> int:
+        return sum(len(by_tail) for by_tail in self._at.values())
+
+    def snapshots(self) -> list[Snapshot]:
+        return [snapshot for by_tail in self._at.values() for snapshot in by_tail.values()]
+
+    # --- lookup --------------------------------------------------------------------------------------------------
+    def lookup(self, root: CacheNode, nodes: Sequence[CacheNode], token_ids: Sequence[int], matched: int,
+               count: bool = True) -> SnapshotHit:
+        """The deepest snapshot at or before token ``matched`` on the path ``root``, ``nodes`` (the request's fully
+        matched blocks in order) spelled by ``token_ids``. ``count``: this is a real lookup (the snapshot's hits and
+        recency grow); False for a question (the observatory's)."""
+        self._now = next(self._clock)
+        size = self.block_size
+        for index in range(min(len(nodes), matched // size), -1, -1):
+            anchor = nodes[index - 1] if index else root
+            by_tail = self._at.get(anchor)
+            if not by_tail:
+                continue
+            start = index * size
+            best: Snapshot | None = None
+            for tail, snapshot in by_tail.items():
+                if start + len(tail) <= matched and (best is None or len(tail) > len(best.tail)) \
+                        and tuple(token_ids[start:start + len(tail)]) == tail:
+                    best = snapshot
+            if best is not None:
+                if count:
+                    best.hits = self._decayed_hits(best) + 1
+                    best.last_used = self._now
+                why = None if best.position == matched else (
+                    f"state not kept at token {matched}: nearest snapshot at {best.position}, "
+                    f"{matched - best.position} tokens recomputed")
+                return SnapshotHit(best, best.position, matched, why)
+        why = f"no state kept on this prefix: {matched} matched tokens recomputed" if matched else None
+        return SnapshotHit(None, 0, matched, why)
+
+    # --- adding and dropping -------------------------------------------------------------------------------------
+    def add(self, anchor: CacheNode, tail: Sequence[int], num_bytes: int, handle: object,
+            reason: str) -> tuple[Snapshot | None, list[Snapshot]]:
+        """Keep the state after ``anchor``'s tokens and ``tail`` (fewer than a block). Returns the snapshot kept
+        (None when it exceeds the whole budget, or the same one was kept: then ``handle`` is the caller's to free)
+        and the snapshots dropped to make room, whose handles the caller frees."""
+        tail = tuple(tail)
+        if len(tail) >= self.block_size:
+            raise ValueError(f"a snapshot's tail is shorter than a block ({self.block_size}), got {len(tail)}")
+        if anchor.evicted:
+            raise RuntimeError("a snapshot anchored at an evicted node")
+        by_tail = self._at.setdefault(anchor, {})
+        if tail in by_tail or num_bytes > self.budget_bytes:
+            if not by_tail:
+                del self._at[anchor]
+            return None, []
+        self._now = next(self._clock)
+        snapshot = Snapshot(anchor, tail, anchor.depth * self.block_size + len(tail), num_bytes, handle, reason,
+                            self._now)
+        dropped: list[Snapshot] = []
+        while self.num_bytes + num_bytes > self.budget_bytes:
+            dropped.append(self._remove(self._victim()))
+        self._at.setdefault(anchor, {})[tail] = snapshot
+        self.num_bytes += num_bytes
+        above = self._above(snapshot)
+        if above is not None:
+            above.below += 1
+            if self._superseded(above):  # what goes on along this path resumes below it now: its hits were that path's
+                above.hits = 0.0
+        return snapshot, dropped
+
+    def drop_node(self, node: CacheNode) -> list[Snapshot]:
+        """``node`` leaves the prefix index: the snapshots anchored at it go (their handles are the caller's)."""
+        by_tail = self._at.pop(node, {})
+        self.num_bytes -= sum(snapshot.num_bytes for snapshot in by_tail.values())
+        return list(by_tail.values())
+
+    def _remove(self, snapshot: Snapshot) -> Snapshot:
+        by_tail = self._at[snapshot.anchor]
+        del by_tail[snapshot.tail]
+        if not by_tail:
+            del self._at[snapshot.anchor]
+        self.num_bytes -= snapshot.num_bytes
+        return snapshot
+
+    # --- retention -----------------------------------------------------------------------------------------------
+    def _victim(self) -> Snapshot:
+        candidates = self.snapshots()
+        if self.policy == "lru":
+            return min(candidates, key=lambda snapshot: snapshot.last_used)
+        return min(candidates, key=lambda snapshot: (self.saved_per_byte(snapshot), snapshot.last_used))
+
+    def saved_per_byte(self, snapshot: Snapshot) -> float:
+        """Tokens of compute the snapshot saves beyond the next snapshot up its own path, times its decayed hits
+        plus one, over its bytes. The one is a new snapshot's first use; a snapshot with exactly one kept below it
+        lost it, and its hits, when that one was kept (``_superseded``): a chat's earlier turn, which the next turn
+        continued past, serves only a branch from it now. A branch point (two or more below it: a system prompt's
+        end that several questions went on from; or taken at a branch or a pin) keeps both."""
+        above = self._above(snapshot)
+        saved = snapshot.position - (above.position if above is not None else 0)
+        prior = 0.0 if self._superseded(snapshot) else 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
+        return saved * (self._decayed_hits(snapshot) + prior) / max(1, snapshot.num_bytes)
+
+    @staticmethod
+    def _superseded(snapshot: Snapshot) -> bool:
+        """One snapshot was kept below it, and it was not taken for others: a branch's snapshot (where a request left
+        a cached path) and a pinned prefix's are there for the requests that come after, while their own request
+        always goes on past them."""
+        return snapshot.below == 1 and snapshot.reason not in ("branch", "pin")
+
+    def _decayed_hits(self, snapshot: Snapshot) -> float:
+        return snapshot.hits * 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
+
+    def _above(self, snapshot: Snapshot) -> Snapshot | None:
+        """The deepest other snapshot on ``snapshot``'s path before it: at its own anchor with a shorter tail it
+        starts with, else at the nearest ancestor with a tail the path's next block starts with."""
+        tail = snapshot.tail
+        found = [other for shorter, other in self._at.get(snapshot.anchor, {}).items()
+                 if len(shorter) < len(tail) and tail[:len(shorter)] == shorter]
+        child = snapshot.anchor
+        while not found and child.parent is not None:
+            found = [other for shorter, other in self._at.get(child.parent, {}).items()
+                     if tuple(child.tokens[:len(shorter)]) == shorter]
+            child = child.parent
+        return max(found, key=lambda other: other.position, default=None)
+
+    # --- invariants ----------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        total = 0
+        for anchor, by_tail in self._at.items():
+            if not by_tail:
+                raise RuntimeError("an anchor with no snapshots is kept")
+            if anchor.evicted:
+                raise RuntimeError(f"snapshots anchored at an evicted node (depth {anchor.depth})")
+            for tail, snapshot in by_tail.items():
+                if snapshot.anchor is not anchor or snapshot.tail != tail:
+                    raise RuntimeError("a snapshot is filed under another anchor or tail")
+                if snapshot.position != anchor.depth * self.block_size + len(tail) or len(tail) >= self.block_size:
+                    raise RuntimeError(f"a snapshot's position {snapshot.position} does not match its anchor and tail")
+                total += snapshot.num_bytes
+        if total != self.num_bytes or total > self.budget_bytes:
+            raise RuntimeError(f"snapshot bytes {total} (counted {self.num_bytes}) against a budget of "
+                               f"{self.budget_bytes}")

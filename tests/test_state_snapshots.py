@@ -1,0 +1,126 @@
+"""The recurrent-state snapshots' index (kvreuse/cache/state_snapshots.py, issue 66): a snapshot ends exactly the
+prefix it was taken on (anchored at a block's node, its tail compared token by token), a lookup resumes from the
+deepest one at or before a match and explains the tokens it leaves to recompute, the budget holds, and the
+``saved`` policy keeps what many requests hit where LRU keeps what came last. The invariants are checked after
+every change."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.cache.blocks import BlockPool
+from kvreuse.cache.hashing import block_key
+from kvreuse.cache.prefix import CacheNode, PrefixIndex
+from kvreuse.cache.state_snapshots import StateSnapshots
+
+BLOCK = 4
+STATE = 100  # bytes a snapshot
+
+
+def cache(index: PrefixIndex, namespace: bytes, tokens: list[int]) -> tuple[CacheNode, list[CacheNode]]:
+    """Insert ``tokens``' full blocks; returns the namespace's root and the path's nodes."""
+    parent, key, nodes = None, namespace, []
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        block = tokens[start:start + BLOCK]
+        key = block_key(key, block)
+        held = (parent if parent is not None else index.roots.get(namespace))
+        node = held.children.get(key) if held is not None else None
+        if node is None:
+            node = index.insert(namespace, parent, key, block, index.pool.allocate(1)[0])
+        nodes.append(node)
+        parent = node
+    return index.roots[namespace], nodes
+
+
+def anchor_of(root: CacheNode, nodes: list[CacheNode], position: int) -> CacheNode:
+    return nodes[position // BLOCK - 1] if position >= BLOCK else root
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex(BlockPool(512), BLOCK)
+
+
+def test_a_lookup_resumes_from_the_deepest_snapshot_at_or_before_the_match(index):
+    tokens = list(range(10, 30))
+    root, nodes = cache(index, b"ns", tokens)
+    snapshots = StateSnapshots(BLOCK, 10 * STATE)
+    for position in (6, 13):  # inside the second block, inside the fourth
+        kept, dropped = snapshots.add(anchor_of(root, nodes, position), tokens[position // BLOCK * BLOCK:position],
+                                      STATE, f"slot-{position}", "chunk")
+        assert kept is not None and kept.position == position and not dropped
+        snapshots.check_integrity()
+    hit = snapshots.lookup(root, nodes, tokens, 13)
+    assert (hit.resume, hit.explanation) == (13, None)
+    hit = snapshots.lookup(root, nodes[:3], tokens, 12)  # the match ends before 13: 6 is the deepest before it
+    assert hit.snapshot is not None and hit.snapshot.handle == "slot-6"
+    assert hit.explanation == "state not kept at token 12: nearest snapshot at 6, 6 tokens recomputed"
+    assert snapshots.lookup(root, nodes[:1], tokens, 5).explanation == \
+        "no state kept on this prefix: 5 matched tokens recomputed"
+
+
+def test_a_snapshot_serves_only_the_prefix_it_ends(index):
+    tokens = list(range(10, 30))
+    root, nodes = cache(index, b"ns", tokens)
+    other = tokens[:13] + [99] + tokens[14:]  # the same blocks up to 12, another token at 13
+    snapshots = StateSnapshots(BLOCK, 10 * STATE)
+    snapshots.add(nodes[2], tokens[12:14], STATE, "after-14", "finish")  # the state after tokens[:14]
+    assert snapshots.lookup(root, nodes, tokens, 16).resume == 14
+    assert snapshots.lookup(root, nodes[:3], other, 13).resume == 0  # its tail differs at 13
+    # Another namespace's root never reaches this anchor, even with the same tokens.
+    other_root, other_nodes = cache(index, b"other", tokens)
+    assert snapshots.lookup(other_root, other_nodes, tokens, 16).snapshot is None
+
+
+def test_the_budget_holds_and_lru_drops_the_least_recently_used(index):
+    tokens = list(range(100, 140))
+    root, nodes = cache(index, b"ns", tokens)
+    snapshots = StateSnapshots(BLOCK, 2 * STATE, policy="lru")
+    snapshots.add(nodes[0], [], STATE, "a", "chunk")
+    second, _ = snapshots.add(nodes[1], [], STATE, "b", "chunk")
+    snapshots.lookup(root, nodes[:1], tokens, 4)  # the first is used again
+    third, dropped = snapshots.add(nodes[2], [], STATE, "c", "chunk")
+    assert dropped == [second] and third is not None
+    assert snapshots.num_bytes == 2 * STATE
+    snapshots.check_integrity()
+    assert snapshots.add(nodes[3], [], 3 * STATE, "d", "chunk") == (None, [])  # larger than the whole budget
+    assert snapshots.add(nodes[0], [], STATE, "a again", "chunk") == (None, [])  # already kept: the caller frees
+    with pytest.raises(ValueError, match="shorter than a block"):
+        snapshots.add(nodes[0], tokens[4:8], STATE, "e", "chunk")
+
+
+def test_saved_keeps_the_shared_system_prompt_where_lru_keeps_the_last_answers(index):
+    """A 12-token system prompt and questions of 24 tokens after it; each request leaves snapshots at two chunk ends
+    and where it ended. With room for three, LRU drops the system prompt's end as soon as one request's three came
+    after it; ``saved`` keeps it, because every question hit it and it saves more tokens than any other."""
+    system = list(range(200, 212))
+    hits = {}
+    for policy in ("lru", "saved"):
+        namespace = b"ns-" + policy.encode()
+        snapshots = StateSnapshots(BLOCK, 3 * STATE, policy=policy)
+        root, nodes = cache(index, namespace, system)
+        snapshots.add(nodes[-1], [], STATE, "system", "pin")
+        hits[policy] = 0
+        for question in range(6):
+            tokens = system + [300 + question + step for step in range(24)]
+            root, path = cache(index, namespace, tokens)
+            hits[policy] += snapshots.lookup(root, path, tokens, 12).resume == 12
+            for position, reason in ((20, "chunk"), (28, "chunk"), (36, "finish")):
+                snapshots.add(path[position // BLOCK - 1], [], STATE, f"{question}@{position}", reason)
+                snapshots.check_integrity()
+    assert hits == {"lru": 1, "saved": 6}
+
+
+def test_an_evicted_nodes_snapshots_go_with_it(index):
+    tokens = list(range(40, 52))
+    _, nodes = cache(index, b"ns", tokens)
+    snapshots = StateSnapshots(BLOCK, 10 * STATE)
+    snapshots.add(nodes[1], [48, 49], STATE, "x", "branch")
+    nodes[2].evicted = True  # as PrefixIndex._remove marks a node it gives up
+    snapshots.check_integrity()  # nothing anchored there
+    nodes[1].evicted = True
+    with pytest.raises(RuntimeError, match="evicted node"):
+        snapshots.check_integrity()
+    assert [snapshot.handle for snapshot in snapshots.drop_node(nodes[1])] == ["x"]
+    snapshots.check_integrity()
+    assert snapshots.num_bytes == 0
