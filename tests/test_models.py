@@ -260,6 +260,11 @@ def test_newer_architectures_not_built_are_refused_saying_what_is_missing():
             "vocab_size": 256}
     with pytest.raises(ValueError, match=r"multimodal Gemma 3"):
         ModelConfig.from_dict({**base, "architectures": ["Gemma3ForConditionalGeneration"]})
+    # The hybrids of 2026 (issue 66), each named with the layers it lacks.
+    for name, layers in (("Qwen3_5ForCausalLM", "Gated DeltaNet"), ("Lfm2ForCausalLM", "gated short-convolution"),
+                         ("NemotronHForCausalLM", "Mamba-2")):
+        with pytest.raises(ValueError, match=rf"'{name}' is not supported: a hybrid model: its {layers} layers"):
+            ModelConfig.from_dict({**base, "architectures": [name]})
     gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 4}
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         ModelConfig.from_dict({**gemma, "final_logit_softcapping": 30.0})

@@ -58,6 +58,7 @@ import torch
 
 from kvreuse.cache.tiers.fingerprint import files_digest
 from kvreuse.config import cache_dir
+from kvreuse.models.config import HYBRID_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +299,11 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("swiglu_limit", Fixed(GPT_OSS_SWIGLU_LIMIT)),
                 ("layer_types", _sliding_layer_types(GPT_OSS_SLIDING_WINDOW_PATTERN)))),
 }
+# llama.cpp's names of the hybrid architectures (models/config.py's HYBRID_LAYERS), refused saying why.
+HYBRID_GGUF_LAYERS: dict[str, str] = {"qwen35": "Gated DeltaNet", "qwen35moe": "Gated DeltaNet",
+                                      "qwen3next": "Gated DeltaNet", "lfm2": "gated short-convolution",
+                                      "nemotron_h": "Mamba-2", "granitehybrid": "Mamba-2"}
+
 # general.architecture -> our ModelConfig architecture (config.json's architectures[0]).
 GGUF_ARCHITECTURES: dict[str, str] = {name: spec.model_class for name, spec in ARCHITECTURES.items()}
 
@@ -471,7 +477,9 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     metadata = GGUFMetadata(path, reader.fields)
     architecture = metadata.get("general.architecture", str)
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
+        hybrid = HYBRID_GGUF_LAYERS.get(architecture)
+        why = f" ({HYBRID_REFUSAL.format(layers=hybrid)})" if hybrid is not None else ""
+        raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported{why}; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     spec = ARCHITECTURES[architecture]
     name = metadata.get("general.name", str, "") or path.stem
