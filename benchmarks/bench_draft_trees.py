@@ -101,20 +101,6 @@ def trie_nodes(branches: list[tuple[int, ...]]) -> int:
     return len({branch[:depth] for branch in branches for depth in range(1, len(branch) + 1)})
 
 
-def longest_occurrences(drafter: CacheDrafter, key: int, tokens: list[int]) -> list[tuple[list[int], int]]:
-    """The occurrences the drafter's proposal voted over (its own text's and the store's longest matches)."""
-    index, _ = drafter._own[key]
-    length, found = index.candidates(tokens, drafter.max_len)
-    store = drafter._stores.get(NAMESPACE)
-    if store is not None:
-        more_length, more = store.tokens.candidates(tokens, drafter.max_len)
-        if more_length > length:
-            found = more
-        elif more_length == length:
-            found = found + more
-    return found
-
-
 def every_occurrence(indexes: list[TokenIndex], tokens: list[int]) -> list[tuple[list[int], int]]:
     """Every occurrence (the latest ANY_NGRAM_OCCURRENCES per index) of the sequence's last key_len tokens."""
     found = []
@@ -143,13 +129,11 @@ def replay(conversations: list[Conversation], mode: str, depth: int, lookup_min:
                 rows = taken
             if chain and mode not in ("chain", "chain-cut"):
                 if mode == "any-ngram":
-                    store = drafter._stores.get(NAMESPACE)
-                    indexes = [drafter._own[key][0]] + ([store.tokens] if store is not None else [])
-                    for sequence, start in every_occurrence(indexes, tokens):
+                    for sequence, start in every_occurrence(drafter.indexes(key, NAMESPACE), tokens):
                         taken = max(taken, common_prefix_length(sequence[start:start + depth], truth))
                 else:
                     continuations = [tuple(sequence[start:start + depth])
-                                     for sequence, start in longest_occurrences(drafter, key, tokens)]
+                                     for sequence, start in drafter.occurrences(key, NAMESPACE, tokens)[1]]
                     branches = [tuple(chain)] + tree_branches(mode, tuple(chain), continuations)
                     taken = max(common_prefix_length(branch, truth) for branch in branches)
                     rows = trie_nodes(branches)

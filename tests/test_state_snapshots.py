@@ -23,7 +23,7 @@ def cache(index: PrefixIndex, namespace: bytes, tokens: list[int]) -> tuple[Cach
     for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
         block = tokens[start:start + BLOCK]
         key = block_key(key, block)
-        held = (parent if parent is not None else index.roots.get(namespace))
+        held = parent if parent is not None else index.roots.get(namespace)
         node = held.children.get(key) if held is not None else None
         if node is None:
             node = index.insert(namespace, parent, key, block, index.pool.allocate(1)[0])

@@ -122,10 +122,7 @@ class StateSnapshots:
             raise ValueError(f"a snapshot's tail is shorter than a block ({self.block_size}), got {len(tail)}")
         if anchor.evicted:
             raise RuntimeError("a snapshot anchored at an evicted node")
-        by_tail = self._at.setdefault(anchor, {})
-        if tail in by_tail or num_bytes > self.budget_bytes:
-            if not by_tail:
-                del self._at[anchor]
+        if tail in self._at.get(anchor, {}) or num_bytes > self.budget_bytes:
             return None, []
         self._now = next(self._clock)
         snapshot = Snapshot(anchor, tail, anchor.depth * self.block_size + len(tail), num_bytes, handle, reason,
@@ -133,7 +130,7 @@ class StateSnapshots:
         dropped: list[Snapshot] = []
         while self.num_bytes + num_bytes > self.budget_bytes:
             dropped.append(self._remove(self._victim()))
-        self._at.setdefault(anchor, {})[tail] = snapshot
+        self._at.setdefault(anchor, {})[tail] = snapshot  # after the evictions, which may have emptied the anchor
         self.num_bytes += num_bytes
         above = self._above(snapshot)
         if above is not None:

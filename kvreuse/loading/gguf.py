@@ -58,7 +58,7 @@ import torch
 
 from kvreuse.cache.tiers.fingerprint import files_digest
 from kvreuse.config import cache_dir
-from kvreuse.models.config import HYBRID_REFUSAL
+from kvreuse.models.config import PLANNED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -299,10 +299,12 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("swiglu_limit", Fixed(GPT_OSS_SWIGLU_LIMIT)),
                 ("layer_types", _sliding_layer_types(GPT_OSS_SLIDING_WINDOW_PATTERN)))),
 }
-# llama.cpp's names of the hybrid architectures (models/config.py's HYBRID_LAYERS), refused saying why.
-HYBRID_GGUF_LAYERS: dict[str, str] = {"qwen35": "Gated DeltaNet", "qwen35moe": "Gated DeltaNet",
-                                      "qwen3next": "Gated DeltaNet", "lfm2": "gated short-convolution",
-                                      "nemotron_h": "Mamba-2", "granitehybrid": "Mamba-2"}
+# llama.cpp's names of architectures kvreuse refuses saying why: their models/config.py class, whose
+# PLANNED_ARCHITECTURES entry is the reason (the hybrids of issue 66).
+PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
+    "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+    "lfm2": "Lfm2ForCausalLM", "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
+}
 
 # general.architecture -> our ModelConfig architecture (config.json's architectures[0]).
 GGUF_ARCHITECTURES: dict[str, str] = {name: spec.model_class for name, spec in ARCHITECTURES.items()}
@@ -477,8 +479,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     metadata = GGUFMetadata(path, reader.fields)
     architecture = metadata.get("general.architecture", str)
     if architecture not in ARCHITECTURES:
-        hybrid = HYBRID_GGUF_LAYERS.get(architecture)
-        why = f" ({HYBRID_REFUSAL.format(layers=hybrid)})" if hybrid is not None else ""
+        planned = PLANNED_GGUF_ARCHITECTURES.get(architecture)
+        why = f" ({PLANNED_ARCHITECTURES[planned]})" if planned is not None else ""
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported{why}; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     spec = ARCHITECTURES[architecture]

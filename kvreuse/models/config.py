@@ -44,11 +44,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
 # (issue 66: the snapshots' index is cache/state_snapshots.py; the layers are not built).
-HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
+_HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
                   "(issue 66; its attention-only relatives are supported)")
 HYBRID_LAYERS: dict[str, str] = {
     "Qwen3_5ForCausalLM": "Gated DeltaNet",
     "Qwen3_5ForConditionalGeneration": "Gated DeltaNet",
+    "Qwen3_5MoeForCausalLM": "Gated DeltaNet",
     "Qwen3NextForCausalLM": "Gated DeltaNet",
     "Lfm2ForCausalLM": "gated short-convolution",
     "NemotronHForCausalLM": "Mamba-2",
@@ -57,7 +58,7 @@ HYBRID_LAYERS: dict[str, str] = {
 PLANNED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
                                       "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
-    **{name: HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
+    **{name: _HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")

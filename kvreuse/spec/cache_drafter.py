@@ -193,6 +193,27 @@ class CacheDrafter:
     def propose(self, key: int, namespace: str | None, tokens: list[int], max_tokens: int) -> Draft:
         """Up to ``max_tokens`` tokens to follow ``tokens`` (the sequence's prompt and output, which this call
         indexes as they grow: the same list object each step)."""
+        best_len, found, source = self.occurrences(key, namespace, tokens)
+        if best_len < self.min_len or not found or max_tokens <= 0:
+            return Draft()
+        draft = Draft(match_len=best_len, source=source)
+        agreeing = found
+        for depth in range(max_tokens):
+            votes = Counter(seq[start + depth] for seq, start in agreeing if start + depth < len(seq))
+            if not votes:
+                break
+            token, count = votes.most_common(1)[0]
+            draft.token_ids.append(token)
+            draft.confidence.append(count / len(agreeing))
+            agreeing = [(seq, start) for seq, start in agreeing
+                        if start + depth < len(seq) and seq[start + depth] == token]
+        return draft
+
+    def occurrences(self, key: int, namespace: str | None,
+                    tokens: list[int]) -> tuple[int, list[tuple[list[int], int]], str]:
+        """The longest match of the end of ``tokens`` in the sequence's own tokens (indexed here as they grow) and
+        in its namespace's store, every occurrence of that length (both sources' when they tie) as (tokens,
+        continuation start), and where the longest was found ("request" or "namespace")."""
         own = self._own.get(key)
         if own is None:
             index = TokenIndex(self.min_len)
@@ -209,20 +230,14 @@ class CacheDrafter:
                 best_len, found, source = length, more, "namespace"
             elif length == best_len and more:
                 found = found + more
-        if best_len < self.min_len or not found or max_tokens <= 0:
-            return Draft()
-        draft = Draft(match_len=best_len, source=source)
-        agreeing = found
-        for depth in range(max_tokens):
-            votes = Counter(seq[start + depth] for seq, start in agreeing if start + depth < len(seq))
-            if not votes:
-                break
-            token, count = votes.most_common(1)[0]
-            draft.token_ids.append(token)
-            draft.confidence.append(count / len(agreeing))
-            agreeing = [(seq, start) for seq, start in agreeing
-                        if start + depth < len(seq) and seq[start + depth] == token]
-        return draft
+        return best_len, found, source
+
+    def indexes(self, key: int, namespace: str | None) -> list[TokenIndex]:
+        """The token indexes the sequence ``key`` drafts from: its own (once ``propose`` has seen it), then its
+        namespace's store (if it has one)."""
+        own = [self._own[key][0]] if key in self._own else []
+        store = self._stores.get(namespace) if self.namespace_tokens else None
+        return own + ([store.tokens] if store is not None else [])
 
     def finish(self, key: int, namespace: str | None, tokens: Sequence[int]) -> None:
         """The sequence ended: forget its own index and keep its tokens in its namespace's store."""
