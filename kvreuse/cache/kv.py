@@ -54,7 +54,7 @@ class KVShape(Protocol):
     """What the cache needs to know of a model (``kvreuse.models.config.ModelConfig`` is one): the cache
     sits below the model package and never imports it."""
 
-    num_hidden_layers: int
+    num_kv_layers: int  # the layers that keep K/V (a hybrid's recurrent layers keep none)
     num_key_value_heads: int
     head_dim: int
 
@@ -122,7 +122,7 @@ class KVCache:
     ) -> KVCache:
         """A cache shaped for ``model_config``."""
         return cls(
-            model_config.num_hidden_layers, num_blocks, block_size, model_config.num_key_value_heads,
+            model_config.num_kv_layers, num_blocks, block_size, model_config.num_key_value_heads,
             model_config.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype,
         )
 
@@ -266,7 +266,7 @@ class KVCache:
     @staticmethod
     def bytes_per_token(model_config: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """Bytes of one token's K and V across the model's layers, in ``kv_cache_dtype``."""
-        return kv_bytes_per_token(model_config.num_hidden_layers, model_config.num_key_value_heads,
+        return kv_bytes_per_token(model_config.num_kv_layers, model_config.num_key_value_heads,
                                   model_config.head_dim, kv_float_dtype(kv_cache_dtype, dtype),
                                   resolve_kv_cache_dtype(kv_cache_dtype))
 

@@ -106,6 +106,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_path = resolve_model_path(config.model)
     model, model_config = load_model(model_path, dtype=dtype, device=device, load_format=config.load_format,
                                      seed=config.seed, quantization=config.quantization)
+    if model_config.is_hybrid:
+        config = hybrid_settings(config, model_config)
     cache_drafts_asked = config.speculative is not None and config.speculative.uses_cache_drafter
     if cache_drafts_asked and config.batch_invariant is False:
         raise ValueError(f"speculative_config method {config.speculative.method!r} verifies drafts exactly only in "
@@ -138,7 +140,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.speculative is not None and config.speculative.uses_draft_model:
         assert config.speculative.model is not None
         draft = load_eagle_draft(config.speculative.model, config.speculative.method, model,
-                                 model_config.num_hidden_layers, dtype, device)
+                                 model_config.num_kv_layers, dtype, device)
         if device.type == "cpu":
             draft.choose_cpu_kernels(batch_invariant=config.batch_invariant)
         element = torch.empty((), dtype=dtype).element_size()
@@ -158,7 +160,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if why_no_graphs(model, device, attention_backend or model.attention_backend, config.enforce_eager) is None:
         # The decode graphs' memory comes out of kv_cache_memory: measured now, on a one-block scratch pool.
         model.set_attention_backend(attention_backend)
-        scratch = KVCache(model_config.num_hidden_layers, 1, config.cache.block_size, model_config.num_key_value_heads,
+        scratch = KVCache(model_config.num_kv_layers, 1, config.cache.block_size, model_config.num_key_value_heads,
                           model_config.head_dim, dtype, device, kv_cache_dtype=config.cache.kv_cache_dtype)
         graph_bytes = estimate_graph_memory(model, scratch, device, config.scheduler.max_num_seqs)
         del scratch
@@ -168,7 +170,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             config.cache, kv_cache_memory=max(1, config.cache.kv_cache_memory - graph_bytes)))
     num_blocks, max_model_len = size_kv_pool(sizing, model_config, dtype, extra_bytes_per_token)
     kv_cache = KVCache(
-        num_layers=model_config.num_hidden_layers + (1 if draft is not None else 0),
+        num_layers=model_config.num_kv_layers + (1 if draft is not None else 0),
         num_blocks=num_blocks,
         block_size=config.cache.block_size,
         num_kv_heads=model_config.num_key_value_heads,
@@ -451,6 +453,31 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
     return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
+
+
+def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """``config`` as a hybrid model (recurrent layers among the attention ones: issue 66) runs it, or a ValueError
+    naming what it cannot do yet. A hit needs each recurrent layer's state at the hit's last token, which the
+    cache does not keep yet: prefix caching is off (logged), and what needs it is refused. A verified draft's
+    rejected tokens would have advanced the state: no speculation (off unless asked, refused if asked)."""
+    layers = f"{len(model_config.recurrent_layers)} of its {model_config.num_hidden_layers} layers"
+    if config.speculative is not None and config.speculative.method != "none":
+        raise ValueError(f"speculative_config on a hybrid model ({model_config.architecture}: {layers} keep a "
+                         "recurrent state) is not implemented: a rejected draft token would have advanced the state")
+    if config.cache.chunk_reuse:
+        raise ValueError(f"chunk_reuse on a hybrid model ({model_config.architecture}) has no meaning: a recurrent "
+                         "layer's state cannot move to another position")
+    if config.cache.has_tiers:
+        raise ValueError(f"KV tiers on a hybrid model ({model_config.architecture}) are not implemented: its cached "
+                         "blocks would need the recurrent state beside them (issue 66)")
+    if config.lora.enable_lora:
+        raise ValueError(f"enable_lora on a hybrid model ({model_config.architecture}) is not implemented")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching: off for this hybrid model (%s: %s keep a recurrent state, which a hit would "
+                    "need at its last token; state snapshots are issue 66's next step)", model_config.architecture,
+                    layers)
+    return dataclasses.replace(config, speculative=SpeculativeConfig(method="none"),
+                               cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
 
 def cache_drafter_settings(config: EngineConfig, device: torch.device) -> tuple[SpeculativeConfig | None, str]:

@@ -29,6 +29,7 @@ from kvreuse.loading.gguf import (
     iterate_gguf_weights,
     read_gguf,
 )
+from kvreuse.models import model_class
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyForCausalLM
 
@@ -209,7 +210,7 @@ def load_model(
             raise ValueError(f"load_format='safetensors' needs a model folder, got the GGUF file {str(folder)!r}")
         config = model_config_of(folder)
         if gguf_file and load_format != "dummy":
-            model = LlamaFamilyForCausalLM(config, dtype, device)
+            model = model_class(config)(config, dtype, device)
             model.load_weights(iterate_gguf_quantized(folder) if quantization == "gguf" else iterate_gguf_weights(folder))
             model.eval()
             return model, config
@@ -222,7 +223,7 @@ def load_model(
                 folder.glob("*.bin")
             ) else ""
             raise ValueError(f"no *.safetensors weight files in {str(folder)!r}{hint}")
-    model = LlamaFamilyForCausalLM(config, dtype, device)
+    model = model_class(config)(config, dtype, device)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
     else:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvreuse.config import CACHE_DIR_ENV, cache_dir, parse_memory_size
+from kvreuse.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as BpeTokenizer
@@ -66,6 +67,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 # Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
 # with experts or Gemma's windows is written as its own architecture only.
@@ -292,6 +294,10 @@ class ModelPreset:
     yarn_original_max_position: int | None = None
     # Qwen3's thinking: the chat template drops earlier turns' <think>...</think> (QWEN3_THINKING_TEMPLATE)
     thinking_template: bool = False
+    # lfm2: which layers attend (the others are short convolutions of conv_kernel taps); intermediate_size is
+    # config.json's, which LFM2 adjusts (2/3 of it, rounded up to 256: 6656 gives 4608)
+    attention_layers: tuple[int, ...] = ()
+    conv_kernel: int = 3
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -374,6 +380,21 @@ PRESETS: dict[str, ModelPreset] = {
             num_attention_heads=9, num_key_value_heads=3, vocab_size=None, tie_word_embeddings=True,
             rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
             qwen3_head_dim=64, thinking_template=True,
+        ),
+        # LFM2-350M's shapes (16 layers, attention at 2, 5, 8, 10, 12 and 14, the rest gated short convolutions),
+        # with the trained tokenizer's vocabulary instead of 65,536 rows; and a tiny one with two conv layers
+        # before its first attention layer.
+        ModelPreset(
+            name="lfm2-350m", arch="lfm2", hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
+            num_attention_heads=16, num_key_value_heads=8, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=1000000.0, max_position_embeddings=128000, rms_norm_eps=1e-5, tokenizer_vocab_size=4096,
+            attention_layers=(2, 5, 8, 10, 12, 14),
+        ),
+        ModelPreset(
+            name="tiny-lfm2", arch="lfm2", hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, tokenizer_vocab_size=1024,
+            attention_layers=(2,),
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
@@ -611,6 +632,17 @@ def build_config(model: ResolvedModel) -> dict:
                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": preset.yarn_original_max_position},
         )
+    elif model.arch == "lfm2":
+        # The spellings of LFM2's released config.json (read by transformers' Lfm2Config and llama.cpp's converter).
+        for key in ("head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_dropout"):
+            del config[key]
+        config.update(
+            norm_eps=preset.rms_norm_eps, conv_L_cache=preset.conv_kernel, conv_bias=False,
+            block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+            rope_parameters={"rope_theta": preset.rope_theta, "rope_type": "default"},
+            layer_types=["full_attention" if layer in preset.attention_layers else "conv"
+                         for layer in range(preset.num_hidden_layers)],
+        )
     elif model.arch == "gemma3":
         # The spellings Gemma 3's released config.json files use (llama.cpp's converter reads these), and the
         # layer_types transformers 5 writes.
@@ -636,6 +668,8 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     gemma = model.arch == "gemma3"
     norm_init = "zeros" if gemma else "ones"
     specs = [TensorSpec("model.embed_tokens.weight", (model.vocab_size, hidden), "normal")]
+    if model.arch == "lfm2":
+        return specs + _lfm2_weight_specs(model)
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
         specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), norm_init))
@@ -686,6 +720,40 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (hidden,), norm_init))
     if not preset.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (model.vocab_size, hidden), "normal"))
+    return specs
+
+
+def _lfm2_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
+    """LFM2's layers under its own names (after the embedding), and its final norm."""
+    preset = model.preset
+    hidden, head_dim = preset.hidden_size, model.head_dim
+    width = ModelConfig.from_dict(build_config(model)).intermediate_size  # as LFM2 adjusts it
+    specs = []
+    for layer in range(preset.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        specs.append(TensorSpec(f"{prefix}.operator_norm.weight", (hidden,), "ones"))
+        if layer in preset.attention_layers:
+            specs += [
+                TensorSpec(f"{prefix}.self_attn.q_proj.weight", (preset.num_attention_heads * head_dim, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.k_proj.weight", (preset.num_key_value_heads * head_dim, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.v_proj.weight", (preset.num_key_value_heads * head_dim, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.out_proj.weight", (hidden, preset.num_attention_heads * head_dim), "normal"),
+                TensorSpec(f"{prefix}.self_attn.q_layernorm.weight", (head_dim,), "ones"),
+                TensorSpec(f"{prefix}.self_attn.k_layernorm.weight", (head_dim,), "ones"),
+            ]
+        else:
+            specs += [
+                TensorSpec(f"{prefix}.conv.in_proj.weight", (3 * hidden, hidden), "normal"),
+                TensorSpec(f"{prefix}.conv.conv.weight", (hidden, 1, preset.conv_kernel), "normal"),
+                TensorSpec(f"{prefix}.conv.out_proj.weight", (hidden, hidden), "normal"),
+            ]
+        specs += [
+            TensorSpec(f"{prefix}.ffn_norm.weight", (hidden,), "ones"),
+            TensorSpec(f"{prefix}.feed_forward.w1.weight", (width, hidden), "normal"),
+            TensorSpec(f"{prefix}.feed_forward.w3.weight", (width, hidden), "normal"),
+            TensorSpec(f"{prefix}.feed_forward.w2.weight", (hidden, width), "normal"),
+        ]
+    specs.append(TensorSpec("model.embedding_norm.weight", (hidden,), "ones"))
     return specs
 
 

@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
+    "Lfm2ForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
@@ -51,7 +52,6 @@ HYBRID_LAYERS: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "Gated DeltaNet",
     "Qwen3_5MoeForCausalLM": "Gated DeltaNet",
     "Qwen3NextForCausalLM": "Gated DeltaNet",
-    "Lfm2ForCausalLM": "gated short-convolution",
     "NemotronHForCausalLM": "Mamba-2",
     "GraniteMoeHybridForCausalLM": "Mamba-2",
 }
@@ -63,6 +63,8 @@ PLANNED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# LFM2's gated short convolution: a recurrent layer whose state is its last conv_kernel - 1 inputs (no K/V).
+CONV = "conv"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class ModelConfig:
     moe: MoEConfig | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each layer's softmax denominator
     o_proj_bias: bool = False  # a bias on the attention's output projection (gpt-oss; Llama's attention_bias)
+    # LFM2: the short convolutions' kernel width (layer_types names their layers "conv"; 0: no such layers) and
+    # whether their projections and convolution carry biases.
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -128,9 +134,14 @@ class ModelConfig:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries, the model "
                                  f"{self.num_hidden_layers} layers")
-            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({CONV} if self.conv_kernel else set())
+            unknown = sorted(set(self.layer_types) - kinds)
             if unknown:
-                raise ValueError(f"layer_types holds {unknown[0]!r}; supported: {FULL_ATTENTION}, {SLIDING_ATTENTION}")
+                raise ValueError(f"layer_types holds {unknown[0]!r}; supported: {', '.join(sorted(kinds))}")
+            if CONV in self.layer_types and self.conv_kernel < 2:
+                raise ValueError(f"conv_kernel must be at least 2 for conv layers, got {self.conv_kernel}")
+            if all(kind == CONV for kind in self.layer_types):
+                raise ValueError("layer_types names no attention layer (kvreuse caches attention K/V)")
             if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -150,6 +161,29 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    def is_recurrent_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps a recurrent state (LFM2's short convolutions) instead of K/V."""
+        return bool(self.layer_types) and self.layer_types[layer] == CONV
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (issue 66): a prefix hit then needs that state too."""
+        return CONV in self.layer_types
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """The indices of the layers that keep a recurrent state, in order."""
+        return [layer for layer in range(self.num_hidden_layers) if self.is_recurrent_layer(layer)]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the paged pool: the attention layers (a hybrid's recurrent ones keep none)."""
+        return sum(not self.is_recurrent_layer(layer) for layer in range(self.num_hidden_layers))
+
+    def kv_layer_of(self, layer: int) -> int:
+        """Where attention layer ``layer`` keeps its K/V in the pool: its index among the attention layers."""
+        return sum(not self.is_recurrent_layer(index) for index in range(layer))
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends over (None: its whole context)."""
@@ -171,7 +205,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_key_value_heads * self.head_dim * self.num_hidden_layers * element_size
+        return 2 * self.num_key_value_heads * self.head_dim * self.num_kv_layers * element_size
 
     def forward_flops(self, num_cached: int, num_new: int, sampled_rows: int = 1) -> int:
         """Matrix-multiply FLOPs (2 per multiply-add) of running ``num_new`` tokens after ``num_cached``
@@ -186,6 +220,9 @@ class ModelConfig:
         total = 0
         for layer in range(layers):
             mlp = 3 * hidden * self.intermediate_size
+            if self.is_recurrent_layer(layer):  # in_proj (3 x hidden), out_proj, and the depthwise convolution
+                total += (4 * hidden * hidden + self.conv_kernel * hidden + mlp) * num_new
+                continue
             if self.is_sparse_layer(layer):  # the router, and the experts each token is routed to
                 moe = self.moe
                 mlp = hidden * moe.num_experts + 3 * hidden * moe.moe_intermediate_size * moe.num_experts_per_tok
@@ -215,6 +252,9 @@ class ModelConfig:
     def from_dict(cls, hf_config: dict[str, Any]) -> ModelConfig:
         """Parse a Hugging Face config dict (the content of ``config.json``)."""
         architecture = _architecture(hf_config)
+        is_lfm2 = architecture == "Lfm2ForCausalLM"
+        if is_lfm2:
+            hf_config = _lfm2_spellings(hf_config)
         try:
             hidden_size = int(hf_config["hidden_size"])
             num_attention_heads = int(hf_config["num_attention_heads"])
@@ -239,7 +279,7 @@ class ModelConfig:
         if is_qwen and not hf_config.get("use_sliding_window", False):
             sliding_window = None
         layer_types = _layer_types(hf_config, num_hidden_layers, is_gemma)
-        if not any(kind == SLIDING_ATTENTION for kind in layer_types) and layer_types:
+        if layer_types and all(kind == FULL_ATTENTION for kind in layer_types):
             layer_types = ()  # every layer global: the plain case
         if is_gemma:
             for field in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -268,7 +308,7 @@ class ModelConfig:
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", is_gemma)),
             attention_bias=attention_bias,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma or is_lfm2,
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             eos_token_id=eos_token_id,
             bos_token_id=hf_config.get("bos_token_id"),
@@ -284,7 +324,38 @@ class ModelConfig:
                  else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss else None),
             attention_sinks=is_gpt_oss,
             o_proj_bias=o_proj_bias,
+            conv_kernel=int(hf_config.get("conv_L_cache", 3)) if is_lfm2 else 0,
+            conv_bias=bool(hf_config.get("conv_bias", False)) if is_lfm2 else False,
         )
+
+
+def _lfm2_spellings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's config.json in the names the other architectures use, as transformers' Lfm2Config reads it: the
+    released files say norm_eps, block_ff_dim, tie_embedding and full_attn_idxs; the feed-forward width is
+    adjusted (2/3 of it, times block_ffn_dim_multiplier, rounded up to block_multiple_of) unless
+    block_auto_adjust_ff_dim is false."""
+    config = dict(hf_config)
+    config["rms_norm_eps"] = config.get("norm_eps", 1e-5)
+    if "block_ff_dim" in config:
+        config["intermediate_size"] = config["block_ff_dim"]
+    if "tie_embedding" in config:
+        config["tie_word_embeddings"] = config["tie_embedding"]
+    config.setdefault("tie_word_embeddings", True)
+    config.setdefault("rope_theta", 1000000.0)
+    size = int(config.get("intermediate_size", 12288))
+    if config.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(config.get("block_multiple_of", 256))
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    config["intermediate_size"] = size
+    if not config.get("layer_types"):
+        layers = int(config.get("num_hidden_layers", 0))
+        attention = config.get("full_attn_idxs")
+        attention = set(range(layers)) if attention is None else {int(index) for index in attention}
+        config["layer_types"] = [FULL_ATTENTION if layer in attention else CONV for layer in range(layers)]
+    return config
 
 
 def _layer_types(hf_config: dict[str, Any], num_layers: int, is_gemma: bool) -> tuple[str, ...]:

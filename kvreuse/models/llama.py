@@ -80,6 +80,9 @@ class LlamaFamilyAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # Where its K/V sit in the pool: a hybrid's recurrent layers keep none, so the attention layers are numbered
+        # apart (config.kv_layer_of); the layer's own index for every other model.
+        self.kv_layer = config.kv_layer_of(layer_idx)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -149,8 +152,8 @@ class LlamaFamilyAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: Any) -> torch.Tensor:
         if self.layer_attention.is_plain:
-            return self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)
-        return self.attention_backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata,
+            return self.attention_backend.forward(self.kv_layer, q, k, v, kv_cache, attn_metadata)
+        return self.attention_backend.forward(self.kv_layer, q, k, v, kv_cache, attn_metadata,
                                               layer=self.layer_attention)
 
 
@@ -159,6 +162,8 @@ def _norm_class(config: ModelConfig) -> type[RMSNorm] | type[GemmaRMSNorm]:
 
 
 class LlamaFamilyDecoderLayer(nn.Module):
+    recurrent = False  # an attention layer: its past is K/V in the pool (a hybrid's recurrent layers: models/lfm2.py)
+
     def __init__(
         self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
         dtype: torch.dtype, device: torch.device,
@@ -169,6 +174,7 @@ class LlamaFamilyDecoderLayer(nn.Module):
         self.input_layernorm = norm(size, eps, dtype, device)
         self.self_attn = LlamaFamilyAttention(config, layer_idx, attention_backend, dtype, device)
         self.post_attention_layernorm = norm(size, eps, dtype, device)
+        self.uses_local_rope = self.self_attn.uses_local_rope
         # Gemma normalises each block's output too (post_attention_layernorm is then the attention's own norm).
         self.sandwich_norms = config.norm_style == "gemma"
         if self.sandwich_norms:
@@ -195,11 +201,19 @@ class LlamaFamilyDecoderLayer(nn.Module):
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=attention), lora))
 
 
+class DecoderLayerFactory(Protocol):
+    """Builds decoder layer ``layer_idx``: a family whose layers differ (a hybrid's recurrent ones) passes its own."""
+
+    def __call__(self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> nn.Module: ...
+
+
 class LlamaFamilyModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(
-        self, config: ModelConfig, attention_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+        self, config: ModelConfig, attention_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+        make_layer: DecoderLayerFactory = LlamaFamilyDecoderLayer,
     ) -> None:
         super().__init__()
         # Allocated, not initialised (as every layer's weights): the loader fills it, or replaces it with a
@@ -209,8 +223,7 @@ class LlamaFamilyModel(nn.Module):
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), _freeze=True)
         self.layers = nn.ModuleList(
-            LlamaFamilyDecoderLayer(config, index, attention_backend, dtype, device)
-            for index in range(config.num_hidden_layers)
+            make_layer(config, index, attention_backend, dtype, device) for index in range(config.num_hidden_layers)
         )
         self.norm = _norm_class(config)(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -257,7 +270,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend or TorchPagedAttention()
-        self.model = LlamaFamilyModel(config, self.attention_backend, dtype, device)
+        self.model = LlamaFamilyModel(config, self.attention_backend, dtype, device, self.make_layer)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
         )
@@ -276,11 +289,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         self._tied_head_kernel: LinearKernel | QuantizedLinearKernel | None = None  # see choose_cpu_kernels
         self.cpu_kernel_extra_bytes = 0  # memory the chosen kernels' weight layouts add (choose_cpu_kernels)
 
+    make_layer: DecoderLayerFactory = LlamaFamilyDecoderLayer
+
     def set_attention_backend(self, attention_backend: AttentionBackend) -> None:
         """Route every layer's attention through ``attention_backend`` from the next forward on."""
         self.attention_backend = attention_backend
         for layer in self.model.layers:
-            layer.self_attn.attention_backend = attention_backend
+            if not layer.recurrent:
+                layer.self_attn.attention_backend = attention_backend
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -294,14 +310,15 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, attn_metadata: Any,
         lora: ProjectionDeltas | None = None, aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
-        narrowing: Narrowing | None = None, native: NativeLayers | None = None,
+        narrowing: Narrowing | None = None, native: NativeLayers | None = None, recurrent: Any = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (K/V of the tokens stored);
         ``lora`` adds each adapter's deltas to its own token rows. For each layer index in ``aux_layers``
         a copy of the residual stream entering that layer is appended to ``aux_out`` (EAGLE-3's features).
         ``narrowing`` (a blended prefill, attention/blend.py): from layer ``narrowing.at_layer`` on only the rows
         it keeps run, and the hidden states returned are theirs. ``native``: the step's decoder layers held in C++
-        (the decode paths' choice, runner/decode/paths.py), run in place of the Python layers.
+        (the decode paths' choice, runner/decode/paths.py), run in place of the Python layers. ``recurrent``: what
+        a hybrid's recurrent layers read (``recurrent_inputs``: where each sequence's state is), else None.
 
         Positions must be below ``max_position_embeddings`` (the runner checks, without a device sync).
         """
@@ -329,11 +346,21 @@ class LlamaFamilyForCausalLM(nn.Module):
                                                                                    hidden.dtype, fused)
                 if index in aux_layers:
                     captured[index] = hidden.clone()
-                layer_rope = local_rope if layer.self_attn.uses_local_rope else rope
+                if layer.recurrent:
+                    hidden = layer(hidden, recurrent, lora)
+                    continue
+                layer_rope = local_rope if layer.uses_local_rope else rope
                 hidden = layer(hidden, layer_rope, kv_caches, attn_metadata, lora)
         if aux_out is not None:
             aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)
+
+    def allocate_states(self, num_slots: int) -> None:
+        """A hybrid model's recurrent states (models/lfm2.py); attention-only models keep none."""
+
+    def recurrent_inputs(self, batch: Any) -> None:
+        """What a hybrid's recurrent layers read in ``batch``'s step (models/lfm2.py); None here."""
+        return None
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """hidden_rows [N, hidden] -> logits [N, vocab] in float32."""
@@ -581,7 +608,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def rotary_for_layer(self, layer: int) -> RotaryEmbedding:
         """The table layer ``layer`` rotates its K with: Gemma 3's sliding layers have their own base."""
-        if self.local_rotary is not None and self.model.layers[layer].self_attn.uses_local_rope:
+        if self.local_rotary is not None and self.model.layers[layer].uses_local_rope:
             return self.local_rotary
         return self.rotary
 

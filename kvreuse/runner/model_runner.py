@@ -55,9 +55,9 @@ class ModelRunner:
         batch_invariant: bool = False,
     ) -> None:
         # More KV layers than the model's: a draft model keeps its K/V in the extra ones.
-        if kv_cache.num_layers < model_config.num_hidden_layers:
+        if kv_cache.num_layers < model_config.num_kv_layers:
             raise ValueError(
-                f"kv_cache has {kv_cache.num_layers} layers, the model has {model_config.num_hidden_layers}"
+                f"kv_cache has {kv_cache.num_layers} layers, the model has {model_config.num_kv_layers} attention layers"
             )
         if (kv_cache.num_kv_heads, kv_cache.head_dim) != (model_config.num_key_value_heads, model_config.head_dim):
             raise ValueError(
@@ -88,6 +88,8 @@ class ModelRunner:
         # Set by a server sharing the CPU with its event loop (LLMEngine.share_cpu_with_event_loop).
         self.step_threads: StepThreads | None = None
         # The decode paths beside the Python layers (the native CPU step, CUDA graphs) and the choice between them.
+        # A hybrid model's recurrent states: a slot per sequence that may run at once (models/lfm2.py).
+        model.allocate_states(max_num_seqs)
         self.decode = DecodePaths(model, kv_cache, self.device, self.attention_backend, max_num_seqs,
                                   max_model_len or model_config.max_position_embeddings, enforce_eager)
 
@@ -130,7 +132,8 @@ class ModelRunner:
                 hidden, logits = self.decode.cuda_graphs(batch)
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, choice.metadata, batch.lora,
-                                    aux_layers, aux, choice.narrowing, choice.native)
+                                    aux_layers, aux, choice.narrowing, choice.native,
+                                    self.model.recurrent_inputs(batch))
                 rows = choice.narrowed[0].logits_indices if choice.narrowed else batch.logits_indices
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # The forward and logits only: the attention metadata is engine overhead, as before the decode paths.

@@ -1,0 +1,153 @@
+"""LFM2 (Liquid AI): gated short convolutions with a few grouped-query attention layers (issue 66's first hybrid).
+
+An attention layer is the Llama family's, with q/k norms (``LlamaFamilyDecoderLayer``); a conv layer puts
+layers/short_conv.py's ``ShortConv`` where the attention was, with the same norms and SwiGLU around it. Only the
+attention layers keep K/V in the paged pool (``ModelConfig.kv_layer_of`` numbers them); a conv layer's past is
+its state, K - 1 rows per sequence in ``RecurrentStates``, a slot per running sequence (``ForwardBatch.state_slots``,
+given out by the engine's ``StateSlots``).
+
+The checkpoint's names are translated to the family's on load: ``operator_norm`` / ``ffn_norm`` are the input and
+post-attention norms, ``feed_forward.w1 / w3 / w2`` the gate / up / down projections, ``self_attn.out_proj`` and
+``q_layernorm`` / ``k_layernorm`` the attention's ``o_proj`` and q/k norms, ``model.embedding_norm`` the final norm.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
+from kvreuse.kernels.quant import QuantizedTensor
+from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.norm import RMSNorm
+from kvreuse.layers.short_conv import ConvWindows, RecurrentStates, ShortConv
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import LlamaFamilyDecoderLayer, LlamaFamilyForCausalLM
+
+# LFM2's module names -> the family's (applied to the part after "model.layers.N.").
+_RENAMES = (
+    ("operator_norm.", "input_layernorm."),
+    ("ffn_norm.", "post_attention_layernorm."),
+    ("feed_forward.w1.", "mlp.gate_proj."),
+    ("feed_forward.w3.", "mlp.up_proj."),
+    ("feed_forward.w2.", "mlp.down_proj."),
+    ("self_attn.out_proj.", "self_attn.o_proj."),
+    ("self_attn.q_layernorm.", "self_attn.q_norm."),
+    ("self_attn.k_layernorm.", "self_attn.k_norm."),
+)
+_LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
+
+
+def family_name(name: str) -> str:
+    """An LFM2 checkpoint name in the Llama family's spelling (unchanged where they agree)."""
+    if name == "model.embedding_norm.weight":
+        return "model.norm.weight"
+    match = _LAYER_PREFIX.match(name)
+    if match is None:
+        return name
+    prefix, rest = match.groups()
+    for old, new in _RENAMES:
+        if rest.startswith(old):
+            return prefix + new + rest[len(old):]
+    return name
+
+
+class ShortConvDecoderLayer(nn.Module):
+    """A conv layer: norm, gated short convolution, residual; norm, SwiGLU, residual (HF ``Lfm2DecoderLayer``)."""
+
+    recurrent = True
+    uses_local_rope = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.state_index = config.recurrent_layers.index(layer_idx)  # its row of RecurrentStates
+        self.input_layernorm = RMSNorm(size, eps, dtype, device)
+        self.conv = ShortConv(size, config.conv_kernel, config.conv_bias, dtype, device)
+        self.post_attention_layernorm = RMSNorm(size, eps, dtype, device)
+        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, recurrent: RecurrentInputs, lora: ProjectionDeltas | None = None
+                ) -> torch.Tensor:
+        mixed = self.conv(self.input_layernorm(hidden), recurrent.windows, recurrent.states.layer(self.state_index))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
+
+
+class RecurrentInputs:
+    """What a step's conv layers read: where each row's convolution inputs are, and the states."""
+
+    def __init__(self, windows: ConvWindows, states: RecurrentStates) -> None:
+        self.windows = windows
+        self.states = states
+
+
+def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    if config.is_recurrent_layer(layer_idx):
+        return ShortConvDecoderLayer(config, layer_idx, dtype, device)
+    return LlamaFamilyDecoderLayer(config, layer_idx, attention_backend, dtype, device)
+
+
+class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
+    """LFM2's conv and attention layers over the paged pool (attention) and a state slot per sequence (conv)."""
+
+    make_layer = staticmethod(_make_layer)
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 attention_backend: AttentionBackend | None = None) -> None:
+        super().__init__(config, dtype, device, attention_backend)
+        self.states: RecurrentStates | None = None  # allocate_states, by the runner
+
+    def allocate_states(self, num_slots: int) -> RecurrentStates:
+        """One slot per sequence that may run at once (the scheduler's max_num_seqs)."""
+        device = self.model.embed_tokens.weight.device
+        self.states = RecurrentStates(len(self.config.recurrent_layers), num_slots, self.config.conv_kernel,
+                                      self.config.hidden_size, self.dtype, device)
+        return self.states
+
+    def recurrent_inputs(self, batch: ForwardBatch) -> RecurrentInputs:
+        if self.states is None:
+            raise RuntimeError("allocate_states before running a hybrid model's step")
+        if batch.state_slots is None:
+            raise ValueError("a hybrid model's step needs each sequence's state slot (ForwardBatch.state_slots)")
+        starts = [context - length for context, length in zip(batch.context_lens, batch.query_lens)]
+        windows = ConvWindows.build(batch.state_slots, starts, batch.query_lens, self.config.conv_kernel,
+                                    self.states.tensor.device)
+        return RecurrentInputs(windows, self.states)
+
+    @property
+    def native_step_refusal(self) -> str | None:
+        return "a hybrid model's conv layers run op by op (the native step runs attention layers only)"
+
+    def expected_weight_names(self) -> list[str]:
+        """The family's names for the attention layers, the conv block's for the conv layers."""
+        names = []
+        conv = ["conv.in_proj.weight", "conv.conv.weight", "conv.out_proj.weight"]
+        if self.config.conv_bias:
+            conv += ["conv.in_proj.bias", "conv.conv.bias", "conv.out_proj.bias"]
+        attention_only = ("self_attn.", )
+        for name in super().expected_weight_names():
+            match = _LAYER_PREFIX.match(name)
+            if match is None or not self.config.is_recurrent_layer(int(name.split(".")[2])):
+                names.append(name)
+                continue
+            prefix, rest = match.groups()
+            if rest.startswith(attention_only):
+                if rest == "self_attn.q_proj.weight":
+                    names.extend(prefix + part for part in conv)
+                continue
+            names.append(name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        super().load_weights((family_name(name), tensor) for name, tensor in weights)
+
+    def rotary_tables(self) -> list[Any]:
+        raise NotImplementedError("moving K/V to new positions (chunk reuse) has no meaning for a hybrid model's "
+                                  "recurrent state")
