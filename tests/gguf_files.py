@@ -44,7 +44,17 @@ GPT_OSS_NAMES = {"post_attention_layernorm": "post_attention_norm", "mlp.router"
                  "self_attn.sinks": "attn_sinks"}
 
 
+# LFM2 under llama.cpp's names (its converter's LFM2Model): the short convolution, its norms and SwiGLU, and the
+# final norm as token_embd_norm.
+LFM2_NAMES = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "conv.in_proj": "shortconv.in_proj",
+              "conv.conv": "shortconv.conv", "conv.out_proj": "shortconv.out_proj", "feed_forward.w1": "ffn_gate",
+              "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down", "self_attn.out_proj": "attn_output",
+              "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm"}
+
+
 def gguf_name(name: str, arch: str = "llama") -> str:
+    if arch == "lfm2" and name == "model.embedding_norm.weight":
+        return "token_embd_norm.weight"
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     parts = name.split(".")
@@ -52,7 +62,8 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
         return f"blk.{parts[2]}.attn_sinks.weight"
     module = ".".join(parts[3:-1])
-    names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {})}
+    names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {}),
+             **(LFM2_NAMES if arch == "lfm2" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
@@ -129,7 +140,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     arch_class = config["architectures"][0]
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
-            "GptOssForCausalLM": "gpt-oss"}[arch_class]
+            "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -137,11 +148,23 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    if arch == "lfm2":  # the width as used, KV heads per layer (none on the conv layers), the conv's taps
+        from kvreuse.models.config import ModelConfig
+
+        ours = ModelConfig.from_dict(config)
+        writer.add_feed_forward_length(ours.intermediate_size)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv([0 if ours.is_recurrent_layer(layer) else kv_heads
+                                  for layer in range(ours.num_hidden_layers)])
+        writer.add_shortconv_l_cache(config["conv_L_cache"])
+        writer.add_layer_norm_rms_eps(config["norm_eps"])
+        writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    else:
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(kv_heads)
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
@@ -182,11 +205,14 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
         name = hf_name if hf_name.startswith("blk.") else gguf_name(hf_name, arch)
+        if arch == "lfm2" and name.endswith("shortconv.conv.weight"):
+            array = array[:, 0, :]  # llama.cpp drops the depthwise kernel's channel axis: [H, K]
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", ".bias")) else "F32"
+        kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", ".bias",
+                                                                     "shortconv.conv.weight")) else "F32"
         if kind == "MXFP4" and "_exps." not in name:  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
             kind = "Q8_0"
         if kind in K_QUANTS and array.shape[-1] % 256:

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_files import write_gguf
 from test_engine import reference_greedy, run_checked
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.layers.short_conv import ConvWindows, causal_conv
-from kvreuse.model_tools.make_model import make_model
+from kvreuse.loading.gguf import read_gguf
+from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -151,3 +153,27 @@ def test_make_model_writes_lfm2_350m_s_shapes(tmp_path):
     assert theirs.layer_types == ["full_attention" if ours.kv_layer_of(i) != ours.kv_layer_of(i + 1) else "conv"
                                   for i in range(15)] + ["conv"]
     assert ours.recurrent_layers == [0, 1, 3, 4, 6, 7, 9, 11, 13, 15] and ours.intermediate_size == 4608
+    # LFM2-350M's parameters at its real vocabulary (65,536): transformers builds the same count from the config.
+    with torch.device("meta"):
+        from transformers import Lfm2ForCausalLM
+        real = Lfm2ForCausalLM(Lfm2Config(**{**written, "vocab_size": 65536}))
+    assert count_parameters("lfm2-350m", vocab_size=65536) == sum(p.numel() for p in real.parameters())
+
+
+def test_a_gguf_file_as_llama_cpp_writes_lfm2_runs_as_its_folder(tiny_lfm2, tmp_path):
+    """llama.cpp's layout: KV heads per layer (zero on the conv layers), shortconv.* tensors, the depthwise kernel
+    as [H, K], the adjusted feed-forward width, the final norm as token_embd_norm. A float32 file is its folder;
+    a Q8_0 file holds the conv projections quantized and runs on the quantized kernels."""
+    path = write_gguf(tiny_lfm2, tmp_path / "tiny-lfm2.gguf", "F32")
+    folder, gguf = make_llm(tiny_lfm2), make_llm(path)
+    ours, theirs = folder.engine.model_config, gguf.engine.model_config
+    differing = {field for field in ours.__dataclass_fields__ if getattr(ours, field) != getattr(theirs, field)}
+    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps"}
+    prompts = [prompt_ids(7, 21), prompt_ids(8, 3)]
+    assert run_checked(gguf.engine, prompts, GREEDY) == run_checked(folder.engine, prompts, GREEDY)
+    quantized = write_gguf(tiny_lfm2, tmp_path / "tiny-lfm2.q8_0.gguf", "Q8_0")
+    types = read_gguf(quantized).tensor_types
+    assert types["model.layers.0.conv.in_proj.weight"] == "Q8_0" and types["model.layers.0.conv.conv.weight"] == "F32"
+    q8 = make_llm(quantized, dtype="bfloat16")
+    outputs = run_checked(q8.engine, prompts, GREEDY)
+    assert [len(tokens) for tokens in outputs] == [12, 12]

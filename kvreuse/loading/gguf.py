@@ -106,11 +106,12 @@ _PARAMETER_TENSORS: dict[str, str] = {"attn_sinks": "self_attn.sinks"}
 _EXPERT_TENSORS: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
+    "token_embd_norm.weight": "model.norm.weight",  # LFM2's final norm, which llama.cpp names so
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rotary frequency divisors (see _llama3_rope_scaling)
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 _OUR_LAYER_NAME = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|bias)$")
 
 
@@ -164,6 +165,25 @@ class GGUFMetadata:
         if minimum is not None and value < minimum:
             raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected at least {minimum}")
         return value
+
+
+    def per_layer(self, key: str, layers: int) -> list[int]:
+        """An integer stored per layer (or once for every layer) as ``layers`` values: LFM2's
+        ``attention.head_count_kv``, zero on its convolution layers. A ValueError names the file and the key for
+        a missing or non-integer value or an array of another length."""
+        field = self.fields.get(key)
+        if field is None:
+            raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
+        try:
+            element, values, is_array = _field_values(field)
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
+        if element not in _ACCEPTED_TYPES[int]:
+            raise ValueError(f"{self.path}: GGUF metadata {key} holds {element} values; expected integers")
+        values = [int(value) for value in values] if is_array else [int(values[0])] * layers
+        if len(values) != layers or min(values) < 0:
+            raise ValueError(f"{self.path}: GGUF metadata {key} has {values}; expected {layers} counts")
+        return values
 
 
 def _field_values(field: Any) -> tuple[str, list[Any], bool]:
@@ -230,6 +250,9 @@ class GGUFArchitecture:
     rope_rows_interleaved: bool = False  # the q / k rows in llama.cpp's rope layout, put back (_placed)
     rope_freqs: bool = False  # a rope_freqs.weight tensor is Llama 3 rope scaling (_llama3_rope_scaling)
     norms_plus_one: bool = False  # norm weights stored as 1 + weight (ggml's norm multiplies by the weight)
+    # A hybrid's layers without attention are those with no KV heads in the per-layer attention.head_count_kv
+    # (llama.cpp's LFM2): they become layer_types' ``recurrent_kind``; None: one count for every layer.
+    recurrent_kind: str | None = None
 
 
 def _sliding_layer_types(pattern: int) -> Derived:
@@ -288,6 +311,14 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("hidden_activation", Fixed("gelu_pytorch_tanh")),
                 ("query_pre_attn_scalar", Derived(_gemma3_query_pre_attn_scalar)))),
     # gpt-oss's experts are its MLP: their width is intermediate_size.
+    # LFM2: attention.head_count_kv is per layer, zero on the short-convolution layers; feed_forward_length is the
+    # width as used (config.json's is adjusted); token_embd_norm is the final norm (HF's model.embedding_norm).
+    "lfm2": GGUFArchitecture(
+        "Lfm2ForCausalLM", "lfm2", recurrent_kind="conv",
+        layer_tensors={"shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv",
+                       "shortconv.out_proj": "conv.out_proj"},
+        config=(("conv_L_cache", MetadataKey("shortconv.l_cache", minimum=2)),
+                ("block_auto_adjust_ff_dim", Fixed(False)))),
     "gpt-oss": GGUFArchitecture(
         "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
         layer_tensors={"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
@@ -303,7 +334,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 # PLANNED_ARCHITECTURES entry is the reason (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
-    "lfm2": "Lfm2ForCausalLM", "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 # general.architecture -> our ModelConfig architecture (config.json's architectures[0]).
@@ -523,15 +554,27 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     eos_ids = [metadata.get(f"tokenizer.ggml.{key}", int, None)
                for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
     eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
+    layers = own("block_count", int, minimum=1)
+    layer_types = None
+    if spec.recurrent_kind is not None:
+        counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
+        attending = sorted(set(count for count in counts if count))
+        if len(attending) != 1:
+            raise ValueError(f"{path}: {architecture}.attention.head_count_kv is {counts}; expected one KV head "
+                             "count on the attention layers")
+        kv_heads = attending[0]
+        layer_types = ["full_attention" if count else spec.recurrent_kind for count in counts]
+    else:
+        kv_heads = own("attention.head_count_kv", int, heads, minimum=1)
     hf_config: dict[str, Any] = {
         "architectures": [model_class],
         "model_type": model_type,
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
         "intermediate_size": own("feed_forward_length", int),
-        "num_hidden_layers": own("block_count", int, minimum=1),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": own("attention.head_count_kv", int, heads, minimum=1),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": own("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_theta": rope_theta,
@@ -542,6 +585,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id", int, None),
     }
+    if layer_types is not None:
+        hf_config["layer_types"] = layer_types
     for field_name, source in spec.config:
         if isinstance(source, MetadataKey):
             hf_config[field_name] = own(source.key, source.kind, source.default, source.minimum)

@@ -335,7 +335,7 @@ def _lfm2_spellings(hf_config: dict[str, Any]) -> dict[str, Any]:
     adjusted (2/3 of it, times block_ffn_dim_multiplier, rounded up to block_multiple_of) unless
     block_auto_adjust_ff_dim is false."""
     config = dict(hf_config)
-    config["rms_norm_eps"] = config.get("norm_eps", 1e-5)
+    config["rms_norm_eps"] = config.get("norm_eps", config.get("rms_norm_eps", 1e-5))
     if "block_ff_dim" in config:
         config["intermediate_size"] = config["block_ff_dim"]
     if "tie_embedding" in config:

@@ -57,6 +57,15 @@ def family_name(name: str) -> str:
     return name
 
 
+def _checkpoint_tensor(name: str, tensor: torch.Tensor | QuantizedTensor) -> tuple[str, torch.Tensor | QuantizedTensor]:
+    """A checkpoint's tensor under the family's name; a GGUF file's depthwise kernel ([H, K]: llama.cpp drops the
+    channel axis) as HF's [H, 1, K]."""
+    name = family_name(name)
+    if name.endswith(".conv.conv.weight") and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(1)
+    return name, tensor
+
+
 class ShortConvDecoderLayer(nn.Module):
     """A conv layer: norm, gated short convolution, residual; norm, SwiGLU, residual (HF ``Lfm2DecoderLayer``)."""
 
@@ -146,7 +155,7 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
-        super().load_weights((family_name(name), tensor) for name, tensor in weights)
+        super().load_weights(_checkpoint_tensor(name, tensor) for name, tensor in weights)
 
     def rotary_tables(self) -> list[Any]:
         raise NotImplementedError("moving K/V to new positions (chunk reuse) has no meaning for a hybrid model's "
