@@ -33,6 +33,10 @@ bytes rounded up), and its memory is the sum over its processes (the API server 
 its answer and --chat-turn-words of English more: past a sliding window after a few turns) and reports the
 share of turn 2+'s prompt tokens each server served from its cache, how many of those turns hit at all, and
 what a branch (the middle turn's history with another user text, as an edited or retried message) reuses.
+--shared-questions N sends N different questions (--question-tokens each) after one shared --shared-prompt-tokens
+system prompt (1,000), --concurrency at a time, and reports the share of the system prompt each server served from
+its cache, how many requests got all of it and the median time to the first token; --short-prefix-questions N does
+the same over a --short-prefix-tokens prefix (40: shorter than vLLM's hybrid blocks).
 --vllm-bench-serve also runs vLLM's own load client (``vllm bench serve``, from the same venv) against each
 server after its figures: dataset prefix_repetition, 4 prefixes of 1,024 tokens, 64-token suffixes, 32
 output tokens (ignore_eos), 32 prompts, 4 in flight; prompts tokenized with --tokenizer's (or the first
@@ -147,11 +151,9 @@ def model_kind(model: str) -> str:
 
 
 def kv_bytes(model: str, tokens: int, dtype: str) -> int:
-    """Bytes of K and V for ``tokens`` tokens of the model in kvreuse's ``dtype`` (its KV dtype): the
+    """Bytes of K and V (and a hybrid's planes) for ``tokens`` tokens of the model in kvreuse's ``dtype`` (its KV dtype): the
     pool that holds as many tokens as llama-server's -c (an f16 cache: the same bytes where kvreuse runs
     bf16; twice them in float32)."""
-    import torch
-
     from kvreuse.loading.gguf import read_gguf
     from kvreuse.loading.loader import resolve_dtype
     from kvreuse.models.config import ModelConfig
@@ -160,8 +162,8 @@ def kv_bytes(model: str, tokens: int, dtype: str) -> int:
         config = ModelConfig.from_dict(json.loads((Path(model) / "config.json").read_text()))
     else:
         config = ModelConfig.from_dict(read_gguf(model).hf_config)
-    size = torch.empty((), dtype=resolve_dtype(dtype, "cpu")).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * size * tokens
+    # K/V on the attention layers, and a hybrid's conv layers' plane rows (cache/kv.py), per token.
+    return config.kv_bytes_per_token(resolve_dtype(dtype, "cpu")) * tokens
 
 
 def server_command(system: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
@@ -249,6 +251,32 @@ class Client:
                 prompt += complete(prompt) + "\n"
             complete(before[len(turns) // 2] + f"User: {turns[-1]}\nAssistant:")
         return counts
+
+    async def shared_prefix(self, prefix: list[int], questions: list[list[int]], in_flight: int
+                            ) -> list[tuple[int, int, float]]:
+        """A shared system prompt: ``prefix`` then each question, ``in_flight`` requests at a time, one token each
+        (its time is the time to the first token). Returns (prompt tokens, cached tokens, seconds) per request,
+        as each server reports its cached tokens."""
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(client: httpx.AsyncClient, question: list[int]) -> tuple[int, int, float]:
+            async with gate:
+                body = {"model": SERVED, "prompt": prefix + question, "max_tokens": 1, "temperature": 0.0,
+                        "ignore_eos": True}
+                start = time.perf_counter()
+                reply = await client.post(f"{self.base_url}/v1/completions", json=body)
+                seconds = time.perf_counter() - start
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{reply.status_code}: {reply.text}")
+                data = reply.json()
+                usage = data.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if cached is None:
+                    cached = (data.get("timings") or {}).get("cache_n", 0)
+                return int(usage.get("prompt_tokens", len(prefix) + len(question))), int(cached), seconds
+
+        async with httpx.AsyncClient(timeout=600) as client:
+            return list(await asyncio.gather(*(one(client, question) for question in questions)))
 
     async def ttft(self, prompt: list[int]) -> float:
         async with httpx.AsyncClient(timeout=600) as client:
@@ -354,6 +382,21 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
                 "chat_branch_cached_tokens": branch[1],
                 "chat_turns": counts,
             }
+        for name, prefix_tokens, count in (("shared_prompt", args.shared_prompt_tokens, args.shared_questions),
+                                           ("short_prefix", args.short_prefix_tokens, args.short_prefix_questions)):
+            if not count:
+                continue
+            time.sleep(args.settle_s)
+            prefix = tokens(prefix_tokens)
+            runs = asyncio.run(client.shared_prefix(prefix, [tokens(args.question_tokens) for _ in range(count)],
+                                                    args.concurrency))
+            result |= {
+                f"{name}_cached_share_of_prefix": sum(min(cached, prefix_tokens) for _, cached, _ in runs)
+                / (prefix_tokens * len(runs)),
+                f"{name}_requests_hitting_all_of_it": sum(cached >= prefix_tokens for _, cached, _ in runs),
+                f"{name}_requests": len(runs),
+                f"{name}_median_ttft_s": statistics.median(seconds for _, _, seconds in runs),
+            }
         if args.vllm_bench_serve:
             load = vllm_bench_serve(server.base_url, args, log_dir, f"{system}-{Path(model).stem}")
             result |= {f"vllm_bench_{key}": value for key, value in load.items()}
@@ -404,6 +447,15 @@ def main() -> int:
                              "the next user turn) and report the prompt tokens each server serves from its cache")
     parser.add_argument("--chat-turn-words", type=int, default=120, help="words of English per user turn")
     parser.add_argument("--chat-answer-tokens", type=int, default=48, help="tokens of each answer")
+    parser.add_argument("--shared-questions", type=int, default=0,
+                        help="also send this many different questions after one shared --shared-prompt-tokens system "
+                             "prompt, --concurrency at a time, and report the share of the prompt each server served "
+                             "from its cache and the median time to the first token")
+    parser.add_argument("--shared-prompt-tokens", type=int, default=1000)
+    parser.add_argument("--short-prefix-questions", type=int, default=0,
+                        help="the same with a --short-prefix-tokens shared prefix (shorter than a hybrid's block in vLLM)")
+    parser.add_argument("--short-prefix-tokens", type=int, default=40)
+    parser.add_argument("--question-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -422,6 +474,7 @@ def main() -> int:
         args.rounds = 1
         args.settle_s = 0.0  # no llama-server whose threads to wait for
         args.chat_turn_words, args.chat_answer_tokens = 8, 4
+        args.shared_prompt_tokens, args.short_prefix_tokens, args.question_tokens = 24, 8, 4
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
     elif "llama-server" in systems and args.gguf and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
@@ -489,6 +542,14 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("chat: turns 2+ that hit", "chat_turns_hit", "{:.2f}", True),
             ("chat: branch's prompt", "chat_branch_prompt_tokens", "{:.0f}", True),
             ("chat: branch's tokens cached", "chat_branch_cached_tokens", "{:.0f}", True),
+            ("shared prompt: share cached", "shared_prompt_cached_share_of_prefix", "{:.2f}", True),
+            ("  requests hitting all of it", "shared_prompt_requests_hitting_all_of_it", "{:.0f}", True),
+            ("  of requests", "shared_prompt_requests", "{:.0f}", True),
+            ("  median TTFT s", "shared_prompt_median_ttft_s", "{:.3f}", False),
+            ("short prefix: share cached", "short_prefix_cached_share_of_prefix", "{:.2f}", True),
+            ("  requests hitting all of it", "short_prefix_requests_hitting_all_of_it", "{:.0f}", True),
+            ("  of requests", "short_prefix_requests", "{:.0f}", True),
+            ("  median TTFT s", "short_prefix_median_ttft_s", "{:.3f}", False),
             ("vllm bench serve: duration s", "vllm_bench_duration", "{:.1f}", False),
             ("  requests completed", "vllm_bench_completed", "{:.0f}", True),
             ("  TTFT mean ms", "vllm_bench_mean_ttft_ms", "{:.0f}", False),

@@ -1,10 +1,11 @@
-"""Hybrid models (issue 66), first step: LFM2's gated short convolutions among attention layers, run cold.
+"""Hybrid models (issue 66): LFM2's gated short convolutions among attention layers.
 
-Greedy float32 output equals transformers' ``Lfm2ForCausalLM`` token for token, alone, in batches and in chunked
-prefills (the conv state carried between chunks in its slot); a preempted and recomputed sequence starts from a
-zero state; the paged pool holds K/V for the attention layers only. The short convolution over a flat batch of
-sequences equals ``F.conv1d`` per sequence. What a hybrid cannot do yet is refused by name (speculation, chunk
-reuse, KV tiers, LoRA); prefix caching is off for it until the recurrent-state snapshots are wired.
+Greedy float32 output equals transformers' ``Lfm2ForCausalLM`` token for token, cold, alone, in batches, in
+chunked prefills and after preemption; the pool holds K/V for the attention layers and a plane row per conv layer
+and token (each token's convolution input), so a prefix hit ending at any token resumes with nothing recomputed
+and, in batch-invariant mode, changes no bit of the output (warm, batched, drafted, or from the host tier). The
+short convolution over a flat batch of sequences equals ``F.conv1d`` per sequence. What a hybrid cannot do yet is
+refused by name (an EAGLE draft, chunk reuse, LoRA).
 """
 
 from __future__ import annotations
@@ -16,15 +17,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_files import write_gguf
+from test_cache_drafts import looping_prompts
 from test_engine import reference_greedy, run_checked
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.layers.short_conv import ConvWindows, causal_conv
+from kvreuse.layers.short_conv import ConvTaps, causal_conv
 from kvreuse.loading.gguf import read_gguf
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
+from kvreuse.spec.draft_cost import DraftCost
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class FlatCost(DraftCost):
+    """Every row count priced the same (test_cache_drafts.py's): every draft is verified."""
+
+    def step_seconds(self, rows: int) -> float | None:
+        return 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +55,33 @@ def make_llm(model_dir: Path, **options) -> LLM:
 
 def test_the_short_convolution_over_a_flat_batch_equals_conv1d_per_sequence():
     torch.manual_seed(0)
-    hidden, kernel, slots = 8, 3, 5
+    hidden, kernel, block_size = 8, 3, 4
     weight = torch.randn(hidden, 1, kernel)
     bias = torch.randn(hidden)
-    states = torch.randn(slots, kernel - 1, hidden)
-    before = states.clone()
-    # Three sequences: one fresh (its slot's old state must be ignored), one continuing with a single row (a
-    # decode step: its new state is one old row and the new one), one continuing with four rows.
-    lengths, starts, used = [3, 1, 4], [0, 9, 5], [4, 0, 2]
+    planes = torch.randn(41, hidden)  # 10 blocks of 4 slots, then the zero row
+    planes[40] = 0
+    # Three sequences: one new (position 0: the taps before it read the zero row), one continuing with a single
+    # row (a decode step) whose last two inputs sit in another block, one continuing with four rows.
+    tables, starts, lengths = [[2, 3], [5, 0, 7], [9, 1, 6]], [0, 9, 5], [3, 1, 4]
+    slot_of = lambda table, position: table[position // block_size] * block_size + position % block_size  # noqa: E731
+    slot_mapping = torch.tensor([slot_of(table, start + i) for table, start, length in zip(tables, starts, lengths)
+                                 for i in range(length)])
     rows = torch.randn(sum(lengths), hidden)
-    windows = ConvWindows.build(used, starts, lengths, kernel, torch.device("cpu"))
-    out = causal_conv(rows, weight, bias, windows, states)
+    before = planes.clone()
+    taps = ConvTaps.build(slot_mapping, starts, lengths, tables, block_size, kernel, zero_slot=40)
+    out = causal_conv(rows, weight, bias, taps, planes)
     first = 0
-    for length, start, slot in zip(lengths, starts, used):
-        past = torch.zeros(kernel - 1, hidden) if start == 0 else before[slot]
+    for table, start, length in zip(tables, starts, lengths):
+        past = torch.stack([before[slot_of(table, p)] if p >= 0 else torch.zeros(hidden)
+                            for p in range(start - kernel + 1, start)])
         sequence = torch.cat((past, rows[first:first + length]))  # [K - 1 + L, H]
         expected = F.conv1d(sequence.t().unsqueeze(0), weight, bias, groups=hidden)[0].t()
         torch.testing.assert_close(out[first:first + length], expected)
-        assert torch.equal(states[slot], sequence[-(kernel - 1):])
         first += length
-    assert torch.equal(states[1], before[1]) and torch.equal(states[3], before[3])  # slots not in the step
+    assert torch.equal(planes[slot_mapping], rows)  # every row's input written to its slot
+    untouched = torch.ones(41, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert torch.equal(planes[untouched], before[untouched])
 
 
 def test_lfm2_config_reads_the_released_spellings_as_transformers_does():
@@ -84,8 +101,9 @@ def test_lfm2_config_reads_the_released_spellings_as_transformers_does():
     assert config.recurrent_layers == [i for i, kind in enumerate(theirs.layer_types) if kind == "conv"]
     assert config.num_kv_layers == 6 and config.kv_layer_of(8) == 2 and config.conv_kernel == 3
     assert config.tie_word_embeddings and config.qk_norm and config.rms_norm_eps == 1e-5
-    # The K/V a token costs: six attention layers, not sixteen.
-    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 8 * 64 * 6 * 2
+    # What a token costs in the pool: K/V on the six attention layers (12 KiB), a plane row on the ten conv
+    # layers (20 KiB).
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 8 * 64 * 6 * 2 + 10 * 1024 * 2
     with pytest.raises(ValueError, match="names no attention layer"):
         ModelConfig.from_dict({**released, "full_attn_idxs": []})
 
@@ -93,14 +111,42 @@ def test_lfm2_config_reads_the_released_spellings_as_transformers_does():
 def test_greedy_matches_transformers_alone_batched_and_chunked(tiny_lfm2):
     prompts = [prompt_ids(seed, length) for seed, length in ((1, 37), (2, 5), (3, 1), (4, 23))]
     expected = [reference_greedy(tiny_lfm2, prompt, max_new_tokens=12) for prompt in prompts]
-    llm = make_llm(tiny_lfm2)
-    assert llm.engine.kv_cache.num_layers == 1  # the one attention layer's K/V; the conv layers keep states
+    llm = make_llm(tiny_lfm2, enable_prefix_caching=False)
+    # The one attention layer's K/V, and the three conv layers' planes (a row of 64 values per token each).
+    kv_cache = llm.engine.kv_cache
+    assert kv_cache.num_layers == 1 and tuple(kv_cache.planes.shape) == (3, kv_cache.num_slots + 1, 64)
     assert run_checked(llm.engine, prompts[:1], GREEDY) == expected[:1]
-    assert run_checked(llm.engine, prompts, GREEDY) == expected  # together, slots reused after the first run
-    # Chunks of 8 tokens a step: the long prompts' states carried from chunk to chunk, beside others decoding.
-    chunked = make_llm(tiny_lfm2, max_num_batched_tokens=8)
+    assert run_checked(llm.engine, prompts, GREEDY) == expected
+    # Chunks of 8 tokens a step: each chunk reads the inputs the chunk before wrote, beside others decoding.
+    chunked = make_llm(tiny_lfm2, max_num_batched_tokens=8, enable_prefix_caching=False)
     assert run_checked(chunked.engine, prompts, GREEDY) == expected
-    assert chunked.engine.state_slots.in_use == 0
+
+
+def test_prefix_hits_end_at_any_token_and_change_no_bit(tiny_lfm2):
+    """Batch-invariant mode: cold, a full hit, a hit ending mid-block, a later chat turn over the first one's
+    output, and all of them again in one batch give the same tokens and logprobs; the hits cover every token
+    computed before (cached_tokens), the 40-token shared prefix included."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    shared = prompt_ids(30, 40)
+    cold_prompts = [shared + prompt_ids(31, 6), shared[:38] + prompt_ids(32, 5)]
+    plain = make_llm(tiny_lfm2, batch_invariant=True, enable_prefix_caching=False)
+    cached = make_llm(tiny_lfm2, batch_invariant=True)
+
+    def run(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs), o.num_cached_tokens) for o in outputs]
+
+    first = run(cached, cold_prompts[:1])
+    assert first[0][2] == 0
+    assert [r[:2] for r in first] == [r[:2] for r in run(plain, cold_prompts[:1])]
+    again = run(cached, cold_prompts)
+    assert [r[:2] for r in again] == [r[:2] for r in run(plain, cold_prompts)]
+    assert [r[2] for r in again] == [len(cold_prompts[0]) - 1, 38]  # everything but the last token; to token 38
+    turn2 = cold_prompts[0] + list(first[0][0]) + prompt_ids(33, 7)
+    warm = run(cached, [turn2])
+    assert warm[0][:2] == run(plain, [turn2])[0][:2]
+    assert warm[0][2] == len(cold_prompts[0]) + len(first[0][0]) - 1  # all of the first turn but its last token
+    assert cached.engine.stats().cache.hit_tokens > 0
 
 
 def test_preempted_sequences_recompute_from_a_zero_state(tiny_lfm2):
@@ -108,7 +154,7 @@ def test_preempted_sequences_recompute_from_a_zero_state(tiny_lfm2):
     expected = [reference_greedy(tiny_lfm2, prompt, max_new_tokens=24) for prompt in prompts]
     # 16 blocks of 4 tokens: four sequences of 54 tokens cannot all stay; some are preempted and recomputed.
     per_block = ModelConfig.from_pretrained(tiny_lfm2).kv_bytes_per_token(torch.float32) * 4
-    llm = make_llm(tiny_lfm2, kv_cache_memory=16 * per_block)
+    llm = make_llm(tiny_lfm2, kv_cache_memory=16 * per_block, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert run_checked(llm.engine, prompts, params) == expected
     assert llm.engine.stats().num_preemptions > 0
@@ -126,21 +172,42 @@ def test_a_token_s_logprobs_do_not_depend_on_its_batch(tiny_lfm2):
     assert [repr(o.logprobs) for o in together] == [repr(o.logprobs) for o in alone]
 
 
-def test_what_a_hybrid_cannot_do_yet_is_refused_by_name(tiny_lfm2, caplog):
-    with caplog.at_level("INFO", logger="kvreuse"):
-        llm = make_llm(tiny_lfm2)
-    assert llm.engine.kv.enable_prefix_caching is False
-    assert "prefix caching: off for this hybrid model" in caplog.text
-    assert llm.engine.spec is None
-    prompt = prompt_ids(5, 20)
-    llm.generate([{"prompt_token_ids": prompt}] * 2, GREEDY)
-    assert llm.engine.stats().cache.hit_tokens == 0
-    for options, words in (({"speculative_config": {"method": "cache"}}, "speculative_config on a hybrid"),
-                           ({"chunk_reuse": True}, "chunk_reuse on a hybrid"),
-                           ({"kv_host_memory": "8MiB"}, "KV tiers on a hybrid"),
-                           ({"enable_lora": True}, "enable_lora on a hybrid")):
+def test_what_a_hybrid_cannot_do_yet_is_refused_by_name(tiny_lfm2):
+    draft = tiny_lfm2  # refused before any draft is read
+    for options, words in (({"speculative_config": {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}},
+                            "method 'eagle' on a hybrid model"),
+                           ({"chunk_reuse": True}, "chunk_reuse on a hybrid model"),
+                           ({"enable_lora": True}, "enable_lora on a hybrid model")):
         with pytest.raises(ValueError, match=words):
             make_llm(tiny_lfm2, **options)
+
+
+def test_cache_drafts_and_the_host_tier_change_no_bit(tiny_lfm2):
+    """Drafted rows write their inputs like any row (a rejected one's is overwritten later, as its K/V is); a
+    block evicted to the host tier and brought back carries its planes."""
+    # The tiny random model repeats its last token: a run of 7s in the prompt followed by a 9 is drafted (and the
+    # 9 rejected) while its output is 7s, which other drafts copy (accepted).
+    prompts = looping_prompts()[:2] + [[31, 7, 7, 7, 7, 9, 12, 50, 61, 7, 7, 7, 7, 9, 13, 44, 90, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+    cached: list[int] = []
+
+    def run(llm: LLM) -> list[tuple]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+        cached[:] = [o.num_cached_tokens for o in outputs]
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in outputs]
+
+    plain = run(make_llm(tiny_lfm2, batch_invariant=True, speculative_config={"method": "none"}))
+    drafting = make_llm(tiny_lfm2, speculative_config={"method": "cache"})
+    drafting.engine.spec.cost = FlatCost()  # every draft verified: this tests verification, not the cost model
+    assert run(drafting) == plain and run(drafting) == plain
+    stats = drafting.engine.stats().spec_decode
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    tiered = make_llm(tiny_lfm2, batch_invariant=True, kv_host_memory="4MiB", kv_cache_memory="256KiB")
+    assert run(tiered) == plain
+    tiered.engine.reset_prefix_cache()  # the device copies go; the host tier keeps them
+    assert run(tiered) == plain
+    assert cached[0] >= 32, cached  # read back from the host tier, planes and all
 
 
 def test_make_model_writes_lfm2_350m_s_shapes(tmp_path):

@@ -70,9 +70,6 @@ class ForwardBatch:
     listed_positions: list[list[int] | None] | None = None
     moves: KVMoves | None = None  # K/V moved within the pool before the forward
     blend: BlendPlan | None = None  # which moved rows the forward recomputes
-    # A hybrid model's (issue 66): each sequence's slot of recurrent state (engine/state_slots.py); None: no
-    # recurrent layers.
-    state_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -10,7 +10,12 @@ single indexing operation over all layers at once.
 With a quantized ``kv_cache_dtype`` (kvreuse.cache.kv_quant) the tensor holds one-byte codes and a second
 one, ``scales`` ``[num_layers, 2, num_slots, num_kv_heads]`` bfloat16, holds their scales: `write`
 quantizes, `gather` dequantizes what attention reads, and a block's bytes (tiers) are its codes, then
-its scales, then its features.
+its scales, then its features, then its planes.
+
+A hybrid model's short convolutions (LFM2: models/lfm2.py) keep one ``planes`` row per slot and conv layer, the
+convolution's input at that token: a layer's state at any position is the rows of the K - 1 tokens before it, so
+a prefix hit resumes at any token with nothing recomputed, and the planes travel with their block as K/V does
+(copies, tiers). One extra row per layer, always zero, stands for positions before 0.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class KVShape(Protocol):
     num_kv_layers: int  # the layers that keep K/V (a hybrid's recurrent layers keep none)
     num_key_value_heads: int
     head_dim: int
+    num_plane_layers: int  # a hybrid's short-convolution layers, each a plane row per token (0: none)
+    plane_size: int  # the values of one plane row (a conv layer's width)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int: ...
 
@@ -74,6 +81,8 @@ class KVCache:
         feature_size: int = 0,
         kv_cache_dtype: str = "auto",
         native_codec: bool = True,
+        plane_layers: int = 0,
+        plane_size: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
@@ -114,6 +123,12 @@ class KVCache:
         self.features: torch.Tensor | None = None
         if feature_size > 0:
             self.features = zeroed((num_blocks * block_size + 1, feature_size), dtype, self.device)
+        # A hybrid's conv layers: a row per slot in the model's dtype (never quantized: the convolution reads the
+        # bits it wrote), the last row of each layer zero.
+        self.plane_layers, self.plane_size = plane_layers, plane_size
+        self.planes: torch.Tensor | None = None
+        if plane_layers > 0:
+            self.planes = zeroed((plane_layers, num_blocks * block_size + 1, plane_size), dtype, self.device)
 
     @classmethod
     def for_model(
@@ -124,6 +139,7 @@ class KVCache:
         return cls(
             model_config.num_kv_layers, num_blocks, block_size, model_config.num_key_value_heads,
             model_config.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype,
+            plane_layers=model_config.num_plane_layers, plane_size=model_config.plane_size,
         )
 
     @property
@@ -141,10 +157,16 @@ class KVCache:
         return self.num_slots
 
     @property
+    def zero_plane_slot(self) -> int:
+        """The planes row that is always zero (the convolution's input before position 0)."""
+        return self.num_slots
+
+    @property
     def memory_bytes(self) -> int:
         features = self.features.numel() * self.features.element_size() if self.features is not None else 0
         scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
-        return self.kv.numel() * self.kv.element_size() + scales + features
+        planes = self.planes.numel() * self.planes.element_size() if self.planes is not None else 0
+        return self.kv.numel() * self.kv.element_size() + scales + features + planes
 
     def write_features(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         """Store one feature row [num_tokens, feature_size] per slot."""
@@ -219,10 +241,12 @@ class KVCache:
             self.scales[:, :, dst] = self.scales[:, :, src]
         if self.features is not None:
             self.features[dst] = self.features[src]
+        if self.planes is not None:
+            self.planes[:, dst] = self.planes[:, src]
 
     @property
     def tokens_per_gib(self) -> int:
-        """Tokens one GiB of this pool holds (its K/V in ``kv_cache_dtype``, scales and features included)."""
+        """Tokens one GiB of this pool holds (its K/V in ``kv_cache_dtype``, scales, features and planes included)."""
         return 2**30 * self.block_size // self.block_bytes
 
     # --- one block as bytes (KV tiers) ------------------------------------------------------------------
@@ -233,22 +257,27 @@ class KVCache:
 
     @property
     def block_bytes(self) -> int:
-        features = self.block_size * self.feature_size * torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        features = self.block_size * self.feature_size * element
+        planes = self.block_size * self.plane_layers * self.plane_size * element
         return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                                    self.storage_dtype, self.scheme) + features
+                                                    self.storage_dtype, self.scheme) + features + planes
 
     def _block_parts(self, block_id: int) -> list[torch.Tensor]:
-        """Views of one block's K/V codes, their scales (quantized pools) and its features, in record order."""
+        """Views of one block's K/V codes, their scales (quantized pools), its features and its planes, in record
+        order."""
         rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
         parts = [self.kv[:, :, rows]]
         if self.scales is not None:
             parts.append(self.scales[:, :, rows])
         if self.features is not None:
             parts.append(self.features[rows])
+        if self.planes is not None:
+            parts.append(self.planes[:, rows])
         return parts
 
     def read_block(self, block_id: int) -> bytes:
-        """One block's K/V of every layer (then its scales and its features, if any) as bytes."""
+        """One block's K/V of every layer (then its scales, its features and its planes, if any) as bytes."""
         return b"".join(part.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
                         for part in self._block_parts(block_id))
 
@@ -265,10 +294,12 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(model_config: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """Bytes of one token's K and V across the model's layers, in ``kv_cache_dtype``."""
+        """Bytes of one token's K and V across the model's layers, in ``kv_cache_dtype``, and of its planes (a
+        hybrid's conv layers, in ``dtype``)."""
+        planes = model_config.num_plane_layers * model_config.plane_size * torch.empty((), dtype=dtype).element_size()
         return kv_bytes_per_token(model_config.num_kv_layers, model_config.num_key_value_heads,
                                   model_config.head_dim, kv_float_dtype(kv_cache_dtype, dtype),
-                                  resolve_kv_cache_dtype(kv_cache_dtype))
+                                  resolve_kv_cache_dtype(kv_cache_dtype)) + planes
 
     @staticmethod
     def num_blocks_for_memory(

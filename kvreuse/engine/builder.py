@@ -179,6 +179,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device=device,
         feature_size=model_config.hidden_size if draft is not None else 0,
         kv_cache_dtype=config.cache.kv_cache_dtype,
+        plane_layers=model_config.num_plane_layers,
+        plane_size=model_config.plane_size,
     )
     runner = ModelRunner(model, model_config, kv_cache, device,
                          max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
@@ -456,28 +458,20 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
 
 
 def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """``config`` as a hybrid model (recurrent layers among the attention ones: issue 66) runs it, or a ValueError
-    naming what it cannot do yet. A hit needs each recurrent layer's state at the hit's last token, which the
-    cache does not keep yet: prefix caching is off (logged), and what needs it is refused. A verified draft's
-    rejected tokens would have advanced the state: no speculation (off unless asked, refused if asked)."""
-    layers = f"{len(model_config.recurrent_layers)} of its {model_config.num_hidden_layers} layers"
-    if config.speculative is not None and config.speculative.method != "none":
-        raise ValueError(f"speculative_config on a hybrid model ({model_config.architecture}: {layers} keep a "
-                         "recurrent state) is not implemented: a rejected draft token would have advanced the state")
+    """``config`` as a hybrid model (short convolutions among the attention layers: issue 66) runs it, or a
+    ValueError naming what it cannot do yet. Its conv layers keep each token's input in the pool (cache/kv.py
+    planes), so prefix caching, tiers and cache drafts work as for any model; an EAGLE draft, chunk reuse and
+    LoRA are not built for its layers."""
+    name = f"a hybrid model ({model_config.architecture}: {model_config.num_plane_layers} of its " \
+           f"{model_config.num_hidden_layers} layers are short convolutions)"
+    if config.speculative is not None and config.speculative.uses_draft_model:
+        raise ValueError(f"speculative_config method {config.speculative.method!r} on {name} is not implemented; "
+                         "the cache drafter (method cache) runs on it")
     if config.cache.chunk_reuse:
-        raise ValueError(f"chunk_reuse on a hybrid model ({model_config.architecture}) has no meaning: a recurrent "
-                         "layer's state cannot move to another position")
-    if config.cache.has_tiers:
-        raise ValueError(f"KV tiers on a hybrid model ({model_config.architecture}) are not implemented: its cached "
-                         "blocks would need the recurrent state beside them (issue 66)")
+        raise ValueError(f"chunk_reuse on {name} is not implemented (prefix reuse is)")
     if config.lora.enable_lora:
-        raise ValueError(f"enable_lora on a hybrid model ({model_config.architecture}) is not implemented")
-    if config.cache.enable_prefix_caching:
-        logger.info("prefix caching: off for this hybrid model (%s: %s keep a recurrent state, which a hit would "
-                    "need at its last token; state snapshots are issue 66's next step)", model_config.architecture,
-                    layers)
-    return dataclasses.replace(config, speculative=SpeculativeConfig(method="none"),
-                               cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+        raise ValueError(f"enable_lora on {name} is not implemented")
+    return config
 
 
 def cache_drafter_settings(config: EngineConfig, device: torch.device) -> tuple[SpeculativeConfig | None, str]:

@@ -27,7 +27,6 @@ from kvreuse.config import EngineConfig
 from kvreuse.engine.builder import EngineParts, build_engine_parts
 from kvreuse.engine.groups import RequestGroup, Sample
 from kvreuse.engine.stats import EngineStats, StepTiming
-from kvreuse.engine.state_slots import StateSlots
 from kvreuse.errors import InvalidRequestError
 from kvreuse.grammar.manager import MaskRows
 from kvreuse.inputs import InputProcessor, PromptInput
@@ -75,9 +74,6 @@ class LLMEngine:
         self.blend = (BlendSettings(resolved_check_layer(cache.chunk_check_layer, self.model_config.num_hidden_layers),
                                     cache.chunk_recompute_fraction, cache.chunk_recompute_first)
                       if cache.chunk_reuse else None)
-        # A hybrid model's running sequences' slots of recurrent state (engine/state_slots.py).
-        self.state_slots = (StateSlots(self.config.scheduler.max_num_seqs) if self.model_config.is_hybrid
-                            else None)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -225,8 +221,6 @@ class LLMEngine:
 
         batch, items = build_forward_batch(scheduled.scheduled, self.kv.block_size, self.device, self.kv.take_copies(),
                                            self.lora, copy_tables=self.proposer is not None, blend=self.blend)
-        if self.state_slots is not None:
-            batch.state_slots = self.state_slots.assign([item.request for item in items], self.scheduler.running)
         logits = self.spec.forward(self.runner, batch) if self.spec is not None else self.runner.execute(batch)
         if batch.blend is not None:  # how many moved tokens each blended sequence recomputed
             for item in items:
@@ -256,8 +250,6 @@ class LLMEngine:
             touched[group.request_id] = group
         if self.spec is not None:
             self.spec.draft(items, self.max_model_len, len(self.scheduler.running))
-        if self.state_slots is not None:  # the slots of sequences that ended or were preempted this step
-            self.state_slots.retain(self.scheduler.running)
         if self.tier_glue is not None:  # after the draft's K/V: a stored block is complete
             self.tier_glue.store_computed(self.kv.take_new_blocks())
         outputs = failed + [self._make_output(group) for group in touched.values()]

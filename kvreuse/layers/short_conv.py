@@ -1,17 +1,19 @@
-"""LFM2's gated short convolution over a flat batch of many sequences, each carrying its state in a slot.
+"""LFM2's gated short convolution over a flat batch of many sequences, its inputs kept in the paged pool.
 
 The block (transformers' ``Lfm2ShortConv``): ``in_proj`` gives B, C and x (each hidden wide), ``B * x`` runs
 through a causal depthwise convolution of width K (``conv_L_cache``, 3 in every released LFM2), and
-``C *`` its output goes through ``out_proj``. A token's output reads its own ``B * x`` and the K - 1 before it,
-so a sequence's whole past is those K - 1 rows: its recurrent state, kept per sequence in a slot of
-``RecurrentStates`` between steps (a chunked prefill, then one row a decode step).
+``C *`` its output goes through ``out_proj``. A token's output reads its own ``B * x`` and the K - 1 before it:
+the layer's whole past is those K - 1 rows. So the layer keeps each token's ``B * x`` in the pool, one plane row
+per slot beside the attention layers' K/V (cache/kv.py ``planes``), and reads a row's K inputs by slot, as
+attention reads its keys: a chunked prefill, a decode step, a prefix hit ending at any token (the rows before it
+are cached with their blocks) and a verified draft (a rejected token's row is overwritten later, as its K/V is)
+all read exactly the rows that were written, and nothing is recomputed or snapshotted.
 
 A step's sequences are concatenated as everywhere else (``ForwardBatch``): sequence i owns rows
-``[query_start[i], query_start[i] + query_lens[i])``. ``ConvWindows`` turns that into two gathers over one
-buffer, the sequences' states followed by the step's rows: each row's K inputs, and each sequence's new state.
-A sequence whose step starts at position 0 reads zeros (a new sequence, or one preempted and recomputed), never
-what its slot held before. Every row's sum runs in the same order whatever the batch, so a token's output does not
-depend on what else ran in its step.
+``[query_start[i], query_start[i] + query_lens[i])`` and its positions run up to its context length.
+``ConvTaps`` gives each row the slots of its K inputs: the K - 1 positions before the sequence's first row this
+step from its block table (the pool's zero row before position 0), the rest the step's own slots, which the
+layer writes before it reads. Every row's sum runs in the same order whatever the batch.
 """
 
 from __future__ import annotations
@@ -26,72 +28,44 @@ from kvreuse.layers.linear import Linear, _empty_parameter
 
 
 @dataclass
-class ConvWindows:
-    """Where a step's rows read their convolution inputs: indices into ``[states of the step's sequences
-    (K - 1 rows each), the step's rows]``."""
+class ConvTaps:
+    """Where a step's rows read their convolution inputs: ``slots`` [T, K], oldest first."""
 
-    slots: torch.Tensor  # [S] int64: each sequence's state slot
-    fresh: torch.Tensor  # [S] bool: the sequence starts at position 0 (its state is zeros)
-    window_rows: torch.Tensor  # [T, K] int64: each row's K inputs, oldest first
-    state_rows: torch.Tensor  # [S, K - 1] int64: each sequence's state after the step
+    slot_mapping: torch.Tensor  # [T] int64: where each row's own input is written
+    slots: torch.Tensor  # [T, K] int64
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], query_lens: list[int], kernel: int,
-              device: torch.device) -> ConvWindows:
-        """``starts``: each sequence's first position this step (0: fresh)."""
-        keep = kernel - 1
-        num_seqs = len(slots)
-        base = num_seqs * keep  # the step's rows follow the states
-        window_rows: list[list[int]] = []
-        state_rows: list[list[int]] = []
-        row = 0
-
-        def source(sequence: int, first_row: int, offset: int) -> int:
-            # offset < 0: the state's row (keep + offset); else the step's row
-            return sequence * keep + keep + offset if offset < 0 else base + first_row + offset
-
-        for sequence, length in enumerate(query_lens):
-            for offset in range(length):
-                window_rows.append([source(sequence, row, offset - keep + k) for k in range(kernel)])
-            state_rows.append([source(sequence, row, length - keep + k) for k in range(keep)])
-            row += length
-        long = dict(dtype=torch.long, device=device)
-        return cls(torch.tensor(slots, **long), torch.tensor([start == 0 for start in starts], device=device),
-                   torch.tensor(window_rows, **long).view(-1, kernel), torch.tensor(state_rows, **long).view(num_seqs, keep))
+    def build(cls, slot_mapping: torch.Tensor, starts: list[int], query_lens: list[int],
+              block_tables: list[list[int]], block_size: int, kernel: int, zero_slot: int) -> ConvTaps:
+        """``starts``: each sequence's first position this step; ``block_tables``: its blocks (the positions
+        before ``starts`` are cached there); ``zero_slot``: the pool's zero row (before position 0)."""
+        keep, num_seqs = kernel - 1, len(query_lens)
+        before = [zero_slot if position < 0 else table[position // block_size] * block_size + position % block_size
+                  for start, table in zip(starts, block_tables) for position in range(start - keep, start)]
+        # Index into [the K - 1 slots before each sequence, the step's slots]: row r of sequence i, tap k reads
+        # offset (r - first row of i) - (K - 1) + k of its sequence, before its first row where that is negative.
+        lengths = torch.tensor(query_lens, dtype=torch.long)
+        sequence = torch.repeat_interleave(torch.arange(num_seqs), lengths)
+        first = (torch.cumsum(lengths, 0) - lengths)[sequence]
+        offset = (torch.arange(int(lengths.sum())) - first).unsqueeze(1) - keep + torch.arange(kernel)
+        index = torch.where(offset < 0, (sequence * keep + keep).unsqueeze(1) + offset,
+                            num_seqs * keep + first.unsqueeze(1) + offset)
+        device = slot_mapping.device
+        pool_slots = torch.cat((torch.tensor(before, dtype=torch.long, device=device), slot_mapping))
+        return cls(slot_mapping, pool_slots[index.to(device)])
 
 
-class RecurrentStates:
-    """The short convolutions' states: per conv layer, ``num_slots`` slots of K - 1 rows of hidden values, in the
-    model's dtype (what the next step reads, as transformers keeps its conv cache)."""
-
-    def __init__(self, num_layers: int, num_slots: int, kernel: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_slots = num_slots
-        self.tensor = torch.zeros(num_layers, num_slots, kernel - 1, hidden_size, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def layer(self, index: int) -> torch.Tensor:
-        return self.tensor[index]
-
-
-def causal_conv(bx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, windows: ConvWindows,
-                states: torch.Tensor) -> torch.Tensor:
-    """The depthwise causal convolution of ``bx`` [T, H] by ``weight`` [H, 1, K], each sequence continuing from its
-    slot in ``states`` [slots, K - 1, H], which is updated in place to the state after the step."""
-    previous = states.index_select(0, windows.slots)
-    previous = previous.masked_fill(windows.fresh.view(-1, 1, 1), 0)
-    buffer = torch.cat((previous.reshape(-1, bx.shape[-1]), bx))
-    taps = buffer[windows.window_rows]  # [T, K, H]
+def causal_conv(bx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, taps: ConvTaps,
+                planes: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution of ``bx`` [T, H] by ``weight`` [H, 1, K]: each row's input written to its
+    slot of ``planes`` [slots + 1, H] (one conv layer's rows in the pool), then its K inputs read by slot."""
+    planes.index_copy_(0, taps.slot_mapping, bx.to(planes.dtype))
+    inputs = planes[taps.slots]  # [T, K, H]
     # In float32, rounded once (a half-precision model's conv1d accumulates so too).
-    out = (taps.float() * weight.squeeze(1).t().float()).sum(dim=1)
+    out = (inputs.float() * weight.squeeze(1).t().float()).sum(dim=1)
     if bias is not None:
         out = out + bias.float()
-    out = out.to(bx.dtype)
-    states.index_copy_(0, windows.slots, buffer[windows.state_rows])
-    return out
+    return out.to(bx.dtype)
 
 
 class ShortConv(nn.Module):
@@ -104,10 +78,10 @@ class ShortConv(nn.Module):
         self.conv = DepthwiseConvWeight(hidden_size, kernel, bias, dtype, device)
         self.out_proj = Linear(hidden_size, [hidden_size], bias, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, windows: ConvWindows, states: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, taps: ConvTaps, planes: torch.Tensor,
                 lora: ProjectionDeltas | None = None) -> torch.Tensor:
         b, c, x = self.in_proj(hidden).split(self.hidden_size, dim=-1)
-        mixed = causal_conv(b * x, self.conv.weight, self.conv.bias, windows, states)
+        mixed = causal_conv(b * x, self.conv.weight, self.conv.bias, taps, planes)
         return self.out_proj(c * mixed)
 
 

@@ -177,6 +177,16 @@ class ModelConfig:
         return [layer for layer in range(self.num_hidden_layers) if self.is_recurrent_layer(layer)]
 
     @property
+    def num_plane_layers(self) -> int:
+        """Layers that keep a plane row per token in the pool (cache/kv.py): the short convolutions."""
+        return len(self.recurrent_layers)
+
+    @property
+    def plane_size(self) -> int:
+        """The width of a plane row: a short convolution's input, hidden_size wide (0 without such layers)."""
+        return self.hidden_size if self.recurrent_layers else 0
+
+    @property
     def num_kv_layers(self) -> int:
         """Layers that keep K/V in the paged pool: the attention layers (a hybrid's recurrent ones keep none)."""
         return sum(not self.is_recurrent_layer(layer) for layer in range(self.num_hidden_layers))
@@ -203,9 +213,10 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
+        """Bytes of K and V one token occupies across all layers (and of its plane rows: a hybrid's conv layers)."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_key_value_heads * self.head_dim * self.num_kv_layers * element_size
+        planes = self.num_plane_layers * self.plane_size * element_size
+        return 2 * self.num_key_value_heads * self.head_dim * self.num_kv_layers * element_size + planes
 
     def forward_flops(self, num_cached: int, num_new: int, sampled_rows: int = 1) -> int:
         """Matrix-multiply FLOPs (2 per multiply-add) of running ``num_new`` tokens after ``num_cached``

@@ -1,10 +1,10 @@
 """LFM2 (Liquid AI): gated short convolutions with a few grouped-query attention layers (issue 66's first hybrid).
 
 An attention layer is the Llama family's, with q/k norms (``LlamaFamilyDecoderLayer``); a conv layer puts
-layers/short_conv.py's ``ShortConv`` where the attention was, with the same norms and SwiGLU around it. Only the
-attention layers keep K/V in the paged pool (``ModelConfig.kv_layer_of`` numbers them); a conv layer's past is
-its state, K - 1 rows per sequence in ``RecurrentStates``, a slot per running sequence (``ForwardBatch.state_slots``,
-given out by the engine's ``StateSlots``).
+layers/short_conv.py's ``ShortConv`` where the attention was, with the same norms and SwiGLU around it. The
+attention layers keep K/V in the paged pool (``ModelConfig.kv_layer_of`` numbers them); a conv layer keeps each
+token's convolution input there, a plane row per slot (cache/kv.py ``planes``), from which a sequence's state at any
+position is read: the cache treats the model as it treats any other, token for token.
 
 The checkpoint's names are translated to the family's on load: ``operator_norm`` / ``ffn_norm`` are the input and
 post-attention norms, ``feed_forward.w1 / w3 / w2`` the gate / up / down projections, ``self_attn.out_proj`` and
@@ -25,7 +25,8 @@ from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import RMSNorm
-from kvreuse.layers.short_conv import ConvWindows, RecurrentStates, ShortConv
+from kvreuse.cache.kv import KVCache
+from kvreuse.layers.short_conv import ConvTaps, ShortConv
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyDecoderLayer, LlamaFamilyForCausalLM
 
@@ -76,7 +77,7 @@ class ShortConvDecoderLayer(nn.Module):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = layer_idx
-        self.state_index = config.recurrent_layers.index(layer_idx)  # its row of RecurrentStates
+        self.plane = config.recurrent_layers.index(layer_idx)  # its planes in the pool
         self.input_layernorm = RMSNorm(size, eps, dtype, device)
         self.conv = ShortConv(size, config.conv_kernel, config.conv_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(size, eps, dtype, device)
@@ -84,16 +85,16 @@ class ShortConvDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, recurrent: RecurrentInputs, lora: ProjectionDeltas | None = None
                 ) -> torch.Tensor:
-        mixed = self.conv(self.input_layernorm(hidden), recurrent.windows, recurrent.states.layer(self.state_index))
+        mixed = self.conv(self.input_layernorm(hidden), recurrent.taps, recurrent.planes[self.plane])
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
 
 
 class RecurrentInputs:
-    """What a step's conv layers read: where each row's convolution inputs are, and the states."""
+    """What a step's conv layers read: where each row's convolution inputs are, and the pool's planes."""
 
-    def __init__(self, windows: ConvWindows, states: RecurrentStates) -> None:
-        self.windows = windows
-        self.states = states
+    def __init__(self, taps: ConvTaps, planes: torch.Tensor) -> None:
+        self.taps = taps
+        self.planes = planes
 
 
 def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend, dtype: torch.dtype,
@@ -108,27 +109,13 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
 
     make_layer = staticmethod(_make_layer)
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 attention_backend: AttentionBackend | None = None) -> None:
-        super().__init__(config, dtype, device, attention_backend)
-        self.states: RecurrentStates | None = None  # allocate_states, by the runner
-
-    def allocate_states(self, num_slots: int) -> RecurrentStates:
-        """One slot per sequence that may run at once (the scheduler's max_num_seqs)."""
-        device = self.model.embed_tokens.weight.device
-        self.states = RecurrentStates(len(self.config.recurrent_layers), num_slots, self.config.conv_kernel,
-                                      self.config.hidden_size, self.dtype, device)
-        return self.states
-
-    def recurrent_inputs(self, batch: ForwardBatch) -> RecurrentInputs:
-        if self.states is None:
-            raise RuntimeError("allocate_states before running a hybrid model's step")
-        if batch.state_slots is None:
-            raise ValueError("a hybrid model's step needs each sequence's state slot (ForwardBatch.state_slots)")
+    def recurrent_inputs(self, batch: ForwardBatch, kv_cache: KVCache) -> RecurrentInputs:
+        if kv_cache.planes is None:
+            raise ValueError("a hybrid model's pool needs its conv layers' planes (KVCache plane_layers)")
         starts = [context - length for context, length in zip(batch.context_lens, batch.query_lens)]
-        windows = ConvWindows.build(batch.state_slots, starts, batch.query_lens, self.config.conv_kernel,
-                                    self.states.tensor.device)
-        return RecurrentInputs(windows, self.states)
+        taps = ConvTaps.build(batch.slot_mapping, starts, batch.query_lens, batch.block_tables, kv_cache.block_size,
+                              self.config.conv_kernel, kv_cache.zero_plane_slot)
+        return RecurrentInputs(taps, kv_cache.planes)
 
     @property
     def native_step_refusal(self) -> str | None:

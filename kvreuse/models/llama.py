@@ -355,10 +355,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             aux_out.extend(captured[index] for index in aux_layers)
         return self.model.norm(hidden)
 
-    def allocate_states(self, num_slots: int) -> None:
-        """A hybrid model's recurrent states (models/lfm2.py); attention-only models keep none."""
-
-    def recurrent_inputs(self, batch: Any) -> None:
+    def recurrent_inputs(self, batch: Any, kv_cache: KVCache) -> None:
         """What a hybrid's recurrent layers read in ``batch``'s step (models/lfm2.py); None here."""
         return None
 

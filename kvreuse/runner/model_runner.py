@@ -88,8 +88,6 @@ class ModelRunner:
         # Set by a server sharing the CPU with its event loop (LLMEngine.share_cpu_with_event_loop).
         self.step_threads: StepThreads | None = None
         # The decode paths beside the Python layers (the native CPU step, CUDA graphs) and the choice between them.
-        # A hybrid model's recurrent states: a slot per sequence that may run at once (models/lfm2.py).
-        model.allocate_states(max_num_seqs)
         self.decode = DecodePaths(model, kv_cache, self.device, self.attention_backend, max_num_seqs,
                                   max_model_len or model_config.max_position_embeddings, enforce_eager)
 
@@ -133,7 +131,7 @@ class ModelRunner:
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, choice.metadata, batch.lora,
                                     aux_layers, aux, choice.narrowing, choice.native,
-                                    self.model.recurrent_inputs(batch))
+                                    self.model.recurrent_inputs(batch, self.kv_cache))
                 rows = choice.narrowed[0].logits_indices if choice.narrowed else batch.logits_indices
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # The forward and logits only: the attention metadata is engine overhead, as before the decode paths.
