@@ -61,6 +61,8 @@ def why_no_graphs(model: LlamaFamilyForCausalLM, device: torch.device, backend: 
         return "CUDA graphs need the triton attention backend (the torch backend sizes its gathers on the host)"
     if model.config.moe is not None:
         return "a mixture-of-experts model groups its rows by expert on the host"
+    if model.config.is_hybrid:
+        return "a hybrid model's conv layers read their taps through indices built on the host each step"
     return None
 
 
