@@ -228,6 +228,11 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf SmolLM2-135M-Instruct.Q4_1.gguf --systems "
     "llama-server,kvreuse,kvreuse-no-batch-invariant --repeats 3 --rounds 2 --out peers_xeon.json": SCRIPT,
     "kvreuse make-model models/qwen2.5-0.5b --preset qwen2.5-0.5b --dtype bfloat16": MAKE_MODEL,
+    # issue 66: LFM2-350M's shapes beside llama-server (smoke: the tiny file under this name)
+    "kvreuse make-model models/lfm2-350m --preset lfm2-350m --vocab-size 65536 --dtype bfloat16": MAKE_MODEL,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/lfm2-350m.q8_0.gguf --systems "
+    "llama-server,kvreuse,kvreuse-no-drafts --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 "
+    "--short-prefix-questions 8 --out lfm2.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,

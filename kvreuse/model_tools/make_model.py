@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvreuse.config import CACHE_DIR_ENV, cache_dir, parse_memory_size
+from kvreuse.config import cache_dir, parse_memory_size
 from kvreuse.models.config import ModelConfig
 
 if TYPE_CHECKING:

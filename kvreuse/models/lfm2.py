@@ -22,10 +22,10 @@ from torch import nn
 
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
+from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import RMSNorm
-from kvreuse.cache.kv import KVCache
 from kvreuse.layers.short_conv import ConvTaps, ShortConv
 from kvreuse.models.config import ModelConfig
 from kvreuse.models.llama import LlamaFamilyDecoderLayer, LlamaFamilyForCausalLM
