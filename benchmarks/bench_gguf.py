@@ -234,15 +234,8 @@ class Client:
             def complete(text: str) -> str:
                 body = {"model": SERVED, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
                         "ignore_eos": True}
-                reply = client.post(f"{self.base_url}/v1/completions", json=body)
-                if reply.status_code != 200:
-                    raise RuntimeError(f"{reply.status_code}: {reply.text}")
-                data = reply.json()
-                usage = data.get("usage") or {}
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                if cached is None:
-                    cached = (data.get("timings") or {}).get("cache_n", 0)
-                counts.append((int(usage.get("prompt_tokens", 0)), int(cached)))
+                data = completion(client.post(f"{self.base_url}/v1/completions", json=body))
+                counts.append(prompt_and_cached_tokens(data))
                 return data["choices"][0]["text"]
 
             for user in turns:
@@ -264,16 +257,8 @@ class Client:
                 body = {"model": SERVED, "prompt": prefix + question, "max_tokens": 1, "temperature": 0.0,
                         "ignore_eos": True}
                 start = time.perf_counter()
-                reply = await client.post(f"{self.base_url}/v1/completions", json=body)
-                seconds = time.perf_counter() - start
-                if reply.status_code != 200:
-                    raise RuntimeError(f"{reply.status_code}: {reply.text}")
-                data = reply.json()
-                usage = data.get("usage") or {}
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                if cached is None:
-                    cached = (data.get("timings") or {}).get("cache_n", 0)
-                return int(usage.get("prompt_tokens", len(prefix) + len(question))), int(cached), seconds
+                data = completion(await client.post(f"{self.base_url}/v1/completions", json=body))
+                return *prompt_and_cached_tokens(data), time.perf_counter() - start
 
         async with httpx.AsyncClient(timeout=600) as client:
             return list(await asyncio.gather(*(one(client, question) for question in questions)))
@@ -282,6 +267,22 @@ class Client:
         async with httpx.AsyncClient(timeout=600) as client:
             first, _, _ = await self.stream(client, prompt, 1)
         return first
+
+
+def completion(reply: httpx.Response) -> dict:
+    if reply.status_code != 200:
+        raise RuntimeError(f"{reply.status_code}: {reply.text}")
+    return reply.json()
+
+
+def prompt_and_cached_tokens(data: dict) -> tuple[int, int]:
+    """A completion's prompt tokens and those served from the cache, as each server reports them
+    (usage.prompt_tokens_details.cached_tokens; llama-server's timings.cache_n)."""
+    usage = data.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = (data.get("timings") or {}).get("cache_n", 0)
+    return int(usage.get("prompt_tokens", 0)), int(cached)
 
 
 def chat_turns(count: int, words: int) -> list[str]:
