@@ -172,7 +172,8 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
         gib = -(-kv_bytes(model, args.ctx_size, "bfloat16") // 2**30)
         return ["env", "VLLM_TARGET_DEVICE=cpu", f"VLLM_CPU_KVCACHE_SPACE={gib}", args.vllm_python, "-m",
                 "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16", "--host", "127.0.0.1",
-                "--port", str(port), "--served-model-name", SERVED]
+                "--port", str(port), "--served-model-name", SERVED,
+                "--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens: its hits
     if system == "llama-server":
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),

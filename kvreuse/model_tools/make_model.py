@@ -638,6 +638,11 @@ def build_config(model: ResolvedModel) -> dict:
             del config[key]
         config.update(
             norm_eps=preset.rms_norm_eps, conv_L_cache=preset.conv_kernel, conv_bias=False,
+            # The released files' own spellings too (vLLM's LFM2 reads them): the same numbers.
+            conv_dim=preset.hidden_size, conv_dim_out=preset.hidden_size, block_dim=preset.hidden_size,
+            block_ff_dim=preset.intermediate_size, block_norm_eps=preset.rms_norm_eps,
+            num_heads=preset.num_attention_heads, theta=preset.rope_theta,
+            tie_embedding=preset.tie_word_embeddings, use_pos_enc=True,
             block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
             rope_parameters={"rope_theta": preset.rope_theta, "rope_type": "default"},
             layer_types=["full_attention" if layer in preset.attention_layers else "conv"
