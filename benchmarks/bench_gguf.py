@@ -61,6 +61,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -150,30 +151,37 @@ def model_kind(model: str) -> str:
     return "folder" if Path(model).is_dir() else "gguf"
 
 
+def model_config(model: str) -> Any:
+    """The kvreuse ModelConfig of a folder or a GGUF file."""
+    from kvreuse.loading.gguf import read_gguf
+    from kvreuse.models.config import ModelConfig
+
+    if model_kind(model) == "folder":
+        return ModelConfig.from_dict(json.loads((Path(model) / "config.json").read_text()))
+    return ModelConfig.from_dict(read_gguf(model).hf_config)
+
+
 def kv_bytes(model: str, tokens: int, dtype: str) -> int:
     """Bytes of K and V (and a hybrid's planes) for ``tokens`` tokens of the model in kvreuse's ``dtype`` (its KV dtype): the
     pool that holds as many tokens as llama-server's -c (an f16 cache: the same bytes where kvreuse runs
     bf16; twice them in float32)."""
-    from kvreuse.loading.gguf import read_gguf
     from kvreuse.loading.loader import resolve_dtype
-    from kvreuse.models.config import ModelConfig
 
-    if model_kind(model) == "folder":
-        config = ModelConfig.from_dict(json.loads((Path(model) / "config.json").read_text()))
-    else:
-        config = ModelConfig.from_dict(read_gguf(model).hf_config)
     # K/V on the attention layers, and a hybrid's conv layers' plane rows (cache/kv.py), per token.
-    return config.kv_bytes_per_token(resolve_dtype(dtype, "cpu")) * tokens
+    return model_config(model).kv_bytes_per_token(resolve_dtype(dtype, "cpu")) * tokens
 
 
 def server_command(system: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     threads = len(os.sched_getaffinity(0))
     if system == "vllm":
         gib = -(-kv_bytes(model, args.ctx_size, "bfloat16") // 2**30)
+        # A context it can hold: the pool's tokens, at most the model's (LFM2 says 128,000, past 1 GiB of cache).
+        longest = min(args.ctx_size, model_config(model).max_position_embeddings)
         return ["env", "VLLM_TARGET_DEVICE=cpu", f"VLLM_CPU_KVCACHE_SPACE={gib}", args.vllm_python, "-m",
                 "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16", "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", SERVED,
-                "--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens: its hits
+                "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: its hits
+                "--max-model-len", str(longest)]
     if system == "llama-server":
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),

