@@ -149,7 +149,7 @@ def test_prefix_hits_end_at_any_token_and_change_no_bit(tiny_lfm2):
     assert cached.engine.stats().cache.hit_tokens > 0
 
 
-def test_preempted_sequences_recompute_from_a_zero_state(tiny_lfm2):
+def test_preempted_sequences_recompute_exactly(tiny_lfm2):
     prompts = [prompt_ids(10 + seed, 30) for seed in range(4)]
     expected = [reference_greedy(tiny_lfm2, prompt, max_new_tokens=24) for prompt in prompts]
     # 16 blocks of 4 tokens: four sequences of 54 tokens cannot all stay; some are preempted and recomputed.

@@ -105,7 +105,7 @@ def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: Attentio
 
 
 class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
-    """LFM2's conv and attention layers over the paged pool (attention) and a state slot per sequence (conv)."""
+    """LFM2: its attention layers keep K/V in the paged pool, its conv layers a plane row per token there."""
 
     make_layer = staticmethod(_make_layer)
 
