@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_files import write_gguf
-from test_cache_drafts import looping_prompts
+from test_cache_drafts import FlatCost, looping_prompts
 from test_engine import reference_greedy, run_checked
 
 from kvreuse import LLM, SamplingParams
@@ -25,16 +25,8 @@ from kvreuse.layers.short_conv import ConvTaps, causal_conv
 from kvreuse.loading.gguf import read_gguf
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
-from kvreuse.spec.draft_cost import DraftCost
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-class FlatCost(DraftCost):
-    """Every row count priced the same (test_cache_drafts.py's): every draft is verified."""
-
-    def step_seconds(self, rows: int) -> float | None:
-        return 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -145,15 +145,11 @@ class GGUFMetadata:
         type, an empty or nested array, bytes that are not UTF-8, a number that is not finite or is below
         ``minimum`` (counts that divide, or that must exist: heads, layers).
         """
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             if default is REQUIRED:
                 raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
             return default
-        try:
-            element, values, is_array = _field_values(field)
-        except (ValueError, IndexError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
-            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
+        element, values, is_array = self._values(key)
         if element not in _ACCEPTED_TYPES[kind] or (is_array and kind not in (int, float)):
             found = ("an empty array" if not values else f"an array of {element}") if is_array else f"a {element} value"
             raise ValueError(f"{self.path}: GGUF metadata {key} is {found}; expected {_KIND_NAMES[kind]}")
@@ -166,24 +162,26 @@ class GGUFMetadata:
             raise ValueError(f"{self.path}: GGUF metadata {key} is {value}; expected at least {minimum}")
         return value
 
-
     def per_layer(self, key: str, layers: int) -> list[int]:
         """An integer stored per layer (or once for every layer) as ``layers`` values: LFM2's
         ``attention.head_count_kv``, zero on its convolution layers. A ValueError names the file and the key for
         a missing or non-integer value or an array of another length."""
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
-        try:
-            element, values, is_array = _field_values(field)
-        except (ValueError, IndexError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
+        element, values, is_array = self._values(key)
         if element not in _ACCEPTED_TYPES[int]:
             raise ValueError(f"{self.path}: GGUF metadata {key} holds {element} values; expected integers")
         values = [int(value) for value in values] if is_array else [int(values[0])] * layers
         if len(values) != layers or min(values) < 0:
             raise ValueError(f"{self.path}: GGUF metadata {key} has {values}; expected {layers} counts")
         return values
+
+    def _values(self, key: str) -> tuple[str, list[Any], bool]:
+        """``_field_values`` of a present key, a corrupt one a ValueError naming the file and the key."""
+        try:
+            return _field_values(self.fields[key])
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"{self.path}: GGUF metadata {key} is corrupt: {exc}") from exc
 
 
 def _field_values(field: Any) -> tuple[str, list[Any], bool]:
@@ -310,7 +308,6 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("rope_local_base_freq", Fixed(GEMMA3_LOCAL_ROPE_THETA)),
                 ("hidden_activation", Fixed("gelu_pytorch_tanh")),
                 ("query_pre_attn_scalar", Derived(_gemma3_query_pre_attn_scalar)))),
-    # gpt-oss's experts are its MLP: their width is intermediate_size.
     # LFM2: attention.head_count_kv is per layer, zero on the short-convolution layers; feed_forward_length is the
     # width as used (config.json's is adjusted); token_embd_norm is the final norm (HF's model.embedding_norm).
     "lfm2": GGUFArchitecture(
@@ -319,6 +316,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                        "shortconv.out_proj": "conv.out_proj"},
         config=(("conv_L_cache", MetadataKey("shortconv.l_cache", minimum=2)),
                 ("block_auto_adjust_ff_dim", Fixed(False)))),
+    # gpt-oss's experts are its MLP: their width is intermediate_size.
     "gpt-oss": GGUFArchitecture(
         "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
         layer_tensors={"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},

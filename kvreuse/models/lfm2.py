@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -123,27 +122,12 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
 
     def expected_weight_names(self) -> list[str]:
         """The family's names for the attention layers, the conv block's for the conv layers."""
-        names = []
-        conv = ["conv.in_proj.weight", "conv.conv.weight", "conv.out_proj.weight"]
-        if self.config.conv_bias:
-            conv += ["conv.in_proj.bias", "conv.conv.bias", "conv.out_proj.bias"]
-        attention_only = ("self_attn.", )
-        for name in super().expected_weight_names():
-            match = _LAYER_PREFIX.match(name)
-            if match is None or not self.config.is_recurrent_layer(int(name.split(".")[2])):
-                names.append(name)
-                continue
-            prefix, rest = match.groups()
-            if rest.startswith(attention_only):
-                if rest == "self_attn.q_proj.weight":
-                    names.extend(prefix + part for part in conv)
-                continue
-            names.append(name)
-        return names
+        kinds = ("weight", "bias") if self.config.conv_bias else ("weight",)
+        conv = [f"model.layers.{layer}.conv.{part}.{kind}" for layer in self.config.recurrent_layers
+                for part in ("in_proj", "conv", "out_proj") for kind in kinds]
+        return [name for name in super().expected_weight_names()
+                if not (name.startswith("model.layers.") and ".self_attn." in name
+                        and self.config.is_recurrent_layer(int(name.split(".")[2])))] + conv
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         super().load_weights(_checkpoint_tensor(name, tensor) for name, tensor in weights)
-
-    def rotary_tables(self) -> list[Any]:
-        raise NotImplementedError("moving K/V to new positions (chunk reuse) has no meaning for a hybrid model's "
-                                  "recurrent state")
