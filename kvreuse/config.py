@@ -92,6 +92,11 @@ class CacheConfig:
     chunk_recompute_fraction: float = 0.3
     chunk_check_layer: int | None = None
     chunk_recompute_first: int = 0
+    # A hybrid whose recurrent layers keep one state per sequence (Qwen3.5's Gated DeltaNet, issue 66): the share of
+    # kv_cache_memory its state snapshots may hold (the running requests' states come out of kv_cache_memory too),
+    # and which snapshot goes when they are full: "saved" (the least compute saved per byte) or "lru".
+    state_snapshot_fraction: float = 0.25
+    state_snapshot_policy: str = "saved"
 
     @property
     def has_tiers(self) -> bool:
@@ -100,6 +105,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be between 0 and 1, got {self.max_pinned_fraction}")
+        if not 0.0 < self.state_snapshot_fraction < 1.0:
+            raise ValueError(f"state_snapshot_fraction must be between 0 and 1 (exclusive), got {self.state_snapshot_fraction}")
+        if self.state_snapshot_policy not in ("saved", "lru"):
+            raise ValueError(f"state_snapshot_policy must be 'saved' or 'lru', got {self.state_snapshot_policy!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be between 1 and 1024, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvreuse.cache.chunks import ChunkMissReason, MovedSpan
 from kvreuse.cache.prefix import CacheNode
+from kvreuse.cache.state_snapshots import SnapshotHit
 from kvreuse.sampling import SamplingParams, SamplingState
 
 
@@ -63,6 +64,13 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     cached_nodes: list[CacheNode] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # chained keys of the full blocks
+
+    # A hybrid's per-sequence recurrent state (Qwen3.5, cache/state_slots.py): its slot in the state pool while it
+    # runs; the snapshot lookup of its last match (why fewer tokens than the blocks matched are reused); and where its
+    # first prefill chunk stops so its state there is kept as a branch snapshot (None: nowhere).
+    state_slot: int | None = None
+    state_hit: SnapshotHit | None = None
+    branch_at: int | None = None
 
     num_cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
     # KV tiers: blocks below this index were already looked up there; tokens loaded from each tier.

@@ -81,7 +81,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._limit(request))
             if request.spec_token_ids:  # verify as many drafted tokens as the budget leaves room for
                 del request.spec_token_ids[budget - num_new:]
                 num_new += len(request.spec_token_ids)
@@ -101,6 +101,10 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _limit(self, request: Request) -> int:
+        limit = self.kv.step_limit(request)
+        return request.num_tokens if limit is None else limit
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots to reserve past this step's tokens: a sequence that samples this step drafts up to
@@ -150,7 +154,7 @@ class Scheduler:
                     and request.adapter not in adapters and len(adapters) >= config.max_loras):
                 continue  # max_loras other adapters are running; this one waits for a slot
             match = matches.get(id(request))
-            if match is None:
+            if match is None or self.kv.states is not None:  # a hybrid's snapshot lookup is taken fresh at admission
                 match = self.kv.match(request)
             if self.kv.is_next_block_pending(request, match):
                 continue  # another prefill is computing this prefix; it will be a hit next step
@@ -159,6 +163,9 @@ class Scheduler:
             # one step, so it needs the budget for all of it; else the prompt runs with its exact hit only.
             match, blended = self.kv.match_blended(request, match)  # both no-ops without chunk reuse
             num_new = min(request.num_tokens - match.num_tokens, budget)
+            branch = self.kv.branch_point(request, match)
+            if branch is not None:  # a hybrid's first chunk stops where the request leaves the cached path
+                num_new = min(num_new, branch - match.num_tokens)
             moved = self.kv.match_moved(request, match)
             if moved and num_new < request.num_tokens - match.num_tokens:
                 request.chunk_misses = sorted(request.chunk_misses + [(span.start, span.end, "step_budget")

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from kvreuse.cache.blocks import BlockCopy
+from kvreuse.cache.state_slots import StateCopy
 
 
 class ProjectionDeltas(Protocol):
@@ -70,6 +71,10 @@ class ForwardBatch:
     listed_positions: list[list[int] | None] | None = None
     moves: KVMoves | None = None  # K/V moved within the pool before the forward
     blend: BlendPlan | None = None  # which moved rows the forward recomputes
+    # A hybrid's per-sequence recurrent state (Qwen3.5): each sequence's slot of the state pool, and the copies between
+    # slots (a snapshot into a resuming request's, ...) done before the forward; None / empty for every other model.
+    state_slots: list[int] | None = None
+    state_copies: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -36,6 +36,7 @@ from kvreuse.cache.kv_quant import (
     quantize,
     resolve_kv_cache_dtype,
 )
+from kvreuse.cache.recurrent_state import RecurrentStatePool
 from kvreuse.kernels.kv_codec import cpu_kv_codec
 
 
@@ -129,6 +130,9 @@ class KVCache:
         self.planes: torch.Tensor | None = None
         if plane_layers > 0:
             self.planes = zeroed((plane_layers, num_blocks * block_size + 1, plane_size), dtype, self.device)
+        # A hybrid's Gated DeltaNet layers: one state per sequence, not per token (cache/recurrent_state.py; set by
+        # the engine's builder beside the pool).
+        self.states: RecurrentStatePool | None = None
 
     @classmethod
     def for_model(
@@ -166,7 +170,8 @@ class KVCache:
         features = self.features.numel() * self.features.element_size() if self.features is not None else 0
         scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
         planes = self.planes.numel() * self.planes.element_size() if self.planes is not None else 0
-        return self.kv.numel() * self.kv.element_size() + scales + features + planes
+        states = self.states.memory_bytes if self.states is not None else 0
+        return self.kv.numel() * self.kv.element_size() + scales + features + planes + states
 
     def write_features(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         """Store one feature row [num_tokens, feature_size] per slot."""

@@ -22,9 +22,12 @@ from kvreuse.cache.prefix import (
     EMPTY_MATCH,
     CacheNode,
     Divergence,
+    PartialMatch,
     PrefixIndex,
     PrefixMatch,
 )
+from kvreuse.cache.state_slots import StateCopy, StateSlots
+from kvreuse.cache.state_snapshots import SnapshotHit
 from kvreuse.cache.tiers.store import BlockRef
 
 
@@ -48,6 +51,10 @@ class CacheSequence(Protocol):
     chunks_recorded: int
     exact_tokens: int | None
     chunk_misses: list[tuple[int, int, ChunkMissReason]]  # issue 64: chunk tokens admission left to compute, and why
+    # Issue 66: a hybrid's state slot while it runs, its last snapshot lookup, and where its branch snapshot goes.
+    state_slot: int | None
+    state_hit: SnapshotHit | None
+    branch_at: int | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -86,7 +93,7 @@ class TierSource(Protocol):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None, chunk_reuse: bool = False) -> None:
+                 events: KVEventLog | None = None, chunk_reuse: bool = False, states: StateSlots | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -109,6 +116,9 @@ class KVCacheManager:
         self.chunks = ChunkIndex(block_size)
         self.min_turn_tokens = 8  # a moved turn must match at least this many tokens
         self.max_turn_blocks = 512  # how far past the divergence a moved turn is looked for
+        # A hybrid whose recurrent layers keep a state per sequence (Qwen3.5): the state pool's slots and snapshots.
+        # A hit then resumes from the deepest snapshot at or before the blocks' match (cache/state_slots.py).
+        self.states = states
 
     # --- lookup -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -126,7 +136,49 @@ class KVCacheManager:
         match = self.index.match(request.namespace, request.all_token_ids, request.block_keys, request.num_tokens - 1)
         if self.tiers is not None:
             match = self._extend_from_tiers(request, match)
+        if self.states is not None:
+            match = self._resume_point(request, match)
         return match
+
+    def _resume_point(self, request: CacheSequence, match: PrefixMatch) -> PrefixMatch:
+        """A hybrid with per-sequence state reuses the blocks only up to the deepest snapshot at or before their match:
+        the tokens after it are recomputed (their K/V as well: the state must run through them; a block they fill is
+        shared with the cached one again when it is cached). The lookup, with why fewer tokens are reused than
+        matched, stays on the request."""
+        assert self.states is not None
+        root = self.index.roots.get(request.namespace)
+        if root is None or match.num_tokens == 0:
+            request.state_hit = None
+            return EMPTY_MATCH
+        hit = self.states.lookup(root, match.nodes, request.all_token_ids, match.num_tokens)
+        request.state_hit = hit
+        if hit.resume == match.num_tokens:
+            return match
+        full, rest = divmod(hit.resume, self.block_size)
+        partial = None
+        if rest:
+            node = match.nodes[full] if full < len(match.nodes) else match.partial.node  # type: ignore[union-attr]
+            partial = PartialMatch(node, rest)
+        return PrefixMatch(match.nodes[:full], partial, hit.resume)
+
+    def take_state_copies(self) -> list[StateCopy]:
+        """The state copies admissions and branch snapshots asked for, to run before the next forward (in order)."""
+        return self.states.take_copies() if self.states is not None else []
+
+    def branch_point(self, request: CacheSequence, match: PrefixMatch) -> int | None:
+        """Where an admission with ``match`` keeps a branch snapshot: the blocks matched past the request's snapshot
+        (another request's prefix went on elsewhere from there), and nobody kept the state at the divergence."""
+        hit = request.state_hit
+        if self.states is None or hit is None or hit.matched <= match.num_tokens or hit.matched < self.block_size:
+            return None
+        return hit.matched
+
+    def step_limit(self, request: CacheSequence) -> int | None:
+        """At most this many tokens of ``request`` this step (None: no limit): a branch snapshot's prefill chunk stops
+        at the divergence, so the state there can be kept."""
+        if request.branch_at is not None and request.num_computed_tokens < request.branch_at:
+            return request.branch_at - request.num_computed_tokens
+        return None
 
     def _extend_from_tiers(self, request: CacheSequence, match: PrefixMatch) -> PrefixMatch:
         """Load the blocks that follow the device match from the tiers (the longest contiguous run they
@@ -171,6 +223,8 @@ class KVCacheManager:
     def _evicted(self, node: CacheNode) -> None:
         if self.tiers is not None:
             self.tiers.evicted(node)
+        if self.states is not None:  # no hit can end past an evicted block: the snapshots anchored there go
+            self.states.drop_node(node)
 
     def take_new_blocks(self) -> list[tuple[CacheNode, bytes]]:
         """Blocks computed (and cached) since the last call, with their namespace: for write-through."""
@@ -379,6 +433,12 @@ class KVCacheManager:
             keys = deque(request.block_keys[match.num_blocks:exact_blocks])
             self._pending_of[id(request)] = keys
             self._pending.update(keys)
+        if self.states is not None:
+            hit = request.state_hit if match.num_tokens else None
+            request.state_slot = self.states.start(hit.snapshot if hit is not None else None)
+            # Matched past its snapshot (another request's prefix continued elsewhere): keep the state where it leaves
+            # the cached path, so the next request on this branch resumes there.
+            request.branch_at = self.branch_point(request, match)
         return True
 
     def grow(self, request: CacheSequence, num_new_tokens: int) -> bool:
@@ -442,6 +502,21 @@ class KVCacheManager:
                 self._drop_pending(key)
         if self.chunk_reuse and request.chunk_spans:
             self._record_chunks(request)
+        if self.states is not None and request.branch_at is not None and computed == request.branch_at:
+            assert request.state_slot is not None
+            anchor, tail = self._snapshot_place(request, computed)
+            if anchor is not None:
+                self.states.branch(anchor, tail, request.state_slot)
+            request.branch_at = None
+
+    def _snapshot_place(self, request: CacheSequence, position: int) -> tuple[CacheNode | None, list[int]]:
+        """Where a snapshot of ``request``'s state after ``position`` tokens is anchored: the cached node of the last
+        full block before it and the tokens after that block (None: that block is not cached as exact K/V)."""
+        full = position // self.block_size
+        if full == 0 or len(request.cached_nodes) < full or (
+                request.exact_tokens is not None and request.exact_tokens < position):
+            return None, []
+        return request.cached_nodes[full - 1], request.all_token_ids[full * self.block_size:position]
 
     def _cache_tail(self, request: CacheSequence) -> None:
         size = self.block_size
@@ -469,6 +544,16 @@ class KVCacheManager:
         this sequence, and its partial match then covers every computed token, not only the full blocks."""
         for key in self._pending_of.pop(id(request), ()):
             self._drop_pending(key)
+        if self.states is not None and request.state_slot is not None:
+            # Its state at its last computed token stays as a snapshot there (the next turn resumes at it).
+            anchor, tail = (self._snapshot_place(request, request.num_computed_tokens) if self.enable_prefix_caching
+                            else (None, []))
+            if anchor is not None:
+                self.states.keep(anchor, tail, request.state_slot, "finish")
+            else:
+                self.states.release(request.state_slot)
+            request.state_slot = None
+            request.branch_at = None
         self._cache_tail(request)
         if self.chunk_reuse and request.chunk_spans:  # a chunk that ends in the tail is complete now
             self._record_chunks(request)
@@ -485,7 +570,7 @@ class KVCacheManager:
             freed = self.index.evict(self.index.num_cached_blocks or 1)
             total += freed
             if freed == 0:
-                return total
+                return total  # the snapshots went with their anchors (_evicted)
 
     # --- reporting --------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -508,6 +593,9 @@ class KVCacheManager:
         self.pool.check_integrity()
         self.index.check_integrity()
         self.chunks.check_integrity()
+        requests = list(requests)
+        if self.states is not None:
+            self.states.check_integrity(request.state_slot for request in requests if request.state_slot is not None)
         holders = Counter(self._copy_sources)
         for request in requests:
             holders.update(request.block_ids)

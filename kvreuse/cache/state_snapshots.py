@@ -22,8 +22,9 @@ saves beyond the next snapshot up its own path, times its hits, decayed with age
 end that every request hits stays, a finished request's end that nobody continues goes). Torch-free: a snapshot's
 state is the caller's ``handle`` (a slot in a state pool, a tier record); this module keeps metadata.
 
-Not wired to the engine yet: no hybrid model runs in kvreuse so far (models/config.py refuses them), and
-benchmarks/simulate_state_snapshots.py measures the placements and policies on traces of the issue's workloads.
+Wired to the engine through cache/state_slots.py (``StateSlots``: the slots behind the handles) for Qwen3.5's
+Gated DeltaNet; benchmarks/simulate_state_snapshots.py measures the placements and policies on traces of the issue's
+workloads.
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ class StateSnapshots:
                 return SnapshotHit(best, best.position, matched, why)
         why = f"no state kept on this prefix: {matched} matched tokens recomputed" if matched else None
         return SnapshotHit(None, 0, matched, why)
+
+    def record_use(self, snapshot: Snapshot) -> None:
+        """A request resumes from ``snapshot``: its hits and recency grow (what a counted ``lookup`` does)."""
+        self._now = next(self._clock)
+        snapshot.hits = self._decayed_hits(snapshot) + 1
+        snapshot.last_used = self._now
 
     # --- adding and dropping -------------------------------------------------------------------------------------
     def add(self, anchor: CacheNode, tail: Sequence[int], num_bytes: int, handle: object,

@@ -35,6 +35,8 @@ from kvreuse.cache.kv_quant import (
 )
 from kvreuse.cache.manager import KVCacheManager
 from kvreuse.cache.pins import PinRegistry
+from kvreuse.cache.recurrent_state import RecurrentStatePool
+from kvreuse.cache.state_slots import StateSlots
 from kvreuse.cache.tiers.backends import DiskTier, HostTier, RedisTier
 from kvreuse.cache.tiers.fingerprint import files_digest, model_fingerprint
 from kvreuse.cache.tiers.glue import TierGlue
@@ -168,6 +170,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                     graph_bytes / 2**20, config.scheduler.max_num_seqs)
         sizing = dataclasses.replace(config, cache=dataclasses.replace(
             config.cache, kv_cache_memory=max(1, config.cache.kv_cache_memory - graph_bytes)))
+    num_state_slots = 0
+    if model_config.state_layers:  # a per-sequence recurrent state: its slots come out of kv_cache_memory
+        num_state_slots, state_bytes = state_pool_slots(sizing, model_config)
+        sizing = dataclasses.replace(sizing, cache=dataclasses.replace(
+            sizing.cache, kv_cache_memory=sizing.cache.kv_cache_memory - state_bytes))
     num_blocks, max_model_len = size_kv_pool(sizing, model_config, dtype, extra_bytes_per_token)
     kv_cache = KVCache(
         num_layers=model_config.num_kv_layers + (1 if draft is not None else 0),
@@ -182,6 +189,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         plane_layers=model_config.num_plane_layers,
         plane_size=model_config.plane_size,
     )
+    state_slots: StateSlots | None = None
+    if num_state_slots:
+        kv_cache.states = RecurrentStatePool(num_state_slots, len(model_config.state_layers),
+                                             model_config.delta_value_heads, model_config.delta_key_dim,
+                                             model_config.delta_value_dim, model_config.delta_conv_dim,
+                                             model_config.conv_kernel, device)
+        state_slots = StateSlots(config.cache.block_size, num_state_slots, config.scheduler.max_num_seqs,
+                                 model_config.state_bytes, config.cache.state_snapshot_policy)
+        logger.info("recurrent states: %d slots of %.1f MiB (%d for running requests, %d for snapshots)",
+                    num_state_slots, model_config.state_bytes / 2**20, config.scheduler.max_num_seqs,
+                    num_state_slots - config.scheduler.max_num_seqs)
     runner = ModelRunner(model, model_config, kv_cache, device,
                          max_num_seqs=config.scheduler.max_num_seqs, attention_backend=attention_backend,
                          enforce_eager=config.enforce_eager, max_model_len=max_model_len,
@@ -194,7 +212,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.cache.chunk_reuse:
         refuse_chunk_reuse(config, model_config, runner)
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events,
-                        chunk_reuse=config.cache.chunk_reuse)
+                        chunk_reuse=config.cache.chunk_reuse, states=state_slots)
     tier_store = tier_glue = None
     if config.cache.has_tiers:
         fingerprint = engine_fingerprint(config, model_path, model_config, kv_cache, dtype, draft, tokenizer_path,
@@ -457,13 +475,28 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
 
 
+def state_pool_slots(config: EngineConfig, model_config: ModelConfig) -> tuple[int, int]:
+    """(slots, bytes) of a hybrid's recurrent-state pool: one per running request (max_num_seqs) and as many snapshots
+    as ``state_snapshot_fraction`` of kv_cache_memory holds (at least one), all out of kv_cache_memory."""
+    per_slot = model_config.state_bytes
+    snapshots = max(1, int(config.cache.kv_cache_memory * config.cache.state_snapshot_fraction) // per_slot)
+    slots = config.scheduler.max_num_seqs + snapshots
+    if slots * per_slot >= config.cache.kv_cache_memory:
+        raise ValueError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes cannot hold {model_config.architecture}'s "
+                         f"recurrent states ({slots} of {per_slot / 2**20:.1f} MiB: max_num_seqs="
+                         f"{config.scheduler.max_num_seqs} running and {snapshots} snapshots) and K/V beside them: "
+                         f"raise kv_cache_memory or lower max_num_seqs")
+    return slots, slots * per_slot
+
+
 def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
     """``config`` as a hybrid model (short convolutions among the attention layers: issue 66) runs it, or a
     ValueError naming what it cannot do yet. Its conv layers keep each token's input in the pool (cache/kv.py
     planes), so prefix caching, tiers and cache drafts work as for any model; an EAGLE draft, chunk reuse and
     LoRA are not built for its layers."""
-    name = f"a hybrid model ({model_config.architecture}: {model_config.num_plane_layers} of its " \
-           f"{model_config.num_hidden_layers} layers are short convolutions)"
+    kind = "Gated DeltaNet layers" if model_config.state_layers else "short convolutions"
+    name = f"a hybrid model ({model_config.architecture}: {len(model_config.recurrent_layers)} of its " \
+           f"{model_config.num_hidden_layers} layers are {kind})"
     if config.speculative is not None and config.speculative.uses_draft_model:
         raise ValueError(f"speculative_config method {config.speculative.method!r} on {name} is not implemented; "
                          "the cache drafter (method cache) runs on it")
@@ -471,6 +504,12 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
         raise ValueError(f"chunk_reuse on {name} is not implemented (prefix reuse is)")
     if config.lora.enable_lora:
         raise ValueError(f"enable_lora on {name} is not implemented")
+    if model_config.state_layers:
+        # A verification step runs drafted tokens through the state, and a rejected one cannot be taken back out.
+        if config.speculative is not None and config.speculative.uses_cache_drafter:
+            raise ValueError(f"speculative_config method {config.speculative.method!r} on {name} is not implemented: "
+                             "its Gated DeltaNet state would take in the rejected drafts")
+        config = dataclasses.replace(config, speculative=SpeculativeConfig(method="none"))
     return config
 
 

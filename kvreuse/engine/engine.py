@@ -220,7 +220,8 @@ class LLMEngine:
             self.observatory.admitted(request, match, group.owner, wall_now)
 
         batch, items = build_forward_batch(scheduled.scheduled, self.kv.block_size, self.device, self.kv.take_copies(),
-                                           self.lora, copy_tables=self.proposer is not None, blend=self.blend)
+                                           self.lora, copy_tables=self.proposer is not None, blend=self.blend,
+                                           state_copies=self.kv.take_state_copies())
         logits = self.spec.forward(self.runner, batch) if self.spec is not None else self.runner.execute(batch)
         if batch.blend is not None:  # how many moved tokens each blended sequence recomputed
             for item in items:

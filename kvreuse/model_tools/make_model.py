@@ -68,6 +68,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
 }
 # Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
 # with experts or Gemma's windows is written as its own architecture only.
@@ -298,6 +299,9 @@ class ModelPreset:
     # config.json's, which LFM2 adjusts (2/3 of it, rounded up to 256: 6656 gives 4608)
     attention_layers: tuple[int, ...] = ()
     conv_kernel: int = 3
+    # qwen3_5: the Gated DeltaNet heads (key heads, value heads, key dim, value dim) and the rotary share of a head
+    delta_heads: tuple[int, int, int, int] = (0, 0, 0, 0)
+    partial_rotary_factor: float = 1.0
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -395,6 +399,23 @@ PRESETS: dict[str, ModelPreset] = {
             num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
             rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, tokenizer_vocab_size=1024,
             attention_layers=(2,),
+        ),
+        # Qwen3.5-0.8B's shapes (24 layers, gated attention at every fourth with 8 query heads of 256 to 2 KV heads
+        # and a quarter of each head turned, Gated DeltaNet elsewhere with 16 key and 16 value heads of 128), with the
+        # trained tokenizer's vocabulary instead of 248,320 rows; and a tiny one with its attention layer last.
+        ModelPreset(
+            name="qwen3.5-0.8b", arch="qwen3_5", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+            num_attention_heads=8, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=10000000.0, max_position_embeddings=262144, rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
+            qwen3_head_dim=256, attention_layers=tuple(range(3, 24, 4)), conv_kernel=4,
+            delta_heads=(16, 16, 128, 128), partial_rotary_factor=0.25,
+        ),
+        ModelPreset(
+            name="tiny-qwen3.5", arch="qwen3_5", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=True,
+            rope_theta=10000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, attention_layers=(3,), conv_kernel=4, delta_heads=(2, 4, 16, 16),
+            partial_rotary_factor=0.25,
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
@@ -559,7 +580,7 @@ def _resolve(preset_name: str, arch: str | None, dtype: str, tokenizer_vocab: in
         vocab_size = max(preset.vocab_size, tokenizer_vocab)
     else:
         vocab_size = tokenizer_vocab
-    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss") and preset.qwen3_head_dim is not None:
+    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5") and preset.qwen3_head_dim is not None:
         head_dim = preset.qwen3_head_dim
     else:
         head_dim = preset.hidden_size // preset.num_attention_heads
@@ -648,6 +669,19 @@ def build_config(model: ResolvedModel) -> dict:
             layer_types=["full_attention" if layer in preset.attention_layers else "conv"
                          for layer in range(preset.num_hidden_layers)],
         )
+    elif model.arch == "qwen3_5":
+        # transformers' Qwen3_5TextConfig spellings (rope_parameters with the partial rotary factor inside).
+        key_heads, value_heads, key_dim, value_dim = preset.delta_heads
+        del config["rope_theta"], config["rope_scaling"]
+        config.update(
+            model_type="qwen3_5_text", attention_bias=False, linear_conv_kernel_dim=preset.conv_kernel,
+            linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, linear_key_head_dim=key_dim,
+            linear_value_head_dim=value_dim, full_attention_interval=4,
+            rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta,
+                             "partial_rotary_factor": preset.partial_rotary_factor},
+            layer_types=["full_attention" if layer in preset.attention_layers else "linear_attention"
+                         for layer in range(preset.num_hidden_layers)],
+        )
     elif model.arch == "gemma3":
         # The spellings Gemma 3's released config.json files use (llama.cpp's converter reads these), and the
         # layer_types transformers 5 writes.
@@ -675,6 +709,8 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (model.vocab_size, hidden), "normal")]
     if model.arch == "lfm2":
         return specs + _lfm2_weight_specs(model)
+    if model.arch == "qwen3_5":
+        return specs + _qwen3_5_weight_specs(model)
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
         specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), norm_init))
@@ -759,6 +795,51 @@ def _lfm2_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
             TensorSpec(f"{prefix}.feed_forward.w2.weight", (hidden, width), "normal"),
         ]
     specs.append(TensorSpec("model.embedding_norm.weight", (hidden,), "ones"))
+    return specs
+
+
+def _qwen3_5_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
+    """Qwen3.5's layers under transformers' names (after the embedding), and its final norm: every norm but the Gated
+    DeltaNet's output norm scales by (1 + weight), so it is written as zeros."""
+    preset = model.preset
+    hidden, head_dim = preset.hidden_size, model.head_dim
+    key_heads, value_heads, key_dim, value_dim = preset.delta_heads
+    conv_dim, value_size = 2 * key_heads * key_dim + value_heads * value_dim, value_heads * value_dim
+    q_size, kv_size = preset.num_attention_heads * head_dim, preset.num_key_value_heads * head_dim
+    specs = []
+    for layer in range(preset.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), "zeros"))
+        if layer in preset.attention_layers:
+            specs += [
+                TensorSpec(f"{prefix}.self_attn.q_proj.weight", (2 * q_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.k_proj.weight", (kv_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.v_proj.weight", (kv_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.self_attn.o_proj.weight", (hidden, q_size), "normal"),
+                TensorSpec(f"{prefix}.self_attn.q_norm.weight", (head_dim,), "zeros"),
+                TensorSpec(f"{prefix}.self_attn.k_norm.weight", (head_dim,), "zeros"),
+            ]
+        else:
+            specs += [
+                TensorSpec(f"{prefix}.linear_attn.in_proj_qkv.weight", (conv_dim, hidden), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.in_proj_z.weight", (value_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.in_proj_b.weight", (value_heads, hidden), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.in_proj_a.weight", (value_heads, hidden), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.conv1d.weight", (conv_dim, 1, preset.conv_kernel), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.dt_bias", (value_heads,), "ones"),
+                TensorSpec(f"{prefix}.linear_attn.A_log", (value_heads,), "normal"),
+                TensorSpec(f"{prefix}.linear_attn.norm.weight", (value_dim,), "ones"),
+                TensorSpec(f"{prefix}.linear_attn.out_proj.weight", (hidden, value_size), "normal"),
+            ]
+        specs += [
+            TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "zeros"),
+            TensorSpec(f"{prefix}.mlp.gate_proj.weight", (preset.intermediate_size, hidden), "normal"),
+            TensorSpec(f"{prefix}.mlp.up_proj.weight", (preset.intermediate_size, hidden), "normal"),
+            TensorSpec(f"{prefix}.mlp.down_proj.weight", (hidden, preset.intermediate_size), "normal"),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (hidden,), "zeros"))
+    if not preset.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (model.vocab_size, hidden), "normal"))
     return specs
 
 

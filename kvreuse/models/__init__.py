@@ -1,17 +1,25 @@
 """The architecture graphs and their configs: the Llama family (Llama, Qwen2/3, Mistral, SmolLM), Qwen3-MoE,
-Gemma 3 and gpt-oss (config.SUPPORTED_ARCHITECTURES), composed of kvreuse.layers' blocks, and the hybrid LFM2
-(lfm2.py: short convolutions among the family's attention layers). Loading a model (folders, GGUF files) is
+Gemma 3 and gpt-oss (config.SUPPORTED_ARCHITECTURES), composed of kvreuse.layers' blocks, and the hybrids LFM2
+(lfm2.py: short convolutions among the family's attention layers) and Qwen3.5 (qwen3_5.py: Gated DeltaNet layers
+among gated attention layers). Loading a model (folders, GGUF files) is
 kvreuse.loading's; the kernels the layers run are kvreuse.kernels'.
 """
 
 from kvreuse.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvreuse.models.lfm2 import Lfm2ForCausalLM
 from kvreuse.models.llama import LlamaFamilyForCausalLM
+from kvreuse.models.qwen3_5 import Qwen3_5ForCausalLM
+
+_CLASSES: dict[str, type[LlamaFamilyForCausalLM]] = {
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+}
 
 
 def model_class(config: ModelConfig) -> type[LlamaFamilyForCausalLM]:
     """The class that runs ``config``'s architecture."""
-    return Lfm2ForCausalLM if config.architecture == "Lfm2ForCausalLM" else LlamaFamilyForCausalLM
+    return _CLASSES.get(config.architecture, LlamaFamilyForCausalLM)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "Lfm2ForCausalLM", "LlamaFamilyForCausalLM", "ModelConfig", "model_class"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "Lfm2ForCausalLM", "LlamaFamilyForCausalLM", "ModelConfig", "Qwen3_5ForCausalLM",
+           "model_class"]

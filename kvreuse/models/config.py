@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",
     "Lfm2ForCausalLM",
+    "Qwen3_5ForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
@@ -48,8 +49,6 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
                   "(issue 66; its attention-only relatives are supported)")
 HYBRID_LAYERS: dict[str, str] = {
-    "Qwen3_5ForCausalLM": "Gated DeltaNet",
-    "Qwen3_5ForConditionalGeneration": "Gated DeltaNet",
     "Qwen3_5MoeForCausalLM": "Gated DeltaNet",
     "Qwen3NextForCausalLM": "Gated DeltaNet",
     "NemotronHForCausalLM": "Mamba-2",
@@ -58,13 +57,19 @@ HYBRID_LAYERS: dict[str, str] = {
 PLANNED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
                                       "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
+    "Qwen3_5ForConditionalGeneration": "the multimodal Qwen3.5 checkpoints are not supported; a text model "
+                                       "(Qwen3_5ForCausalLM: its text_config with the language model's weights) is",
     **{name: _HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+NORM_STYLES = ("llama", "gemma", "offset")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # LFM2's gated short convolution: a recurrent layer whose state is its last conv_kernel - 1 inputs (no K/V).
 CONV = "conv"
+# Qwen3.5's Gated DeltaNet: a recurrent layer whose state is a matrix per value head plus its convolution's last
+# conv_kernel - 1 inputs, kept per sequence and snapshotted (cache/state_snapshots.py), not per token.
+DELTA = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # the sliding layers' rope base where it differs (Gemma 3: 10,000)
     hidden_act: str = "silu"
-    norm_style: str = "llama"  # "gemma": (1 + weight) norms, also after the attention and after the MLP
+    # "gemma": (1 + weight) norms, also after the attention and after the MLP; "offset": (1 + weight) norms in the
+    # Llama places (Qwen3.5)
+    norm_style: str = "llama"
     attention_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     embedding_scale: float | None = None  # the embeddings multiplied by this (Gemma: sqrt(hidden_size))
     moe: MoEConfig | None = None
@@ -103,6 +110,14 @@ class ModelConfig:
     # whether their projections and convolution carry biases.
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Qwen3.5: rotary over the first rotary_dim of each head only (None: all of it); a sigmoid gate on the attention's
+    # output, computed by q_proj beside each head's query; and the Gated DeltaNet layers' heads (layer_types "linear_attention").
+    rotary_dim: int | None = None
+    attention_output_gate: bool = False
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -134,21 +149,32 @@ class ModelConfig:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries, the model "
                                  f"{self.num_hidden_layers} layers")
-            kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({CONV} if self.conv_kernel else set())
+            kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({CONV} if self.conv_kernel else set()) | (
+                {DELTA} if self.delta_value_heads else set())
             unknown = sorted(set(self.layer_types) - kinds)
             if unknown:
                 raise ValueError(f"layer_types holds {unknown[0]!r}; supported: {', '.join(sorted(kinds))}")
-            if CONV in self.layer_types and self.conv_kernel < 2:
+            if (CONV in self.layer_types or DELTA in self.layer_types) and self.conv_kernel < 2:
                 raise ValueError(f"conv_kernel must be at least 2 for conv layers, got {self.conv_kernel}")
-            if all(kind == CONV for kind in self.layer_types):
+            if DELTA in self.layer_types:
+                for name in ("delta_key_heads", "delta_value_heads", "delta_key_dim", "delta_value_dim"):
+                    if getattr(self, name) < 1:
+                        raise ValueError(f"{name} must be a positive integer for linear_attention layers, "
+                                         f"got {getattr(self, name)}")
+                if self.delta_value_heads % self.delta_key_heads:
+                    raise ValueError(f"delta_value_heads ({self.delta_value_heads}) must be a multiple of "
+                                     f"delta_key_heads ({self.delta_key_heads})")
+            if all(kind in (CONV, DELTA) for kind in self.layer_types):
                 raise ValueError("layer_types names no attention layer (kvreuse caches attention K/V)")
             if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-        if self.norm_style not in ("llama", "gemma"):
-            raise ValueError(f"norm_style must be 'llama' or 'gemma', got {self.norm_style!r}")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm_style must be one of {', '.join(NORM_STYLES)}, got {self.norm_style!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and within head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_hidden_layers:
             raise ValueError(f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries, the model "
                              f"{self.num_hidden_layers} layers")
@@ -163,13 +189,33 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     def is_recurrent_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` keeps a recurrent state (LFM2's short convolutions) instead of K/V."""
-        return bool(self.layer_types) and self.layer_types[layer] == CONV
+        """Whether layer ``layer`` keeps a recurrent state (LFM2's short convolutions, Qwen3.5's Gated DeltaNet)
+        instead of K/V."""
+        return bool(self.layer_types) and self.layer_types[layer] in (CONV, DELTA)
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (issue 66): a prefix hit then needs that state too."""
-        return CONV in self.layer_types
+        return CONV in self.layer_types or DELTA in self.layer_types
+
+    @property
+    def state_layers(self) -> list[int]:
+        """The layers whose state is kept per sequence, not per token (Gated DeltaNet): a hit on them resumes from
+        a snapshot (cache/state_snapshots.py)."""
+        return [layer for layer, kind in enumerate(self.layer_types) if kind == DELTA]
+
+    @property
+    def delta_conv_dim(self) -> int:
+        """A Gated DeltaNet layer's convolved width: its queries, keys and values."""
+        return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (a snapshot): per Gated DeltaNet layer, the float32 matrix of each
+        value head and the convolution's last conv_kernel - 1 inputs in float32; 0 without such layers."""
+        per_layer = (self.delta_value_heads * self.delta_key_dim * self.delta_value_dim
+                     + (self.conv_kernel - 1) * self.delta_conv_dim)
+        return 4 * per_layer * len(self.state_layers)
 
     @property
     def recurrent_layers(self) -> list[int]:
@@ -177,14 +223,19 @@ class ModelConfig:
         return [layer for layer in range(self.num_hidden_layers) if self.is_recurrent_layer(layer)]
 
     @property
+    def plane_layers(self) -> list[int]:
+        """The layers that keep a plane row per token in the pool (cache/kv.py): LFM2's short convolutions."""
+        return [layer for layer, kind in enumerate(self.layer_types) if kind == CONV]
+
+    @property
     def num_plane_layers(self) -> int:
         """Layers that keep a plane row per token in the pool (cache/kv.py): the short convolutions."""
-        return len(self.recurrent_layers)
+        return len(self.plane_layers)
 
     @property
     def plane_size(self) -> int:
         """The width of a plane row: a short convolution's input, hidden_size wide (0 without such layers)."""
-        return self.hidden_size if self.recurrent_layers else 0
+        return self.hidden_size if self.plane_layers else 0
 
     @property
     def num_kv_layers(self) -> int:
@@ -231,6 +282,14 @@ class ModelConfig:
         total = 0
         for layer in range(layers):
             mlp = 3 * hidden * self.intermediate_size
+            if self.layer_types and self.layer_types[layer] == DELTA:
+                # in_proj (q, k, v, z, b, a), out_proj, the convolution, and per value head the state's decay-free
+                # update and readout: about 4 dk x dv multiply-adds a token
+                value_dim = self.delta_value_heads * self.delta_value_dim
+                linear = hidden * (self.delta_conv_dim + value_dim + 2 * self.delta_value_heads) + value_dim * hidden
+                recurrence = 4 * self.delta_value_heads * self.delta_key_dim * self.delta_value_dim
+                total += (linear + self.conv_kernel * self.delta_conv_dim + recurrence + mlp) * num_new
+                continue
             if self.is_recurrent_layer(layer):  # in_proj (3 x hidden), out_proj, and the depthwise convolution
                 total += (4 * hidden * hidden + self.conv_kernel * hidden + mlp) * num_new
                 continue
@@ -281,6 +340,12 @@ class ModelConfig:
         is_gemma = architecture == "Gemma3ForCausalLM"
         rope_theta, rope_scaling, rope_local_theta = _rope(hf_config, is_gemma)
         is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        is_qwen3_5 = architecture == "Qwen3_5ForCausalLM"
+        rotary_dim = None
+        if is_qwen3_5:
+            parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+            factor = float(parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)))
+            rotary_dim = int(int(head_dim) * factor) if factor != 1.0 else None
         # Qwen2 checkpoints always carry q/k/v biases; the config does not say so.
         attention_bias = architecture == "Qwen2ForCausalLM" or bool(hf_config.get("attention_bias", False))
         # Llama and gpt-oss put attention_bias on the output projection too; Qwen2 and Mistral never do.
@@ -319,7 +384,7 @@ class ModelConfig:
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", is_gemma)),
             attention_bias=attention_bias,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma or is_lfm2,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma or is_lfm2 or is_qwen3_5,
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             eos_token_id=eos_token_id,
             bos_token_id=hf_config.get("bos_token_id"),
@@ -327,7 +392,7 @@ class ModelConfig:
             layer_types=layer_types,
             rope_local_theta=rope_local_theta,
             hidden_act=str(hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"),
-            norm_style="gemma" if is_gemma else "llama",
+            norm_style="gemma" if is_gemma else "offset" if is_qwen3_5 else "llama",
             attention_scale=(float(query_pre_attn_scalar) ** -0.5
                              if is_gemma and query_pre_attn_scalar is not None else None),
             embedding_scale=float(hidden_size) ** 0.5 if is_gemma else None,
@@ -335,9 +400,22 @@ class ModelConfig:
                  else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss else None),
             attention_sinks=is_gpt_oss,
             o_proj_bias=o_proj_bias,
-            conv_kernel=int(hf_config.get("conv_L_cache", 3)) if is_lfm2 else 0,
+            conv_kernel=(int(hf_config.get("conv_L_cache", 3)) if is_lfm2
+                         else int(hf_config.get("linear_conv_kernel_dim", 4)) if is_qwen3_5 else 0),
             conv_bias=bool(hf_config.get("conv_bias", False)) if is_lfm2 else False,
+            rotary_dim=rotary_dim,
+            attention_output_gate=is_qwen3_5 and bool(hf_config.get("attn_output_gate", True)),
+            **(_delta_heads(hf_config) if is_qwen3_5 else {}),
         )
+
+
+def _delta_heads(hf_config: dict[str, Any]) -> dict[str, int]:
+    """Qwen3.5's Gated DeltaNet heads (transformers' Qwen3_5TextConfig defaults where the file leaves one out)."""
+    defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128}
+    values = {name: int(hf_config.get(name) or default) for name, default in defaults.items()}
+    return {"delta_key_heads": values["linear_num_key_heads"], "delta_value_heads": values["linear_num_value_heads"],
+            "delta_key_dim": values["linear_key_head_dim"], "delta_value_dim": values["linear_value_head_dim"]}
 
 
 def _lfm2_spellings(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class ShortConvDecoderLayer(nn.Module):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = layer_idx
-        self.plane = config.recurrent_layers.index(layer_idx)  # its planes in the pool
+        self.plane = config.plane_layers.index(layer_idx)  # its planes in the pool
         self.input_layernorm = RMSNorm(size, eps, dtype, device)
         self.conv = ShortConv(size, config.conv_kernel, config.conv_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(size, eps, dtype, device)
@@ -123,7 +123,7 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
     def expected_weight_names(self) -> list[str]:
         """The family's names for the attention layers, the conv block's for the conv layers."""
         kinds = ("weight", "bias") if self.config.conv_bias else ("weight",)
-        conv = [f"model.layers.{layer}.conv.{part}.{kind}" for layer in self.config.recurrent_layers
+        conv = [f"model.layers.{layer}.conv.{part}.{kind}" for layer in self.config.plane_layers
                 for part in ("in_proj", "conv", "out_proj") for kind in kinds]
         return [name for name in super().expected_weight_names()
                 if not (name.startswith("model.layers.") and ".self_attn." in name

@@ -158,7 +158,7 @@ class LlamaFamilyAttention(nn.Module):
 
 
 def _norm_class(config: ModelConfig) -> type[RMSNorm] | type[GemmaRMSNorm]:
-    return GemmaRMSNorm if config.norm_style == "gemma" else RMSNorm
+    return GemmaRMSNorm if config.norm_style in ("gemma", "offset") else RMSNorm
 
 
 class LlamaFamilyDecoderLayer(nn.Module):
@@ -235,6 +235,11 @@ _FUSED_PARTS: dict[str, tuple[str, int]] = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    # Qwen3.5's Gated DeltaNet (layers/gated_delta.py)
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
 }
 def _fused_part(module: str) -> tuple[str, int] | None:
     """(our fused module, part index) for an HF module name that is part of a fused projection."""
@@ -271,8 +276,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.dtype = dtype
         self.attention_backend = attention_backend or TorchPagedAttention()
         self.model = LlamaFamilyModel(config, self.attention_backend, dtype, device, self.make_layer)
+        # Over the first rotary_dim of each head where that is less (Qwen3.5's partial rotary).
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling, device
         )
         # Gemma 3's sliding layers rotate with their own base (10,000 against the global layers' 1,000,000).
         self.local_rotary: RotaryEmbedding | None = None
@@ -654,8 +661,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         generator.manual_seed(seed)
         for name, parameter in self.named_parameters():
             if name.endswith("norm.weight"):
-                # A unit scale: Gemma's norms store it as 0 (they multiply by 1 + weight).
-                parameter.data.fill_(0.0 if self.config.norm_style == "gemma" else 1.0)
+                # A unit scale: Gemma's and Qwen3.5's norms store it as 0 (they multiply by 1 + weight); a gated
+                # DeltaNet's output norm multiplies by its weight.
+                offset = self.config.norm_style in ("gemma", "offset") and not name.endswith("linear_attn.norm.weight")
+                parameter.data.fill_(0.0 if offset else 1.0)
             else:
                 parameter.data.normal_(0.0, 0.02, generator=generator)
 

@@ -19,6 +19,7 @@ import torch
 from kvreuse.attention.blend import BlendSettings
 from kvreuse.attention.forward_batch import ForwardBatch, KVMoves
 from kvreuse.cache.blocks import BlockCopy
+from kvreuse.cache.state_slots import StateCopy
 from kvreuse.lora.batch import LoRABatch, LoRASegment
 from kvreuse.lora.manager import LoRAManager
 from kvreuse.request import Request
@@ -46,11 +47,13 @@ def build_forward_batch(
     lora: LoRAManager | None = None,
     copy_tables: bool = False,
     blend: BlendSettings | None = None,
+    state_copies: list[StateCopy] | None = None,
 ) -> tuple[ForwardBatch, list[StepItem]]:
     """The step's ForwardBatch and its items, in the batch's order. ``copy_tables``: keep a copy of each
     block table as it is now (the draft's catch-up reads the table the forward used, after the request
     may have grown). ``blend``: how sequences with moved spans (``Request.moved_spans``, taken here) recompute
-    them; their moves and the blend plan go in the batch."""
+    them; their moves and the blend plan go in the batch. ``state_copies``: a hybrid's state copies to run first
+    (cache/state_slots.py); its sequences' state slots go in the batch."""
     move_src: list[int] = []
     move_dst: list[int] = []
     move_deltas: list[int] = []
@@ -64,6 +67,7 @@ def build_forward_batch(
     block_tables: list[list[int]] = []
     logits_indices: list[int] = []
     items: list[StepItem] = []
+    state_slots: list[int] = []
     adapter_rows: dict[str, list[int]] = {}
     if lora is not None:
         scheduled = sorted(scheduled, key=lambda item: item.request.adapter or "")
@@ -103,6 +107,8 @@ def build_forward_batch(
                     moved_rows.append(row_of_start + position - start)
             segments.append((first_moved, len(moved_rows) - first_moved))
             request.moved_spans = []
+        if request.state_slot is not None:
+            state_slots.append(request.state_slot)
         items.append(StepItem(request, start, count, drafts, list(table) if copy_tables else table, first_row,
                               segment))
     batch = ForwardBatch(
@@ -115,7 +121,11 @@ def build_forward_batch(
         logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(device, non_blocking=True),
         block_copies=block_copies,
         lora=_lora_batch(lora, adapter_rows, len(input_ids), device),
+        state_slots=state_slots if state_slots else None,
+        state_copies=state_copies or [],
     )
+    if state_slots and len(state_slots) != len(query_lens):
+        raise RuntimeError("some sequences of a step have a state slot and some do not")
     if moved_rows:
         assert blend is not None
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731

@@ -121,6 +121,9 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         batch = self._to_device(batch)
         self.kv_cache.copy_blocks(batch.block_copies)
+        if batch.state_copies:
+            assert self.kv_cache.states is not None, "state copies for a pool without states"
+            self.kv_cache.states.apply(batch.state_copies)
         aux: list[torch.Tensor] = []
         self._metadata_seconds = 0.0
         start = time.perf_counter()

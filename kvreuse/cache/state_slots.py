@@ -1,0 +1,110 @@
+"""StateSlots: who holds each slot of the recurrent-state pool (running requests, snapshots), and the copies between them.
+
+A hybrid model whose recurrent layers keep a per-sequence state (Qwen3.5's Gated DeltaNet; cache/recurrent_state.py
+holds the tensors) needs, for a prefix hit, the state exactly at the hit's last token. The pool has ``max_running``
+slots' worth for running requests and the rest for snapshots (``StateSnapshots``, whose byte budget is that rest), so
+admitting a request never has to drop a snapshot, and a snapshot is made without copying where it can be:
+
+- ``start``: a request admitted with a hit resumes from the deepest snapshot at or before it: its new slot is a
+  copy of the snapshot's (a copy of zeros at token 0);
+- ``keep``: a request that finishes or is preempted hands its slot over as the snapshot of its last computed token
+  (the next chat turn or agent step, or its own re-admission, resumes there);
+- ``branch``: a request that left a cached path between two snapshots (a shared system prompt whose end nobody
+  snapshotted) stops its first prefill chunk at the divergence, and its state there is copied into a new snapshot,
+  so every request after it on that branch resumes at its last shared token;
+- ``drop_node``: the prefix index evicted a node; the snapshots anchored there go, their slots back to the free list.
+
+Torch-free: slots are integers; the copies (``StateCopy``) run on the tensors before the next forward, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvreuse.cache.prefix import CacheNode
+from kvreuse.cache.state_snapshots import Snapshot, SnapshotHit, StateSnapshots
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    src: int | None  # None: zeros (a sequence that starts at token 0)
+    dst: int
+
+
+class StateSlots:
+    def __init__(self, block_size: int, num_slots: int, max_running: int, slot_bytes: int,
+                 policy: str = "saved") -> None:
+        if num_slots <= max_running:
+            raise ValueError(f"the state pool needs more slots ({num_slots}) than running requests ({max_running}): "
+                             "the rest hold snapshots")
+        self.num_slots = num_slots
+        self.max_running = max_running
+        self.slot_bytes = slot_bytes
+        self.snapshots = StateSnapshots(block_size, (num_slots - max_running) * slot_bytes, policy)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._copies: list[StateCopy] = []
+        self.num_kept = 0  # snapshots made, by reason
+        self.num_branches = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lookup(self, root: CacheNode, nodes: Sequence[CacheNode], token_ids: Sequence[int], matched: int
+               ) -> SnapshotHit:
+        """The deepest snapshot at or before token ``matched`` (a question: its use is counted by ``start``)."""
+        return self.snapshots.lookup(root, nodes, token_ids, matched, count=False)
+
+    def start(self, snapshot: Snapshot | None) -> int:
+        """A slot for an admitted request: a copy of ``snapshot``'s state (None: zeros)."""
+        if not self._free:
+            raise RuntimeError("no free state slot: more running requests than the pool was sized for")
+        slot = self._free.pop()
+        if snapshot is not None:
+            self.snapshots.record_use(snapshot)
+        self._copies.append(StateCopy(None if snapshot is None else snapshot.handle, slot))
+        return slot
+
+    def keep(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str) -> None:
+        """``slot`` (a request's, at its last computed token) becomes a snapshot there, or goes back to the free list."""
+        kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, slot, reason)
+        self._release(dropped)
+        if kept is None:
+            self._free.append(slot)
+        else:
+            self.num_kept += 1
+
+    def branch(self, anchor: CacheNode, tail: Sequence[int], slot: int) -> None:
+        """Copy the state in ``slot`` (a running request's, at the end of ``anchor`` + ``tail``) into a new snapshot."""
+        kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, None, "branch")
+        self._release(dropped)
+        if kept is not None:
+            kept.handle = self._free.pop()
+            self._copies.append(StateCopy(slot, kept.handle))
+            self.num_branches += 1
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def drop_node(self, node: CacheNode) -> None:
+        self._release(self.snapshots.drop_node(node))
+
+    def clear(self) -> None:
+        """Drop every snapshot (a cache reset)."""
+        self._release(self.snapshots.snapshots())
+        self.snapshots = StateSnapshots(self.snapshots.block_size, self.snapshots.budget_bytes, self.snapshots.policy)
+
+    def _release(self, dropped: Iterable[Snapshot]) -> None:
+        self._free.extend(snapshot.handle for snapshot in dropped)
+
+    def take_copies(self) -> list[StateCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def check_integrity(self, running: Iterable[int]) -> None:
+        """Every slot is free, a running request's, or one snapshot's, exactly once."""
+        self.snapshots.check_integrity()
+        held = list(self._free) + list(running) + [snapshot.handle for snapshot in self.snapshots.snapshots()]
+        if sorted(held) != list(range(self.num_slots)):
+            raise RuntimeError(f"state slots are lost or shared: {sorted(held)} of {self.num_slots}")

@@ -1,0 +1,39 @@
+"""The gated delta rule's token loop (csrc/gated_delta.cpp): built for this CPU on first use, loaded as
+``torch.ops.kvreuse_delta``. Built and cached like the other kernels (kernels/build.py); where the build fails,
+``available`` says so once in the log and layers/gated_delta.py runs its PyTorch reference instead."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvreuse.kernels.build import build_name as _build_name
+from kvreuse.kernels.build import load_extension
+
+SOURCE = Path(__file__).with_name("csrc") / "gated_delta.cpp"
+
+
+def build_name() -> str:
+    return _build_name(SOURCE, "kvreuse_gated_delta")
+
+
+def available() -> bool:
+    return library() is not None
+
+
+@functools.cache
+def library() -> Path | None:
+    return load_extension(SOURCE, build_name(), "the gated delta rule's loop",
+                          "Gated DeltaNet layers run the PyTorch reference loop")
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, layer: int, slots: Sequence[int], starts: Sequence[int],
+                     lens: Sequence[int]) -> torch.Tensor:
+    """q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] float32; ``states`` [slots, layers, Hv, dk, dv] float32,
+    layer ``layer`` of each sequence's slot updated in place. Returns o [T, Hv, dv]. ``available()`` must be True."""
+    return torch.ops.kvreuse_delta.gated_delta_rule(q, k, v, g, beta, states, layer, list(slots), list(starts),
+                                                    list(lens))

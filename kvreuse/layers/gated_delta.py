@@ -1,0 +1,157 @@
+"""Qwen3.5's Gated DeltaNet over a flat batch of many sequences, each sequence's state in a slot of the state pool.
+
+The block (transformers' ``Qwen3_5GatedDeltaNet``): ``in_proj`` gives the mixed q/k/v, the output gate z and per value
+head b and a; q/k/v run through a causal depthwise convolution of width K with SiLU; q and k are L2-normalised (q also
+scaled by 1/sqrt(dk)); each value head keeps a dk x dv matrix S, and every token, in order,
+
+    S = S * exp(g)           g = -exp(A_log) * softplus(a + dt_bias)   (the decay)
+    S = S + k (beta (v - k^T S))^T                                    beta = sigmoid(b)  (the delta rule)
+    o = q^T S
+
+then o is RMS-normalised per head, gated by SiLU(z) and projected by ``out_proj``. A layer's whole past is S and the
+convolution's last K - 1 inputs: a sequence's state, kept in its slot of ``RecurrentStatePool`` (cache/recurrent_state.py),
+not per token. A prefix hit resumes from a snapshot of it (cache/state_snapshots.py).
+
+The update runs token by token, in float32, for prefill chunks too (``delta_rule``: the native loop of
+kernels/gated_delta.py, or its PyTorch reference). transformers' chunked form (64 tokens a chunk) is a different
+summation: the state it reaches at a chunk's end depends on where the chunks began, so a state snapshotted at token
+412 and continued would not be the bits a cold run computes there. Token by token, the state after token t is one
+function of the state before it and token t, however the tokens were split into steps, batched or resumed: a hit
+changes no bit. On a CPU the loop costs no more: about 4 dk dv multiply-adds a token and head against the chunked
+form's ~5.7 at 64-token chunks, with S (64 KiB at dk = dv = 128) in the core's L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.cache.recurrent_state import RecurrentStatePool
+from kvreuse.kernels import gated_delta as delta_kernel
+from kvreuse.layers.linear import Linear, _empty_parameter
+
+
+@dataclass
+class StateInputs:
+    """Where a step's sequences keep their state: sequence i owns rows ``[starts[i], starts[i] + lens[i])`` of the
+    flat batch and slot ``slots[i]`` of the pool."""
+
+    slots: list[int]
+    starts: list[int]
+    lens: list[int]
+    pool: RecurrentStatePool
+
+
+def causal_conv_with_state(mixed: torch.Tensor, weight: torch.Tensor, inputs: StateInputs, layer: int) -> torch.Tensor:
+    """The depthwise causal convolution of ``mixed`` [T, C] by ``weight`` [C, 1, K], then SiLU; each sequence's K - 1
+    inputs before its rows come from its slot, which ends holding its last K - 1 inputs. Summed in float32 in tap
+    order, so a row's output is the same bits whatever the batch."""
+    kernel = weight.shape[-1]
+    taps = weight.squeeze(1).t().float()  # [K, C]
+    out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
+    conv_states = inputs.pool.conv
+    for slot, start, length in zip(inputs.slots, inputs.starts, inputs.lens):
+        window = torch.cat((conv_states[slot, layer], mixed[start:start + length].float()))  # [K - 1 + n, C]
+        total = window[0:length] * taps[0]
+        for tap in range(1, kernel):
+            total = total + window[tap:tap + length] * taps[tap]
+        out[start:start + length] = total
+        conv_states[slot, layer] = window[length:]
+    return F.silu(out).to(mixed.dtype)
+
+
+def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         states: torch.Tensor, layer: int, inputs: StateInputs) -> torch.Tensor:
+    """The gated delta rule token by token (PyTorch): q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], all float32;
+    ``states`` [slots, layers, Hv, dk, dv] updated in place. Returns o [T, Hv, dv] float32."""
+    ratio = v.shape[1] // k.shape[1]
+    out = torch.empty_like(v)
+    for slot, start, length in zip(inputs.slots, inputs.starts, inputs.lens):
+        state = states[slot, layer]
+        for row in range(start, start + length):
+            q_t = q[row].repeat_interleave(ratio, 0)
+            k_t = k[row].repeat_interleave(ratio, 0)
+            state.mul_(g[row].exp()[:, None, None])
+            memory = (state * k_t[:, :, None]).sum(dim=1)
+            delta = (v[row] - memory) * beta[row][:, None]
+            state.add_(k_t[:, :, None] * delta[:, None, :])
+            out[row] = (state * q_t[:, :, None]).sum(dim=1)
+    return out
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               states: torch.Tensor, layer: int, inputs: StateInputs) -> torch.Tensor:
+    """``delta_rule_reference`` in the native loop where it runs (CPU, float32 state), else the reference."""
+    if states.device.type == "cpu" and delta_kernel.available():
+        return delta_kernel.gated_delta_rule(q, k, v, g, beta, states, layer, inputs.slots, inputs.starts, inputs.lens)
+    return delta_rule_reference(q, k, v, g, beta, states, layer, inputs)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last axis (FLA's and transformers' l2norm)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's output, scaled by ``weight`` in the activations' dtype, then gated by SiLU(z) in
+    float32 (transformers' ``Qwen3_5RMSNormGated``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_parameter((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        hidden = self.weight * hidden.to(dtype)
+        return (hidden * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """HF's ``linear_attn.*``: in_proj_qkv / _z / _b / _a fused into ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
+    ``norm`` and ``out_proj``. ``state_layer``: its index among the model's Gated DeltaNet layers (its place in a slot)."""
+
+    def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
+                 eps: float, state_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.key_heads, self.value_heads = key_heads, value_heads
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.key_size, self.value_size = key_heads * key_dim, value_heads * value_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.state_layer = state_layer
+        self.in_proj = Linear(hidden_size, [self.conv_dim, self.value_size, value_heads, value_heads], False, dtype,
+                              device)
+        self.conv1d = DepthwiseConv(self.conv_dim, kernel, dtype, device)
+        self.dt_bias = _empty_parameter((value_heads,), dtype, device)
+        self.A_log = _empty_parameter((value_heads,), dtype, device)
+        self.norm = GatedRMSNorm(value_dim, eps, dtype, device)
+        self.out_proj = Linear(self.value_size, [hidden_size], False, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, inputs: StateInputs) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        mixed, z, b, a = self.in_proj(hidden).split(
+            [self.conv_dim, self.value_size, self.value_heads, self.value_heads], dim=-1)
+        mixed = causal_conv_with_state(mixed, self.conv1d.weight, inputs, self.state_layer)
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = l2_normalize(q.reshape(num_tokens, self.key_heads, self.key_dim).float()) * self.key_dim ** -0.5
+        k = l2_normalize(k.reshape(num_tokens, self.key_heads, self.key_dim).float())
+        v = v.reshape(num_tokens, self.value_heads, self.value_dim).float()
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                         inputs.pool.ssm, self.state_layer, inputs)
+        out = self.norm(out.to(hidden.dtype), z.reshape(num_tokens, self.value_heads, self.value_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_size))
+
+
+class DepthwiseConv(nn.Module):
+    """The convolution's weight under HF's name (``conv1d.weight`` [C, 1, K]; no bias in Qwen3.5)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty_parameter((channels, 1, kernel), dtype, device)

@@ -1,0 +1,150 @@
+"""Qwen3.5 (text): Gated DeltaNet layers with one gated full-attention layer in four (issue 66's second hybrid).
+
+An attention layer is the Llama family's with three changes (transformers' ``Qwen3_5Attention``): ``q_proj`` gives each
+head's query and, beside it, a gate whose sigmoid scales the head's output before ``o_proj``; rotary turns only the
+first ``rotary_dim`` of each head (a quarter); and every norm, q/k norms included, scales by (1 + weight)
+(``norm_style`` "offset"). A linear-attention layer puts layers/gated_delta.py's ``GatedDeltaNet`` where the attention
+was. The attention layers keep K/V in the paged pool (``ModelConfig.kv_layer_of`` numbers them); the Gated DeltaNet
+layers keep one state per sequence, in a slot of the state pool (cache/recurrent_state.py), which a finished request
+leaves behind as a snapshot for the next request on its path (cache/state_slots.py).
+
+Checkpoint names are transformers' (``model.layers.N.linear_attn.in_proj_qkv`` ...); a multimodal checkpoint's
+language model (``model.language_model.``) reads as the text model's, its vision tower and MTP head are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kvreuse.attention.backend import AttentionBackend
+from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
+from kvreuse.cache.kv import KVCache
+from kvreuse.kernels.quant import QuantizedTensor
+from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs
+from kvreuse.layers.linear import Linear
+from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.norm import GemmaRMSNorm
+from kvreuse.layers.rotary import apply_rotary
+from kvreuse.models.config import ModelConfig
+from kvreuse.models.llama import (
+    LlamaFamilyAttention,
+    LlamaFamilyDecoderLayer,
+    LlamaFamilyForCausalLM,
+    RopeInputs,
+)
+
+_SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+
+
+class GatedAttention(LlamaFamilyAttention):
+    """Full attention with an output gate per head and partial rotary."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config, layer_idx, attention_backend, dtype, device)
+        # q_proj's rows: per head, its query then its gate (HF views them as [heads, 2 * head_dim]).
+        self.qkv_proj = Linear(config.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size],
+                               config.attention_bias, dtype, device)
+        self.rotary_dim = config.rotary_dim or config.head_dim
+
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, attn_metadata: object,
+                lora: ProjectionDeltas | None = None) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query_gate, k, v = self.qkv_proj(hidden).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query_gate = query_gate.reshape(num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = query_gate[..., :self.head_dim], query_gate[..., self.head_dim:]
+        assert self.q_norm is not None and self.k_norm is not None
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope.cos_sin()
+        turned = self.rotary_dim
+        q = torch.cat((apply_rotary(q[..., :turned], cos, sin), q[..., turned:]), dim=-1)
+        k = torch.cat((apply_rotary(k[..., :turned], cos, sin), k[..., turned:]), dim=-1)
+        out = self._attend(q, k, v.contiguous(), kv_cache, attn_metadata).reshape(num_tokens, self.q_size)
+        out = out * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        return self.o_proj(out, lora)
+
+
+class GatedAttentionDecoderLayer(LlamaFamilyDecoderLayer):
+    def __init__(self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config, layer_idx, attention_backend, dtype, device)
+        self.self_attn = GatedAttention(config, layer_idx, attention_backend, dtype, device)
+
+
+class GatedDeltaNetDecoderLayer(nn.Module):
+    """A linear-attention layer: norm, Gated DeltaNet, residual; norm, SwiGLU, residual."""
+
+    recurrent = True
+    uses_local_rope = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype, device)
+        self.linear_attn = GatedDeltaNet(size, config.delta_key_heads, config.delta_value_heads, config.delta_key_dim,
+                                         config.delta_value_dim, config.conv_kernel, eps,
+                                         config.state_layers.index(layer_idx), dtype, device)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype, device)
+        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, recurrent: StateInputs, lora: ProjectionDeltas | None = None
+                ) -> torch.Tensor:
+        mixed = self.linear_attn(self.input_layernorm(hidden), recurrent)
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
+
+
+def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    if config.is_recurrent_layer(layer_idx):
+        return GatedDeltaNetDecoderLayer(config, layer_idx, dtype, device)
+    return GatedAttentionDecoderLayer(config, layer_idx, attention_backend, dtype, device)
+
+
+def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """A checkpoint's tensors under the text model's names: a multimodal file's ``model.language_model.`` read as
+    ``model.``; the vision tower and the multi-token-prediction head skipped (kvreuse runs neither)."""
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        if name.startswith(_SKIPPED_PREFIXES):
+            continue
+        yield name, tensor
+
+
+class Qwen3_5ForCausalLM(LlamaFamilyForCausalLM):
+    """Qwen3.5: K/V for its attention layers in the paged pool, one state per sequence for its Gated DeltaNet layers."""
+
+    make_layer = staticmethod(_make_layer)
+
+    def recurrent_inputs(self, batch: ForwardBatch, kv_cache: KVCache) -> StateInputs:
+        if kv_cache.states is None or batch.state_slots is None:
+            raise ValueError("a Gated DeltaNet model's step needs the state pool and each sequence's slot "
+                             "(KVCache.states, ForwardBatch.state_slots)")
+        starts, row = [], 0
+        for length in batch.query_lens:
+            starts.append(row)
+            row += length
+        return StateInputs(batch.state_slots, starts, list(batch.query_lens), kv_cache.states)
+
+    @property
+    def native_step_refusal(self) -> str | None:
+        return "a hybrid model's Gated DeltaNet layers run op by op (the native step runs attention layers only)"
+
+    def expected_weight_names(self) -> list[str]:
+        """The family's names for the attention layers (q/k norms included), the Gated DeltaNet's for the others."""
+        delta = [f"model.layers.{layer}.linear_attn.{name}" for layer in self.config.state_layers
+                 for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                              "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+        return [name for name in super().expected_weight_names()
+                if not (name.startswith("model.layers.") and ".self_attn." in name
+                        and self.config.is_recurrent_layer(int(name.split(".")[2])))] + delta
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        super().load_weights(text_model_weights(weights))
