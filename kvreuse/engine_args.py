@@ -76,6 +76,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--scheduling-policy", default="lpm", choices=list(SCHEDULING_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--state-snapshot-fraction", type=float, default=0.25,
+                        help="a hybrid with Gated DeltaNet layers (Qwen3.5): the share of --kv-cache-memory its "
+                             "recurrent-state snapshots may hold")
+    parser.add_argument("--state-snapshot-policy", choices=("saved", "lru"), default="saved",
+                        help="which state snapshot goes first when they are full: the least compute saved per byte, "
+                             "or the least recently used")
     parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
                         help="share of the KV pool that pins may hold; over it the least recently used pin is demoted")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders or .safetensors)")
@@ -209,4 +215,6 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         chunk_recompute_fraction=getattr(args, "chunk_recompute_fraction", 0.3),
         chunk_check_layer=getattr(args, "chunk_check_layer", None),
         chunk_recompute_first=getattr(args, "chunk_recompute_first", 0),
+        state_snapshot_fraction=getattr(args, "state_snapshot_fraction", 0.25),
+        state_snapshot_policy=getattr(args, "state_snapshot_policy", "saved"),
     )

@@ -75,6 +75,8 @@ class LLM:
         chunk_recompute_fraction: float = 0.3,
         chunk_check_layer: int | None = None,
         chunk_recompute_first: int = 0,
+        state_snapshot_fraction: float = 0.25,
+        state_snapshot_policy: str = "saved",
     ) -> None:
         """``speculative_config``: vLLM's dict (or its JSON text): ``{"method": "eagle" | "eagle3", "model": DRAFT_DIR,
         "num_speculative_tokens": k}`` (an EAGLE draft); ``{"method": "cache", ...}`` (the cache drafter, with
@@ -107,7 +109,10 @@ class LLM:
         and an earlier turn's tokens found moved earlier; their K/V is moved and the ``chunk_recompute_fraction``
         of it that deviates most after layer ``chunk_check_layer`` (None: a tenth of the model's layers) is
         recomputed, with the first
-        ``chunk_recompute_first`` tokens of each moved span. Reused tokens count as cached."""
+        ``chunk_recompute_first`` tokens of each moved span. Reused tokens count as cached.
+        ``state_snapshot_fraction`` (a hybrid with Gated DeltaNet layers, issue 66): the share of ``kv_cache_memory``
+        its recurrent-state snapshots may hold; ``state_snapshot_policy``: which goes first when they are full,
+        "saved" (the least compute saved per byte) or "lru"."""
         config = EngineConfig(
             model=str(model),
             served_model_name=served_model_name,
@@ -132,6 +137,8 @@ class LLM:
                 chunk_recompute_fraction=chunk_recompute_fraction,
                 chunk_check_layer=chunk_check_layer,
                 chunk_recompute_first=chunk_recompute_first,
+                state_snapshot_fraction=state_snapshot_fraction,
+                state_snapshot_policy=state_snapshot_policy,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

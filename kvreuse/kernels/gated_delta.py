@@ -1,5 +1,6 @@
-"""The gated delta rule's token loop (csrc/gated_delta.cpp): built for this CPU on first use, loaded as
-``torch.ops.kvreuse_delta``. Built and cached like the other kernels (kernels/build.py); where the build fails,
+"""The gated delta rule's token loop (csrc/gated_delta.cpp), and the few activations around it that must give a value
+the same bits wherever it sits in its tensor (batch invariance: PyTorch's vectorised exp leaves a tensor's last values
+to its scalar exp): built for this CPU on first use, loaded as ``torch.ops.kvreuse_delta``. Built and cached like the other kernels (kernels/build.py); where the build fails,
 ``available`` says so once in the log and layers/gated_delta.py runs its PyTorch reference instead."""
 
 from __future__ import annotations
@@ -37,3 +38,20 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     layer ``layer`` of each sequence's slot updated in place. Returns o [T, Hv, dv]. ``available()`` must be True."""
     return torch.ops.kvreuse_delta.gated_delta_rule(q, k, v, g, beta, states, layer, list(slots), list(starts),
                                                     list(lens))
+
+
+SILU, SIGMOID = 0, 1
+
+
+def pointwise(x: torch.Tensor, kind: int) -> torch.Tensor:
+    """SiLU (``SILU``) or sigmoid (``SIGMOID``) of ``x`` in float32, the scalar exp for every value (a new tensor)."""
+    out = x.float().contiguous().clone() if x.dtype == torch.float32 else x.float().contiguous()
+    torch.ops.kvreuse_delta.pointwise_(out, kind)
+    return out
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [T, Hv] float32 from a, b [T, Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    return torch.ops.kvreuse_delta.delta_gates(a.float().contiguous(), b.float().contiguous(), a_log.float(),
+                                               dt_bias.float())

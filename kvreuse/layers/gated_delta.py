@@ -60,7 +60,23 @@ def causal_conv_with_state(mixed: torch.Tensor, weight: torch.Tensor, inputs: St
             total = total + window[tap:tap + length] * taps[tap]
         out[start:start + length] = total
         conv_states[slot, layer] = window[length:]
-    return F.silu(out).to(mixed.dtype)
+    return silu(out).to(mixed.dtype)
+
+
+def native(x: torch.Tensor) -> bool:
+    """Whether ``x``'s activations run in kernels/gated_delta.py (CPU, where it builds): the same bits for a value
+    wherever it sits in its tensor, which batch invariance needs; PyTorch's ops elsewhere."""
+    return x.device.type == "cpu" and delta_kernel.available()
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``x`` in float32."""
+    return delta_kernel.pointwise(x, delta_kernel.SILU) if native(x) else F.silu(x.float())
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """Sigmoid of ``x`` in float32."""
+    return delta_kernel.pointwise(x, delta_kernel.SIGMOID) if native(x) else torch.sigmoid(x.float())
 
 
 def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -109,7 +125,7 @@ class GatedRMSNorm(nn.Module):
         hidden = x.float()
         hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
         hidden = self.weight * hidden.to(dtype)
-        return (hidden * F.silu(gate.float())).to(dtype)
+        return (hidden * silu(gate)).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -141,8 +157,11 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.reshape(num_tokens, self.key_heads, self.key_dim).float()) * self.key_dim ** -0.5
         k = l2_normalize(k.reshape(num_tokens, self.key_heads, self.key_dim).float())
         v = v.reshape(num_tokens, self.value_heads, self.value_dim).float()
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if native(a):
+            g, beta = delta_kernel.delta_gates(a, b, self.A_log, self.dt_bias)
+        else:
+            beta = b.sigmoid().float()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                          inputs.pool.ssm, self.state_layer, inputs)
         out = self.norm(out.to(hidden.dtype), z.reshape(num_tokens, self.value_heads, self.value_dim))

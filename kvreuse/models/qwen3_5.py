@@ -23,7 +23,7 @@ from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor
-from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs
+from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs, sigmoid
 from kvreuse.layers.linear import Linear
 from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import GemmaRMSNorm
@@ -65,7 +65,7 @@ class GatedAttention(LlamaFamilyAttention):
         q = torch.cat((apply_rotary(q[..., :turned], cos, sin), q[..., turned:]), dim=-1)
         k = torch.cat((apply_rotary(k[..., :turned], cos, sin), k[..., turned:]), dim=-1)
         out = self._attend(q, k, v.contiguous(), kv_cache, attn_metadata).reshape(num_tokens, self.q_size)
-        out = out * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        out = (out * sigmoid(gate.reshape(num_tokens, self.q_size))).to(hidden.dtype)
         return self.o_proj(out, lora)
 
 

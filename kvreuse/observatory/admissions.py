@@ -60,6 +60,9 @@ class AdmissionRecorder:
         self.moved: dict[str, list[int]] = {"chunk": [0, 0], "turn": [0, 0]}
         # Marked chunks computed rather than moved (issue 64), by reason (CHUNK_MISS_REASONS): [spans, tokens].
         self.chunk_misses: dict[str, list[int]] = {reason: [0, 0] for reason in CHUNK_MISS_REASONS}
+        # A hybrid with per-sequence state (issue 66): admissions whose blocks matched past the deepest state snapshot,
+        # and the matched tokens they recomputed for it ([requests, tokens]).
+        self.state_misses = [0, 0]
         self._prune_owners_at = MAX_TRACKED_NAMESPACES
 
     def note_owner(self, namespace: bytes, owner: Owner, in_flight: Callable[[], set[bytes]]) -> None:
@@ -91,6 +94,10 @@ class AdmissionRecorder:
         for start, end, reason in request.chunk_misses:
             self.chunk_misses[reason][0] += 1
             self.chunk_misses[reason][1] += end - start
+        hit = request.state_hit
+        if hit is not None and hit.matched > hit.resume:
+            self.state_misses[0] += 1
+            self.state_misses[1] += hit.matched - hit.resume
         divergence = None
         if self.kv.enable_prefix_caching:
             self.prefix_hits.record(match)
@@ -111,6 +118,8 @@ class AdmissionRecorder:
         # Marked chunks computed though chunk reuse is on, and why: a document recomputed shows up here.
         report["chunk_misses"] = {reason: {"spans": spans, "tokens": tokens}
                                   for reason, (spans, tokens) in self.chunk_misses.items()}
+        # Matched blocks recomputed because no state was kept where they end (a hybrid's Gated DeltaNet layers).
+        report["state_misses"] = {"requests": self.state_misses[0], "tokens": self.state_misses[1]}
         return report
 
     def cache_tree(self, scope: Scope = ALL, top: int = 8) -> list[dict[str, Any]]:
@@ -137,6 +146,9 @@ class AdmissionRecorder:
         for start, end, reason in request.chunk_misses:
             logger.debug("request %s: chunk tokens [%d, %d) %r... computed: %s", request.request_id, start, end,
                          self.decode(request.all_token_ids[start:start + 8]), CHUNK_MISS_REASONS[reason])
+        hit = request.state_hit
+        if hit is not None and hit.explanation is not None:
+            logger.debug("request %s: %s", request.request_id, hit.explanation)
         if not self.kv.enable_prefix_caching or reused >= total - 1:
             return
         if divergence is None:

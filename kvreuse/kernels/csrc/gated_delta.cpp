@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -96,13 +97,58 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// SiLU (kind 0) or sigmoid (kind 1) of every value, in place, float32, with the scalar exp: the same bits for a value
+// wherever it sits in the tensor. (PyTorch's vectorised exp runs a tensor's last few values through the scalar one,
+// so which of the two a row gets depends on how many rows the step has: not batch-invariant.)
+void pointwise_(at::Tensor& x, int64_t kind) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "pointwise_: a contiguous float32 tensor");
+  TORCH_CHECK(kind == 0 || kind == 1, "pointwise_: kind 0 (silu) or 1 (sigmoid)");
+  float* data = x.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float sigmoid = 1.f / (1.f + std::exp(-data[i]));
+      data[i] = kind == 0 ? data[i] * sigmoid : sigmoid;
+    }
+  });
+}
+
+// A Gated DeltaNet layer's per-token gates from its projections a and b [T, Hv]: the decay's log
+// g = -exp(A_log) * softplus(a + dt_bias) (softplus as PyTorch's: x itself above 20) and beta = sigmoid(b).
+std::tuple<at::Tensor, at::Tensor> delta_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                               const at::Tensor& dt_bias) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a_log.scalar_type() == at::kFloat &&
+                  dt_bias.scalar_type() == at::kFloat,
+              "delta_gates: float32 tensors");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.dim() == 2 && b.sizes() == a.sizes() &&
+                  a_log.numel() == a.size(1) && dt_bias.numel() == a.size(1),
+              "delta_gates: a, b [T, Hv] contiguous, A_log and dt_bias [Hv]");
+  const int64_t heads = a.size(1);
+  at::Tensor g = at::empty(a.sizes(), a.options()), beta = at::empty(a.sizes(), a.options());
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const at::Tensor a_log_c = a_log.contiguous(), dt_c = dt_bias.contiguous();
+  const float *lp = a_log_c.data_ptr<float>(), *dp = dt_c.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const int64_t head = i % heads;
+    const float x = ap[i] + dp[head];
+    const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+    gp[i] = -std::exp(lp[head]) * softplus;
+    betap[i] = 1.f / (1.f + std::exp(-bp[i]));
+  }
+  return {g, beta};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_delta, m) {
+  m.def("pointwise_(Tensor(a!) x, int kind) -> ()");
+  m.def("delta_gates(Tensor a, Tensor b, Tensor a_log, Tensor dt_bias) -> (Tensor, Tensor)");
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, int layer, "
         "int[] slots, int[] starts, int[] lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_delta, CPU, m) {
   m.impl("gated_delta_rule", &gated_delta_rule);
+  m.impl("pointwise_", &pointwise_);
+  m.impl("delta_gates", &delta_gates);
 }

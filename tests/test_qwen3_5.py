@@ -1,0 +1,266 @@
+"""Qwen3.5 (issue 66's second hybrid): Gated DeltaNet layers among gated attention layers.
+
+Logits and greedy float32 output equal transformers' ``Qwen3_5ForCausalLM`` (prefill, chunked prefill, decode, mixed
+batches, preemption); the native delta-rule loop equals its PyTorch reference; each sequence's state lives in a slot
+of the state pool, and a finished request leaves it as a snapshot at its last computed token. A hit resumes from the
+deepest snapshot at or before the blocks' match: a chat's next turn at the end of the previous one, and, after one
+request branched off a shared prefix nobody had snapshotted (and kept its state there), every later request on that
+prefix at its last shared token (40 tokens included). In batch-invariant mode none of it changes a bit of the output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import reference_greedy, run_checked
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.attention.forward_batch import ForwardBatch
+from kvreuse.cache.kv import KVCache
+from kvreuse.cache.recurrent_state import RecurrentStatePool
+from kvreuse.cache.state_slots import StateCopy
+from kvreuse.kernels import gated_delta as delta_kernel
+from kvreuse.layers.gated_delta import StateInputs, delta_rule_reference, l2_normalize
+from kvreuse.loading.loader import load_model
+from kvreuse.model_tools.make_model import count_parameters, make_model
+from kvreuse.models.config import ModelConfig
+from kvreuse.runner.model_runner import ModelRunner
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 folder (the trained tokenizer) whose weights are transformers' own random init at a larger
+    scale, norms included, so every layer moves the logits (make-model's 0.02 weights repeat one token)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    folder = make_model(tmp_path_factory.mktemp("qwen3_5") / "tiny", preset="tiny-qwen3.5", dtype="float32", seed=3)
+    written = json.loads((folder / "config.json").read_text())
+    config = Qwen3_5TextConfig(**{**written, "initializer_range": 0.2, "eos_token_id": None})
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def prompt_ids(seed: int, length: int, vocab: int = 300) -> list[int]:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_llm(folder: Path, **options) -> LLM:
+    settings = dict(dtype="float32", device="cpu", kv_cache_memory="4MiB", block_size=BLOCK)
+    settings.update(options)
+    return LLM(str(folder), **settings)
+
+
+def test_the_native_delta_rule_equals_its_reference():
+    if not delta_kernel.available():
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    generator = torch.Generator().manual_seed(0)
+    rows, key_heads, value_heads, key_dim, value_dim = 13, 2, 4, 16, 8
+    q = l2_normalize(torch.randn(rows, key_heads, key_dim, generator=generator))
+    k = l2_normalize(torch.randn(rows, key_heads, key_dim, generator=generator))
+    v = torch.randn(rows, value_heads, value_dim, generator=generator)
+    g = -torch.rand(rows, value_heads, generator=generator)
+    beta = torch.rand(rows, value_heads, generator=generator)
+    states = torch.randn(4, 2, value_heads, key_dim, value_dim, generator=generator)
+    # Three sequences: one of 5 rows in slot 3, one decode row in slot 0, one of 7 rows in slot 1 (layer 1 of 2).
+    inputs = StateInputs([3, 0, 1], [0, 5, 6], [5, 1, 7], None)  # type: ignore[arg-type]
+    expected_states = states.clone()
+    expected = delta_rule_reference(q, k, v, g, beta, expected_states, 1, inputs)
+    out = delta_kernel.gated_delta_rule(q, k, v, g, beta, states, 1, inputs.slots, inputs.starts, inputs.lens)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-6, rtol=1e-5)
+    assert torch.equal(states[2], expected_states[2]) and torch.equal(states[:, 0], expected_states[:, 0])
+
+
+def test_the_config_reads_transformers_qwen3_5_text_config():
+    from transformers import Qwen3_5TextConfig
+
+    theirs = Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"])
+    config = ModelConfig.from_dict(theirs.to_dict())
+    assert config.state_layers == [i for i, kind in enumerate(theirs.layer_types) if kind == "linear_attention"]
+    assert config.num_kv_layers == theirs.layer_types.count("full_attention") == 8
+    assert config.rotary_dim == 64 and config.norm_style == "offset" and config.qk_norm and config.conv_kernel == 4
+    assert (config.delta_key_heads, config.delta_value_heads, config.delta_key_dim, config.delta_value_dim) == (
+        16, 32, 128, 128)
+    # A snapshot: per Gated DeltaNet layer 32 heads of 128 x 128 float32 and 3 conv inputs of 2 x 2048 + 4096.
+    assert config.state_bytes == 24 * 4 * (32 * 128 * 128 + 3 * 8192)
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 4 * 256 * 8 * 2  # K/V on the 8 attention layers only
+    with pytest.raises(ValueError, match="multimodal Qwen3.5"):
+        ModelConfig.from_dict({**theirs.to_dict(), "architectures": ["Qwen3_5ForConditionalGeneration"]})
+
+
+def _step(runner: ModelRunner, sequences: list[tuple[int, list[int], int]], done: dict[int, int],
+          copies: list[StateCopy]) -> torch.Tensor:
+    """One step of (slot, new tokens, first block) per sequence (8 blocks each from its first); logits of each last row."""
+    ids, positions, slots, lens, contexts, tables, last = [], [], [], [], [], [], []
+    for slot, tokens, first_block in sequences:
+        start = done.get(slot, 0)
+        blocks = list(range(first_block, first_block + 8))
+        ids += tokens
+        positions += range(start, start + len(tokens))
+        slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(tokens))]
+        lens.append(len(tokens))
+        contexts.append(start + len(tokens))
+        tables.append(blocks[: -(-(start + len(tokens)) // BLOCK)])
+        last.append(len(ids) - 1)
+        done[slot] = start + len(tokens)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    batch = ForwardBatch(as_long(ids), as_long(positions), as_long(slots), lens, contexts, tables, as_long(last),
+                         state_slots=[slot for slot, _, _ in sequences], state_copies=copies)
+    return runner.execute(batch)
+
+
+def test_logits_match_transformers_in_prefill_chunks_decode_and_mixed_batches(qwen3_5):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_5, dtype=torch.float32).eval()
+    model, config = load_model(qwen3_5, torch.float32, torch.device("cpu"))
+    kv_cache = KVCache.for_model(config, 64, BLOCK, torch.float32, "cpu")
+    kv_cache.states = RecurrentStatePool(4, len(config.state_layers), config.delta_value_heads, config.delta_key_dim,
+                                         config.delta_value_dim, config.delta_conv_dim, config.conv_kernel)
+    kv_cache.states.ssm.normal_()  # a slot's old contents must not leak into a sequence that starts there
+    runner = ModelRunner(model, config, kv_cache, "cpu")
+    first, second = prompt_ids(1, 30), prompt_ids(2, 12)
+    with torch.no_grad():
+        expected = [reference(torch.tensor([tokens])).logits[0] for tokens in (first, second)]
+    done: dict[int, int] = {}
+    # The first prompt in chunks of 9 and 13 (alone), then decode rows beside the second prompt's prefill, then both
+    # decoding together.
+    close = dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(_step(runner, [(2, first[:9], 0)], done, [StateCopy(None, 2)])[0], expected[0][8], **close)
+    torch.testing.assert_close(_step(runner, [(2, first[9:22], 0)], done, [])[0], expected[0][21], **close)
+    logits = _step(runner, [(2, first[22:23], 0), (0, second[:10], 8)], done, [StateCopy(None, 0)])
+    torch.testing.assert_close(logits[0], expected[0][22], **close)
+    torch.testing.assert_close(logits[1], expected[1][9], **close)
+    for index in range(23, 30):
+        logits = _step(runner, [(0, second[10 + index % 2:11 + index % 2], 8), (2, first[index:index + 1], 0)]
+                       if index < 25 else [(2, first[index:index + 1], 0)], done, [])
+        torch.testing.assert_close(logits[-1], expected[0][index], **close)
+    torch.testing.assert_close(logits[-1], expected[0][29], **close)
+
+
+def test_greedy_matches_transformers_alone_batched_chunked_and_preempted(qwen3_5):
+    prompts = [prompt_ids(seed, length) for seed, length in ((1, 37), (2, 5), (3, 1), (4, 23))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [reference_greedy(qwen3_5, prompt, max_new_tokens=12) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == 4 and all(len(set(tokens)) > 2 for tokens in expected)
+    llm = make_llm(qwen3_5, enable_prefix_caching=False)
+    assert llm.engine.kv_cache.num_layers == 1 and llm.engine.kv_cache.states is not None
+    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
+    assert run_checked(llm.engine, prompts, greedy) == expected
+    chunked = make_llm(qwen3_5, max_num_batched_tokens=8)
+    assert run_checked(chunked.engine, prompts, greedy) == expected
+    # 16 blocks of 4 tokens: four sequences of up to 49 tokens cannot all stay; the preempted ones resume from the
+    # snapshot their preemption left (or recompute where it went), and still agree.
+    per_block = ModelConfig.from_pretrained(qwen3_5).kv_bytes_per_token(torch.float32) * BLOCK
+    state = ModelConfig.from_pretrained(qwen3_5).state_bytes
+    tight = make_llm(qwen3_5, kv_cache_memory=16 * per_block + 8 * state + 1, max_num_seqs=4,
+                     state_snapshot_fraction=0.5)
+    assert run_checked(tight.engine, prompts, greedy) == expected
+    assert tight.engine.stats().num_preemptions > 0
+
+
+def test_hits_resume_from_snapshots_and_change_no_bit(qwen3_5):
+    """Batch-invariant mode: every run below gives the tokens and logprobs a cache-free engine gives."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    shared = prompt_ids(30, 40)
+    first, second, third = (shared + prompt_ids(seed, 6) for seed in (31, 32, 33))
+    plain = make_llm(qwen3_5, batch_invariant=True, enable_prefix_caching=False)
+    cached = make_llm(qwen3_5, batch_invariant=True)
+
+    def run(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs), o.num_cached_tokens) for o in outputs]
+
+    def same(warm: list[tuple], prompts: list[list[int]]) -> list[int]:
+        assert [r[:2] for r in warm] == [r[:2] for r in run(plain, prompts)]
+        return [r[2] for r in warm]
+
+    out_first = run(cached, [first])
+    assert same(out_first, [first]) == [0]
+    # The shared 40 tokens are cached as blocks, but the only state kept is at the end of the first request: the
+    # second recomputes them, stops its first chunk at token 40 and keeps its state there ...
+    assert same(run(cached, [second]), [second]) == [0]
+    states = cached.engine.kv.states
+    assert states.num_branches == 1
+    # ... where the third resumes, as does every later one on that prefix (a batch of them too).
+    assert same(run(cached, [third]), [third]) == [40]
+    assert same(run(cached, [first, second]), [first, second]) == [40, 40]
+    # The first request's next turn resumes where it ended: all it computed (every token but its last output).
+    turn2 = first + list(out_first[0][0]) + prompt_ids(34, 7)
+    assert same(run(cached, [turn2]), [turn2]) == [len(first) + 10 - 1]
+    snapshots = cached.engine.kv.states.snapshots
+    assert 0 < snapshots.num_bytes <= snapshots.budget_bytes
+    cached.engine.check_integrity()
+
+
+def test_a_miss_on_a_missing_snapshot_explains_itself(qwen3_5, caplog):
+    llm = make_llm(qwen3_5)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    shared = prompt_ids(40, 20)
+    llm.generate([{"prompt_token_ids": shared + prompt_ids(41, 5)}], params)
+    engine = llm.engine
+    engine.add_request("probe", {"prompt_token_ids": shared + prompt_ids(42, 5)}, params)
+    request = engine.scheduler.waiting[0]
+    match = engine.kv.match(request)
+    assert match.num_tokens == 0 and request.state_hit is not None and request.state_hit.matched == 20
+    assert request.state_hit.explanation == "no state kept on this prefix: 20 matched tokens recomputed"
+    with caplog.at_level("DEBUG", logger="kvreuse"):
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.check_integrity()
+    assert "request probe: no state kept on this prefix: 20 matched tokens recomputed" in caplog.text
+    assert engine.drift_report()["state_misses"] == {"requests": 1, "tokens": 20}
+    # The probe kept its state at token 20 (a branch): the next request on that prefix resumes there.
+    engine.add_request("next", {"prompt_token_ids": shared + prompt_ids(43, 5)}, params)
+    assert engine.kv.match(engine.scheduler.waiting[0]).num_tokens == 20
+
+
+def test_snapshots_stay_within_their_budget_and_free_their_slots(qwen3_5):
+    state = ModelConfig.from_pretrained(qwen3_5).state_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for policy in ("saved", "lru"):
+        llm = make_llm(qwen3_5, kv_cache_memory="4MiB", max_num_seqs=2, state_snapshot_fraction=3 * state / 2**22,
+                       state_snapshot_policy=policy)
+        states = llm.engine.kv.states
+        assert states.num_slots == 2 + 3
+        prompts = [prompt_ids(50 + seed, 10 + seed) for seed in range(8)]
+        run_checked(llm.engine, prompts, params)
+        assert len(states.snapshots) == 3 and states.num_free == 2  # the three kept, the rest back to the free list
+        llm.engine.reset_prefix_cache()
+        assert len(states.snapshots) == 0 and states.num_free == 5  # gone with their blocks
+
+
+def test_what_qwen3_5_cannot_do_yet_is_refused_by_name(qwen3_5):
+    for options, words in (({"speculative_config": {"method": "cache"}}, "would take in the rejected drafts"),
+                           ({"speculative_config": {"method": "eagle", "model": str(qwen3_5),
+                                                    "num_speculative_tokens": 2}}, "method 'eagle' on a hybrid"),
+                           ({"chunk_reuse": True}, "chunk_reuse on a hybrid model"),
+                           ({"enable_lora": True}, "enable_lora on a hybrid model"),
+                           ({"kv_cache_memory": "64KiB"}, "cannot hold Qwen3_5ForCausalLM's recurrent states")):
+        with pytest.raises(ValueError, match=words):
+            make_llm(qwen3_5, **options)
+    # Left unset, the cache drafter stays off on it (batch-invariant mode would turn it on elsewhere).
+    assert make_llm(qwen3_5, batch_invariant=True).engine.spec is None
+
+
+def test_make_model_writes_qwen3_5_0_8b_s_shapes(tmp_path):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    folder = make_model(tmp_path / "qwen3.5-0.8b", preset="qwen3.5-0.8b", write_weights=False)
+    written = json.loads((folder / "config.json").read_text())
+    ours = ModelConfig.from_pretrained(folder)
+    assert ours.state_layers == [layer for layer in range(24) if layer % 4 != 3] and ours.rotary_dim == 64
+    with torch.device("meta"):
+        real = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**written, "vocab_size": 248320}))
+    assert count_parameters("qwen3.5-0.8b", vocab_size=248320) == sum(p.numel() for p in real.parameters())
