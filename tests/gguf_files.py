@@ -52,6 +52,14 @@ LFM2_NAMES = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "conv.in_pro
               "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm"}
 
 
+# Qwen3.5 under llama.cpp's names (its converter's Qwen3_5TextModel): the Gated DeltaNet's projections and state
+# parameters (A_log and dt_bias are parameters of their own: ssm_a, ssm_dt.bias), the norm after attention.
+QWEN35_NAMES = {"post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_qkv": "attn_qkv",
+                "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+                "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.conv1d": "ssm_conv1d",
+                "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}
+
+
 def gguf_name(name: str, arch: str = "llama") -> str:
     if arch == "lfm2" and name == "model.embedding_norm.weight":
         return "token_embd_norm.weight"
@@ -61,9 +69,11 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     assert parts[:2] == ["model", "layers"], name
     if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
         return f"blk.{parts[2]}.attn_sinks.weight"
+    if arch == "qwen35" and parts[-1] in ("A_log", "dt_bias"):
+        return f"blk.{parts[2]}." + ("ssm_a" if parts[-1] == "A_log" else "ssm_dt.bias")
     module = ".".join(parts[3:-1])
     names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {}),
-             **(LFM2_NAMES if arch == "lfm2" else {})}
+             **(LFM2_NAMES if arch == "lfm2" else {}), **(QWEN35_NAMES if arch == "qwen35" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
@@ -140,7 +150,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     arch_class = config["architectures"][0]
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
-            "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2"}[arch_class]
+            "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen35"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -159,6 +169,21 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_layer_norm_rms_eps(config["norm_eps"])
         writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    elif arch == "qwen35":  # the keys llama.cpp's converter writes (generic writers: any gguf release has them)
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(kv_heads)
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        rope = config["rope_parameters"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_uint32("qwen35.rope.dimension_count", int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+        for key, field in (("ssm.conv_kernel", "linear_conv_kernel_dim"), ("ssm.state_size", "linear_key_head_dim"),
+                           ("ssm.group_count", "linear_num_key_heads"), ("ssm.time_step_rank", "linear_num_value_heads")):
+            writer.add_uint32(f"qwen35.{key}", config[field])
+        writer.add_uint32("qwen35.ssm.inner_size", config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear_attention" for kind in config["layer_types"]])
+        writer.add_uint32("qwen35.full_attention_interval", 4)
     else:
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_head_count(heads)
@@ -211,8 +236,15 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        if arch == "qwen35":  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), the kernel as [C, K]
+            if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+                array = array + 1.0
+            if hf_name.endswith("A_log"):
+                array = -np.exp(array)
+            if hf_name.endswith("conv1d.weight"):
+                array = array[:, 0, :]
         kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", ".bias",
-                                                                     "shortconv.conv.weight")) else "F32"
+                                                                     "shortconv.conv.weight", "ssm_conv1d.weight")) else "F32"
         if kind == "MXFP4" and "_exps." not in name:  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
             kind = "Q8_0"
         if kind in K_QUANTS and array.shape[-1] % 256:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import write_gguf
 from test_engine import reference_greedy, run_checked
 
 from kvreuse import LLM, SamplingParams
@@ -24,6 +25,7 @@ from kvreuse.cache.recurrent_state import RecurrentStatePool
 from kvreuse.cache.state_slots import StateCopy
 from kvreuse.kernels import gated_delta as delta_kernel
 from kvreuse.layers.gated_delta import StateInputs, delta_rule_reference, l2_normalize
+from kvreuse.loading.gguf import read_gguf
 from kvreuse.loading.loader import load_model
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
@@ -32,15 +34,14 @@ from kvreuse.runner.model_runner import ModelRunner
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory) -> Path:
+def random_qwen3_5(folder: Path, **overrides) -> Path:
     """A tiny Qwen3.5 folder (the trained tokenizer) whose weights are transformers' own random init at a larger
     scale, norms included, so every layer moves the logits (make-model's 0.02 weights repeat one token)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    folder = make_model(tmp_path_factory.mktemp("qwen3_5") / "tiny", preset="tiny-qwen3.5", dtype="float32", seed=3)
+    folder = make_model(folder, preset="tiny-qwen3.5", dtype="float32", seed=3)
     written = json.loads((folder / "config.json").read_text())
-    config = Qwen3_5TextConfig(**{**written, "initializer_range": 0.2, "eos_token_id": None})
+    config = Qwen3_5TextConfig(**{**written, "initializer_range": 0.2, **overrides})
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():
@@ -49,6 +50,12 @@ def qwen3_5(tmp_path_factory) -> Path:
                 parameter.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory) -> Path:
+    """Two key heads to four value heads (grouped value attention in the delta rule)."""
+    return random_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "tiny")
 
 
 def prompt_ids(seed: int, length: int, vocab: int = 300) -> list[int]:
@@ -264,3 +271,28 @@ def test_make_model_writes_qwen3_5_0_8b_s_shapes(tmp_path):
     with torch.device("meta"):
         real = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**written, "vocab_size": 248320}))
     assert count_parameters("qwen3.5-0.8b", vocab_size=248320) == sum(p.numel() for p in real.parameters())
+
+
+def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_runs_as_its_folder(tmp_path):
+    """llama.cpp's layout: the Gated DeltaNet layers by attention.recurrent_layers and their heads by the ssm.* keys,
+    rope over rope.dimension_count of each head, (1 + weight) norms but the DeltaNet's output norm, A_log stored as
+    -exp(A_log), the depthwise kernel as [C, K]. A float32 file runs as its folder; a Q8_0 file runs quantized."""
+    folder = random_qwen3_5(tmp_path / "equal-heads", linear_num_key_heads=4)
+    path = write_gguf(folder, tmp_path / "qwen35.gguf", "F32")
+    ours, theirs = make_llm(folder), make_llm(path)
+    differing = {field for field in ours.engine.model_config.__dataclass_fields__
+                 if getattr(ours.engine.model_config, field) != getattr(theirs.engine.model_config, field)}
+    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [prompt_ids(7, 21), prompt_ids(8, 3)]
+    expected = run_checked(ours.engine, prompts, greedy)
+    assert run_checked(theirs.engine, prompts, greedy) == expected
+    quantized = write_gguf(folder, tmp_path / "qwen35.q8_0.gguf", "Q8_0")
+    types = read_gguf(quantized).tensor_types
+    assert types["model.layers.0.linear_attn.in_proj_qkv.weight"] == "Q8_0"
+    assert types["model.layers.0.linear_attn.A_log"] == "F32"
+    assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [12, 12]
+    # Value heads in llama.cpp's tiled order (fewer key heads) are refused, saying so.
+    grouped = write_gguf(random_qwen3_5(tmp_path / "grouped"), tmp_path / "grouped.gguf", "F32")
+    with pytest.raises(ValueError, match="2 key heads to 4 value heads"):
+        make_llm(grouped)

@@ -176,6 +176,16 @@ class GGUFMetadata:
             raise ValueError(f"{self.path}: GGUF metadata {key} has {values}; expected {layers} counts")
         return values
 
+    def flags(self, key: str, layers: int) -> list[bool]:
+        """A boolean per layer (Qwen3.5's ``attention.recurrent_layers``); a ValueError names the file and the key
+        for a missing value, one of another type or an array of another length."""
+        if key not in self.fields:
+            raise ValueError(f"{self.path}: the GGUF metadata lacks {key}")
+        element, values, is_array = self._values(key)
+        if element != "BOOL" or not is_array or len(values) != layers:
+            raise ValueError(f"{self.path}: GGUF metadata {key} must be {layers} booleans, got {values!r}")
+        return [bool(value) for value in values]
+
     def _values(self, key: str) -> tuple[str, list[Any], bool]:
         """``_field_values`` of a present key, a corrupt one a ValueError naming the file and the key."""
         try:
@@ -251,6 +261,12 @@ class GGUFArchitecture:
     # A hybrid's layers without attention are those with no KV heads in the per-layer attention.head_count_kv
     # (llama.cpp's LFM2): they become layer_types' ``recurrent_kind``; None: one count for every layer.
     recurrent_kind: str | None = None
+    # Norms that norms_plus_one leaves alone (a Gated DeltaNet's output norm multiplies by its weight)
+    plain_norms: tuple[str, ...] = ()
+    # Per-layer tensors stored without a .weight / .bias of theirs ("ssm_a", "ssm_dt.bias" after "blk.N.") -> our
+    # parameter, and how a value is put back (llama.cpp's converter stores Qwen3.5's A_log as -exp(A_log))
+    parameter_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unstored: Mapping[str, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def _sliding_layer_types(pattern: int) -> Derived:
@@ -316,6 +332,26 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                        "shortconv.out_proj": "conv.out_proj"},
         config=(("conv_L_cache", MetadataKey("shortconv.l_cache", minimum=2)),
                 ("block_auto_adjust_ff_dim", Fixed(False)))),
+    # Qwen3.5: attention.recurrent_layers says which layers are Gated DeltaNet; their heads are the ssm.* keys (groups:
+    # key heads, time-step rank: value heads, state size: the key head's width); rope turns rope.dimension_count of
+    # each head; every norm but the DeltaNet's output norm is stored as 1 + weight; A_log as -exp(A_log).
+    "qwen35": GGUFArchitecture(
+        "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, plain_norms=("linear_attn.norm.weight",),
+        layer_tensors={"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+                       "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+                       "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
+                       "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
+        parameter_tensors={"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+        unstored={"linear_attn.A_log": lambda stored: np.log(-stored)},
+        config=(("layer_types", Derived(lambda config, shapes: config["layer_types"])),
+                ("linear_conv_kernel_dim", MetadataKey("ssm.conv_kernel", minimum=2)),
+                ("linear_num_key_heads", MetadataKey("ssm.group_count", minimum=1)),
+                ("linear_num_value_heads", MetadataKey("ssm.time_step_rank", minimum=1)),
+                ("linear_key_head_dim", MetadataKey("ssm.state_size", minimum=1)),
+                ("linear_value_head_dim", MetadataKey("ssm.inner_size", minimum=1)),
+                ("linear_value_head_dim", Derived(lambda config, shapes:
+                                                  config["linear_value_head_dim"] // config["linear_num_value_heads"])),
+                ("attn_output_gate", Fixed(True)))),
     # gpt-oss's experts are its MLP: their width is intermediate_size.
     "gpt-oss": GGUFArchitecture(
         "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
@@ -331,7 +367,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 # llama.cpp's names of architectures kvreuse refuses saying why: their models/config.py class, whose
 # PLANNED_ARCHITECTURES entry is the reason (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
     "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
 
@@ -455,11 +491,17 @@ def _version(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
-def _our_name(gguf_name: str, layer_tensors: Mapping[str, str]) -> str | None:
+def _our_name(gguf_name: str, layer_tensors: Mapping[str, str],
+              parameter_tensors: Mapping[str, str] | None = None) -> str | None:
     """Our (Hugging Face's) name of a tensor of the file, None for one with no place in the model; ``layer_tensors``:
-    the architecture's own layer names (GGUFArchitecture.layer_tensors)."""
+    the architecture's own layer names (GGUFArchitecture.layer_tensors), ``parameter_tensors`` its tensors stored
+    without a suffix of their own (GGUFArchitecture.parameter_tensors)."""
+    parameter_tensors = parameter_tensors or {}
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer, _, rest = gguf_name.removeprefix("blk.").partition(".")
+    if gguf_name.startswith("blk.") and layer.isdecimal() and rest in parameter_tensors:
+        return f"model.layers.{layer}.{parameter_tensors[rest]}"
     match = _LAYER_NAME.match(gguf_name)
     if match is None:
         return None
@@ -524,7 +566,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     hidden = own("embedding_length", int, minimum=1)
     head_dim = own("attention.key_length", int, hidden // heads, minimum=1)
     rope_dims = own("rope.dimension_count", int, None)
-    if rope_dims is not None and rope_dims != head_dim:
+    partial = spec.model_class == "Qwen3_5ForCausalLM"  # its config carries partial_rotary_factor
+    if rope_dims is not None and rope_dims != head_dim and not partial:
         raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
                          "supported")
     scaling = own("rope.scaling.type", str, None)
@@ -554,6 +597,9 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
     layers = own("block_count", int, minimum=1)
     layer_types = None
+    if partial:  # Qwen3.5: its Gated DeltaNet layers by attention.recurrent_layers (a bool per layer)
+        recurrent = metadata.flags(f"{architecture}.attention.recurrent_layers", layers)
+        layer_types = ["linear_attention" if flag else "full_attention" for flag in recurrent]
     if spec.recurrent_kind is not None:
         counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
         attending = sorted(set(count for count in counts if count))
@@ -585,6 +631,17 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     }
     if layer_types is not None:
         hf_config["layer_types"] = layer_types
+    if partial:
+        hf_config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
+                                        "partial_rotary_factor": (rope_dims or head_dim) / head_dim}
+        if rope_scaling is not None:
+            raise ValueError(f"{path}: rope scaling on {architecture} is not supported")
+        key_heads, value_heads = own("ssm.group_count", int, minimum=1), own("ssm.time_step_rank", int, minimum=1)
+        if key_heads != value_heads:
+            # llama.cpp's converter reorders the value heads (grouped by key head in HF's layout) to a tiled order,
+            # through rows and a quantized projection's columns alike; putting them back is not built.
+            raise ValueError(f"{path}: {key_heads} key heads to {value_heads} value heads in the Gated DeltaNet layers "
+                             "(value heads in llama.cpp's tiled order) is not supported; equal counts are")
     for field_name, source in spec.config:
         if isinstance(source, MetadataKey):
             hf_config[field_name] = own(source.key, source.kind, source.default, source.minimum)
@@ -620,7 +677,7 @@ def _tensor_places(reader: Any, path: Path, architecture: str, spec: GGUFArchite
                 shapes[place.name] = place.shape
             places.extend(experts)
             continue
-        ours = _our_name(tensor.name, spec.layer_tensors)
+        ours = _our_name(tensor.name, spec.layer_tensors, spec.parameter_tensors)
         if ours is None:
             raise ValueError(f"{path}: tensor {tensor.name!r} has no place in a {architecture} model")
         tensor_types[ours] = kind
@@ -730,7 +787,12 @@ def _placed(path: Path, info: GGUFModelInfo, place: GGUFTensorPlace, raw: np.nda
                                  "be un-permuted")
             width = raw.size // shape[0]
             raw = raw.reshape(shape[0], width)[row_order].reshape(-1)
-    if spec.norms_plus_one and place.name.endswith("norm.weight"):
+    for suffix, unstore in spec.unstored.items():
+        if place.name.endswith(suffix):
+            if place.ggml_type != "F32":
+                raise ValueError(f"{path}: tensor {place.file_name!r} is {place.ggml_type}; float32 expected")
+            raw = unstore(raw.view(np.float32)).astype(np.float32).view(np.uint8)
+    if spec.norms_plus_one and place.name.endswith("norm.weight") and not place.name.endswith(spec.plain_norms):
         # llama.cpp's converter stores Gemma's norm weights as 1 + weight (ggml's norm multiplies by the weight);
         # Gemma's norm here adds the 1 itself, as transformers' does.
         if place.ggml_type != "F32":

@@ -115,6 +115,8 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTens
             name = "model." + name[len("model.language_model."):]
         if name.startswith(_SKIPPED_PREFIXES):
             continue
+        if name.endswith("linear_attn.conv1d.weight") and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+            tensor = tensor.unsqueeze(1)  # a GGUF file's depthwise kernel [C, K] (llama.cpp drops the channel axis)
         yield name, tensor
 
 
