@@ -236,6 +236,13 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --folder models/lfm2-350m --vllm-python vllm-cpu/bin/python --systems "
     "vllm,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 --short-prefix-questions 8 "
     "--out lfm2_vllm.json": SCRIPT,
+    # issue 66, third session: Qwen3.5-0.8B's shapes beside llama-server (smoke: the tiny file under this name), and
+    # the snapshot budget's curve (smoke: the smallest trace)
+    "kvreuse make-model models/qwen3.5-0.8b --preset qwen3.5-0.8b": MAKE_MODEL,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/qwen3.5-0.8b.q8_0.gguf --systems "
+    "llama-server,llama-server-checkpoints,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 "
+    "--short-prefix-questions 8 --out qwen35.json": SCRIPT,
+    "python benchmarks/bench_state_snapshots.py --json state_snapshots.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
@@ -293,6 +300,9 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "simulate_state_snapshots.py": (r"(?m)^\| branch \| saved \| \d\.\d{3} \(\d+/\d+\)",
                                     r"(?m)^\| block-528 \| - \| \d\.\d{3}", r"(?m)^mixed: \d+ requests",
                                     r"wrote docs/simulate_state_snapshots.json"),
+    "bench_state_snapshots.py": (r"a snapshot at Qwen3.5-0.8B's shapes: \d+\.\d MiB",
+                                 r"(?m)^\| 4 \(\d\.\d\d\) \| \d\.\d{3} \(\d+/\d+\) \| \d\.\d{3} \(\d+/\d+\) \|$",
+                                 r"wrote state_snapshots.json"),
     "bench_spec.py": (r"concurrency\s+off tok/s\s+eagle tok/s", r"acceptance rate \d", r"shared-prefix hit rate .*off \d"),
     "bench_batch_invariance.py": (r"(?m)^auto \| off \| \d+ of \d+ \| \d+ of \d+ \| \d+\.\d",
                                   r"(?m)^float32 \| on \| 0 of \d+ \| 0 of \d+ \| \d+\.\d"),
@@ -308,7 +318,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
 }
 # What a script's --json file must hold (the scripts that take --json).
 JSON_KEYS = {"bench_engine.py": "kvreuse_warm_over_cold", "bench_draft_trees.py": "workloads",
-             "simulate_state_snapshots.py": "results"}
+             "simulate_state_snapshots.py": "results", "bench_state_snapshots.py": "results"}
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 
 # --- Extraction ---------------------------------------------------------------------------------------------

@@ -411,6 +411,8 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise RuntimeError(f"waiting request {request.request_id} holds blocks")
+            if request.state_slot is not None:
+                raise RuntimeError(f"waiting request {request.request_id} holds a state slot")
 
     # --- pins -------------------------------------------------------------------------------------
     def list_pins(self) -> list[Pin]:
