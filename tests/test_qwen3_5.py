@@ -206,6 +206,11 @@ def test_hits_resume_from_snapshots_and_change_no_bit(qwen3_5):
     # The first request's next turn resumes where it ended: all it computed (every token but its last output).
     turn2 = first + list(out_first[0][0]) + prompt_ids(34, 7)
     assert same(run(cached, [turn2]), [turn2]) == [len(first) + 10 - 1]
+    # A next turn whose answer's tokens differ (a client that sent its text back, split otherwise) resumes where the
+    # first request's prompt ended: its state was kept there too.
+    retold = first + prompt_ids(35, 9) + prompt_ids(36, 7)
+    assert same(run(cached, [retold]), [retold]) == [len(first)]
+    assert states.num_prompts >= 4
     snapshots = cached.engine.kv.states.snapshots
     assert 0 < snapshots.num_bytes <= snapshots.budget_bytes
     cached.engine.check_integrity()

@@ -59,6 +59,9 @@ class CacheSequence(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
 
 @dataclass
 class CacheStats:
@@ -508,6 +511,11 @@ class KVCacheManager:
             if anchor is not None:
                 self.states.branch(anchor, tail, request.state_slot)
             request.branch_at = None
+        if self.states is not None and request.state_slot is not None and computed == request.num_prompt_tokens:
+            # The prompt's end: the next turn resumes here when it matches the prompt but not the answer's tokens.
+            anchor, tail = self._snapshot_place(request, computed)
+            if anchor is not None:
+                self.states.branch(anchor, tail, request.state_slot, "prompt")
 
     def _snapshot_place(self, request: CacheSequence, position: int) -> tuple[CacheNode | None, list[int]]:
         """Where a snapshot of ``request``'s state after ``position`` tokens is anchored: the cached node of the last

@@ -11,7 +11,9 @@ admitting a request never has to drop a snapshot, and a snapshot is made without
   (the next chat turn or agent step, or its own re-admission, resumes there);
 - ``branch``: a request that left a cached path between two snapshots (a shared system prompt whose end nobody
   snapshotted) stops its first prefill chunk at the divergence, and its state there is copied into a new snapshot,
-  so every request after it on that branch resumes at its last shared token;
+  so every request after it on that branch resumes at its last shared token; the same copy at the end of a
+  request's prompt (reason "prompt") serves a next turn that matches the prompt but not the answer (a chat client
+  that sends the answer's text, which a tokenizer need not split into the tokens generated);
 - ``drop_node``: the prefix index evicted a node; the snapshots anchored there go, their slots back to the free list.
 
 Torch-free: slots are integers; the copies (``StateCopy``) run on the tensors before the next forward, in order.
@@ -44,8 +46,9 @@ class StateSlots:
         self.snapshots = StateSnapshots(block_size, (num_slots - max_running) * slot_bytes, policy)
         self._free = list(range(num_slots - 1, -1, -1))
         self._copies: list[StateCopy] = []
-        self.num_kept = 0  # snapshots made, by reason
+        self.num_kept = 0  # snapshots made, by reason: a request's end, a branch, a prompt's end
         self.num_branches = 0
+        self.num_prompts = 0
 
     @property
     def num_free(self) -> int:
@@ -75,14 +78,16 @@ class StateSlots:
         else:
             self.num_kept += 1
 
-    def branch(self, anchor: CacheNode, tail: Sequence[int], slot: int) -> None:
-        """Copy the state in ``slot`` (a running request's, at the end of ``anchor`` + ``tail``) into a new snapshot."""
-        kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, None, "branch")
+    def branch(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str = "branch") -> None:
+        """Copy the state in ``slot`` (a running request's, at the end of ``anchor`` + ``tail``) into a new snapshot
+        (``reason``: "branch", or "prompt" at the end of its prompt)."""
+        kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, None, reason)
         self._release(dropped)
         if kept is not None:
             kept.handle = self._free.pop()
             self._copies.append(StateCopy(slot, kept.handle))
-            self.num_branches += 1
+            self.num_branches += reason == "branch"
+            self.num_prompts += reason == "prompt"
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

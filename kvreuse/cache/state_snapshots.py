@@ -37,9 +37,14 @@ from typing import NamedTuple
 from kvreuse.cache.prefix import CacheNode
 
 POLICIES = ("lru", "saved")
-# Hits, and a new snapshot's claim of a first use, halve in weight after this many lookups without a use (the ``saved``
-# policy): a prompt that stopped coming back loses its claim on the budget.
+# The ``saved`` policy's clock ticks once a use or a new snapshot (not on a lookup that only asks: a scheduler asks for
+# every waiting request at every step). Hits halve in weight after this many ticks without a use: a prompt that
+# stopped coming back loses its claim on the budget.
 HIT_HALF_LIFE = 256
+# A new snapshot's claim of a first use halves after this many ticks without one: what nobody resumed from soon after
+# it was kept (a question's end, an old phase's long prompt) gives way to what was kept since (a chat's latest turn,
+# which its next turn resumes from a few requests later). Measured in the engine: docs/benchmarks.md.
+PRIOR_HALF_LIFE = 16
 
 
 @dataclass(eq=False)
@@ -49,7 +54,7 @@ class Snapshot:
     position: int  # the prefix's length: the state is the one after token position - 1
     num_bytes: int
     handle: object  # the caller's: where the state's tensors are
-    reason: str  # why it was taken: "chunk", "finish", "branch", "pin"
+    reason: str  # why it was taken: "chunk", "finish", "branch", "prompt" (a prompt's end), "pin"
     last_used: int
     hits: float = 0.0  # decayed count (HIT_HALF_LIFE)
     below: int = 0  # snapshots added below it on its path with it as their nearest (2 or more: a branch point)
@@ -88,7 +93,8 @@ class StateSnapshots:
         """The deepest snapshot at or before token ``matched`` on the path ``root``, ``nodes`` (the request's fully
         matched blocks in order) spelled by ``token_ids``. ``count``: this is a real lookup (the snapshot's hits and
         recency grow); False for a question (the observatory's)."""
-        self._now = next(self._clock)
+        if count:
+            self._now = next(self._clock)
         size = self.block_size
         for index in range(min(len(nodes), matched // size), -1, -1):
             anchor = nodes[index - 1] if index else root
@@ -175,7 +181,7 @@ class StateSnapshots:
         end that several questions went on from; or taken at a branch or a pin) keeps both."""
         above = self._above(snapshot)
         saved = snapshot.position - (above.position if above is not None else 0)
-        prior = 0.0 if self._superseded(snapshot) else 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
+        prior = 0.0 if self._superseded(snapshot) else 0.5 ** ((self._now - snapshot.last_used) / PRIOR_HALF_LIFE)
         return saved * (self._decayed_hits(snapshot) + prior) / max(1, snapshot.num_bytes)
 
     @staticmethod
@@ -183,7 +189,7 @@ class StateSnapshots:
         """One snapshot was kept below it, and it was not taken for others: a branch's snapshot (where a request left
         a cached path) and a pinned prefix's are there for the requests that come after, while their own request
         always goes on past them."""
-        return snapshot.below == 1 and snapshot.reason not in ("branch", "pin")
+        return snapshot.below == 1 and snapshot.reason not in ("branch", "pin", "prompt")
 
     def _decayed_hits(self, snapshot: Snapshot) -> float:
         return snapshot.hits * 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
