@@ -68,20 +68,31 @@ def causal_conv(bx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.to(bx.dtype)
 
 
-class ShortConv(nn.Module):
-    """HF's ``conv.{in_proj,conv,out_proj}``: the gated short convolution of one layer."""
+@dataclass
+class ConvInputs:
+    """What a step's conv layers read: where each row's convolution inputs are, and the pool's planes
+    [conv layers, slots + 1, H]."""
 
-    def __init__(self, hidden_size: int, kernel: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    taps: ConvTaps
+    planes: torch.Tensor
+
+
+class ShortConv(nn.Module):
+    """HF's ``conv.{in_proj,conv,out_proj}``: the gated short convolution of one layer, whose inputs are row ``plane``
+    of the pool's planes."""
+
+    def __init__(self, hidden_size: int, kernel: int, bias: bool, plane: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         self.hidden_size = hidden_size
+        self.plane = plane
         self.in_proj = Linear(hidden_size, [3 * hidden_size], bias, dtype, device)
         self.conv = DepthwiseConvWeight(hidden_size, kernel, bias, dtype, device)
         self.out_proj = Linear(hidden_size, [hidden_size], bias, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, taps: ConvTaps, planes: torch.Tensor,
-                lora: ProjectionDeltas | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, inputs: ConvInputs) -> torch.Tensor:
         b, c, x = self.in_proj(hidden).split(self.hidden_size, dim=-1)
-        mixed = causal_conv(b * x, self.conv.weight, self.conv.bias, taps, planes)
+        mixed = causal_conv(b * x, self.conv.weight, self.conv.bias, inputs.taps, inputs.planes[self.plane])
         return self.out_proj(c * mixed)
 
 

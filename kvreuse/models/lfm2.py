@@ -20,14 +20,17 @@ import torch
 from torch import nn
 
 from kvreuse.attention.backend import AttentionBackend
-from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
+from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor
-from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import RMSNorm
-from kvreuse.layers.short_conv import ConvTaps, ShortConv
+from kvreuse.layers.short_conv import ConvInputs, ConvTaps, ShortConv
 from kvreuse.models.config import ModelConfig
-from kvreuse.models.llama import LlamaFamilyDecoderLayer, LlamaFamilyForCausalLM
+from kvreuse.models.llama import (
+    LlamaFamilyDecoderLayer,
+    LlamaFamilyForCausalLM,
+    RecurrentDecoderLayer,
+)
 
 # LFM2's module names -> the family's (applied to the part after "model.layers.N.").
 _RENAMES = (
@@ -66,34 +69,14 @@ def _checkpoint_tensor(name: str, tensor: torch.Tensor | QuantizedTensor) -> tup
     return name, tensor
 
 
-class ShortConvDecoderLayer(nn.Module):
-    """A conv layer: norm, gated short convolution, residual; norm, SwiGLU, residual (HF ``Lfm2DecoderLayer``)."""
-
-    recurrent = True
-    uses_local_rope = False
+class ShortConvDecoderLayer(RecurrentDecoderLayer):
+    """A conv layer: norms around the gated short convolution and the SwiGLU (HF ``Lfm2DecoderLayer``); the conv reads
+    its inputs from its planes in the pool (its index among the conv layers)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.layer_idx = layer_idx
-        self.plane = config.plane_layers.index(layer_idx)  # its planes in the pool
-        self.input_layernorm = RMSNorm(size, eps, dtype, device)
-        self.conv = ShortConv(size, config.conv_kernel, config.conv_bias, dtype, device)
-        self.post_attention_layernorm = RMSNorm(size, eps, dtype, device)
-        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
-
-    def forward(self, hidden: torch.Tensor, recurrent: RecurrentInputs, lora: ProjectionDeltas | None = None
-                ) -> torch.Tensor:
-        mixed = self.conv(self.input_layernorm(hidden), recurrent.taps, recurrent.planes[self.plane])
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
-
-
-class RecurrentInputs:
-    """What a step's conv layers read: where each row's convolution inputs are, and the pool's planes."""
-
-    def __init__(self, taps: ConvTaps, planes: torch.Tensor) -> None:
-        self.taps = taps
-        self.planes = planes
+        mixer = ShortConv(config.hidden_size, config.conv_kernel, config.conv_bias,
+                          config.plane_layers.index(layer_idx), dtype, device)
+        super().__init__(config, layer_idx, RMSNorm, "conv", mixer, dtype, device)
 
 
 def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend, dtype: torch.dtype,
@@ -108,13 +91,13 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
 
     make_layer = staticmethod(_make_layer)
 
-    def recurrent_inputs(self, batch: ForwardBatch, kv_cache: KVCache) -> RecurrentInputs:
+    def recurrent_inputs(self, batch: ForwardBatch, kv_cache: KVCache) -> ConvInputs:
         if kv_cache.planes is None:
             raise ValueError("a hybrid model's pool needs its conv layers' planes (KVCache plane_layers)")
         starts = [context - length for context, length in zip(batch.context_lens, batch.query_lens)]
         taps = ConvTaps.build(batch.slot_mapping, starts, batch.query_lens, batch.block_tables, kv_cache.block_size,
                               self.config.conv_kernel, kv_cache.zero_plane_slot)
-        return RecurrentInputs(taps, kv_cache.planes)
+        return ConvInputs(taps, kv_cache.planes)
 
     @property
     def native_step_refusal(self) -> str | None:

@@ -201,6 +201,30 @@ class LlamaFamilyDecoderLayer(nn.Module):
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=attention), lora))
 
 
+class RecurrentDecoderLayer(nn.Module):
+    """A hybrid's layer without attention (LFM2's short convolution, Qwen3.5's Gated DeltaNet): norm, a recurrent
+    mixer in the attention's place, residual; norm, SwiGLU, residual. The family's forward calls it with what the
+    model's ``recurrent_inputs`` made for the step; ``mixer_name`` is the mixer's name in the checkpoint."""
+
+    recurrent = True
+    uses_local_rope = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int, norm: type[RMSNorm] | type[GemmaRMSNorm],
+                 mixer_name: str, mixer: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.mixer_name = mixer_name
+        self.input_layernorm = norm(size, eps, dtype, device)
+        self.add_module(mixer_name, mixer)
+        self.post_attention_layernorm = norm(size, eps, dtype, device)
+        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, recurrent: Any, lora: ProjectionDeltas | None = None) -> torch.Tensor:
+        mixed = getattr(self, self.mixer_name)(self.input_layernorm(hidden), recurrent)
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
+
+
 class DecoderLayerFactory(Protocol):
     """Builds decoder layer ``layer_idx``: a family whose layers differ (a hybrid's recurrent ones) passes its own."""
 

@@ -25,7 +25,6 @@ from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs, sigmoid
 from kvreuse.layers.linear import Linear
-from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import GemmaRMSNorm
 from kvreuse.layers.rotary import apply_rotary
 from kvreuse.models.config import ModelConfig
@@ -33,6 +32,7 @@ from kvreuse.models.llama import (
     LlamaFamilyAttention,
     LlamaFamilyDecoderLayer,
     LlamaFamilyForCausalLM,
+    RecurrentDecoderLayer,
     RopeInputs,
 )
 
@@ -76,27 +76,14 @@ class GatedAttentionDecoderLayer(LlamaFamilyDecoderLayer):
         self.self_attn = GatedAttention(config, layer_idx, attention_backend, dtype, device)
 
 
-class GatedDeltaNetDecoderLayer(nn.Module):
-    """A linear-attention layer: norm, Gated DeltaNet, residual; norm, SwiGLU, residual."""
-
-    recurrent = True
-    uses_local_rope = False
+class GatedDeltaNetDecoderLayer(RecurrentDecoderLayer):
+    """A linear-attention layer: (1 + weight) norms around the Gated DeltaNet and the SwiGLU."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.layer_idx = layer_idx
-        self.input_layernorm = GemmaRMSNorm(size, eps, dtype, device)
-        self.linear_attn = GatedDeltaNet(size, config.delta_key_heads, config.delta_value_heads, config.delta_key_dim,
-                                         config.delta_value_dim, config.conv_kernel, eps,
-                                         config.state_layers.index(layer_idx), dtype, device)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype, device)
-        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
-
-    def forward(self, hidden: torch.Tensor, recurrent: StateInputs, lora: ProjectionDeltas | None = None
-                ) -> torch.Tensor:
-        mixed = self.linear_attn(self.input_layernorm(hidden), recurrent)
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden, residual=mixed), lora))
+        mixer = GatedDeltaNet(config.hidden_size, config.delta_key_heads, config.delta_value_heads,
+                              config.delta_key_dim, config.delta_value_dim, config.conv_kernel, config.rms_norm_eps,
+                              config.state_layers.index(layer_idx), dtype, device)
+        super().__init__(config, layer_idx, GemmaRMSNorm, "linear_attn", mixer, dtype, device)
 
 
 def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend, dtype: torch.dtype,
