@@ -89,6 +89,28 @@ def test_the_native_delta_rule_equals_its_reference():
     assert torch.equal(states[2], expected_states[2]) and torch.equal(states[:, 0], expected_states[:, 0])
 
 
+def test_the_native_activations_equal_pytorch_and_give_a_value_the_same_bits_anywhere():
+    """SiLU, sigmoid and the DeltaNet's gates with the scalar exp: PyTorch's values, and a value's bits whatever its
+    place in the tensor (PyTorch's own exp gives a tensor's last values another rounding)."""
+    if not delta_kernel.available():
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 13, generator=generator) * 6  # 481 values: vector tails in any layout
+    for kind, reference in ((delta_kernel.SILU, torch.nn.functional.silu), (delta_kernel.SIGMOID, torch.sigmoid)):
+        out = delta_kernel.pointwise(x, kind)
+        torch.testing.assert_close(out, reference(x), atol=1e-6, rtol=1e-6)
+        assert torch.equal(delta_kernel.pointwise(x[5:], kind), out[5:])  # the same rows alone: the same bits
+        assert torch.equal(delta_kernel.pointwise(x.bfloat16(), kind), delta_kernel.pointwise(x.bfloat16().float(), kind))
+    owned = x.clone()
+    assert delta_kernel.pointwise_(owned, delta_kernel.SILU) is owned and torch.equal(owned, delta_kernel.pointwise(x, 0))
+    a, b = torch.randn(9, 4, generator=generator) * 12, torch.randn(9, 4, generator=generator)  # softplus' x > 20 too
+    a_log, dt_bias = torch.randn(4, generator=generator), torch.randn(4, generator=generator)
+    g, beta = delta_kernel.delta_gates(a, b, a_log, dt_bias)
+    torch.testing.assert_close(g, -a_log.exp() * torch.nn.functional.softplus(a + dt_bias), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(beta, torch.sigmoid(b), atol=1e-6, rtol=1e-6)
+    assert torch.equal(delta_kernel.delta_gates(a[3:], b[3:], a_log, dt_bias)[0], g[3:])
+
+
 def test_the_config_reads_transformers_qwen3_5_text_config():
     from transformers import Qwen3_5TextConfig
 

@@ -43,11 +43,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 SILU, SIGMOID = 0, 1
 
 
+def pointwise_(x: torch.Tensor, kind: int) -> torch.Tensor:
+    """SiLU (``SILU``) or sigmoid (``SIGMOID``) of a contiguous float32 ``x``, in place, the scalar exp for every value."""
+    torch.ops.kvreuse_delta.pointwise_(x, kind)
+    return x
+
+
 def pointwise(x: torch.Tensor, kind: int) -> torch.Tensor:
-    """SiLU (``SILU``) or sigmoid (``SIGMOID``) of ``x`` in float32, the scalar exp for every value (a new tensor)."""
-    out = x.float().contiguous().clone() if x.dtype == torch.float32 else x.float().contiguous()
-    torch.ops.kvreuse_delta.pointwise_(out, kind)
-    return out
+    """``pointwise_`` of a float32 copy of ``x`` (``x`` is left as it is)."""
+    return pointwise_(x.to(torch.float32, memory_format=torch.contiguous_format, copy=True), kind)
 
 
 def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

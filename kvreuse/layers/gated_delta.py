@@ -59,7 +59,7 @@ def causal_conv_with_state(mixed: torch.Tensor, weight: torch.Tensor, inputs: St
         for tap in range(1, kernel):
             total = total + window[:, tap] * taps[tap]
         conv_states[slots, layer] = window[:, 1:]
-        return silu(total).to(mixed.dtype)
+        return silu_(total).to(mixed.dtype)
     out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
     for slot, start, length in zip(inputs.slots, inputs.starts, inputs.lens):
         window = torch.cat((conv_states[slot, layer], mixed[start:start + length].float()))  # [K - 1 + n, C]
@@ -68,7 +68,7 @@ def causal_conv_with_state(mixed: torch.Tensor, weight: torch.Tensor, inputs: St
             total = total + window[tap:tap + length] * taps[tap]
         out[start:start + length] = total
         conv_states[slot, layer] = window[length:]
-    return silu(out).to(mixed.dtype)
+    return silu_(out).to(mixed.dtype)
 
 
 def native(x: torch.Tensor) -> bool:
@@ -80,6 +80,11 @@ def native(x: torch.Tensor) -> bool:
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU of ``x`` in float32."""
     return delta_kernel.pointwise(x, delta_kernel.SILU) if native(x) else F.silu(x.float())
+
+
+def silu_(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of a contiguous float32 ``x`` that the caller owns, in place (no copy on the step's widest tensor)."""
+    return delta_kernel.pointwise_(x, delta_kernel.SILU) if native(x) else F.silu(x, inplace=True)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,7 @@ def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                states: torch.Tensor, layer: int, inputs: StateInputs) -> torch.Tensor:
     """``delta_rule_reference`` in the native loop where it runs (CPU, float32 state), else the reference."""
-    if states.device.type == "cpu" and delta_kernel.available():
+    if native(states):
         return delta_kernel.gated_delta_rule(q, k, v, g, beta, states, layer, inputs.slots, inputs.starts, inputs.lens)
     return delta_rule_reference(q, k, v, g, beta, states, layer, inputs)
 

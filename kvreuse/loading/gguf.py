@@ -261,6 +261,11 @@ class GGUFArchitecture:
     # A hybrid's layers without attention are those with no KV heads in the per-layer attention.head_count_kv
     # (llama.cpp's LFM2): they become layer_types' ``recurrent_kind``; None: one count for every layer.
     recurrent_kind: str | None = None
+    # Layers flagged in attention.recurrent_layers (a bool per layer: llama.cpp's Qwen3.5) become this layer type,
+    # their heads the ssm.* keys' (config); None: no such flags.
+    flagged_recurrent_kind: str | None = None
+    # rope turns rope.dimension_count of each head (config.json's rope_parameters.partial_rotary_factor)
+    partial_rotary: bool = False
     # Norms that norms_plus_one leaves alone (a Gated DeltaNet's output norm multiplies by its weight)
     plain_norms: tuple[str, ...] = ()
     # Per-layer tensors stored without a .weight / .bias of theirs ("ssm_a", "ssm_dt.bias" after "blk.N.") -> our
@@ -337,14 +342,14 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # each head; every norm but the DeltaNet's output norm is stored as 1 + weight; A_log as -exp(A_log).
     "qwen35": GGUFArchitecture(
         "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, plain_norms=("linear_attn.norm.weight",),
+        flagged_recurrent_kind="linear_attention", partial_rotary=True,
         layer_tensors={"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
                        "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
                        "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
                        "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
         parameter_tensors={"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
         unstored={"linear_attn.A_log": lambda stored: np.log(-stored)},
-        config=(("layer_types", Derived(lambda config, shapes: config["layer_types"])),
-                ("linear_conv_kernel_dim", MetadataKey("ssm.conv_kernel", minimum=2)),
+        config=(("linear_conv_kernel_dim", MetadataKey("ssm.conv_kernel", minimum=2)),
                 ("linear_num_key_heads", MetadataKey("ssm.group_count", minimum=1)),
                 ("linear_num_value_heads", MetadataKey("ssm.time_step_rank", minimum=1)),
                 ("linear_key_head_dim", MetadataKey("ssm.state_size", minimum=1)),
@@ -566,8 +571,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     hidden = own("embedding_length", int, minimum=1)
     head_dim = own("attention.key_length", int, hidden // heads, minimum=1)
     rope_dims = own("rope.dimension_count", int, None)
-    partial = spec.model_class == "Qwen3_5ForCausalLM"  # its config carries partial_rotary_factor
-    if rope_dims is not None and rope_dims != head_dim and not partial:
+    if rope_dims is not None and rope_dims != head_dim and not spec.partial_rotary:
         raise ValueError(f"{path}: rope over {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
                          "supported")
     scaling = own("rope.scaling.type", str, None)
@@ -597,9 +601,15 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
     layers = own("block_count", int, minimum=1)
     layer_types = None
-    if partial:  # Qwen3.5: its Gated DeltaNet layers by attention.recurrent_layers (a bool per layer)
+    if spec.flagged_recurrent_kind is not None:
         recurrent = metadata.flags(f"{architecture}.attention.recurrent_layers", layers)
-        layer_types = ["linear_attention" if flag else "full_attention" for flag in recurrent]
+        layer_types = [spec.flagged_recurrent_kind if flag else "full_attention" for flag in recurrent]
+        key_heads, value_heads = own("ssm.group_count", int, minimum=1), own("ssm.time_step_rank", int, minimum=1)
+        if key_heads != value_heads:
+            # llama.cpp's converter reorders the value heads (grouped by key head in HF's layout) to a tiled order,
+            # through rows and a quantized projection's columns alike; putting them back is not built.
+            raise ValueError(f"{path}: {key_heads} key heads to {value_heads} value heads in the Gated DeltaNet layers "
+                             "(value heads in llama.cpp's tiled order) is not supported; equal counts are")
     if spec.recurrent_kind is not None:
         counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
         attending = sorted(set(count for count in counts if count))
@@ -631,17 +641,11 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     }
     if layer_types is not None:
         hf_config["layer_types"] = layer_types
-    if partial:
-        hf_config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
-                                        "partial_rotary_factor": (rope_dims or head_dim) / head_dim}
+    if spec.partial_rotary:
         if rope_scaling is not None:
             raise ValueError(f"{path}: rope scaling on {architecture} is not supported")
-        key_heads, value_heads = own("ssm.group_count", int, minimum=1), own("ssm.time_step_rank", int, minimum=1)
-        if key_heads != value_heads:
-            # llama.cpp's converter reorders the value heads (grouped by key head in HF's layout) to a tiled order,
-            # through rows and a quantized projection's columns alike; putting them back is not built.
-            raise ValueError(f"{path}: {key_heads} key heads to {value_heads} value heads in the Gated DeltaNet layers "
-                             "(value heads in llama.cpp's tiled order) is not supported; equal counts are")
+        hf_config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
+                                        "partial_rotary_factor": (rope_dims or head_dim) / head_dim}
     for field_name, source in spec.config:
         if isinstance(source, MetadataKey):
             hf_config[field_name] = own(source.key, source.kind, source.default, source.minimum)
