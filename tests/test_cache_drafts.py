@@ -11,6 +11,8 @@ cache invariants after each step.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
@@ -155,6 +157,31 @@ def test_a_row_count_measured_slow_once_is_measured_again():
     for _ in range(10):
         cost.record(4, 8.0e-3)
     assert cost.allocate([likely], 1) == [3]
+
+
+def test_the_drafter_is_skipped_only_where_no_draft_could_pay():
+    # The Xeon's qwen2.5-0.5b Q8_0 steps (docs/benchmarks.md): the 17th row costs half a step.
+    cost = DraftCost()
+    for rows, ms in ((1, 26.0), (2, 27.5), (4, 30.0), (11, 47.3), (16, 52.1), (18, 76.2), (19, 76.1)):
+        cost.record(rows, ms / 1e3)
+    assert not cost.may_pay(16, 16 * 8)  # 16 streams: even certain drafts lose (at most 19 rows are measured)
+    assert cost.may_pay(1, 8)  # one stream: a certain draft pays
+    assert not cost.may_pay(1, 0)  # nothing to draft
+    assert cost.may_pay(19, 8)  # 20 rows were never measured: allocate may explore them
+    assert not DraftCost().may_pay(1, 8)  # nothing measured: the step measures its rows undrafted
+    # Whenever it says no, allocate keeps nothing, whatever the gains (each at most one).
+    rng, skipped = random.Random(0), 0
+    for _ in range(300):
+        num_sequences = rng.randrange(1, 24)
+        drafts = [expected_gains([rng.random() ** 0.3 for _ in range(rng.randrange(1, 9))], rng.random())
+                  for _ in range(rng.randrange(1, num_sequences + 1))]
+        if not cost.may_pay(num_sequences, sum(map(len, drafts))):
+            assert cost.allocate(drafts, num_sequences) == [0] * len(drafts)
+            skipped += 1
+    assert skipped > 50  # the steps above 11 sequences (82 of these 300)
+    for _ in range(STALE_STEPS):  # steps at 16 rows only: the 18- and 19-row times grow stale
+        cost.record(16, 52.1e-3)
+    assert cost.may_pay(16, 8)  # a re-measurement is due: allocate may choose one
 
 
 def test_the_acceptance_rate_follows_the_latest_drafts():

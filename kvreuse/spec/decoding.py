@@ -140,6 +140,8 @@ class SpeculativeDecoding:
             if self.eagle is not None:  # it writes its chain's K/V into the lookahead slots the sequence holds
                 eagle_limit = min(limit, len(item.table) * self.block_size - valid_end)
                 jobs.append(DraftJob(request, item.start, valid_end, max(0, eagle_limit), item.table))
+        if self.eagle is None and not self.cost.may_pay(num_sequences, sum(limits)):
+            return  # no cache draft could pay for its rows this step: skip the lookups
         eagle: dict[int, Proposal] = self.eagle.run(jobs) if self.eagle is not None else {}
         eagle_expected = self._eagle_accepted / self._eagle_drafts
         # Each sequence's cache draft (uncut), or EAGLE's where it is expected to add more; then the cache drafts
