@@ -60,6 +60,13 @@ QWEN35_NAMES = {"post_attention_layernorm": "post_attention_norm", "linear_attn.
                 "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}
 
 
+# Qwen3.5-MoE's MLP under llama.cpp's names (its converter's Qwen3_5MoeTextModel): the router, the shared expert and
+# its gate.
+QWEN35MOE_NAMES = {**QWEN35_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                   "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                   "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+
+
 def gguf_name(name: str, arch: str = "llama") -> str:
     if arch == "lfm2" and name == "model.embedding_norm.weight":
         return "token_embd_norm.weight"
@@ -69,11 +76,12 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     assert parts[:2] == ["model", "layers"], name
     if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
         return f"blk.{parts[2]}.attn_sinks.weight"
-    if arch == "qwen35" and parts[-1] in ("A_log", "dt_bias"):
+    if arch in ("qwen35", "qwen35moe") and parts[-1] in ("A_log", "dt_bias"):
         return f"blk.{parts[2]}." + ("ssm_a" if parts[-1] == "A_log" else "ssm_dt.bias")
     module = ".".join(parts[3:-1])
     names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {}),
-             **(LFM2_NAMES if arch == "lfm2" else {}), **(QWEN35_NAMES if arch == "qwen35" else {})}
+             **(LFM2_NAMES if arch == "lfm2" else {}), **(QWEN35_NAMES if arch == "qwen35" else {}),
+             **(QWEN35MOE_NAMES if arch == "qwen35moe" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
@@ -98,6 +106,25 @@ def gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             assert parts[5] == "down_proj_bias", name
             out[f"{prefix}.ffn_down_exps.bias"] = tensor
+    return out
+
+
+def split_stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's stacked experts (``gate_up_proj`` [E, 2I, H]: gate rows then up rows; ``down_proj``
+    [E, H, I]) as llama.cpp's converter writes them: ffn_gate_exps / ffn_up_exps [E, I, H], ffn_down_exps [E, H, I];
+    every other tensor as it is."""
+    out = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if not (len(parts) == 6 and parts[3:5] == ["mlp", "experts"]):
+            out[name] = tensor
+        elif parts[5] == "gate_up_proj":
+            half = tensor.shape[1] // 2
+            out[f"blk.{parts[2]}.ffn_gate_exps.weight"] = tensor[:, :half]
+            out[f"blk.{parts[2]}.ffn_up_exps.weight"] = tensor[:, half:]
+        else:
+            assert parts[5] == "down_proj", name
+            out[f"blk.{parts[2]}.ffn_down_exps.weight"] = tensor
     return out
 
 
@@ -150,7 +177,8 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     arch_class = config["architectures"][0]
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
-            "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen35"}[arch_class]
+            "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen35",
+            "Qwen3_5MoeForCausalLM": "qwen35moe"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -169,21 +197,27 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_layer_norm_rms_eps(config["norm_eps"])
         writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    elif arch == "qwen35":  # the keys llama.cpp's converter writes (generic writers: any gguf release has them)
-        writer.add_feed_forward_length(config["intermediate_size"])
+    elif arch in ("qwen35", "qwen35moe"):  # the keys llama.cpp's converter writes (generic writers: any release has them)
+        if arch == "qwen35":
+            writer.add_feed_forward_length(config["intermediate_size"])
+        else:  # experts only, and the shared expert's width
+            writer.add_expert_count(config["num_experts"])
+            writer.add_expert_used_count(config["num_experts_per_tok"])
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+            writer.add_uint32("qwen35moe.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
         writer.add_head_count(heads)
         writer.add_head_count_kv(kv_heads)
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
         rope = config["rope_parameters"]
         writer.add_rope_freq_base(rope["rope_theta"])
-        writer.add_uint32("qwen35.rope.dimension_count", int(head_dim * rope["partial_rotary_factor"]))
-        writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+        writer.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
         for key, field in (("ssm.conv_kernel", "linear_conv_kernel_dim"), ("ssm.state_size", "linear_key_head_dim"),
                            ("ssm.group_count", "linear_num_key_heads"), ("ssm.time_step_rank", "linear_num_value_heads")):
-            writer.add_uint32(f"qwen35.{key}", config[field])
-        writer.add_uint32("qwen35.ssm.inner_size", config["linear_value_head_dim"] * config["linear_num_value_heads"])
-        writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear_attention" for kind in config["layer_types"]])
-        writer.add_uint32("qwen35.full_attention_interval", 4)
+            writer.add_uint32(f"{arch}.{key}", config[field])
+        writer.add_uint32(f"{arch}.ssm.inner_size", config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_array(f"{arch}.attention.recurrent_layers", [kind == "linear_attention" for kind in config["layer_types"]])
+        writer.add_uint32(f"{arch}.full_attention_interval", 4)
     else:
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_head_count(heads)
@@ -226,6 +260,8 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         tensors = stack_experts(tensors)
     if arch == "gpt-oss":
         tensors = gpt_oss_experts(tensors)
+    if arch == "qwen35moe":  # make-model writes them stacked, transformers' save_pretrained one by one
+        tensors = stack_experts(split_stacked_experts(tensors))
     rng = np.random.default_rng(seed)
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
@@ -236,14 +272,14 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        if arch == "qwen35":  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), the kernel as [C, K]
+        if arch in ("qwen35", "qwen35moe"):  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), [C, K]
             if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
                 array = array + 1.0
             if hf_name.endswith("A_log"):
                 array = -np.exp(array)
             if hf_name.endswith("conv1d.weight"):
                 array = array[:, 0, :]
-        kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", ".bias",
+        kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias",
                                                                      "shortconv.conv.weight", "ssm_conv1d.weight")) else "F32"
         if kind == "MXFP4" and "_exps." not in name:  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
             kind = "Q8_0"

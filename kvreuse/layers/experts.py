@@ -129,6 +129,11 @@ class SparseMoE(nn.Module):
         )
         self.expert_bias = moe.expert_bias
         self.activation = activation
+        # Qwen3.5-MoE's shared expert and its gate (HF names mlp.shared_expert.*, mlp.shared_expert_gate).
+        self.shared_expert: GatedMLP | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, dtype, device, activation)
+            self.shared_expert_gate = Linear(hidden_size, [1], False, dtype, device)
         self.native: Any = None  # csrc/moe.cpp's Experts, made by prepare_native once the kernels are chosen
         self.native_max_rows = 0
         self.native_args: tuple[Any, ...] = ()
@@ -193,6 +198,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         if lora is not None:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        out = self.routed(x)
+        if self.shared_expert is not None:  # transformers' order: routed + sigmoid(gate) * shared
+            out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
+        return out
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum (native where prepared)."""
         if self.native is not None and x.shape[0] <= self.native_max_rows and x.is_contiguous():
             return self.native.forward(x)
         weights, experts = self.route(x)

@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer's shape and switches (Qwen3-MoE's and gpt-oss's), as the experts layer takes them.
+"""A mixture-of-experts layer's shape and switches (Qwen3-MoE's, gpt-oss's and Qwen3.5-MoE's shared expert), as the
+experts layer takes them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None  # None: the MLP's own activation (hidden_act)
     swiglu_alpha: float = 1.702
+    # Qwen3.5-MoE's (and Qwen3-Next's): a dense SwiGLU of this width that every token runs beside its routed
+    # experts, its output scaled by sigmoid(x . shared_expert_gate) and added; 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -33,5 +37,8 @@ class MoEConfig:
             raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be 0 (none) or positive, got "
+                             f"{self.shared_expert_intermediate_size}")
         if not self.swiglu_alpha > 0:
             raise ValueError(f"swiglu_alpha must be positive, got {self.swiglu_alpha}")

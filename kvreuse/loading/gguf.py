@@ -301,6 +301,28 @@ def _gemma3_query_pre_attn_scalar(config: Mapping[str, Any], shapes: Mapping[str
     return config["head_dim"]
 
 
+# Qwen3.5: attention.recurrent_layers says which layers are Gated DeltaNet; their heads are the ssm.* keys (groups:
+# key heads, time-step rank: value heads, state size: the key head's width); rope turns rope.dimension_count of
+# each head; every norm but the DeltaNet's output norm is stored as 1 + weight; A_log as -exp(A_log).
+QWEN35 = GGUFArchitecture(
+    "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, plain_norms=("linear_attn.norm.weight",),
+    flagged_recurrent_kind="linear_attention", partial_rotary=True,
+    layer_tensors={"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+                   "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+                   "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
+                   "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
+    parameter_tensors={"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    unstored={"linear_attn.A_log": lambda stored: np.log(-stored)},
+    config=(("linear_conv_kernel_dim", MetadataKey("ssm.conv_kernel", minimum=2)),
+            ("linear_num_key_heads", MetadataKey("ssm.group_count", minimum=1)),
+            ("linear_num_value_heads", MetadataKey("ssm.time_step_rank", minimum=1)),
+            ("linear_key_head_dim", MetadataKey("ssm.state_size", minimum=1)),
+            ("linear_value_head_dim", MetadataKey("ssm.inner_size", minimum=1)),
+            ("linear_value_head_dim", Derived(lambda config, shapes:
+                                              config["linear_value_head_dim"] // config["linear_num_value_heads"])),
+            ("attn_output_gate", Fixed(True))))
+
+
 # general.architecture -> what differs for it. A new architecture is an entry here (and its model code).
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # llama.cpp's converter stores llama's q / k rows permuted, Llama 3.1's rope scaling as rope_freqs.weight, and
@@ -337,26 +359,20 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                        "shortconv.out_proj": "conv.out_proj"},
         config=(("conv_L_cache", MetadataKey("shortconv.l_cache", minimum=2)),
                 ("block_auto_adjust_ff_dim", Fixed(False)))),
-    # Qwen3.5: attention.recurrent_layers says which layers are Gated DeltaNet; their heads are the ssm.* keys (groups:
-    # key heads, time-step rank: value heads, state size: the key head's width); rope turns rope.dimension_count of
-    # each head; every norm but the DeltaNet's output norm is stored as 1 + weight; A_log as -exp(A_log).
-    "qwen35": GGUFArchitecture(
-        "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, plain_norms=("linear_attn.norm.weight",),
-        flagged_recurrent_kind="linear_attention", partial_rotary=True,
-        layer_tensors={"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
-                       "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
-                       "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
-                       "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
-        parameter_tensors={"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
-        unstored={"linear_attn.A_log": lambda stored: np.log(-stored)},
-        config=(("linear_conv_kernel_dim", MetadataKey("ssm.conv_kernel", minimum=2)),
-                ("linear_num_key_heads", MetadataKey("ssm.group_count", minimum=1)),
-                ("linear_num_value_heads", MetadataKey("ssm.time_step_rank", minimum=1)),
-                ("linear_key_head_dim", MetadataKey("ssm.state_size", minimum=1)),
-                ("linear_value_head_dim", MetadataKey("ssm.inner_size", minimum=1)),
-                ("linear_value_head_dim", Derived(lambda config, shapes:
-                                                  config["linear_value_head_dim"] // config["linear_num_value_heads"])),
-                ("attn_output_gate", Fixed(True)))),
+    "qwen35": QWEN35,
+    # Qwen3.5-MoE: Qwen3.5's layers with experts for every MLP (no feed_forward_length: expert widths only) and a
+    # shared expert beside them, gated by ffn_gate_inp_shexp.
+    "qwen35moe": dataclasses.replace(
+        QWEN35, model_class="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text",
+        layer_tensors={**QWEN35.layer_tensors, "ffn_gate_inp": "mlp.gate",
+                       "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                       "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+        config=QWEN35.config + (("num_experts", MetadataKey("expert_count", minimum=1)),
+                                ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
+                                ("moe_intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)),
+                                ("intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)),
+                                ("shared_expert_intermediate_size",
+                                 MetadataKey("expert_shared_feed_forward_length", int, 0)))),
     # gpt-oss's experts are its MLP: their width is intermediate_size.
     "gpt-oss": GGUFArchitecture(
         "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
@@ -372,7 +388,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 # llama.cpp's names of architectures kvreuse refuses saying why: their models/config.py class, whose
 # PLANNED_ARCHITECTURES entry is the reason (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
 
@@ -625,7 +641,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         "model_type": model_type,
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
-        "intermediate_size": own("feed_forward_length", int),
+        # None where the file has no dense width (Qwen3.5-MoE): its config entry gives one
+        "intermediate_size": own("feed_forward_length", int, None),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -653,6 +670,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
             hf_config[field_name] = copy.deepcopy(source.value)
         else:
             hf_config[field_name] = source.compute(hf_config, shapes)
+    if hf_config["intermediate_size"] is None:
+        raise ValueError(f"{path}: the GGUF file lacks {architecture}.feed_forward_length")
     return GGUFModelInfo(path=path, architecture=architecture, name=name, hf_config=hf_config,
                          tensor_types=tensor_types, tensors=tuple(places))
 

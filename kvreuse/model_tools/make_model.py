@@ -69,6 +69,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 # Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
 # with experts or Gemma's windows is written as its own architecture only.
@@ -302,6 +303,8 @@ class ModelPreset:
     # qwen3_5: the Gated DeltaNet heads (key heads, value heads, key dim, value dim) and the rotary share of a head
     delta_heads: tuple[int, int, int, int] = (0, 0, 0, 0)
     partial_rotary_factor: float = 1.0
+    # qwen3_5_moe: the shared expert's width (every layer's MLP is its experts; intermediate_size is unused)
+    shared_expert_intermediate_size: int | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -416,6 +419,16 @@ PRESETS: dict[str, ModelPreset] = {
             rope_theta=10000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
             qwen3_head_dim=32, attention_layers=(3,), conv_kernel=4, delta_heads=(2, 4, 16, 16),
             partial_rotary_factor=0.25,
+        ),
+        # Qwen3.5-MoE (Qwen3.5-35B-A3B's layout: every layer's MLP 256 experts of 512, 8 a token, and a shared
+        # expert of 512) at a tiny size: 8 experts of 32, 2 a token, a shared expert of 64.
+        ModelPreset(
+            name="tiny-qwen3.5-moe", arch="qwen3_5_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=10000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, tokenizer_vocab_size=1024,
+            qwen3_head_dim=32, attention_layers=(3,), conv_kernel=4, delta_heads=(2, 4, 16, 16),
+            partial_rotary_factor=0.25, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
         ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
@@ -580,7 +593,7 @@ def _resolve(preset_name: str, arch: str | None, dtype: str, tokenizer_vocab: in
         vocab_size = max(preset.vocab_size, tokenizer_vocab)
     else:
         vocab_size = tokenizer_vocab
-    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5") and preset.qwen3_head_dim is not None:
+    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe") and preset.qwen3_head_dim is not None:
         head_dim = preset.qwen3_head_dim
     else:
         head_dim = preset.hidden_size // preset.num_attention_heads
@@ -669,12 +682,18 @@ def build_config(model: ResolvedModel) -> dict:
             layer_types=["full_attention" if layer in preset.attention_layers else "conv"
                          for layer in range(preset.num_hidden_layers)],
         )
-    elif model.arch == "qwen3_5":
-        # transformers' Qwen3_5TextConfig spellings (rope_parameters with the partial rotary factor inside).
+    elif model.arch in ("qwen3_5", "qwen3_5_moe"):
+        # transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig spellings (rope_parameters with the partial rotary
+        # factor inside).
         key_heads, value_heads, key_dim, value_dim = preset.delta_heads
         del config["rope_theta"], config["rope_scaling"]
+        if model.arch == "qwen3_5_moe":
+            del config["intermediate_size"]
+            config.update(num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
+                          moe_intermediate_size=preset.moe_intermediate_size, router_aux_loss_coef=0.001,
+                          shared_expert_intermediate_size=preset.shared_expert_intermediate_size)
         config.update(
-            model_type="qwen3_5_text", attention_bias=False, linear_conv_kernel_dim=preset.conv_kernel,
+            model_type="qwen3_5_moe_text" if model.arch == "qwen3_5_moe" else "qwen3_5_text", attention_bias=False, linear_conv_kernel_dim=preset.conv_kernel,
             linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, linear_key_head_dim=key_dim,
             linear_value_head_dim=value_dim, full_attention_interval=4,
             rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta,
@@ -709,7 +728,7 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (model.vocab_size, hidden), "normal")]
     if model.arch == "lfm2":
         return specs + _lfm2_weight_specs(model)
-    if model.arch == "qwen3_5":
+    if model.arch in ("qwen3_5", "qwen3_5_moe"):
         return specs + _qwen3_5_weight_specs(model)
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
@@ -831,6 +850,20 @@ def _qwen3_5_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
                 TensorSpec(f"{prefix}.linear_attn.norm.weight", (value_dim,), "ones"),
                 TensorSpec(f"{prefix}.linear_attn.out_proj.weight", (hidden, value_size), "normal"),
             ]
+        if model.arch == "qwen3_5_moe":
+            # transformers' stacked experts (gate rows then up rows), the router, the shared expert and its gate
+            experts, size, shared = preset.num_experts, preset.moe_intermediate_size, preset.shared_expert_intermediate_size
+            specs += [
+                TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "zeros"),
+                TensorSpec(f"{prefix}.mlp.gate.weight", (experts, hidden), "normal"),
+                TensorSpec(f"{prefix}.mlp.experts.gate_up_proj", (experts, 2 * size, hidden), "normal"),
+                TensorSpec(f"{prefix}.mlp.experts.down_proj", (experts, hidden, size), "normal"),
+                TensorSpec(f"{prefix}.mlp.shared_expert.gate_proj.weight", (shared, hidden), "normal"),
+                TensorSpec(f"{prefix}.mlp.shared_expert.up_proj.weight", (shared, hidden), "normal"),
+                TensorSpec(f"{prefix}.mlp.shared_expert.down_proj.weight", (hidden, shared), "normal"),
+                TensorSpec(f"{prefix}.mlp.shared_expert_gate.weight", (1, hidden), "normal"),
+            ]
+            continue
         specs += [
             TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "zeros"),
             TensorSpec(f"{prefix}.mlp.gate_proj.weight", (preset.intermediate_size, hidden), "normal"),

@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "GptOssForCausalLM",
     "Lfm2ForCausalLM",
     "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
@@ -49,7 +50,6 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
                   "(issue 66; its attention-only relatives are supported)")
 HYBRID_LAYERS: dict[str, str] = {
-    "Qwen3_5MoeForCausalLM": "Gated DeltaNet",
     "Qwen3NextForCausalLM": "Gated DeltaNet",
     "NemotronHForCausalLM": "Mamba-2",
     "GraniteMoeHybridForCausalLM": "Mamba-2",
@@ -59,6 +59,9 @@ PLANNED_ARCHITECTURES: dict[str, str] = {
                                       "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
     "Qwen3_5ForConditionalGeneration": "the multimodal Qwen3.5 checkpoints are not supported; a text model "
                                        "(Qwen3_5ForCausalLM: its text_config with the language model's weights) is",
+    "Qwen3_5MoeForConditionalGeneration": "the multimodal Qwen3.5-MoE checkpoints are not supported; a text model "
+                                          "(Qwen3_5MoeForCausalLM: its text_config with the language model's "
+                                          "weights) is",
     **{name: _HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
@@ -282,6 +285,11 @@ class ModelConfig:
         total = 0
         for layer in range(layers):
             mlp = 3 * hidden * self.intermediate_size
+            if self.is_sparse_layer(layer):  # the router, the experts each token is routed to, a shared expert
+                moe = self.moe
+                mlp = hidden * moe.num_experts + 3 * hidden * moe.moe_intermediate_size * moe.num_experts_per_tok
+                if moe.shared_expert_intermediate_size:
+                    mlp += hidden + 3 * hidden * moe.shared_expert_intermediate_size
             if self.layer_types and self.layer_types[layer] == DELTA:
                 # in_proj (q, k, v, z, b, a), out_proj, the convolution, and per value head the state's decay-free
                 # update and readout: about 4 dk x dv multiply-adds a token
@@ -293,9 +301,6 @@ class ModelConfig:
             if self.is_recurrent_layer(layer):  # in_proj (3 x hidden), out_proj, and the depthwise convolution
                 total += (4 * hidden * hidden + self.conv_kernel * hidden + mlp) * num_new
                 continue
-            if self.is_sparse_layer(layer):  # the router, and the experts each token is routed to
-                moe = self.moe
-                mlp = hidden * moe.num_experts + 3 * hidden * moe.moe_intermediate_size * moe.num_experts_per_tok
             window = self.layer_window(layer)
             if window is None:
                 visible = (first + end - 1) * num_new // 2  # sum of first .. end - 1
@@ -325,6 +330,10 @@ class ModelConfig:
         is_lfm2 = architecture == "Lfm2ForCausalLM"
         if is_lfm2:
             hf_config = _lfm2_spellings(hf_config)
+        is_qwen3_5_moe = architecture == "Qwen3_5MoeForCausalLM"
+        if is_qwen3_5_moe and "intermediate_size" not in hf_config:
+            # Every layer is sparse: no dense MLP width (Qwen3_5MoeTextConfig has none); the experts' stands in.
+            hf_config = {**hf_config, "intermediate_size": hf_config.get("moe_intermediate_size", 512)}
         try:
             hidden_size = int(hf_config["hidden_size"])
             num_attention_heads = int(hf_config["num_attention_heads"])
@@ -340,7 +349,7 @@ class ModelConfig:
         is_gemma = architecture == "Gemma3ForCausalLM"
         rope_theta, rope_scaling, rope_local_theta = _rope(hf_config, is_gemma)
         is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        is_qwen3_5 = architecture == "Qwen3_5ForCausalLM"
+        is_qwen3_5 = architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
         rotary_dim = None
         if is_qwen3_5:
             parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
@@ -397,7 +406,8 @@ class ModelConfig:
                              if is_gemma and query_pre_attn_scalar is not None else None),
             embedding_scale=float(hidden_size) ** 0.5 if is_gemma else None,
             moe=(_moe(hf_config, num_hidden_layers) if architecture == "Qwen3MoeForCausalLM"
-                 else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss else None),
+                 else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss
+                 else _qwen3_5_moe(hf_config, num_hidden_layers) if is_qwen3_5_moe else None),
             attention_sinks=is_gpt_oss,
             o_proj_bias=o_proj_bias,
             conv_kernel=(int(hf_config.get("conv_L_cache", 3)) if is_lfm2
@@ -474,6 +484,19 @@ def _moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
     sparse = tuple(layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
     return MoEConfig(num_experts=num_experts, num_experts_per_tok=per_token, moe_intermediate_size=moe_intermediate,
                      norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), sparse_layers=sparse)
+
+
+def _qwen3_5_moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Qwen3.5-MoE's experts (transformers' Qwen3_5MoeTextConfig defaults where the file leaves one out): every
+    layer sparse, the chosen experts' probabilities renormalised, and a shared expert beside them."""
+    def value(name: str, default: int) -> int:
+        found = hf_config.get(name)
+        return default if found is None else int(found)
+
+    return MoEConfig(num_experts=value("num_experts", 256), num_experts_per_tok=value("num_experts_per_tok", 8),
+                     moe_intermediate_size=value("moe_intermediate_size", 512), norm_topk_prob=True,
+                     sparse_layers=(True,) * num_layers,
+                     shared_expert_intermediate_size=value("shared_expert_intermediate_size", 512))
 
 
 def _gpt_oss_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:

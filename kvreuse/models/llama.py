@@ -218,7 +218,10 @@ class RecurrentDecoderLayer(nn.Module):
         self.input_layernorm = norm(size, eps, dtype, device)
         self.add_module(mixer_name, mixer)
         self.post_attention_layernorm = norm(size, eps, dtype, device)
-        self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+        if config.is_sparse_layer(layer_idx):  # Qwen3.5-MoE's
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(size, config.moe, config.hidden_act, dtype, device)
+        else:
+            self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
 
     def forward(self, hidden: torch.Tensor, recurrent: Any, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         mixed = getattr(self, self.mixer_name)(self.input_layernorm(hidden), recurrent)
@@ -259,6 +262,8 @@ _FUSED_PARTS: dict[str, tuple[str, int]] = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen3.5-MoE's shared expert
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
     # Qwen3.5's Gated DeltaNet (layers/gated_delta.py)
     "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
     "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
@@ -553,6 +558,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             experts = [f"{router}.weight"] + ([f"{router}.bias"] if config.moe.router_bias else []) + [
                 f"mlp.experts.{expert}.{part}_proj.{kind}"
                 for expert in range(config.moe.num_experts) for part in ("gate", "up", "down") for kind in kinds]
+            if config.moe.shared_expert_intermediate_size:
+                experts += [f"mlp.shared_expert.{part}_proj.weight" for part in ("gate", "up", "down")]
+                experts.append("mlp.shared_expert_gate.weight")
         for index in range(config.num_hidden_layers):
             mlp = experts if config.is_sparse_layer(index) else dense_mlp
             names.extend(f"model.layers.{index}.{suffix}" for suffix in per_layer + mlp)

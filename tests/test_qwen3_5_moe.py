@@ -1,0 +1,157 @@
+"""Qwen3.5-MoE (issue 66): Qwen3.5's Gated DeltaNet and gated attention layers with experts for MLPs.
+
+Every layer's MLP is a router over ``num_experts`` SwiGLU experts (the top ``num_experts_per_tok``, renormalised)
+plus a shared expert whose output is scaled by sigmoid(x . shared_expert_gate). Logits and greedy float32 output
+equal transformers' ``Qwen3_5MoeForCausalLM`` (prefill chunks, decode, mixed batches, preemption); prefix hits resume
+from state snapshots as on Qwen3.5 and give a cache-free engine's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import write_gguf
+from test_engine import reference_greedy, run_checked
+from test_qwen3_5 import BLOCK, _step, make_llm, prompt_ids
+
+from kvreuse import SamplingParams
+from kvreuse.cache.kv import KVCache
+from kvreuse.cache.recurrent_state import RecurrentStatePool
+from kvreuse.cache.state_slots import StateCopy
+from kvreuse.layers.experts import SparseMoE
+from kvreuse.loading.gguf import read_gguf
+from kvreuse.loading.loader import load_model
+from kvreuse.model_tools.make_model import count_parameters, make_model
+from kvreuse.models.config import ModelConfig
+from kvreuse.runner.model_runner import ModelRunner
+
+
+def random_qwen3_5_moe(folder: Path, **overrides) -> Path:
+    """The tiny preset's folder (the trained tokenizer) with transformers' own random init at a larger scale, norms
+    included, so that the experts, the shared expert and its gate all move the logits."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    folder = make_model(folder, preset="tiny-qwen3.5-moe", dtype="float32", seed=3)
+    written = json.loads((folder / "config.json").read_text())
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**written, "initializer_range": 0.2, **overrides})).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory) -> Path:
+    return random_qwen3_5_moe(tmp_path_factory.mktemp("qwen3_5_moe") / "tiny")
+
+
+def test_the_config_reads_transformers_qwen3_5_moe_text_config():
+    from transformers import Qwen3_5MoeTextConfig
+
+    theirs = Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"])
+    config = ModelConfig.from_dict(theirs.to_dict())
+    moe = config.moe
+    assert moe is not None and all(moe.sparse_layers) and moe.norm_topk_prob
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+            moe.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert config.state_layers == [i for i, kind in enumerate(theirs.layer_types) if kind == "linear_attention"]
+    assert config.rotary_dim == 64 and config.norm_style == "offset" and config.attention_output_gate
+    # A token's MLP work counts the shared expert and its gate on each of the 40 layers.
+    unshared = ModelConfig.from_dict({**theirs.to_dict(), "shared_expert_intermediate_size": 0})
+    assert unshared.moe.shared_expert_intermediate_size == 0
+    hidden = theirs.hidden_size
+    assert config.forward_flops(0, 1) - unshared.forward_flops(0, 1) == 2 * 40 * (hidden + 3 * hidden * 512)
+    with pytest.raises(ValueError, match="multimodal Qwen3.5-MoE"):
+        ModelConfig.from_dict({**theirs.to_dict(), "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+def test_logits_match_transformers_in_prefill_chunks_decode_and_mixed_batches(qwen3_5_moe):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_5_moe, dtype=torch.float32).eval()
+    model, config = load_model(qwen3_5_moe, torch.float32, torch.device("cpu"))
+    layers = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(mlp, SparseMoE) and mlp.shared_expert is not None for mlp in layers)
+    kv_cache = KVCache.for_model(config, 64, BLOCK, torch.float32, "cpu")
+    kv_cache.states = RecurrentStatePool(4, len(config.state_layers), config.delta_value_heads, config.delta_key_dim,
+                                         config.delta_value_dim, config.delta_conv_dim, config.conv_kernel)
+    runner = ModelRunner(model, config, kv_cache, "cpu")
+    first, second = prompt_ids(1, 26), prompt_ids(2, 9)
+    with torch.no_grad():
+        expected = [reference(torch.tensor([tokens])).logits[0] for tokens in (first, second)]
+    done: dict[int, int] = {}
+    close = dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(_step(runner, [(1, first[:11], 0)], done, [StateCopy(None, 1)])[0], expected[0][10], **close)
+    logits = _step(runner, [(1, first[11:12], 0), (3, second[:8], 8)], done, [StateCopy(None, 3)])
+    torch.testing.assert_close(logits[0], expected[0][11], **close)
+    torch.testing.assert_close(logits[1], expected[1][7], **close)
+    logits = _step(runner, [(3, second[8:9], 8), (1, first[12:26], 0)], done, [])
+    torch.testing.assert_close(logits[0], expected[1][8], **close)
+    torch.testing.assert_close(logits[1], expected[0][25], **close)
+
+
+def test_greedy_matches_transformers_alone_batched_chunked_preempted_and_after_hits(qwen3_5_moe):
+    prompts = [prompt_ids(seed, length) for seed, length in ((1, 33), (2, 6), (3, 1), (4, 19))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [reference_greedy(qwen3_5_moe, prompt, max_new_tokens=10) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == 4 and all(len(set(tokens)) > 2 for tokens in expected)
+    llm = make_llm(qwen3_5_moe, enable_prefix_caching=False)
+    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
+    assert run_checked(llm.engine, prompts, greedy) == expected
+    assert run_checked(make_llm(qwen3_5_moe, max_num_batched_tokens=8).engine, prompts, greedy) == expected
+    config = ModelConfig.from_pretrained(qwen3_5_moe)
+    tight = make_llm(qwen3_5_moe, kv_cache_memory=14 * config.kv_bytes_per_token(torch.float32) * BLOCK
+                     + 8 * config.state_bytes + 1, max_num_seqs=4, state_snapshot_fraction=0.5)
+    assert run_checked(tight.engine, prompts, greedy) == expected
+    assert tight.engine.stats().num_preemptions > 0
+    # Prefix hits: the second request on a shared prefix keeps its state where it branched, the third resumes there;
+    # a chat's next turn resumes where the first ended. Each gives what a cache-free engine gives.
+    shared = prompt_ids(30, 24)
+    asked = [shared + prompt_ids(seed, 5) for seed in (31, 32, 33)]
+    cached, plain = make_llm(qwen3_5_moe), make_llm(qwen3_5_moe, enable_prefix_caching=False)
+    outputs = [cached.generate([{"prompt_token_ids": prompt}], greedy)[0] for prompt in asked]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 24]
+    turn = asked[0] + list(outputs[0].outputs[0].token_ids) + prompt_ids(34, 4)
+    outputs.append(cached.generate([{"prompt_token_ids": turn}], greedy)[0])
+    assert outputs[-1].num_cached_tokens == len(asked[0]) + 10 - 1
+    cold = plain.generate([{"prompt_token_ids": prompt} for prompt in asked + [turn]], greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in cold]
+    cached.engine.check_integrity()
+
+
+def test_make_model_writes_qwen3_5_moe_as_transformers_builds_it(tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    folder = make_model(tmp_path / "tiny", preset="tiny-qwen3.5-moe", write_weights=False)
+    written = json.loads((folder / "config.json").read_text())
+    assert "intermediate_size" not in written and written["model_type"] == "qwen3_5_moe_text"
+    with torch.device("meta"):
+        real = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**written))
+    assert count_parameters("tiny-qwen3.5-moe") == sum(p.numel() for p in real.parameters())
+
+
+def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_moe_runs_as_its_folder(tmp_path):
+    """llama.cpp's qwen35moe: Qwen3.5's keys and tensors, the experts stacked per kind (ffn_*_exps), the router as
+    ffn_gate_inp, the shared expert as ffn_*_shexp and its gate as ffn_gate_inp_shexp, expert widths only (no
+    feed_forward_length). A float32 file runs as its folder; a Q8_0 file runs quantized."""
+    folder = random_qwen3_5_moe(tmp_path / "equal-heads", linear_num_key_heads=4)
+    path = write_gguf(folder, tmp_path / "qwen35moe.gguf", "F32")
+    ours, theirs = make_llm(folder), make_llm(path)
+    differing = {field for field in ours.engine.model_config.__dataclass_fields__
+                 if getattr(ours.engine.model_config, field) != getattr(theirs.engine.model_config, field)}
+    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps", "intermediate_size"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [prompt_ids(7, 19), prompt_ids(8, 4)]
+    expected = run_checked(ours.engine, prompts, greedy)
+    assert run_checked(theirs.engine, prompts, greedy) == expected
+    quantized = write_gguf(folder, tmp_path / "qwen35moe.q8_0.gguf", "Q8_0")
+    types = read_gguf(quantized).tensor_types
+    assert types["model.layers.0.mlp.experts.0.gate_proj.weight"] == "Q8_0"
+    assert types["model.layers.0.mlp.shared_expert.down_proj.weight"] == "Q8_0"
+    assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [10, 10]
