@@ -125,15 +125,16 @@ def test_greedy_matches_transformers_alone_batched_chunked_preempted_and_after_h
     cached.engine.check_integrity()
 
 
-def test_make_model_writes_qwen3_5_moe_as_transformers_builds_it(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-moe", "qwen3.5-moe-1b"])
+def test_make_model_writes_qwen3_5_moe_as_transformers_builds_it(tmp_path, preset):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    folder = make_model(tmp_path / "tiny", preset="tiny-qwen3.5-moe", write_weights=False)
+    folder = make_model(tmp_path / preset, preset=preset, write_weights=False)
     written = json.loads((folder / "config.json").read_text())
     assert "intermediate_size" not in written and written["model_type"] == "qwen3_5_moe_text"
     with torch.device("meta"):
         real = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**written))
-    assert count_parameters("tiny-qwen3.5-moe") == sum(p.numel() for p in real.parameters())
+    assert count_parameters(preset, vocab_size=written["vocab_size"]) == sum(p.numel() for p in real.parameters())
 
 
 def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_moe_runs_as_its_folder(tmp_path):

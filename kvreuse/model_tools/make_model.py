@@ -422,6 +422,17 @@ PRESETS: dict[str, ModelPreset] = {
         ),
         # Qwen3.5-MoE (Qwen3.5-35B-A3B's layout: every layer's MLP 256 experts of 512, 8 a token, and a shared
         # expert of 512) at a tiny size: 8 experts of 32, 2 a token, a shared expert of 64.
+        # ... and at qwen3-moe-1b's scale (16 layers of 64 experts of 256 over hidden 1,024, 8 a token), with
+        # Qwen3.5-0.8B's attention and Gated DeltaNet heads (16 key and 16 value heads: llama.cpp's files keep equal
+        # counts in HF's order) and a shared expert of 256: 0.98B parameters at the trained tokenizer's vocabulary.
+        ModelPreset(
+            name="qwen3.5-moe-1b", arch="qwen3_5_moe", hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
+            num_attention_heads=8, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=10000000.0, max_position_embeddings=262144, rms_norm_eps=1e-6, tokenizer_vocab_size=4096,
+            qwen3_head_dim=256, attention_layers=tuple(range(3, 16, 4)), conv_kernel=4,
+            delta_heads=(16, 16, 128, 128), partial_rotary_factor=0.25, num_experts=64, num_experts_per_tok=8,
+            moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        ),
         ModelPreset(
             name="tiny-qwen3.5-moe", arch="qwen3_5_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
