@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (issue 66): Qwen3.5's Gated DeltaNet and gated attention layers with experts for MLPs.
+"""Qwen3.5-MoE and Qwen3-Next (issue 66): Qwen3.5's Gated DeltaNet and gated attention layers with experts for MLPs.
 
 Every layer's MLP is a router over ``num_experts`` SwiGLU experts (the top ``num_experts_per_tok``, renormalised)
 plus a shared expert whose output is scaled by sigmoid(x . shared_expert_gate). Logits and greedy float32 output
@@ -156,3 +156,47 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_moe_runs_as_its_folder(tmp_path
     assert types["model.layers.0.mlp.experts.0.gate_proj.weight"] == "Q8_0"
     assert types["model.layers.0.mlp.shared_expert.down_proj.weight"] == "Q8_0"
     assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [10, 10]
+
+
+def random_qwen3_next(folder: Path) -> Path:
+    """A tiny Qwen3-Next folder (the trained tokenizer): transformers' own random init at a larger scale, two key
+    heads to four value heads (so the fused projections' grouping matters), layer 1 a dense MLP (mlp_only_layers)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    folder = make_model(folder, preset="tiny-qwen3.5-moe", dtype="float32", seed=3)
+    written = json.loads((folder / "config.json").read_text())
+    for key in ("model_type", "architectures"):
+        written.pop(key)
+    config = Qwen3NextConfig(**{**written, "architectures": ["Qwen3NextForCausalLM"], "intermediate_size": 96,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True,
+                                "initializer_range": 0.2})
+    torch.manual_seed(1)
+    model = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_qwen3_next_runs_as_transformers_runs_it(tmp_path):
+    folder = random_qwen3_next(tmp_path / "qwen3-next")
+    config = ModelConfig.from_pretrained(folder)
+    assert config.architecture == "Qwen3NextForCausalLM" and config.moe.sparse_layers == (True, False, True, True)
+    assert config.moe.shared_expert_intermediate_size == 64 and config.state_layers == [0, 1, 2]
+    prompts = [prompt_ids(seed, length) for seed, length in ((5, 29), (6, 7), (7, 14))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [reference_greedy(folder, prompt, max_new_tokens=10) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == 3 and all(len(set(tokens)) > 2 for tokens in expected)
+    llm = make_llm(folder, enable_prefix_caching=False)
+    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
+    assert run_checked(llm.engine, prompts, greedy) == expected
+    assert run_checked(make_llm(folder, max_num_batched_tokens=8).engine, prompts, greedy) == expected
+    cached = make_llm(folder)
+    turn = prompts[0] + expected[0] + prompt_ids(8, 5)
+    first = cached.generate([{"prompt_token_ids": prompts[0]}], greedy)[0]
+    again = cached.generate([{"prompt_token_ids": turn}], greedy)[0]
+    assert again.num_cached_tokens == len(prompts[0]) + 10 - 1
+    assert again.outputs[0].token_ids == reference_greedy(folder, turn, max_new_tokens=10)
+    assert first.outputs[0].token_ids == expected[0]

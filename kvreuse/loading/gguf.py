@@ -385,11 +385,12 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("swiglu_limit", Fixed(GPT_OSS_SWIGLU_LIMIT)),
                 ("layer_types", _sliding_layer_types(GPT_OSS_SLIDING_WINDOW_PATTERN)))),
 }
-# llama.cpp's names of architectures kvreuse refuses saying why: their models/config.py class, whose
-# PLANNED_ARCHITECTURES entry is the reason (the hybrids of issue 66).
+# llama.cpp's names of architectures kvreuse refuses, and why (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "qwen3next": "Qwen3NextForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "qwen3next": "llama.cpp's Qwen3-Next files (fused ssm projections in its own order) are not read yet; the "
+                 "Hugging Face folder (Qwen3NextForCausalLM) is",
+    "nemotron_h": PLANNED_ARCHITECTURES["NemotronHForCausalLM"],
+    "granitehybrid": PLANNED_ARCHITECTURES["GraniteMoeHybridForCausalLM"],
 }
 
 # general.architecture -> our ModelConfig architecture (config.json's architectures[0]).
@@ -572,7 +573,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     architecture = metadata.get("general.architecture", str)
     if architecture not in ARCHITECTURES:
         planned = PLANNED_GGUF_ARCHITECTURES.get(architecture)
-        why = f" ({PLANNED_ARCHITECTURES[planned]})" if planned is not None else ""
+        why = f" ({planned})" if planned is not None else ""
         raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported{why}; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     spec = ARCHITECTURES[architecture]

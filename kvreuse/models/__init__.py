@@ -14,6 +14,7 @@ _CLASSES: dict[str, type[LlamaFamilyForCausalLM]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # the same layers with experts for MLPs (ModelConfig.moe)
+    "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # and Qwen3-MoE's, its fused projections split at load
 }
 
 

@@ -43,6 +43,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Lfm2ForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
@@ -50,7 +51,6 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
                   "(issue 66; its attention-only relatives are supported)")
 HYBRID_LAYERS: dict[str, str] = {
-    "Qwen3NextForCausalLM": "Gated DeltaNet",
     "NemotronHForCausalLM": "Mamba-2",
     "GraniteMoeHybridForCausalLM": "Mamba-2",
 }
@@ -349,7 +349,9 @@ class ModelConfig:
         is_gemma = architecture == "Gemma3ForCausalLM"
         rope_theta, rope_scaling, rope_local_theta = _rope(hf_config, is_gemma)
         is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        is_qwen3_5 = architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+        # Qwen3-Next is Qwen3.5's layers with Qwen3-MoE's experts (and a shared expert); its fused projections are
+        # split into Qwen3.5's at load (models/qwen3_5.py)
+        is_qwen3_5 = architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
         rotary_dim = None
         if is_qwen3_5:
             parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
@@ -405,7 +407,7 @@ class ModelConfig:
             attention_scale=(float(query_pre_attn_scalar) ** -0.5
                              if is_gemma and query_pre_attn_scalar is not None else None),
             embedding_scale=float(hidden_size) ** 0.5 if is_gemma else None,
-            moe=(_moe(hf_config, num_hidden_layers) if architecture == "Qwen3MoeForCausalLM"
+            moe=(_moe(hf_config, num_hidden_layers) if architecture in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
                  else _gpt_oss_moe(hf_config, num_hidden_layers) if is_gpt_oss
                  else _qwen3_5_moe(hf_config, num_hidden_layers) if is_qwen3_5_moe else None),
             attention_sinks=is_gpt_oss,
@@ -472,7 +474,8 @@ def _layer_types(hf_config: dict[str, Any], num_layers: int, is_gemma: bool) -> 
 
 
 def _moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
-    """Qwen3-MoE's experts: every ``decoder_sparse_step``-th layer sparse, except ``mlp_only_layers``."""
+    """Qwen3-MoE's (and Qwen3-Next's) experts: every ``decoder_sparse_step``-th layer sparse, except
+    ``mlp_only_layers``; Qwen3-Next's shared expert beside them."""
     try:
         num_experts = int(hf_config.get("num_experts") or hf_config["num_local_experts"])
         per_token = int(hf_config["num_experts_per_tok"])
@@ -483,7 +486,8 @@ def _moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:
     dense = set(int(layer) for layer in hf_config.get("mlp_only_layers") or ())
     sparse = tuple(layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
     return MoEConfig(num_experts=num_experts, num_experts_per_tok=per_token, moe_intermediate_size=moe_intermediate,
-                     norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), sparse_layers=sparse)
+                     norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)), sparse_layers=sparse,
+                     shared_expert_intermediate_size=int(hf_config.get("shared_expert_intermediate_size") or 0))
 
 
 def _qwen3_5_moe(hf_config: dict[str, Any], num_layers: int) -> MoEConfig:

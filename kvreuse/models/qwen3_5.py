@@ -93,10 +93,11 @@ def _make_layer(config: ModelConfig, layer_idx: int, attention_backend: Attentio
     return GatedAttentionDecoderLayer(config, layer_idx, attention_backend, dtype, device)
 
 
-def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], config: ModelConfig
                        ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """A checkpoint's tensors under the text model's names: a multimodal file's ``model.language_model.`` read as
-    ``model.``; the vision tower and the multi-token-prediction head skipped (kvreuse runs neither)."""
+    ``model.``; the vision tower and the multi-token-prediction head skipped (kvreuse runs neither); Qwen3-Next's
+    fused projections split into Qwen3.5's (``qwen3_next_projections``)."""
     for name, tensor in weights:
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
@@ -104,11 +105,40 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTens
             continue
         if name.endswith("linear_attn.conv1d.weight") and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
             tensor = tensor.unsqueeze(1)  # a GGUF file's depthwise kernel [C, K] (llama.cpp drops the channel axis)
+        if name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+            yield from qwen3_next_projections(name, tensor, config)
+            continue
         yield name, tensor
 
 
+def qwen3_next_projections(name: str, tensor: torch.Tensor | QuantizedTensor, config: ModelConfig
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` as Qwen3.5's ``in_proj_qkv`` + ``in_proj_z`` / ``in_proj_b`` +
+    ``in_proj_a``. Qwen3-Next groups the rows by key head: per key head its query, key, then the values and the
+    output gates of the value heads that share it (transformers' ``fix_query_key_value_ordering``), and per key head
+    its b then a rows. Qwen3.5 puts all queries, all keys, all values (value head j after head j - 1, head j sharing
+    key head j // (value heads / key heads): the same order), and z, b and a each on their own."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weight {name!r}: a quantized Qwen3-Next projection is not supported (a folder's float "
+                         "weights are)")
+    key_heads, value_heads = config.delta_key_heads, config.delta_value_heads
+    key_dim, value_dim, share = config.delta_key_dim, config.delta_value_dim, value_heads // key_heads
+    prefix = name.rsplit(".", 2)[0]
+    groups = tensor.reshape(key_heads, -1, tensor.shape[-1])
+    if name.endswith("in_proj_qkvz.weight"):
+        q, k, v, z = groups.split([key_dim, key_dim, share * value_dim, share * value_dim], dim=1)
+        flat = [part.reshape(-1, tensor.shape[-1]) for part in (q, k, v, z)]
+        yield f"{prefix}.in_proj_qkv.weight", torch.cat(flat[:3])
+        yield f"{prefix}.in_proj_z.weight", flat[3]
+        return
+    b, a = groups.split([share, share], dim=1)
+    yield f"{prefix}.in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
+    yield f"{prefix}.in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+
+
 class Qwen3_5ForCausalLM(LlamaFamilyForCausalLM):
-    """Qwen3.5: K/V for its attention layers in the paged pool, one state per sequence for its Gated DeltaNet layers."""
+    """Qwen3.5: K/V for its attention layers in the paged pool, one state per sequence for its Gated DeltaNet layers.
+    Qwen3.5-MoE and Qwen3-Next are this class with experts for MLPs (``ModelConfig.moe``)."""
 
     make_layer = staticmethod(_make_layer)
 
@@ -136,4 +166,4 @@ class Qwen3_5ForCausalLM(LlamaFamilyForCausalLM):
                         and self.config.is_recurrent_layer(int(name.split(".")[2])))] + delta
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
-        super().load_weights(text_model_weights(weights))
+        super().load_weights(text_model_weights(weights, self.config))
