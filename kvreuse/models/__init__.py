@@ -1,7 +1,7 @@
 """The architecture graphs and their configs: the Llama family (Llama, Qwen2/3, Mistral, SmolLM), Qwen3-MoE,
 Gemma 3 and gpt-oss (config.SUPPORTED_ARCHITECTURES), composed of kvreuse.layers' blocks, and the hybrids LFM2
-(lfm2.py: short convolutions among the family's attention layers) and Qwen3.5, Qwen3.5-MoE and Qwen3-Next (qwen3_5.py: Gated
-DeltaNet layers among gated attention layers). Loading a model (folders, GGUF files) is
+(lfm2.py: short convolutions among the family's attention layers) and Qwen3.5, Qwen3.5-MoE and Qwen3-Next
+(qwen3_5.py: Gated DeltaNet layers among gated attention layers). Loading a model (folders, GGUF files) is
 kvreuse.loading's; the kernels the layers run are kvreuse.kernels'.
 """
 
