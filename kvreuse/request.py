@@ -71,6 +71,9 @@ class Request:
     state_slot: int | None = None
     state_hit: SnapshotHit | None = None
     branch_at: int | None = None
+    # ... and the ends of the prefixes it pins (explicit caching), where its state is kept as a pin snapshot, which
+    # retention leaves alone while the pin holds.
+    state_marks: list[int] = field(default_factory=list)
 
     num_cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
     # KV tiers: blocks below this index were already looked up there; tokens loaded from each tier.

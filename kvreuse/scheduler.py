@@ -163,9 +163,11 @@ class Scheduler:
             # one step, so it needs the budget for all of it; else the prompt runs with its exact hit only.
             match, blended = self.kv.match_blended(request, match)  # both no-ops without chunk reuse
             num_new = min(request.num_tokens - match.num_tokens, budget)
-            branch = self.kv.branch_point(request, match)
-            if branch is not None:  # a hybrid's first chunk stops where the request leaves the cached path
-                num_new = min(num_new, branch - match.num_tokens)
+            # A hybrid's first chunk stops where the request leaves the cached path, or at a prefix it pins: its state
+            # is kept there.
+            for stop in (self.kv.branch_point(request, match), self.kv.next_state_mark(request, match.num_tokens)):
+                if stop is not None:
+                    num_new = min(num_new, stop - match.num_tokens)
             moved = self.kv.match_moved(request, match)
             if moved and num_new < request.num_tokens - match.num_tokens:
                 request.chunk_misses = sorted(request.chunk_misses + [(span.start, span.end, "step_budget")

@@ -67,6 +67,32 @@ QWEN35MOE_NAMES = {**QWEN35_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.shared_exper
                    "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 
 
+def tiled_value_heads(name: str, array: np.ndarray, config: dict) -> np.ndarray:
+    """A Gated DeltaNet tensor with its value heads in llama.cpp's tiled order, as its converter writes them when there
+    are fewer key heads than value heads (the heads grouped by key head in HF's order: (key head, i) becomes
+    (i, key head)): the value rows of in_proj_qkv and the conv kernel, in_proj_z / _b / _a's rows, A_log and dt_bias,
+    out_proj's columns. Other tensors as they are."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if key_heads == value_heads or ".linear_attn." not in name:
+        return array
+    share, value_dim, key_size = value_heads // key_heads, config["linear_value_head_dim"], 2 * key_heads * config["linear_key_head_dim"]
+
+    def tile(part: np.ndarray, width: int, axis: int = 0) -> np.ndarray:
+        moved = np.moveaxis(part, axis, 0)
+        moved = moved.reshape(key_heads, share, width, *moved.shape[1:]).swapaxes(0, 1).reshape(moved.shape)
+        return np.moveaxis(moved, 0, axis)
+
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([array[:key_size], tile(array[key_size:], value_dim)])
+    if name.endswith("in_proj_z.weight"):
+        return tile(array, value_dim)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return tile(array, 1)
+    if name.endswith("out_proj.weight"):
+        return tile(array, value_dim, axis=1)
+    return array
+
+
 def gguf_name(name: str, arch: str = "llama") -> str:
     if arch == "lfm2" and name == "model.embedding_norm.weight":
         return "token_embd_norm.weight"
@@ -273,6 +299,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
         if arch in ("qwen35", "qwen35moe"):  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), [C, K]
+            array = tiled_value_heads(hf_name, array, config)
             if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
                 array = array + 1.0
             if hf_name.endswith("A_log"):

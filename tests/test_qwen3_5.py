@@ -21,6 +21,7 @@ from test_engine import reference_greedy, run_checked
 from kvreuse import LLM, SamplingParams
 from kvreuse.attention.forward_batch import ForwardBatch
 from kvreuse.cache.kv import KVCache
+from kvreuse.cache.pins import PinSpec
 from kvreuse.cache.recurrent_state import RecurrentStatePool
 from kvreuse.cache.state_slots import StateCopy
 from kvreuse.kernels import gated_delta as delta_kernel
@@ -81,12 +82,25 @@ def test_the_native_delta_rule_equals_its_reference():
     states = torch.randn(4, 2, value_heads, key_dim, value_dim, generator=generator)
     # Three sequences: one of 5 rows in slot 3, one decode row in slot 0, one of 7 rows in slot 1 (layer 1 of 2).
     inputs = StateInputs([3, 0, 1], [0, 5, 6], [5, 1, 7], None)  # type: ignore[arg-type]
-    expected_states = states.clone()
+    initial, expected_states = states.clone(), states.clone()
     expected = delta_rule_reference(q, k, v, g, beta, expected_states, 1, inputs)
     out = delta_kernel.gated_delta_rule(q, k, v, g, beta, states, 1, inputs.slots, inputs.starts, inputs.lens)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(states, expected_states, atol=1e-6, rtol=1e-5)
     assert torch.equal(states[2], expected_states[2]) and torch.equal(states[:, 0], expected_states[:, 0])
+    # llama.cpp's tiled order (value head h reads key head h % Hk): the same computation with the value heads moved
+    # from (key head, i) to (i, key head), in the reference and the native loop alike.
+    order = torch.arange(value_heads).reshape(key_heads, -1).T.reshape(-1)  # tiled position -> HF's head
+    moved = [initial[:, :, order].clone(), initial[:, :, order].clone()]
+    tiled_reference = delta_rule_reference(q, k, v[:, order], g[:, order], beta[:, order], moved[0], 1, inputs, True)
+    tiled = delta_kernel.gated_delta_rule(q, k, v[:, order].contiguous(), g[:, order].contiguous(),
+                                          beta[:, order].contiguous(), moved[1], 1, inputs.slots, inputs.starts,
+                                          inputs.lens, tiled=True)
+    grouped_states = initial.clone()
+    grouped = delta_rule_reference(q, k, v, g, beta, grouped_states, 1, inputs)
+    torch.testing.assert_close(tiled_reference, grouped[:, order], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(tiled, tiled_reference, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(moved[1], grouped_states[:, :, order], atol=1e-6, rtol=1e-5)
 
 
 def test_the_native_activations_equal_pytorch_and_give_a_value_the_same_bits_anywhere():
@@ -275,6 +289,39 @@ def test_snapshots_stay_within_their_budget_and_free_their_slots(qwen3_5):
         assert len(states.snapshots) == 0 and states.num_free == 5  # gone with their blocks
 
 
+def test_a_pinned_prefix_keeps_its_state_while_the_pin_holds(qwen3_5):
+    """A hybrid's pinned prefix is worth its blocks only with the state at their end: the request that pins it stops
+    a prefill chunk there and keeps a pin snapshot, which retention (LRU here, two snapshots' room) leaves alone while
+    the pin holds, and drops like any other once it is gone."""
+    state = ModelConfig.from_pretrained(qwen3_5).state_bytes
+    llm = make_llm(qwen3_5, kv_cache_memory="4MiB", max_num_seqs=2, state_snapshot_fraction=2 * state / 2**22,
+                   state_snapshot_policy="lru")
+    engine, states = llm.engine, llm.engine.kv.states
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    system = prompt_ids(60, 22)  # the pin covers its first 20 tokens (5 blocks of 4)
+    engine.add_request("pinning", {"prompt_token_ids": system + prompt_ids(61, 5)}, params,
+                       pins=[PinSpec(num_tokens=22, key="system")])
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    (pin,) = engine.list_pins()
+    pinned = [s for s in states.snapshots.snapshots() if s.reason == "pin"]
+    assert [s.position for s in pinned] == [20] and states.snapshots.protected(pinned[0])
+
+    def flood(seed: int) -> None:  # other requests' finish and prompt snapshots churn through the budget
+        run_checked(engine, [prompt_ids(seed + i, 9 + i) for i in range(6)], params)
+
+    flood(70)
+    assert len(states.snapshots) == 2 and pinned[0] in states.snapshots.snapshots()
+    warm = llm.generate([{"prompt_token_ids": system + prompt_ids(62, 5)}], params)[0]
+    assert warm.num_cached_tokens == 20  # resumed at the pin's end (the blocks matched 22 tokens)
+    engine.unpin(pin.pin_id)
+    assert not states.snapshots.protected(pinned[0])
+    flood(80)
+    assert pinned[0] not in states.snapshots.snapshots()  # an ordinary snapshot again: LRU dropped it
+    engine.check_integrity()
+
+
 def test_what_qwen3_5_cannot_do_yet_is_refused_by_name(qwen3_5):
     for options, words in (({"speculative_config": {"method": "cache"}}, "would take in the rejected drafts"),
                            ({"speculative_config": {"method": "eagle", "model": str(qwen3_5),
@@ -319,7 +366,9 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_runs_as_its_folder(tmp_path):
     assert types["model.layers.0.linear_attn.in_proj_qkv.weight"] == "Q8_0"
     assert types["model.layers.0.linear_attn.A_log"] == "F32"
     assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [12, 12]
-    # Value heads in llama.cpp's tiled order (fewer key heads) are refused, saying so.
-    grouped = write_gguf(random_qwen3_5(tmp_path / "grouped"), tmp_path / "grouped.gguf", "F32")
-    with pytest.raises(ValueError, match="2 key heads to 4 value heads"):
-        make_llm(grouped)
+    # Fewer key heads than value heads: the file holds the value heads in llama.cpp's tiled order, and runs as the
+    # folder (whose heads are in HF's grouped order) does.
+    grouped_folder = random_qwen3_5(tmp_path / "grouped")
+    grouped = make_llm(write_gguf(grouped_folder, tmp_path / "grouped.gguf", "F32"))
+    assert grouped.engine.model_config.delta_tiled_values
+    assert run_checked(grouped.engine, prompts, greedy) == run_checked(make_llm(grouped_folder).engine, prompts, greedy)

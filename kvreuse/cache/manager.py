@@ -55,6 +55,7 @@ class CacheSequence(Protocol):
     state_slot: int | None
     state_hit: SnapshotHit | None
     branch_at: int | None
+    state_marks: list[int]  # where its pinned prefixes end: a pin snapshot is kept at each
 
     @property
     def num_tokens(self) -> int: ...
@@ -176,12 +177,19 @@ class KVCacheManager:
             return None
         return hit.matched
 
+    def next_state_mark(self, request: CacheSequence, start: int) -> int | None:
+        """The end of a prefix ``request`` pins past token ``start``, where a hybrid keeps its state (None: none)."""
+        if self.states is None:
+            return None
+        return min((mark for mark in request.state_marks if mark > start), default=None)
+
     def step_limit(self, request: CacheSequence) -> int | None:
         """At most this many tokens of ``request`` this step (None: no limit): a branch snapshot's prefill chunk stops
-        at the divergence, so the state there can be kept."""
-        if request.branch_at is not None and request.num_computed_tokens < request.branch_at:
-            return request.branch_at - request.num_computed_tokens
-        return None
+        at the divergence, and a pinned prefix's at its end, so the state there can be kept."""
+        computed = request.num_computed_tokens
+        stops = [stop for stop in (request.branch_at, self.next_state_mark(request, computed))
+                 if stop is not None and stop > computed]
+        return min(stops) - computed if stops else None
 
     def _extend_from_tiers(self, request: CacheSequence, match: PrefixMatch) -> PrefixMatch:
         """Load the blocks that follow the device match from the tiers (the longest contiguous run they
@@ -511,6 +519,11 @@ class KVCacheManager:
             if anchor is not None:
                 self.states.branch(anchor, tail, request.state_slot)
             request.branch_at = None
+        if self.states is not None and request.state_slot is not None and computed in request.state_marks:
+            # A pinned prefix's end: kept as a pin snapshot, which retention leaves alone while the pin holds.
+            anchor, tail = self._snapshot_place(request, computed)
+            if anchor is not None:
+                self.states.branch(anchor, tail, request.state_slot, "pin")
         if self.states is not None and request.state_slot is not None and computed == request.num_prompt_tokens:
             # The prompt's end: the next turn resumes here when it matches the prompt but not the answer's tokens.
             anchor, tail = self._snapshot_place(request, computed)

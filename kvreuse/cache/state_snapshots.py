@@ -16,7 +16,9 @@ block boundaries of 528-2,144 tokens) or a few checkpoints (llama.cpp); here a s
 - snapshots live within a byte budget; the caller drops a node's snapshots when the prefix index evicts the node
   (its blocks are gone, so no hit can end there), and frees each dropped snapshot's ``handle``.
 
-Which snapshot goes when the budget is full is the retention policy: ``lru`` (least recently used first, the
+A pinned prefix's snapshot (reason "pin", anchored at the pin's last block) is not a candidate while its anchor is
+pinned: a hybrid's pinned blocks are worth nothing without the state at their end. Which other snapshot goes when
+the budget is full is the retention policy: ``lru`` (least recently used first, the
 baseline) or ``saved`` (the least compute saved per byte first, Marconi's idea: a snapshot is worth the tokens it
 saves beyond the next snapshot up its own path, times its hits, decayed with age, over its bytes; a system prompt's
 end that every request hits stays, a finished request's end that nobody continues goes). Torch-free: a snapshot's
@@ -135,7 +137,7 @@ class StateSnapshots:
             raise ValueError(f"a snapshot's tail is shorter than a block ({self.block_size}), got {len(tail)}")
         if anchor.evicted:
             raise RuntimeError("a snapshot anchored at an evicted node")
-        if tail in self._at.get(anchor, {}) or num_bytes > self.budget_bytes:
+        if tail in self._at.get(anchor, {}) or num_bytes > self.budget_bytes - self._protected_bytes():
             return None, []
         self._now = next(self._clock)
         snapshot = Snapshot(anchor, tail, anchor.depth * self.block_size + len(tail), num_bytes, handle, reason,
@@ -167,8 +169,18 @@ class StateSnapshots:
         return snapshot
 
     # --- retention -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def protected(snapshot: Snapshot) -> bool:
+        """A pinned prefix's snapshot while its pin holds (its anchor, the pin's last block, is pinned): retention
+        never drops it. The pin's owner chose to keep that prefix; for a hybrid its blocks are worth nothing without
+        the state at their end."""
+        return snapshot.reason == "pin" and snapshot.anchor.pin_count > 0
+
+    def _protected_bytes(self) -> int:
+        return sum(snapshot.num_bytes for snapshot in self.snapshots() if self.protected(snapshot))
+
     def _victim(self) -> Snapshot:
-        candidates = self.snapshots()
+        candidates = [snapshot for snapshot in self.snapshots() if not self.protected(snapshot)]
         if self.policy == "lru":
             return min(candidates, key=lambda snapshot: snapshot.last_used)
         return min(candidates, key=lambda snapshot: (self.saved_per_byte(snapshot), snapshot.last_used))

@@ -133,6 +133,10 @@ class LLMEngine:
                 arrival_time=arrival, eos_token_ids=self.eos_token_ids, prompt=prompt_text, parent_id=request_id,
                 index=index, adapter=adapter, chunk_spans=chunk_spans,
             )
+            if index == 0 and pins and self.kv.states is not None:
+                # A hybrid keeps its state where each pinned prefix's blocks end (the pin covers whole blocks).
+                size = self.kv.block_size
+                request.state_marks = sorted({spec.num_tokens // size * size for spec in pins})
             request.sampling_state = SamplingState.create(
                 params, self.device, eos_token_ids=sorted(self.eos_token_ids),
                 prompt_token_ids=token_ids, sequence_index=index,

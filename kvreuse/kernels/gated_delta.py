@@ -33,11 +33,12 @@ def library() -> Path | None:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      states: torch.Tensor, layer: int, slots: Sequence[int], starts: Sequence[int],
-                     lens: Sequence[int]) -> torch.Tensor:
+                     lens: Sequence[int], tiled: bool = False) -> torch.Tensor:
     """q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] float32; ``states`` [slots, layers, Hv, dk, dv] float32,
-    layer ``layer`` of each sequence's slot updated in place. Returns o [T, Hv, dv]. ``available()`` must be True."""
+    layer ``layer`` of each sequence's slot updated in place. Returns o [T, Hv, dv]. Value head h reads key head
+    h // (Hv / Hk), or h % Hk when ``tiled``. ``available()`` must be True."""
     return torch.ops.kvreuse_delta.gated_delta_rule(q, k, v, g, beta, states, layer, list(slots), list(starts),
-                                                    list(lens))
+                                                    list(lens), tiled)
 
 
 SILU, SIGMOID = 0, 1

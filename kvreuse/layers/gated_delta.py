@@ -93,16 +93,17 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         states: torch.Tensor, layer: int, inputs: StateInputs) -> torch.Tensor:
+                         states: torch.Tensor, layer: int, inputs: StateInputs, tiled: bool = False) -> torch.Tensor:
     """The gated delta rule token by token (PyTorch): q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], all float32;
-    ``states`` [slots, layers, Hv, dk, dv] updated in place. Returns o [T, Hv, dv] float32."""
+    ``states`` [slots, layers, Hv, dk, dv] updated in place. Returns o [T, Hv, dv] float32. Value head h reads key
+    head h // (Hv / Hk) (HF's order), or h % Hk when ``tiled`` (llama.cpp's GGUF order)."""
     ratio = v.shape[1] // k.shape[1]
     out = torch.empty_like(v)
     for slot, start, length in zip(inputs.slots, inputs.starts, inputs.lens):
         state = states[slot, layer]
         for row in range(start, start + length):
-            q_t = q[row].repeat_interleave(ratio, 0)
-            k_t = k[row].repeat_interleave(ratio, 0)
+            q_t = q[row].repeat(ratio, 1) if tiled else q[row].repeat_interleave(ratio, 0)
+            k_t = k[row].repeat(ratio, 1) if tiled else k[row].repeat_interleave(ratio, 0)
             state.mul_(g[row].exp()[:, None, None])
             memory = (state * k_t[:, :, None]).sum(dim=1)
             delta = (v[row] - memory) * beta[row][:, None]
@@ -112,11 +113,12 @@ def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               states: torch.Tensor, layer: int, inputs: StateInputs) -> torch.Tensor:
+               states: torch.Tensor, layer: int, inputs: StateInputs, tiled: bool = False) -> torch.Tensor:
     """``delta_rule_reference`` in the native loop where it runs (CPU, float32 state), else the reference."""
     if native(states):
-        return delta_kernel.gated_delta_rule(q, k, v, g, beta, states, layer, inputs.slots, inputs.starts, inputs.lens)
-    return delta_rule_reference(q, k, v, g, beta, states, layer, inputs)
+        return delta_kernel.gated_delta_rule(q, k, v, g, beta, states, layer, inputs.slots, inputs.starts, inputs.lens,
+                                             tiled)
+    return delta_rule_reference(q, k, v, g, beta, states, layer, inputs, tiled)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -143,11 +145,15 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """HF's ``linear_attn.*``: in_proj_qkv / _z / _b / _a fused into ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
-    ``norm`` and ``out_proj``. ``state_layer``: its index among the model's Gated DeltaNet layers (its place in a slot)."""
+    ``norm`` and ``out_proj``. ``state_layer``: its index among the model's Gated DeltaNet layers (its place in a slot).
+    ``tiled_values``: the value heads in llama.cpp's GGUF order (value head h shares key head h % Hk; its converter
+    reorders every value-head row and column so), not HF's (h // (Hv / Hk)); nothing else depends on their order."""
 
     def __init__(self, hidden_size: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
-                 eps: float, state_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+                 eps: float, state_layer: int, dtype: torch.dtype, device: torch.device,
+                 tiled_values: bool = False) -> None:
         super().__init__()
+        self.tiled_values = tiled_values
         self.key_heads, self.value_heads = key_heads, value_heads
         self.key_dim, self.value_dim = key_dim, value_dim
         self.key_size, self.value_size = key_heads * key_dim, value_heads * value_dim
@@ -176,7 +182,7 @@ class GatedDeltaNet(nn.Module):
             beta = b.sigmoid().float()
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-                         inputs.pool.ssm, self.state_layer, inputs)
+                         inputs.pool.ssm, self.state_layer, inputs, self.tiled_values)
         out = self.norm(out.to(hidden.dtype), z.reshape(num_tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size))
 

@@ -323,6 +323,23 @@ def decide(times_us: dict[str, dict[int, float]], max_layouts: int = 2) -> Linea
     return plan
 
 
+def monotone_in_rows(times_us: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Each kernel's time at a row count capped by its time at any larger count: for kernels whose work grows with
+    the rows (the quantized ones: every row streams the same weight blocks once more), a count measured slower than
+    a larger one met the machine's noise (another process on both cores: a 1-row product measured at 2.1 ms against
+    0.13 ms at 2 rows picked the dequantizing kernel for every decode step of a model on this VM, a stored verdict
+    until the file was cleared)."""
+    capped: dict[str, dict[int, float]] = {}
+    for name, by_rows in times_us.items():
+        running, kept = math.inf, {}
+        for count in sorted(by_rows, reverse=True):
+            running = min(running, by_rows[count])
+            # A count left unprobed (inf: the kernel does not run there) stays so.
+            kept[count] = by_rows[count] if math.isinf(by_rows[count]) else running
+        capped[name] = dict(sorted(kept.items()))
+    return capped
+
+
 def _call_us(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -428,11 +445,13 @@ class PlanBook:
 
     def plan_measured(self, label: str, shape: tuple[int, int], max_layouts: int,
                       measure_now: Callable[[], dict[str, dict[int, float]]], runs: Callable[[str], bool],
-                      expected: Collection[str] = ()) -> LinearPlan:
+                      expected: Collection[str] = (), rows_monotone: bool = False) -> LinearPlan:
         """The plan decided from the timings stored under (this machine, ``label``, ``shape``), or from
         ``measure_now()``'s, kept for the next start. ``runs(name)``: whether a kernel runs here now;
         ``expected``: kernels the stored timings must include (one offered since they were taken is
-        measured: the whole entry again, so the kernels are compared in one run)."""
+        measured: the whole entry again, so the kernels are compared in one run); ``rows_monotone``: the kernels'
+        work grows with the rows, so a time is capped by a larger count's (``monotone_in_rows``) before deciding."""
+        clean = monotone_in_rows if rows_monotone else (lambda times: times)
         key = f"{self.machine} | {label} | {shape[0]}x{shape[1]}"
         times = self._stored_times(key)
         if times is not None and not set(expected) <= set(times):
@@ -440,12 +459,13 @@ class PlanBook:
         if times is not None:
             # The file keeps measurements, not verdicts: the decision rule can change without re-measuring.
             # A kernel measured once but not runnable now (the row-dot build failed here) drops out.
-            return decide({name: by_rows for name, by_rows in times.items() if runs(name)}, max_layouts)
+            return decide(clean({name: by_rows for name, by_rows in times.items() if runs(name)}), max_layouts)
         times = measure_now()
         self.measured += 1
         self._plans[key] = {"times_us": times}
-        plan = decide(times, max_layouts)
-        logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(), decide(times, 1).describe())
+        plan = decide(clean(times), max_layouts)
+        logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(),
+                    decide(clean(times), 1).describe())
         return plan
 
     def _stored_times(self, key: str) -> dict[str, dict[int, float]] | None:

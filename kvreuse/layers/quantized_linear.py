@@ -178,7 +178,7 @@ def plan_for(book: PlanBook, weight: QuantizedTensor, dtype: torch.dtype) -> Lin
     # The kernels' build (source digest) is in the label: timings taken of an older build are not reused.
     label = f"{weight.format.name}/{str(dtype).removeprefix('torch.')}/{quant_ops.build_name().rsplit('_', 1)[-1][:12]}"
     return book.plan_measured(label, shape, 1, lambda: measure(weight.format.name, shape, dtype),
-                              lambda name: name in offered, expected=offered)
+                              lambda name: name in offered, expected=offered, rows_monotone=True)
 
 
 def measure(fmt: str, shape: tuple[int, int], dtype: torch.dtype,

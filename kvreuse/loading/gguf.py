@@ -618,15 +618,18 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     eos_ids = list(dict.fromkeys(token for token in eos_ids if token is not None))
     layers = own("block_count", int, minimum=1)
     layer_types = None
+    tiled_values = False
     if spec.flagged_recurrent_kind is not None:
         recurrent = metadata.flags(f"{architecture}.attention.recurrent_layers", layers)
         layer_types = [spec.flagged_recurrent_kind if flag else "full_attention" for flag in recurrent]
         key_heads, value_heads = own("ssm.group_count", int, minimum=1), own("ssm.time_step_rank", int, minimum=1)
-        if key_heads != value_heads:
-            # llama.cpp's converter reorders the value heads (grouped by key head in HF's layout) to a tiled order,
-            # through rows and a quantized projection's columns alike; putting them back is not built.
-            raise ValueError(f"{path}: {key_heads} key heads to {value_heads} value heads in the Gated DeltaNet layers "
-                             "(value heads in llama.cpp's tiled order) is not supported; equal counts are")
+        if value_heads % key_heads:
+            raise ValueError(f"{path}: {architecture}.ssm.time_step_rank ({value_heads} value heads) must be a multiple "
+                             f"of {architecture}.ssm.group_count ({key_heads} key heads)")
+        # With fewer key heads than value heads, llama.cpp's converter reorders the value heads (grouped by key head
+        # in HF's layout) to a tiled order, through rows and a quantized projection's columns alike. The model runs
+        # them in that order (a value head's key head is found the tiled way) instead of moving quantized columns.
+        tiled_values = key_heads != value_heads
     if spec.recurrent_kind is not None:
         counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
         attending = sorted(set(count for count in counts if count))
@@ -659,6 +662,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     }
     if layer_types is not None:
         hf_config["layer_types"] = layer_types
+    if tiled_values:
+        hf_config["kvreuse_tiled_value_heads"] = True
     if spec.partial_rotary:
         if rope_scaling is not None:
             raise ValueError(f"{path}: rope scaling on {architecture} is not supported")

@@ -121,6 +121,10 @@ class ModelConfig:
     delta_value_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
+    # The value heads in llama.cpp's GGUF order (value head h shares key head h % key heads; its converter reorders
+    # them so when there are fewer key heads than value heads), not HF's (h // (value heads / key heads)). Set from
+    # a GGUF file only: config.json's "kvreuse_tiled_value_heads", which loading/gguf.py writes.
+    delta_tiled_values: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -427,7 +431,8 @@ def _delta_heads(hf_config: dict[str, Any]) -> dict[str, int]:
                 "linear_value_head_dim": 128}
     values = {name: int(hf_config.get(name) or default) for name, default in defaults.items()}
     return {"delta_key_heads": values["linear_num_key_heads"], "delta_value_heads": values["linear_num_value_heads"],
-            "delta_key_dim": values["linear_key_head_dim"], "delta_value_dim": values["linear_value_head_dim"]}
+            "delta_key_dim": values["linear_key_head_dim"], "delta_value_dim": values["linear_value_head_dim"],
+            "delta_tiled_values": bool(hf_config.get("kvreuse_tiled_value_heads", False))}
 
 
 def _lfm2_spellings(hf_config: dict[str, Any]) -> dict[str, Any]:

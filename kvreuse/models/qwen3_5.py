@@ -82,7 +82,8 @@ class GatedDeltaNetDecoderLayer(RecurrentDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
         mixer = GatedDeltaNet(config.hidden_size, config.delta_key_heads, config.delta_value_heads,
                               config.delta_key_dim, config.delta_value_dim, config.conv_kernel, config.rms_norm_eps,
-                              config.state_layers.index(layer_idx), dtype, device)
+                              config.state_layers.index(layer_idx), dtype, device,
+                              tiled_values=config.delta_tiled_values)
         super().__init__(config, layer_idx, GemmaRMSNorm, "linear_attn", mixer, dtype, device)
 
 

@@ -22,7 +22,7 @@ namespace {
 
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, at::Tensor& states, int64_t layer, at::IntArrayRef slots,
-                            at::IntArrayRef starts, at::IntArrayRef lens) {
+                            at::IntArrayRef starts, at::IntArrayRef lens, bool tiled) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
                   states.scalar_type() == at::kFloat,
@@ -61,7 +61,10 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, num_seqs * value_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> memory(value_dim), delta(value_dim);
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t seq = pair / value_heads, head = pair % value_heads, key_head = head / ratio;
+      // Value head h reads key head h / ratio (HF's order: a key head's value heads together) or, tiled (llama.cpp's
+      // GGUF order, the value heads reordered at conversion), h % key_heads.
+      const int64_t seq = pair / value_heads, head = pair % value_heads;
+      const int64_t key_head = tiled ? head % key_heads : head / ratio;
       float* state = sp + slot_of[seq] * slot_stride + layer * layer_stride + head * state_size;
       for (int64_t row = start_of[seq]; row < start_of[seq] + len_of[seq]; ++row) {
         const float* qt = qp + (row * key_heads + key_head) * key_dim;
@@ -144,7 +147,7 @@ TORCH_LIBRARY(kvreuse_delta, m) {
   m.def("pointwise_(Tensor(a!) x, int kind) -> ()");
   m.def("delta_gates(Tensor a, Tensor b, Tensor a_log, Tensor dt_bias) -> (Tensor, Tensor)");
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, int layer, "
-        "int[] slots, int[] starts, int[] lens) -> Tensor");
+        "int[] slots, int[] starts, int[] lens, bool tiled) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_delta, CPU, m) {
