@@ -42,9 +42,15 @@ def random_qwen3_5(folder: Path, **overrides) -> Path:
 
     folder = make_model(folder, preset="tiny-qwen3.5", dtype="float32", seed=3)
     written = json.loads((folder / "config.json").read_text())
-    config = Qwen3_5TextConfig(**{**written, "initializer_range": 0.2, **overrides})
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(config).eval()
+    return save_scaled_random(folder, Qwen3_5ForCausalLM, Qwen3_5TextConfig(**{**written, "initializer_range": 0.2,
+                                                                               **overrides}))
+
+
+def save_scaled_random(folder: Path, model_class: type, config: object, seed: int = 0) -> Path:
+    """transformers' own random init of ``model_class(config)`` (its initializer_range set by the caller), the norms
+    drawn around zero too, saved into ``folder`` over make-model's weights."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -347,25 +353,33 @@ def test_make_model_writes_qwen3_5_0_8b_s_shapes(tmp_path):
     assert count_parameters("qwen3.5-0.8b", vocab_size=248320) == sum(p.numel() for p in real.parameters())
 
 
+def gguf_files_run_as_their_folder(folder: Path, stem: Path, prompts: list[list[int]], greedy: SamplingParams,
+                                   may_differ: frozenset[str] = frozenset()) -> dict[str, str]:
+    """A float32 GGUF copy of ``folder`` (as llama.cpp writes it: tests/gguf_files.py) reads as the same config (but
+    ``may_differ`` and what a file does not carry) and gives its greedy tokens; a Q8_0 copy runs. Returns the Q8_0
+    file's tensor types."""
+    ours, theirs = make_llm(folder), make_llm(write_gguf(folder, stem.with_suffix(".gguf"), "F32"))
+    differing = {field for field in ours.engine.model_config.__dataclass_fields__
+                 if getattr(ours.engine.model_config, field) != getattr(theirs.engine.model_config, field)}
+    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps"} | may_differ
+    expected = run_checked(ours.engine, prompts, greedy)
+    assert run_checked(theirs.engine, prompts, greedy) == expected
+    quantized = write_gguf(folder, stem.with_suffix(".q8_0.gguf"), "Q8_0")
+    lengths = [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)]
+    assert lengths == [greedy.max_tokens] * len(prompts)
+    return read_gguf(quantized).tensor_types
+
+
 def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_runs_as_its_folder(tmp_path):
     """llama.cpp's layout: the Gated DeltaNet layers by attention.recurrent_layers and their heads by the ssm.* keys,
     rope over rope.dimension_count of each head, (1 + weight) norms but the DeltaNet's output norm, A_log stored as
     -exp(A_log), the depthwise kernel as [C, K]. A float32 file runs as its folder; a Q8_0 file runs quantized."""
     folder = random_qwen3_5(tmp_path / "equal-heads", linear_num_key_heads=4)
-    path = write_gguf(folder, tmp_path / "qwen35.gguf", "F32")
-    ours, theirs = make_llm(folder), make_llm(path)
-    differing = {field for field in ours.engine.model_config.__dataclass_fields__
-                 if getattr(ours.engine.model_config, field) != getattr(theirs.engine.model_config, field)}
-    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps"}
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [prompt_ids(7, 21), prompt_ids(8, 3)]
-    expected = run_checked(ours.engine, prompts, greedy)
-    assert run_checked(theirs.engine, prompts, greedy) == expected
-    quantized = write_gguf(folder, tmp_path / "qwen35.q8_0.gguf", "Q8_0")
-    types = read_gguf(quantized).tensor_types
+    types = gguf_files_run_as_their_folder(folder, tmp_path / "qwen35", prompts, greedy)
     assert types["model.layers.0.linear_attn.in_proj_qkv.weight"] == "Q8_0"
     assert types["model.layers.0.linear_attn.A_log"] == "F32"
-    assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [12, 12]
     # Fewer key heads than value heads: the file holds the value heads in llama.cpp's tiled order, and runs as the
     # folder (whose heads are in HF's grouped order) does.
     grouped_folder = random_qwen3_5(tmp_path / "grouped")

@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import write_gguf
 from test_engine import reference_greedy, run_checked
-from test_qwen3_5 import BLOCK, _step, make_llm, prompt_ids
+from test_qwen3_5 import BLOCK, _step, gguf_files_run_as_their_folder, make_llm, prompt_ids, save_scaled_random
 
 from kvreuse import SamplingParams
 from kvreuse.cache.kv import KVCache
 from kvreuse.cache.recurrent_state import RecurrentStatePool
 from kvreuse.cache.state_slots import StateCopy
 from kvreuse.layers.experts import SparseMoE
-from kvreuse.loading.gguf import read_gguf
 from kvreuse.loading.loader import load_model
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
@@ -36,14 +34,8 @@ def random_qwen3_5_moe(folder: Path, **overrides) -> Path:
 
     folder = make_model(folder, preset="tiny-qwen3.5-moe", dtype="float32", seed=3)
     written = json.loads((folder / "config.json").read_text())
-    torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**written, "initializer_range": 0.2, **overrides})).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
-    return folder
+    return save_scaled_random(folder, Qwen3_5MoeForCausalLM,
+                              Qwen3_5MoeTextConfig(**{**written, "initializer_range": 0.2, **overrides}))
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +91,7 @@ def test_logits_match_transformers_in_prefill_chunks_decode_and_mixed_batches(qw
 def test_greedy_matches_transformers_alone_batched_chunked_preempted_and_after_hits(qwen3_5_moe):
     prompts = [prompt_ids(seed, length) for seed, length in ((1, 33), (2, 6), (3, 1), (4, 19))]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    expected = [reference_greedy(qwen3_5_moe, prompt, max_new_tokens=10) for prompt in prompts]
-    assert len({tuple(tokens) for tokens in expected}) == 4 and all(len(set(tokens)) > 2 for tokens in expected)
-    llm = make_llm(qwen3_5_moe, enable_prefix_caching=False)
-    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
-    assert run_checked(llm.engine, prompts, greedy) == expected
-    assert run_checked(make_llm(qwen3_5_moe, max_num_batched_tokens=8).engine, prompts, greedy) == expected
+    expected = greedy_equals_transformers(qwen3_5_moe, prompts, greedy)
     config = ModelConfig.from_pretrained(qwen3_5_moe)
     tight = make_llm(qwen3_5_moe, kv_cache_memory=14 * config.kv_bytes_per_token(torch.float32) * BLOCK
                      + 8 * config.state_bytes + 1, max_num_seqs=4, state_snapshot_fraction=0.5)
@@ -142,20 +129,11 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_moe_runs_as_its_folder(tmp_path
     ffn_gate_inp, the shared expert as ffn_*_shexp and its gate as ffn_gate_inp_shexp, expert widths only (no
     feed_forward_length). A float32 file runs as its folder; a Q8_0 file runs quantized."""
     folder = random_qwen3_5_moe(tmp_path / "equal-heads", linear_num_key_heads=4)
-    path = write_gguf(folder, tmp_path / "qwen35moe.gguf", "F32")
-    ours, theirs = make_llm(folder), make_llm(path)
-    differing = {field for field in ours.engine.model_config.__dataclass_fields__
-                 if getattr(ours.engine.model_config, field) != getattr(theirs.engine.model_config, field)}
-    assert differing <= {"eos_token_id", "bos_token_id", "torch_dtype", "rms_norm_eps", "intermediate_size"}
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    prompts = [prompt_ids(7, 19), prompt_ids(8, 4)]
-    expected = run_checked(ours.engine, prompts, greedy)
-    assert run_checked(theirs.engine, prompts, greedy) == expected
-    quantized = write_gguf(folder, tmp_path / "qwen35moe.q8_0.gguf", "Q8_0")
-    types = read_gguf(quantized).tensor_types
+    types = gguf_files_run_as_their_folder(folder, tmp_path / "qwen35moe", [prompt_ids(7, 19), prompt_ids(8, 4)],
+                                           greedy, frozenset({"intermediate_size"}))
     assert types["model.layers.0.mlp.experts.0.gate_proj.weight"] == "Q8_0"
     assert types["model.layers.0.mlp.shared_expert.down_proj.weight"] == "Q8_0"
-    assert [len(tokens) for tokens in run_checked(make_llm(quantized).engine, prompts, greedy)] == [10, 10]
 
 
 def random_qwen3_next(folder: Path) -> Path:
@@ -170,14 +148,20 @@ def random_qwen3_next(folder: Path) -> Path:
     config = Qwen3NextConfig(**{**written, "architectures": ["Qwen3NextForCausalLM"], "intermediate_size": 96,
                                 "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True,
                                 "initializer_range": 0.2})
-    torch.manual_seed(1)
-    model = Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
-    return folder
+    return save_scaled_random(folder, Qwen3NextForCausalLM, config, seed=1)
+
+
+def greedy_equals_transformers(folder: Path, prompts: list[list[int]], greedy: SamplingParams) -> list[list[int]]:
+    """transformers' greedy tokens for ``prompts`` (distinct, and not one token repeated), checked against kvreuse's
+    alone, batched and in chunks of 8 tokens (prefix caching off); returns them."""
+    expected = [reference_greedy(folder, prompt, max_new_tokens=greedy.max_tokens) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == len(prompts)
+    assert all(len(set(tokens)) > 2 for tokens in expected)
+    llm = make_llm(folder, enable_prefix_caching=False)
+    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
+    assert run_checked(llm.engine, prompts, greedy) == expected
+    assert run_checked(make_llm(folder, max_num_batched_tokens=8).engine, prompts, greedy) == expected
+    return expected
 
 
 def test_qwen3_next_runs_as_transformers_runs_it(tmp_path):
@@ -187,12 +171,7 @@ def test_qwen3_next_runs_as_transformers_runs_it(tmp_path):
     assert config.moe.shared_expert_intermediate_size == 64 and config.state_layers == [0, 1, 2]
     prompts = [prompt_ids(seed, length) for seed, length in ((5, 29), (6, 7), (7, 14))]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    expected = [reference_greedy(folder, prompt, max_new_tokens=10) for prompt in prompts]
-    assert len({tuple(tokens) for tokens in expected}) == 3 and all(len(set(tokens)) > 2 for tokens in expected)
-    llm = make_llm(folder, enable_prefix_caching=False)
-    assert run_checked(llm.engine, prompts[:1], greedy) == expected[:1]
-    assert run_checked(llm.engine, prompts, greedy) == expected
-    assert run_checked(make_llm(folder, max_num_batched_tokens=8).engine, prompts, greedy) == expected
+    expected = greedy_equals_transformers(folder, prompts, greedy)
     cached = make_llm(folder)
     turn = prompts[0] + expected[0] + prompt_ids(8, 5)
     first = cached.generate([{"prompt_token_ids": prompts[0]}], greedy)[0]
