@@ -93,6 +93,31 @@ def tiled_value_heads(name: str, array: np.ndarray, config: dict) -> np.ndarray:
     return array
 
 
+# Qwen3-Next under llama.cpp's names (its converter's Qwen3NextModel): Qwen3.5-MoE's, b and a fused as ssm_ba.
+QWEN3NEXT_NAMES = {**QWEN35MOE_NAMES, "linear_attn.in_proj_ba": "ssm_ba"}
+QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+
+
+def qwen3next_split_qkvz(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz as llama.cpp's converter writes it: [q, k, v, z] per key head regrouped into all q,
+    all k, all v (attn_qkv) and all z (attn_gate), as that converter does it (through the transposed matrix)."""
+    out = {}
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    sizes = [key_dim, key_dim, value_heads // key_heads * value_dim, value_heads // key_heads * value_dim]
+    for name, tensor in tensors.items():
+        if not name.endswith("linear_attn.in_proj_qkvz.weight"):
+            out[name] = tensor
+            continue
+        hidden = tensor.shape[1]
+        grouped = tensor.permute(1, 0).contiguous().view(hidden, key_heads, sum(sizes))
+        q, k, v, z = (part.contiguous().view(hidden, -1) for part in torch.split(grouped, sizes, dim=-1))
+        prefix = name.removesuffix("in_proj_qkvz.weight")
+        out[prefix + "in_proj_qkv.weight"] = torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous()
+        out[prefix + "in_proj_z.weight"] = z.permute(1, 0).contiguous()
+    return out
+
+
 def gguf_name(name: str, arch: str = "llama") -> str:
     if arch == "lfm2" and name == "model.embedding_norm.weight":
         return "token_embd_norm.weight"
@@ -102,12 +127,12 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     assert parts[:2] == ["model", "layers"], name
     if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
         return f"blk.{parts[2]}.attn_sinks.weight"
-    if arch in ("qwen35", "qwen35moe") and parts[-1] in ("A_log", "dt_bias"):
+    if arch in QWEN35_ARCHS and parts[-1] in ("A_log", "dt_bias"):
         return f"blk.{parts[2]}." + ("ssm_a" if parts[-1] == "A_log" else "ssm_dt.bias")
     module = ".".join(parts[3:-1])
     names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {}),
              **(LFM2_NAMES if arch == "lfm2" else {}), **(QWEN35_NAMES if arch == "qwen35" else {}),
-             **(QWEN35MOE_NAMES if arch == "qwen35moe" else {})}
+             **(QWEN35MOE_NAMES if arch == "qwen35moe" else {}), **(QWEN3NEXT_NAMES if arch == "qwen3next" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
@@ -204,7 +229,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
             "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen35",
-            "Qwen3_5MoeForCausalLM": "qwen35moe"}[arch_class]
+            "Qwen3_5MoeForCausalLM": "qwen35moe", "Qwen3NextForCausalLM": "qwen3next"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
@@ -223,14 +248,14 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_layer_norm_rms_eps(config["norm_eps"])
         writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    elif arch in ("qwen35", "qwen35moe"):  # the keys llama.cpp's converter writes (generic writers: any release has them)
-        if arch == "qwen35":
+    elif arch in QWEN35_ARCHS:  # the keys llama.cpp's converter writes (generic writers: any release has them)
+        if arch != "qwen35moe":  # Qwen3.5-MoE's file has expert widths only
             writer.add_feed_forward_length(config["intermediate_size"])
-        else:  # experts only, and the shared expert's width
+        if arch != "qwen35":  # the experts, and the shared expert's width
             writer.add_expert_count(config["num_experts"])
             writer.add_expert_used_count(config["num_experts_per_tok"])
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-            writer.add_uint32("qwen35moe.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
+            writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
         writer.add_head_count(heads)
         writer.add_head_count_kv(kv_heads)
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -286,8 +311,10 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         tensors = stack_experts(tensors)
     if arch == "gpt-oss":
         tensors = gpt_oss_experts(tensors)
-    if arch == "qwen35moe":  # make-model writes them stacked, transformers' save_pretrained one by one
+    if arch in ("qwen35moe", "qwen3next"):  # make-model writes them stacked, transformers' save_pretrained one by one
         tensors = stack_experts(split_stacked_experts(tensors))
+    if arch == "qwen3next":
+        tensors = qwen3next_split_qkvz(tensors, config)
     rng = np.random.default_rng(seed)
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
@@ -298,8 +325,9 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        if arch in ("qwen35", "qwen35moe"):  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), [C, K]
-            array = tiled_value_heads(hf_name, array, config)
+        if arch in QWEN35_ARCHS:  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), [C, K]
+            if arch != "qwen3next":  # Qwen3.5's converter tiles the value heads; its Qwen3-Next one does not
+                array = tiled_value_heads(hf_name, array, config)
             if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
                 array = array + 1.0
             if hf_name.endswith("A_log"):

@@ -387,12 +387,6 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
     with pytest.raises(ValueError, match=r"architecture 'nemotron_h' is not supported \(a hybrid model: its Mamba-2 "
                                          r"layers keep a recurrent state"):
         LLM(str(tmp_path / "nemotron.gguf"), dtype="float32")
-    writer = gguf.GGUFWriter(str(tmp_path / "next.gguf"), "qwen3next")  # its folder runs, its GGUF file not yet
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    finish(writer)
-    with pytest.raises(ValueError, match=r"'qwen3next' is not supported \(llama.cpp's Qwen3-Next files .* the "
-                                         r"Hugging Face folder \(Qwen3NextForCausalLM\) is\)"):
-        LLM(str(tmp_path / "next.gguf"), dtype="float32")
 
     source = made_gguf(tiny_models, gguf_dir, "qwen2", "F32")
     odd = tmp_path / "iq4.gguf"

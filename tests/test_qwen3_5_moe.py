@@ -136,7 +136,7 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_moe_runs_as_its_folder(tmp_path
     assert types["model.layers.0.mlp.shared_expert.down_proj.weight"] == "Q8_0"
 
 
-def random_qwen3_next(folder: Path) -> Path:
+def random_qwen3_next(folder: Path, **overrides) -> Path:
     """A tiny Qwen3-Next folder (the trained tokenizer): transformers' own random init at a larger scale, two key
     heads to four value heads (so the fused projections' grouping matters), layer 1 a dense MLP (mlp_only_layers)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -147,7 +147,7 @@ def random_qwen3_next(folder: Path) -> Path:
         written.pop(key)
     config = Qwen3NextConfig(**{**written, "architectures": ["Qwen3NextForCausalLM"], "intermediate_size": 96,
                                 "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True,
-                                "initializer_range": 0.2})
+                                "initializer_range": 0.2, **overrides})
     return save_scaled_random(folder, Qwen3NextForCausalLM, config, seed=1)
 
 
@@ -179,3 +179,15 @@ def test_qwen3_next_runs_as_transformers_runs_it(tmp_path):
     assert again.num_cached_tokens == len(prompts[0]) + 10 - 1
     assert again.outputs[0].token_ids == reference_greedy(folder, turn, max_new_tokens=10)
     assert first.outputs[0].token_ids == expected[0]
+
+
+def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path):
+    """llama.cpp's qwen3next: in_proj_qkvz split into attn_qkv / attn_gate by its converter (value heads in HF's
+    grouped order: no tiling, unlike its Qwen3.5 files), b and a fused per key head (ssm_ba, split at load, quantized
+    rows as they are), experts and a shared expert on every layer."""
+    folder = random_qwen3_next(tmp_path / "qwen3-next", mlp_only_layers=[])
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    types = gguf_files_run_as_their_folder(folder, tmp_path / "qwen3next", [prompt_ids(9, 17), prompt_ids(10, 5)],
+                                           greedy)
+    assert types["model.layers.0.linear_attn.in_proj_ba.weight"] == "Q8_0"
+    assert not ModelConfig.from_pretrained(folder).delta_tiled_values

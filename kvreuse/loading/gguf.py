@@ -268,6 +268,9 @@ class GGUFArchitecture:
     partial_rotary: bool = False
     # Norms that norms_plus_one leaves alone (a Gated DeltaNet's output norm multiplies by its weight)
     plain_norms: tuple[str, ...] = ()
+    # With fewer key heads than value heads, the converter moved the value heads to a tiled order (Qwen3.5's files;
+    # its Qwen3-Next files keep HF's grouped order)
+    tiled_value_heads: bool = False
     # Per-layer tensors stored without a .weight / .bias of theirs ("ssm_a", "ssm_dt.bias" after "blk.N.") -> our
     # parameter, and how a value is put back (llama.cpp's converter stores Qwen3.5's A_log as -exp(A_log))
     parameter_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -306,7 +309,7 @@ def _gemma3_query_pre_attn_scalar(config: Mapping[str, Any], shapes: Mapping[str
 # each head; every norm but the DeltaNet's output norm is stored as 1 + weight; A_log as -exp(A_log).
 QWEN35 = GGUFArchitecture(
     "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, plain_norms=("linear_attn.norm.weight",),
-    flagged_recurrent_kind="linear_attention", partial_rotary=True,
+    flagged_recurrent_kind="linear_attention", partial_rotary=True, tiled_value_heads=True,
     layer_tensors={"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
                    "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
                    "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
@@ -321,6 +324,17 @@ QWEN35 = GGUFArchitecture(
             ("linear_value_head_dim", Derived(lambda config, shapes:
                                               config["linear_value_head_dim"] // config["linear_num_value_heads"])),
             ("attn_output_gate", Fixed(True))))
+
+
+# Qwen3.5-MoE's and Qwen3-Next's MLP: the router, the experts (ffn_*_exps: _EXPERT_TENSORS) and the shared expert.
+QWEN35_MOE_TENSORS: dict[str, str] = {
+    **QWEN35.layer_tensors, "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+QWEN35_MOE_CONFIG: tuple[tuple[str, MetadataKey | Fixed | Derived], ...] = (
+    ("num_experts", MetadataKey("expert_count", minimum=1)),
+    ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
+    ("moe_intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)))
 
 
 # general.architecture -> what differs for it. A new architecture is an entry here (and its model code).
@@ -363,16 +377,18 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # Qwen3.5-MoE: Qwen3.5's layers with experts for every MLP (no feed_forward_length: expert widths only) and a
     # shared expert beside them, gated by ffn_gate_inp_shexp.
     "qwen35moe": dataclasses.replace(
-        QWEN35, model_class="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text",
-        layer_tensors={**QWEN35.layer_tensors, "ffn_gate_inp": "mlp.gate",
-                       "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                       "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"},
-        config=QWEN35.config + (("num_experts", MetadataKey("expert_count", minimum=1)),
-                                ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
-                                ("moe_intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)),
-                                ("intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)),
-                                ("shared_expert_intermediate_size",
-                                 MetadataKey("expert_shared_feed_forward_length", int, 0)))),
+        QWEN35, model_class="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text", layer_tensors=QWEN35_MOE_TENSORS,
+        config=QWEN35.config + QWEN35_MOE_CONFIG + (
+            ("intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)),
+            ("shared_expert_intermediate_size", MetadataKey("expert_shared_feed_forward_length", int, 0)))),
+    # Qwen3-Next: Qwen3.5's layers in HF's value-head order, b and a fused per key head (ssm_ba: split at load by
+    # models/qwen3_5.py), experts and a shared expert on every layer (llama.cpp's qwen3next has no dense layers).
+    "qwen3next": dataclasses.replace(
+        QWEN35, model_class="Qwen3NextForCausalLM", model_type="qwen3_next", tiled_value_heads=False,
+        layer_tensors={**QWEN35_MOE_TENSORS, "ssm_ba": "linear_attn.in_proj_ba"},
+        config=QWEN35.config + QWEN35_MOE_CONFIG + (
+            ("shared_expert_intermediate_size", MetadataKey("expert_shared_feed_forward_length", int, 0)),
+            ("norm_topk_prob", Fixed(True)))),
     # gpt-oss's experts are its MLP: their width is intermediate_size.
     "gpt-oss": GGUFArchitecture(
         "GptOssForCausalLM", "gpt_oss", yarn={"truncate": False},
@@ -387,8 +403,6 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 }
 # llama.cpp's names of architectures kvreuse refuses, and why (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "qwen3next": "llama.cpp's Qwen3-Next files (fused ssm projections in its own order) are not read yet; the "
-                 "Hugging Face folder (Qwen3NextForCausalLM) is",
     "nemotron_h": PLANNED_ARCHITECTURES["NemotronHForCausalLM"],
     "granitehybrid": PLANNED_ARCHITECTURES["GraniteMoeHybridForCausalLM"],
 }
@@ -629,7 +643,7 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         # With fewer key heads than value heads, llama.cpp's converter reorders the value heads (grouped by key head
         # in HF's layout) to a tiled order, through rows and a quantized projection's columns alike. The model runs
         # them in that order (a value head's key head is found the tiled way) instead of moving quantized columns.
-        tiled_values = key_heads != value_heads
+        tiled_values = spec.tiled_value_heads and key_heads != value_heads
     if spec.recurrent_kind is not None:
         counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
         attending = sorted(set(count for count in counts if count))
@@ -858,10 +872,10 @@ def gguf_tokenizer_dir(path: str | os.PathLike[str]) -> Path:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("converting the tokenizer of %s (once; kept in %s)", path.name, folder)
-    # AutoTokenizer parses the file's model config first, and transformers 5's parser of gpt-oss files fails
-    # on their rope keys (it reads a field's key length as its value); the fast tokenizer reads only the
-    # tokenizer's fields.
-    tokenizer_class = PreTrainedTokenizerFast if info.architecture == "gpt-oss" else AutoTokenizer
+    # AutoTokenizer parses the file's model config first: transformers 5's parser of gpt-oss files fails on their
+    # rope keys (it reads a field's key length as its value), and it knows no qwen3next; the fast tokenizer reads
+    # only the tokenizer's fields.
+    tokenizer_class = PreTrainedTokenizerFast if info.architecture in ("gpt-oss", "qwen3next") else AutoTokenizer
     try:
         hf_tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers' converter: any failure means "no tokenizer from this file"

@@ -22,7 +22,7 @@ from torch import nn
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.cache.kv import KVCache
-from kvreuse.kernels.quant import QuantizedTensor
+from kvreuse.kernels.quant import QuantizedTensor, cat_rows
 from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs, sigmoid
 from kvreuse.layers.linear import Linear
 from kvreuse.layers.norm import GemmaRMSNorm
@@ -113,18 +113,24 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTens
 
 
 def qwen3_next_projections(name: str, tensor: torch.Tensor | QuantizedTensor, config: ModelConfig
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+                           ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` as Qwen3.5's ``in_proj_qkv`` + ``in_proj_z`` / ``in_proj_b`` +
     ``in_proj_a``. Qwen3-Next groups the rows by key head: per key head its query, key, then the values and the
     output gates of the value heads that share it (transformers' ``fix_query_key_value_ordering``), and per key head
     its b then a rows. Qwen3.5 puts all queries, all keys, all values (value head j after head j - 1, head j sharing
     key head j // (value heads / key heads): the same order), and z, b and a each on their own."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"weight {name!r}: a quantized Qwen3-Next projection is not supported (a folder's float "
-                         "weights are)")
     key_heads, value_heads = config.delta_key_heads, config.delta_value_heads
     key_dim, value_dim, share = config.delta_key_dim, config.delta_value_dim, value_heads // key_heads
     prefix = name.rsplit(".", 2)[0]
+    if isinstance(tensor, QuantizedTensor):
+        # A GGUF file's ssm_ba (llama.cpp's converter splits in_proj_qkvz into Qwen3.5's q/k/v and z itself): each
+        # row is its own run of blocks, so the rows are taken as they are.
+        if not name.endswith("in_proj_ba.weight"):
+            raise ValueError(f"weight {name!r}: a quantized fused q/k/v/z projection is not supported")
+        groups_of = [(group * 2 * share, group * 2 * share + share) for group in range(key_heads)]
+        yield f"{prefix}.in_proj_b.weight", cat_rows([tensor.rows(start, stop) for start, stop in groups_of])
+        yield f"{prefix}.in_proj_a.weight", cat_rows([tensor.rows(stop, stop + share) for _, stop in groups_of])
+        return
     groups = tensor.reshape(key_heads, -1, tensor.shape[-1])
     if name.endswith("in_proj_qkvz.weight"):
         q, k, v, z = groups.split([key_dim, key_dim, share * value_dim, share * value_dim], dim=1)
