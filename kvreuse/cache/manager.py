@@ -513,22 +513,17 @@ class KVCacheManager:
                 self._drop_pending(key)
         if self.chunk_reuse and request.chunk_spans:
             self._record_chunks(request)
-        if self.states is not None and request.branch_at is not None and computed == request.branch_at:
-            assert request.state_slot is not None
-            anchor, tail = self._snapshot_place(request, computed)
-            if anchor is not None:
-                self.states.branch(anchor, tail, request.state_slot)
-            request.branch_at = None
-        if self.states is not None and request.state_slot is not None and computed in request.state_marks:
-            # A pinned prefix's end: kept as a pin snapshot, which retention leaves alone while the pin holds.
-            anchor, tail = self._snapshot_place(request, computed)
-            if anchor is not None:
-                self.states.branch(anchor, tail, request.state_slot, "pin")
-        if self.states is not None and request.state_slot is not None and computed == request.num_prompt_tokens:
-            # The prompt's end: the next turn resumes here when it matches the prompt but not the answer's tokens.
-            anchor, tail = self._snapshot_place(request, computed)
-            if anchor is not None:
-                self.states.branch(anchor, tail, request.state_slot, "prompt")
+        if self.states is not None and request.state_slot is not None:
+            # A hybrid's state copied where it will be resumed from: where the request left a cached path (a branch),
+            # where a prefix it pins ends (kept while the pin holds), and where its prompt ends (the next turn resumes
+            # there when it matches the prompt but not the answer's tokens).
+            for reason, due in (("branch", computed == request.branch_at), ("pin", computed in request.state_marks),
+                                ("prompt", computed == request.num_prompt_tokens)):
+                anchor, tail = self._snapshot_place(request, computed) if due else (None, [])
+                if anchor is not None:
+                    self.states.branch(anchor, tail, request.state_slot, reason)
+            if computed == request.branch_at:
+                request.branch_at = None
 
     def _snapshot_place(self, request: CacheSequence, position: int) -> tuple[CacheNode | None, list[int]]:
         """Where a snapshot of ``request``'s state after ``position`` tokens is anchored: the cached node of the last

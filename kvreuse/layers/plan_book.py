@@ -463,9 +463,9 @@ class PlanBook:
         times = measure_now()
         self.measured += 1
         self._plans[key] = {"times_us": times}
-        plan = decide(clean(times), max_layouts)
-        logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(),
-                    decide(clean(times), 1).describe())
+        cleaned = clean(times)
+        plan = decide(cleaned, max_layouts)
+        logger.info("linear kernel for %s: %s (one layout: %s)", key, plan.describe(), decide(cleaned, 1).describe())
         return plan
 
     def _stored_times(self, key: str) -> dict[str, dict[int, float]] | None:

@@ -704,7 +704,8 @@ def build_config(model: ResolvedModel) -> dict:
                           moe_intermediate_size=preset.moe_intermediate_size, router_aux_loss_coef=0.001,
                           shared_expert_intermediate_size=preset.shared_expert_intermediate_size)
         config.update(
-            model_type="qwen3_5_moe_text" if model.arch == "qwen3_5_moe" else "qwen3_5_text", attention_bias=False, linear_conv_kernel_dim=preset.conv_kernel,
+            model_type="qwen3_5_moe_text" if model.arch == "qwen3_5_moe" else "qwen3_5_text", attention_bias=False,
+            linear_conv_kernel_dim=preset.conv_kernel,
             linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, linear_key_head_dim=key_dim,
             linear_value_head_dim=value_dim, full_attention_interval=4,
             rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta,

@@ -161,6 +161,14 @@ def _norm_class(config: ModelConfig) -> type[RMSNorm] | type[GemmaRMSNorm]:
     return GemmaRMSNorm if config.norm_style in ("gemma", "offset") else RMSNorm
 
 
+def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> GatedMLP | SparseMoE:
+    """Layer ``layer_idx``'s MLP: its experts where the config makes it sparse, else the dense SwiGLU."""
+    if config.is_sparse_layer(layer_idx):
+        assert config.moe is not None
+        return SparseMoE(config.hidden_size, config.moe, config.hidden_act, dtype, device)
+    return GatedMLP(config.hidden_size, config.intermediate_size, dtype, device, config.hidden_act)
+
+
 class LlamaFamilyDecoderLayer(nn.Module):
     recurrent = False  # an attention layer: its past is K/V in the pool (a hybrid's recurrent layers: models/lfm2.py)
 
@@ -180,10 +188,8 @@ class LlamaFamilyDecoderLayer(nn.Module):
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = norm(size, eps, dtype, device)
             self.post_feedforward_layernorm = norm(size, eps, dtype, device)
-        if config.is_sparse_layer(layer_idx):
-            self.mlp: GatedMLP | SparseMoE = SparseMoE(size, config.moe, config.hidden_act, dtype, device)
-        else:
-            self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+        self.mlp = make_mlp(config, layer_idx, dtype, device)
+        if isinstance(self.mlp, GatedMLP):
             self.mlp.gate_up_proj.lora_layer, self.mlp.gate_up_proj.lora_modules = layer_idx, ("gate_proj", "up_proj")
             self.mlp.down_proj.lora_layer, self.mlp.down_proj.lora_modules = layer_idx, ("down_proj",)
 
@@ -218,10 +224,7 @@ class RecurrentDecoderLayer(nn.Module):
         self.input_layernorm = norm(size, eps, dtype, device)
         self.add_module(mixer_name, mixer)
         self.post_attention_layernorm = norm(size, eps, dtype, device)
-        if config.is_sparse_layer(layer_idx):  # Qwen3.5-MoE's
-            self.mlp: GatedMLP | SparseMoE = SparseMoE(size, config.moe, config.hidden_act, dtype, device)
-        else:
-            self.mlp = GatedMLP(size, config.intermediate_size, dtype, device, config.hidden_act)
+        self.mlp = make_mlp(config, layer_idx, dtype, device)  # Qwen3.5-MoE's: its experts
 
     def forward(self, hidden: torch.Tensor, recurrent: Any, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         mixed = getattr(self, self.mixer_name)(self.input_layernorm(hidden), recurrent)
