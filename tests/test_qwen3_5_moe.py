@@ -191,3 +191,22 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path)
                                            greedy)
     assert types["model.layers.0.linear_attn.in_proj_ba.weight"] == "Q8_0"
     assert not ModelConfig.from_pretrained(folder).delta_tiled_values
+
+
+def test_the_native_decode_step_refuses_a_layer_with_a_shared_expert():
+    """The native step's MoE layer runs the routed experts only: a layer with a shared expert runs op by op, saying
+    so (a hybrid refuses the native step before, an attention-only model with a shared expert would reach this)."""
+    from types import SimpleNamespace
+
+    from kvreuse.layers.moe_config import MoEConfig
+    from kvreuse.runner.decode.native_step import layer_args
+
+    moe = SparseMoE(64, MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  norm_topk_prob=True, sparse_layers=(True,), shared_expert_intermediate_size=32),
+                    "silu", torch.float32, torch.device("cpu"))
+    moe.native, moe.native_max_rows = object(), 16  # as prepare_native leaves it
+    assert layer_args(SimpleNamespace(self_attn=None, mlp=moe), 1) == (
+        "a shared expert (the native layer runs the routed experts only)")
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size must be 0"):
+        MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                  sparse_layers=(True,), shared_expert_intermediate_size=-1)
