@@ -192,8 +192,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     state_slots: StateSlots | None = None
     if num_state_slots:
         kv_cache.states = RecurrentStatePool(num_state_slots, len(model_config.state_layers),
-                                             model_config.delta_value_heads, model_config.delta_key_dim,
-                                             model_config.delta_value_dim, model_config.delta_conv_dim,
+                                             *model_config.state_matrix_shape, model_config.state_conv_dim,
                                              model_config.conv_kernel, device)
         state_slots = StateSlots(config.cache.block_size, num_state_slots, config.scheduler.max_num_seqs,
                                  kv_cache.states.slot_bytes, config.cache.state_snapshot_policy)
@@ -494,7 +493,8 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
     ValueError naming what it cannot do yet. Its conv layers keep each token's input in the pool (cache/kv.py
     planes), so prefix caching, tiers and cache drafts work as for any model; an EAGLE draft, chunk reuse and
     LoRA are not built for its layers."""
-    kind = "Gated DeltaNet layers" if model_config.state_layers else "short convolutions"
+    kinds = {"linear_attention": "Gated DeltaNet layers", "mamba2": "Mamba-2 layers", "conv": "short convolutions"}
+    kind = " and ".join(sorted({kinds[model_config.layer_types[layer]] for layer in model_config.recurrent_layers}))
     name = f"a hybrid model ({model_config.architecture}: {len(model_config.recurrent_layers)} of its " \
            f"{model_config.num_hidden_layers} layers are {kind})"
     if config.speculative is not None and config.speculative.uses_draft_model:
@@ -508,7 +508,7 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
         # A verification step runs drafted tokens through the state, and a rejected one cannot be taken back out.
         if config.speculative is not None and config.speculative.uses_cache_drafter:
             raise ValueError(f"speculative_config method {config.speculative.method!r} on {name} is not implemented: "
-                             "its Gated DeltaNet state would take in the rejected drafts")
+                             f"its {kind}' state would take in the rejected drafts")
         config = dataclasses.replace(config, speculative=SpeculativeConfig(method="none"))
     return config
 

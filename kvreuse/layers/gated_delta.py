@@ -23,73 +23,15 @@ form's ~5.7 at 64-token chunks, with S (64 KiB at dk = dv = 128) in the core's L
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvreuse.cache.recurrent_state import RecurrentStatePool
 from kvreuse.kernels import gated_delta as delta_kernel
 from kvreuse.layers.linear import Linear, _empty_parameter
+from kvreuse.layers.recurrent import StateInputs, causal_conv_with_state, native, silu
 
-
-@dataclass
-class StateInputs:
-    """Where a step's sequences keep their state: sequence i owns rows ``[starts[i], starts[i] + lens[i])`` of the
-    flat batch and slot ``slots[i]`` of the pool."""
-
-    slots: list[int]
-    starts: list[int]
-    lens: list[int]
-    pool: RecurrentStatePool
-
-
-def causal_conv_with_state(mixed: torch.Tensor, weight: torch.Tensor, inputs: StateInputs, layer: int) -> torch.Tensor:
-    """The depthwise causal convolution of ``mixed`` [T, C] by ``weight`` [C, 1, K], then SiLU; each sequence's K - 1
-    inputs before its rows come from its slot, which ends holding its last K - 1 inputs. Summed in float32 in tap
-    order, so a row's output is the same bits whatever the batch."""
-    kernel = weight.shape[-1]
-    taps = weight.squeeze(1).t().float()  # [K, C]
-    conv_states = inputs.pool.conv
-    if all(length == 1 for length in inputs.lens):  # a decode step: every sequence's window at once, the same sums
-        slots = torch.tensor(inputs.slots, dtype=torch.long, device=mixed.device)
-        window = torch.cat((conv_states[slots, layer], mixed.float().unsqueeze(1)), dim=1)  # [N, K, C]
-        total = window[:, 0] * taps[0]
-        for tap in range(1, kernel):
-            total = total + window[:, tap] * taps[tap]
-        conv_states[slots, layer] = window[:, 1:]
-        return silu_(total).to(mixed.dtype)
-    out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
-    for slot, start, length in zip(inputs.slots, inputs.starts, inputs.lens):
-        window = torch.cat((conv_states[slot, layer], mixed[start:start + length].float()))  # [K - 1 + n, C]
-        total = window[0:length] * taps[0]
-        for tap in range(1, kernel):
-            total = total + window[tap:tap + length] * taps[tap]
-        out[start:start + length] = total
-        conv_states[slot, layer] = window[length:]
-    return silu_(out).to(mixed.dtype)
-
-
-def native(x: torch.Tensor) -> bool:
-    """Whether ``x``'s activations run in kernels/gated_delta.py (CPU, where it builds): the same bits for a value
-    wherever it sits in its tensor, which batch invariance needs; PyTorch's ops elsewhere."""
-    return x.device.type == "cpu" and delta_kernel.available()
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU of ``x`` in float32."""
-    return delta_kernel.pointwise(x, delta_kernel.SILU) if native(x) else F.silu(x.float())
-
-
-def silu_(x: torch.Tensor) -> torch.Tensor:
-    """SiLU of a contiguous float32 ``x`` that the caller owns, in place (no copy on the step's widest tensor)."""
-    return delta_kernel.pointwise_(x, delta_kernel.SILU) if native(x) else F.silu(x, inplace=True)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """Sigmoid of ``x`` in float32."""
-    return delta_kernel.pointwise(x, delta_kernel.SIGMOID) if native(x) else torch.sigmoid(x.float())
+__all__ = ["GatedDeltaNet", "StateInputs", "delta_rule", "delta_rule_reference", "l2_normalize"]
 
 
 def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -171,7 +113,7 @@ class GatedDeltaNet(nn.Module):
         num_tokens = hidden.shape[0]
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.value_heads, self.value_heads], dim=-1)
-        mixed = causal_conv_with_state(mixed, self.conv1d.weight, inputs, self.state_layer)
+        mixed = causal_conv_with_state(mixed, self.conv1d.weight, None, inputs, self.state_layer)
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = l2_normalize(q.reshape(num_tokens, self.key_heads, self.key_dim).float()) * self.key_dim ** -0.5
         k = l2_normalize(k.reshape(num_tokens, self.key_heads, self.key_dim).float())

@@ -1,4 +1,5 @@
-"""The gated MLP (SwiGLU, GELU-tanh, gpt-oss's clamped SwiGLU) over two Linear layers, its gate and up fused.
+"""The gated MLP (SwiGLU, GELU-tanh, gpt-oss's clamped SwiGLU) over two Linear layers, its gate and up fused; and
+Nemotron-H's ungated squared-ReLU MLP.
 """
 
 from __future__ import annotations
@@ -60,3 +61,16 @@ class GatedMLP(nn.Module):
         if gate_up.is_contiguous() and fused_ops.applies(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up), lora)
         return self.down_proj(fused_ops.reference_silu_mul(gate_up), lora)
+
+
+class SquaredReLUMLP(nn.Module):
+    """down(relu(up(x))^2): Nemotron-H's MLP blocks (transformers' ``relu2``), no gate."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden_size, [intermediate_size], bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x, lora)).square_(), lora)

@@ -403,7 +403,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 }
 # llama.cpp's names of architectures kvreuse refuses, and why (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "nemotron_h": PLANNED_ARCHITECTURES["NemotronHForCausalLM"],
+    "nemotron_h": "llama.cpp's nemotron_h files are not read yet (Nemotron-H's Hugging Face folders run)",
     "granitehybrid": PLANNED_ARCHITECTURES["GraniteMoeHybridForCausalLM"],
 }
 

@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "NemotronHForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
 # Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
@@ -51,8 +52,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
                   "(issue 66; its attention-only relatives are supported)")
 HYBRID_LAYERS: dict[str, str] = {
-    "NemotronHForCausalLM": "Mamba-2",
-    "GraniteMoeHybridForCausalLM": "Mamba-2",
+    "GraniteMoeHybridForCausalLM": "Mamba-2 (IBM's Granite 4, its MoE and mup scales)",
 }
 PLANNED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
@@ -65,7 +65,7 @@ PLANNED_ARCHITECTURES: dict[str, str] = {
     **{name: _HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
-SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "relu2")
 NORM_STYLES = ("llama", "gemma", "offset")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # LFM2's gated short convolution: a recurrent layer whose state is its last conv_kernel - 1 inputs (no K/V).
@@ -73,6 +73,14 @@ CONV = "conv"
 # Qwen3.5's Gated DeltaNet: a recurrent layer whose state is a matrix per value head plus its convolution's last
 # conv_kernel - 1 inputs, kept per sequence and snapshotted (cache/state_snapshots.py), not per token.
 DELTA = "linear_attention"
+# Nemotron-H's Mamba-2 mixer: a recurrent layer whose state is a head_dim x state_size matrix per head plus its
+# convolution's last conv_kernel - 1 inputs, kept per sequence and snapshotted like the Gated DeltaNet's. Its
+# config.json calls these layers "linear_attention" too; kvreuse names them apart.
+MAMBA = "mamba2"
+# Nemotron-H's MLP-only block (norm, squared-ReLU MLP, residual): neither K/V nor state.
+MLP_BLOCK = "mlp"
+RECURRENT_KINDS = (CONV, DELTA, MAMBA)
+ATTENTION_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,16 @@ class ModelConfig:
     # them so when there are fewer key heads than value heads), not HF's (h // (value heads / key heads)). Set from
     # a GGUF file only: config.json's "kvreuse_tiled_value_heads", which loading/gguf.py writes.
     delta_tiled_values: bool = False
+    # Nemotron-H: its Mamba-2 layers' heads (mamba_heads x mamba_head_dim inner width), B/C groups and state size;
+    # the time step's clamp; biases on in_proj / out_proj (use_bias). Its attention turns nothing (no rotary: the
+    # Mamba layers carry the order) and its MLP blocks are up, squared ReLU, down (hidden_act "relu2").
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    ssm_state_size: int = 0
+    mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
+    mamba_bias: bool = False
+    attention_rope: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -157,11 +175,11 @@ class ModelConfig:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries, the model "
                                  f"{self.num_hidden_layers} layers")
             kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({CONV} if self.conv_kernel else set()) | (
-                {DELTA} if self.delta_value_heads else set())
+                {DELTA} if self.delta_value_heads else set()) | ({MAMBA, MLP_BLOCK} if self.mamba_heads else set())
             unknown = sorted(set(self.layer_types) - kinds)
             if unknown:
                 raise ValueError(f"layer_types holds {unknown[0]!r}; supported: {', '.join(sorted(kinds))}")
-            if (CONV in self.layer_types or DELTA in self.layer_types) and self.conv_kernel < 2:
+            if any(kind in RECURRENT_KINDS for kind in self.layer_types) and self.conv_kernel < 2:
                 raise ValueError(f"conv_kernel must be at least 2 for conv layers, got {self.conv_kernel}")
             if DELTA in self.layer_types:
                 for name in ("delta_key_heads", "delta_value_heads", "delta_key_dim", "delta_value_dim"):
@@ -171,7 +189,14 @@ class ModelConfig:
                 if self.delta_value_heads % self.delta_key_heads:
                     raise ValueError(f"delta_value_heads ({self.delta_value_heads}) must be a multiple of "
                                      f"delta_key_heads ({self.delta_key_heads})")
-            if all(kind in (CONV, DELTA) for kind in self.layer_types):
+            if MAMBA in self.layer_types:
+                for name in ("mamba_heads", "mamba_head_dim", "mamba_groups", "ssm_state_size"):
+                    if getattr(self, name) < 1:
+                        raise ValueError(f"{name} must be a positive integer for Mamba-2 layers, got {getattr(self, name)}")
+                if self.mamba_heads % self.mamba_groups:
+                    raise ValueError(f"mamba_heads ({self.mamba_heads}) must be a multiple of mamba_groups "
+                                     f"({self.mamba_groups})")
+            if not any(kind in ATTENTION_KINDS for kind in self.layer_types):
                 raise ValueError("layer_types names no attention layer (kvreuse caches attention K/V)")
             if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types names sliding_attention layers but sliding_window is null")
@@ -198,18 +223,46 @@ class ModelConfig:
     def is_recurrent_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` keeps a recurrent state (LFM2's short convolutions, Qwen3.5's Gated DeltaNet)
         instead of K/V."""
-        return bool(self.layer_types) and self.layer_types[layer] in (CONV, DELTA)
+        return bool(self.layer_types) and self.layer_types[layer] in RECURRENT_KINDS
+
+    def keeps_kv(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps K/V in the paged pool: an attention layer (not a recurrent layer, nor
+        Nemotron-H's MLP-only blocks)."""
+        return not self.layer_types or self.layer_types[layer] in ATTENTION_KINDS
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (issue 66): a prefix hit then needs that state too."""
-        return CONV in self.layer_types or DELTA in self.layer_types
+        return any(kind in RECURRENT_KINDS for kind in self.layer_types)
 
     @property
     def state_layers(self) -> list[int]:
-        """The layers whose state is kept per sequence, not per token (Gated DeltaNet): a hit on them resumes from
-        a snapshot (cache/state_snapshots.py)."""
-        return [layer for layer, kind in enumerate(self.layer_types) if kind == DELTA]
+        """The layers whose state is kept per sequence, not per token (Gated DeltaNet, Mamba-2): a hit on them resumes
+        from a snapshot (cache/state_snapshots.py)."""
+        return [layer for layer, kind in enumerate(self.layer_types) if kind in (DELTA, MAMBA)]
+
+    @property
+    def state_matrix_shape(self) -> tuple[int, int, int]:
+        """One state layer's matrices: (value heads, dk, dv) for the Gated DeltaNet, (heads, head_dim, state_size)
+        for Mamba-2."""
+        if MAMBA in self.layer_types:
+            return self.mamba_heads, self.mamba_head_dim, self.ssm_state_size
+        return self.delta_value_heads, self.delta_key_dim, self.delta_value_dim
+
+    @property
+    def state_conv_dim(self) -> int:
+        """The width a state layer's convolution keeps K - 1 inputs of."""
+        return self.mamba_conv_dim if MAMBA in self.layer_types else self.delta_conv_dim
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """A Mamba-2 layer's inner width: its heads' x (and the gate's width)."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """A Mamba-2 layer's convolved width: x, B and C."""
+        return self.mamba_inner_size + 2 * self.mamba_groups * self.ssm_state_size
 
     @property
     def delta_conv_dim(self) -> int:
@@ -220,8 +273,8 @@ class ModelConfig:
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent state (a snapshot): per Gated DeltaNet layer, the float32 matrix of each
         value head and the convolution's last conv_kernel - 1 inputs in float32; 0 without such layers."""
-        per_layer = (self.delta_value_heads * self.delta_key_dim * self.delta_value_dim
-                     + (self.conv_kernel - 1) * self.delta_conv_dim)
+        heads, rows, columns = self.state_matrix_shape
+        per_layer = heads * rows * columns + (self.conv_kernel - 1) * self.state_conv_dim
         return 4 * per_layer * len(self.state_layers)
 
     @property
@@ -247,11 +300,11 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """Layers that keep K/V in the paged pool: the attention layers (a hybrid's recurrent ones keep none)."""
-        return sum(not self.is_recurrent_layer(layer) for layer in range(self.num_hidden_layers))
+        return sum(self.keeps_kv(layer) for layer in range(self.num_hidden_layers))
 
     def kv_layer_of(self, layer: int) -> int:
         """Where attention layer ``layer`` keeps its K/V in the pool: its index among the attention layers."""
-        return sum(not self.is_recurrent_layer(index) for index in range(layer))
+        return sum(self.keeps_kv(index) for index in range(layer))
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends over (None: its whole context)."""
@@ -294,7 +347,21 @@ class ModelConfig:
                 mlp = hidden * moe.num_experts + 3 * hidden * moe.moe_intermediate_size * moe.num_experts_per_tok
                 if moe.shared_expert_intermediate_size:
                     mlp += hidden + 3 * hidden * moe.shared_expert_intermediate_size
-            if self.layer_types and self.layer_types[layer] == DELTA:
+            kind = self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+            if self.mamba_heads:  # Nemotron-H's blocks hold one mixer each: no MLP beside the others
+                mlp = 0
+            if kind == MLP_BLOCK:  # up and down, no gate
+                total += 2 * hidden * self.intermediate_size * num_new
+                continue
+            if kind == MAMBA:
+                # in_proj (z, x, B, C, dt), out_proj, the convolution, and per head the state's update and readout:
+                # about 2 head_dim x state_size multiply-adds a token
+                inner = self.mamba_inner_size
+                linear = hidden * (inner + self.mamba_conv_dim + self.mamba_heads) + inner * hidden
+                recurrence = 2 * inner * self.ssm_state_size
+                total += (linear + self.conv_kernel * self.mamba_conv_dim + recurrence) * num_new
+                continue
+            if kind == DELTA:
                 # in_proj (q, k, v, z, b, a), out_proj, the convolution, and per value head the state's decay-free
                 # update and readout: about 4 dk x dv multiply-adds a token
                 value_dim = self.delta_value_heads * self.delta_value_dim
@@ -334,6 +401,10 @@ class ModelConfig:
         is_lfm2 = architecture == "Lfm2ForCausalLM"
         if is_lfm2:
             hf_config = _lfm2_spellings(hf_config)
+        is_nemotron_h = architecture == "NemotronHForCausalLM"
+        nemotron_h: dict[str, Any] = {}
+        if is_nemotron_h:
+            hf_config, nemotron_h = _nemotron_h_spellings(hf_config)
         is_qwen3_5_moe = architecture == "Qwen3_5MoeForCausalLM"
         if is_qwen3_5_moe and "intermediate_size" not in hf_config:
             # Every layer is sparse: no dense MLP width (Qwen3_5MoeTextConfig has none); the experts' stands in.
@@ -369,7 +440,7 @@ class ModelConfig:
         # Qwen configs name a window but only use it when use_sliding_window is set.
         if is_qwen and not hf_config.get("use_sliding_window", False):
             sliding_window = None
-        layer_types = _layer_types(hf_config, num_hidden_layers, is_gemma)
+        layer_types = nemotron_h.pop("layer_types", None) or _layer_types(hf_config, num_hidden_layers, is_gemma)
         if layer_types and all(kind == FULL_ATTENTION for kind in layer_types):
             layer_types = ()  # every layer global: the plain case
         if is_gemma:
@@ -416,12 +487,14 @@ class ModelConfig:
                  else _qwen3_5_moe(hf_config, num_hidden_layers) if is_qwen3_5_moe else None),
             attention_sinks=is_gpt_oss,
             o_proj_bias=o_proj_bias,
-            conv_kernel=(int(hf_config.get("conv_L_cache", 3)) if is_lfm2
+            conv_kernel=(nemotron_h.pop("conv_kernel") if is_nemotron_h else int(hf_config.get("conv_L_cache", 3)) if is_lfm2
                          else int(hf_config.get("linear_conv_kernel_dim", 4)) if is_qwen3_5 else 0),
-            conv_bias=bool(hf_config.get("conv_bias", False)) if is_lfm2 else False,
+            conv_bias=(bool(hf_config.get("conv_bias", False)) if is_lfm2
+                       else nemotron_h.pop("conv_bias") if is_nemotron_h else False),
             rotary_dim=rotary_dim,
             attention_output_gate=is_qwen3_5 and bool(hf_config.get("attn_output_gate", True)),
             **(_delta_heads(hf_config) if is_qwen3_5 else {}),
+            **nemotron_h,
         )
 
 
@@ -433,6 +506,62 @@ def _delta_heads(hf_config: dict[str, Any]) -> dict[str, int]:
     return {"delta_key_heads": values["linear_num_key_heads"], "delta_value_heads": values["linear_num_value_heads"],
             "delta_key_dim": values["linear_key_head_dim"], "delta_value_dim": values["linear_value_head_dim"],
             "delta_tiled_values": bool(hf_config.get("kvreuse_tiled_value_heads", False))}
+
+
+_NEMOTRON_H_KINDS = {"M": MAMBA, "*": FULL_ATTENTION, "-": MLP_BLOCK, "E": "moe",
+                     "linear_attention": MAMBA, "full_attention": FULL_ATTENTION, "mlp": MLP_BLOCK, "moe": "moe"}
+
+
+def _nemotron_h_spellings(hf_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Nemotron-H's config.json in the names the other architectures use, and its own fields (ModelConfig's
+    ``mamba_*``, ``conv_*``, ``layer_types``), as transformers' NemotronHConfig reads it: the layer kinds from
+    ``layers_block_type`` (transformers 5) or ``hybrid_override_pattern`` (the released files: M a Mamba-2 layer, *
+    attention, - an MLP, E experts); the older ``mamba_``-prefixed spellings; a time-step limit whose bound may be
+    written ``{"__float__": "Infinity"}``."""
+    config = dict(hf_config)
+
+    def first(*names: str, default: Any = None) -> Any:
+        return next((config[name] for name in names if config.get(name) is not None), default)
+
+    kinds = first("layers_block_type", "layer_types") or list(str(first("hybrid_override_pattern", default="")))
+    unknown = sorted({str(kind) for kind in kinds} - set(_NEMOTRON_H_KINDS))
+    if not kinds or unknown:
+        raise ValueError("config.json's layers_block_type / hybrid_override_pattern must name each layer "
+                         f"(M or linear_attention, * or full_attention, - or mlp); got {unknown or kinds!r}")
+    layer_types = tuple(_NEMOTRON_H_KINDS[str(kind)] for kind in kinds)
+    if "moe" in layer_types:
+        raise ValueError(f"Nemotron-H layer {layer_types.index('moe')} is a mixture-of-experts block (Nemotron 3's "
+                         "E layers): not implemented; the Mamba-2, attention and MLP blocks are")
+    for field, expected in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+        if str(config.get(field, expected)) != expected:
+            raise ValueError(f"{field} {config[field]!r} is not supported; Nemotron-H's is {expected!r}")
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias is set: not implemented (no released Nemotron-H has MLP biases)")
+    config["attention_bias"] = False  # transformers' NemotronHAttention has none, whatever the config says
+    if config.get("residual_in_fp32"):
+        raise ValueError("residual_in_fp32 is set: not implemented (the residual stream is in the model's dtype)")
+    limit = first("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))
+
+    def bound(value: Any) -> float:
+        return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+    config.update(num_hidden_layers=len(layer_types), rms_norm_eps=first("layer_norm_epsilon", "rms_norm_eps",
+                                                                          default=1e-5),
+                  hidden_act="relu2", rope_theta=config.get("rope_theta", 10000.0))
+    config.setdefault("tie_word_embeddings", False)
+    if config.get("head_dim") is None and config.get("attention_head_dim") is not None:
+        config["head_dim"] = config["attention_head_dim"]
+    heads = int(first("mamba_num_heads", default=128))
+    own = {"layer_types": layer_types, "mamba_heads": heads,
+           "mamba_head_dim": int(first("mamba_head_dim", default=64)),
+           "mamba_groups": int(first("n_groups", "mamba_n_groups", default=8)),
+           "ssm_state_size": int(first("ssm_state_size", default=128)),
+           "conv_kernel": int(first("conv_kernel", "mamba_d_conv", default=4)),
+           "conv_bias": bool(first("use_conv_bias", "mamba_conv_bias", default=True)),
+           "mamba_dt_limit": (bound(limit[0]), bound(limit[1])),
+           "mamba_bias": bool(first("use_bias", "mamba_proj_bias", default=False)),
+           "attention_rope": False}
+    return config, own
 
 
 def _lfm2_spellings(hf_config: dict[str, Any]) -> dict[str, Any]:

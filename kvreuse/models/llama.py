@@ -170,7 +170,10 @@ def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: to
 
 
 class LlamaFamilyDecoderLayer(nn.Module):
-    recurrent = False  # an attention layer: its past is K/V in the pool (a hybrid's recurrent layers: models/lfm2.py)
+    # An attention layer: its past is K/V in the pool, and the forward hands it the rope, the pool and the backend's
+    # metadata. A layer that attends to nothing (a hybrid's recurrent layers, Nemotron-H's MLP blocks) gets what the
+    # model's ``recurrent_inputs`` made for the step instead.
+    attends = True
 
     def __init__(
         self, config: ModelConfig, layer_idx: int, attention_backend: AttentionBackend,
@@ -212,7 +215,7 @@ class RecurrentDecoderLayer(nn.Module):
     mixer in the attention's place, residual; norm, SwiGLU, residual. The family's forward calls it with what the
     model's ``recurrent_inputs`` made for the step; ``mixer_name`` is the mixer's name in the checkpoint."""
 
-    recurrent = True
+    attends = False
     uses_local_rope = False
 
     def __init__(self, config: ModelConfig, layer_idx: int, norm: type[RMSNorm] | type[GemmaRMSNorm],
@@ -334,7 +337,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Route every layer's attention through ``attention_backend`` from the next forward on."""
         self.attention_backend = attention_backend
         for layer in self.model.layers:
-            if not layer.recurrent:
+            if layer.attends:
                 layer.self_attn.attention_backend = attention_backend
 
     @property
@@ -385,7 +388,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                                                                                    hidden.dtype, fused)
                 if index in aux_layers:
                     captured[index] = hidden.clone()
-                if layer.recurrent:
+                if not layer.attends:
                     hidden = layer(hidden, recurrent, lora)
                     continue
                 layer_rope = local_rope if layer.uses_local_rope else rope

@@ -23,7 +23,8 @@ from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor, cat_rows
-from kvreuse.layers.gated_delta import GatedDeltaNet, StateInputs, sigmoid
+from kvreuse.layers.gated_delta import GatedDeltaNet
+from kvreuse.layers.recurrent import StateInputs, sigmoid
 from kvreuse.layers.linear import Linear
 from kvreuse.layers.norm import GemmaRMSNorm
 from kvreuse.layers.rotary import apply_rotary
@@ -150,14 +151,7 @@ class Qwen3_5ForCausalLM(LlamaFamilyForCausalLM):
     make_layer = staticmethod(_make_layer)
 
     def recurrent_inputs(self, batch: ForwardBatch, kv_cache: KVCache) -> StateInputs:
-        if kv_cache.states is None or batch.state_slots is None:
-            raise ValueError("a Gated DeltaNet model's step needs the state pool and each sequence's slot "
-                             "(KVCache.states, ForwardBatch.state_slots)")
-        starts, row = [], 0
-        for length in batch.query_lens:
-            starts.append(row)
-            row += length
-        return StateInputs(batch.state_slots, starts, list(batch.query_lens), kv_cache.states)
+        return StateInputs.for_batch(batch, kv_cache)
 
     @property
     def native_step_refusal(self) -> str | None:
