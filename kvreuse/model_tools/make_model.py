@@ -70,6 +70,7 @@ ARCHITECTURES = {
     "lfm2": "Lfm2ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 # Which architectures a preset's shapes can be written as: the dense family's presets swap freely; a preset
 # with experts or Gemma's windows is written as its own architecture only.
@@ -305,6 +306,10 @@ class ModelPreset:
     partial_rotary_factor: float = 1.0
     # qwen3_5_moe: the shared expert's width (every layer's MLP is its experts; intermediate_size is unused)
     shared_expert_intermediate_size: int | None = None
+    # nemotron_h: the layers' kinds as its config.json's hybrid_override_pattern writes them (M Mamba-2, * attention,
+    # - MLP), and the Mamba-2 layers' heads, head width, B/C groups and state size
+    hybrid_pattern: str = ""
+    mamba_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -441,6 +446,24 @@ PRESETS: dict[str, ModelPreset] = {
             partial_rotary_factor=0.25, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=64,
         ),
+        # Nemotron-H at half a billion parameters: Nemotron-H-8B's pattern (a Mamba-2 layer before each MLP block, an
+        # attention block in every fourth pair) over 26 layers, its Mamba-2 proportions (heads of 64 with an inner
+        # width of twice the hidden, 8 groups, a state of 128, a 4-tap convolution) and 128-wide attention heads
+        # (12 to 4 KV heads); 0.45B parameters at the trained tokenizer's vocabulary. And a tiny one whose Mamba-2
+        # layers sit before and after its attention block.
+        ModelPreset(
+            name="nemotron-h-0.5b", arch="nemotron_h", hidden_size=1536, intermediate_size=6144, num_hidden_layers=26,
+            num_attention_heads=12, num_key_value_heads=4, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=10000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tokenizer_vocab_size=4096,
+            qwen3_head_dim=128, conv_kernel=4, hybrid_pattern="M-M-M-M*-M-M-M-M*-M-M-M-M-",
+            mamba_shape=(48, 64, 8, 128),
+        ),
+        ModelPreset(
+            name="tiny-nemotron-h", arch="nemotron_h", hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False,
+            rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tokenizer_vocab_size=1024,
+            qwen3_head_dim=16, conv_kernel=4, hybrid_pattern="M-*M-", mamba_shape=(8, 16, 2, 16),
+        ),
         ModelPreset(
             name="llama-3-8b", arch="llama", hidden_size=4096, intermediate_size=14336,
             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -457,7 +480,9 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    init: str  # "normal" (std INIT_STD), "ones" (norm weights) or "zeros" (Gemma's norms: they scale by 1 + w)
+    # "normal" (std INIT_STD), "ones" (norm weights), "zeros" (Gemma's norms: they scale by 1 + w) or "log_range"
+    # (log(1), log(2), ...: a Mamba-2 layer's A_log, one decay per head as transformers initialises it)
+    init: str
 
     @property
     def numel(self) -> int:
@@ -604,7 +629,8 @@ def _resolve(preset_name: str, arch: str | None, dtype: str, tokenizer_vocab: in
         vocab_size = max(preset.vocab_size, tokenizer_vocab)
     else:
         vocab_size = tokenizer_vocab
-    if final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe") and preset.qwen3_head_dim is not None:
+    if (final_arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+            and preset.qwen3_head_dim is not None):
         head_dim = preset.qwen3_head_dim
     else:
         head_dim = preset.hidden_size // preset.num_attention_heads
@@ -713,6 +739,21 @@ def build_config(model: ResolvedModel) -> dict:
             layer_types=["full_attention" if layer in preset.attention_layers else "linear_attention"
                          for layer in range(preset.num_hidden_layers)],
         )
+    elif model.arch == "nemotron_h":
+        # The spellings of Nemotron-H's released config.json (transformers' NemotronHConfig and llama.cpp's converter
+        # read them: the converter takes its layers from hybrid_override_pattern, and a num_experts_per_tok key for
+        # the MoE variant's, so none is written).
+        heads, head_dim, groups, state_size = preset.mamba_shape
+        for key in ("hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling"):
+            del config[key]
+        config.update(
+            hybrid_override_pattern=preset.hybrid_pattern, layer_norm_epsilon=preset.rms_norm_eps,
+            mlp_hidden_act="relu2", mamba_hidden_act="silu", attention_bias=False, mlp_bias=False, use_bias=False,
+            mamba_num_heads=heads, mamba_head_dim=head_dim, n_groups=groups, ssm_state_size=state_size,
+            expand=heads * head_dim // preset.hidden_size, conv_kernel=preset.conv_kernel, use_conv_bias=True,
+            chunk_size=128, time_step_limit=[0.0, float("inf")], time_step_min=0.001, time_step_max=0.1,
+            time_step_floor=0.0001, residual_in_fp32=False, rescale_prenorm_residual=True,
+        )
     elif model.arch == "gemma3":
         # The spellings Gemma 3's released config.json files use (llama.cpp's converter reads these), and the
         # layer_types transformers 5 writes.
@@ -742,6 +783,8 @@ def weight_specs(model: ResolvedModel) -> list[TensorSpec]:
         return specs + _lfm2_weight_specs(model)
     if model.arch in ("qwen3_5", "qwen3_5_moe"):
         return specs + _qwen3_5_weight_specs(model)
+    if model.arch == "nemotron_h":
+        return _nemotron_h_weight_specs(model)
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
         specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), norm_init))
@@ -888,6 +931,49 @@ def _qwen3_5_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
     return specs
 
 
+def _nemotron_h_weight_specs(model: ResolvedModel) -> list[TensorSpec]:
+    """Nemotron-H's tensors under its released files' names (``backbone.``): one mixer a layer, by the pattern. A
+    Mamba-2 layer's A_log is written as log(1 .. heads) and its D and dt_bias as ones (transformers' init): a random
+    A_log near 0 would give every head the same decay."""
+    preset = model.preset
+    hidden, head_dim = preset.hidden_size, model.head_dim
+    heads, mamba_head_dim, groups, state_size = preset.mamba_shape
+    inner = heads * mamba_head_dim
+    conv_dim = inner + 2 * groups * state_size
+    specs = [TensorSpec("backbone.embeddings.weight", (model.vocab_size, hidden), "normal")]
+    for layer, kind in enumerate(preset.hybrid_pattern):
+        prefix = f"backbone.layers.{layer}"
+        specs.append(TensorSpec(f"{prefix}.norm.weight", (hidden,), "ones"))
+        if kind == "M":
+            specs += [
+                TensorSpec(f"{prefix}.mixer.in_proj.weight", (inner + conv_dim + heads, hidden), "normal"),
+                TensorSpec(f"{prefix}.mixer.conv1d.weight", (conv_dim, 1, preset.conv_kernel), "normal"),
+                TensorSpec(f"{prefix}.mixer.conv1d.bias", (conv_dim,), "normal"),
+                TensorSpec(f"{prefix}.mixer.dt_bias", (heads,), "ones"),
+                TensorSpec(f"{prefix}.mixer.A_log", (heads,), "log_range"),
+                TensorSpec(f"{prefix}.mixer.D", (heads,), "ones"),
+                TensorSpec(f"{prefix}.mixer.norm.weight", (inner,), "ones"),
+                TensorSpec(f"{prefix}.mixer.out_proj.weight", (hidden, inner), "normal"),
+            ]
+        elif kind == "*":
+            q_size, kv_size = preset.num_attention_heads * head_dim, preset.num_key_value_heads * head_dim
+            specs += [
+                TensorSpec(f"{prefix}.mixer.q_proj.weight", (q_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.mixer.k_proj.weight", (kv_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.mixer.v_proj.weight", (kv_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.mixer.o_proj.weight", (hidden, q_size), "normal"),
+            ]
+        else:
+            specs += [
+                TensorSpec(f"{prefix}.mixer.up_proj.weight", (preset.intermediate_size, hidden), "normal"),
+                TensorSpec(f"{prefix}.mixer.down_proj.weight", (hidden, preset.intermediate_size), "normal"),
+            ]
+    specs.append(TensorSpec("backbone.norm_f.weight", (hidden,), "ones"))
+    if not preset.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (model.vocab_size, hidden), "normal"))
+    return specs
+
+
 def count_parameters(preset: str, arch: str | None = None, vocab_size: int | None = None) -> int:
     """Parameters of ``preset`` (with ``arch``); ``vocab_size`` defaults to the preset's or 1024."""
     _check_choice("preset", preset, PRESETS)
@@ -910,6 +996,9 @@ def _generate_chunks(spec: TensorSpec, dtype: torch.dtype, seed: int) -> Iterato
     """The tensor's values as contiguous pieces along dim 0, each at most GENERATION_CHUNK_ELEMENTS."""
     if spec.init in ("ones", "zeros"):
         yield (torch.ones if spec.init == "ones" else torch.zeros)(spec.shape, dtype=dtype)
+        return
+    if spec.init == "log_range":
+        yield torch.arange(1, spec.shape[0] + 1, dtype=torch.float32).log().to(dtype)
         return
     generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, spec.name))
     row_numel = math.prod(spec.shape[1:])
