@@ -1,0 +1,209 @@
+"""Nemotron-H (issue 66's third hybrid): Mamba-2, attention and MLP blocks by its pattern.
+
+Logits and greedy float32 output equal transformers' ``NemotronHForCausalLM`` (prefill, chunked prefill, decode, mixed
+batches, preemption); the native selective scan equals its PyTorch reference, and a state scanned in pieces is the bits
+of one scanned whole. Each sequence's Mamba-2 state lives in a slot of the state pool beside the Gated DeltaNet's, and a
+hit resumes from a snapshot of it exactly as on Qwen3.5 (tests/test_qwen3_5.py): at the end of a chat's last turn, and
+at a shared 40-token prefix once a request branched there, without changing a bit of the output in batch-invariant
+mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import reference_greedy, run_checked
+from test_qwen3_5 import BLOCK, _step, make_llm, prompt_ids
+
+from kvreuse import SamplingParams
+from kvreuse.cache.kv import KVCache
+from kvreuse.cache.recurrent_state import RecurrentStatePool
+from kvreuse.cache.state_slots import StateCopy
+from kvreuse.kernels import mamba2_scan as scan_kernel
+from kvreuse.layers.mamba2 import selective_scan_reference
+from kvreuse.layers.recurrent import StateInputs
+from kvreuse.loading.loader import load_model
+from kvreuse.model_tools.make_model import count_parameters, make_model
+from kvreuse.models.config import MAMBA, MLP_BLOCK, ModelConfig
+from kvreuse.runner.model_runner import ModelRunner
+
+
+def random_nemotron_h(folder: Path) -> Path:
+    """The tiny preset (Mamba-2 blocks before and after its attention block) with transformers' own random init at a
+    larger scale, norms drawn around one, saved over make-model's weights in transformers' spellings (its
+    ``layers_block_type``; make-model writes the released files' ``hybrid_override_pattern``)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    folder = make_model(folder, preset="tiny-nemotron-h", dtype="float32", seed=3)
+    written = json.loads((folder / "config.json").read_text())
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(**{**written, "initializer_range": 0.2})).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory) -> Path:
+    return random_nemotron_h(tmp_path_factory.mktemp("nemotron_h") / "tiny")
+
+
+def test_the_native_selective_scan_equals_its_reference_and_resumes_to_the_same_bits():
+    if not scan_kernel.available():
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, head_dim, groups, state_size = 13, 4, 8, 2, 16
+    x = torch.randn(rows, heads, head_dim, generator=generator)
+    dt = torch.randn(rows, heads, generator=generator) * 3  # softplus' x > 20 too, below
+    dt[0, 0] = 25.0
+    b, c = (torch.randn(rows, groups, state_size, generator=generator) for _ in range(2))
+    a_log, dt_bias, d = (torch.randn(heads, generator=generator) for _ in range(3))
+    states = torch.randn(4, 2, heads, head_dim, state_size, generator=generator)
+    # Three sequences: 5 rows in slot 3, one decode row in slot 0, 7 rows in slot 1 (layer 1 of 2), the time step
+    # clamped to [0.01, 4].
+    inputs = StateInputs([3, 0, 1], [0, 5, 6], [5, 1, 7], None)  # type: ignore[arg-type]
+    limit = (0.01, 4.0)
+    initial, expected_states = states.clone(), states.clone()
+    expected = selective_scan_reference(x, dt, b, c, a_log, dt_bias, d, expected_states, 1, inputs, limit)
+    out = scan_kernel.selective_scan(x, dt, b, c, a_log, dt_bias, d, states, 1, inputs.slots, inputs.starts,
+                                     inputs.lens, limit)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[2], initial[2]) and torch.equal(states[:, 0], initial[:, 0])  # nothing else touched
+    # The third sequence's 7 rows as 3 + 1 + 3 steps: the same bits as in one (a resumed state is a cold run's).
+    pieces = initial.clone()
+    parts = [scan_kernel.selective_scan(x, dt, b, c, a_log, dt_bias, d, pieces, 1, [1], [start], [length], limit)
+             for start, length in ((6, 3), (9, 1), (10, 3))]
+    assert torch.equal(torch.cat([part[start:start + length] for part, (start, length)
+                                  in zip(parts, ((6, 3), (9, 1), (10, 3)))]), out[6:13])
+    assert torch.equal(pieces[1], states[1])
+
+
+def test_the_config_reads_transformers_and_the_released_spellings():
+    from transformers import NemotronHConfig
+
+    theirs = NemotronHConfig(architectures=["NemotronHForCausalLM"],
+                             layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"])
+    config = ModelConfig.from_dict(theirs.to_dict())
+    assert config.layer_types == (MAMBA, MLP_BLOCK, "full_attention", MAMBA)
+    assert config.state_layers == [0, 3] and config.num_kv_layers == 1 and config.kv_layer_of(2) == 0
+    assert config.state_matrix_shape == (128, 64, 128) and config.mamba_groups == 8 and not config.attention_rope
+    # A snapshot: per Mamba-2 layer 128 heads of 64 x 128 float32 and 3 conv inputs of 8192 + 2 x 8 x 128.
+    assert config.state_bytes == 2 * 4 * (128 * 64 * 128 + 3 * (8192 + 2048))
+    assert config.mamba_dt_limit == (0.0, math.inf) and config.conv_bias and config.hidden_act == "relu2"
+    # The released files: hybrid_override_pattern, the older mamba_ spellings, an infinite bound as JSON writes it.
+    released = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "attention_head_dim": 64, "vocab_size": 1000,
+                "hybrid_override_pattern": "M-M*-", "mamba_num_heads": 8, "mamba_head_dim": 64,
+                "mamba_n_groups": 2, "ssm_state_size": 32, "mamba_d_conv": 3, "mamba_conv_bias": False,
+                "time_step_limit": [0.0, {"__float__": "Infinity"}], "layer_norm_epsilon": 1e-6}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_hidden_layers, config.head_dim, config.conv_kernel, config.mamba_groups) == (5, 64, 3, 2)
+    assert not config.conv_bias and config.rms_norm_eps == 1e-6 and config.mamba_dt_limit[1] == math.inf
+    for change, words in (({"hybrid_override_pattern": "M-E*"}, "layer 2 is a mixture-of-experts block"),
+                          ({"hybrid_override_pattern": "M-X*"}, "must name each layer"),
+                          ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act 'gelu' is not supported"),
+                          ({"mlp_bias": True}, "mlp_bias is set"),
+                          ({"mamba_num_heads": 7}, r"mamba_heads \(7\) must be a multiple of mamba_groups")):
+        with pytest.raises(ValueError, match=words):
+            ModelConfig.from_dict({**released, **change})
+
+
+def test_logits_match_transformers_in_prefill_chunks_decode_and_mixed_batches(nemotron_h):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(nemotron_h, dtype=torch.float32).eval()
+    model, config = load_model(nemotron_h, torch.float32, torch.device("cpu"))
+    kv_cache = KVCache.for_model(config, 64, BLOCK, torch.float32, "cpu")
+    kv_cache.states = RecurrentStatePool(4, len(config.state_layers), *config.state_matrix_shape,
+                                         config.state_conv_dim, config.conv_kernel)
+    kv_cache.states.ssm.normal_()  # a slot's old contents must not leak into a sequence that starts there
+    kv_cache.states.conv.normal_()
+    runner = ModelRunner(model, config, kv_cache, "cpu")
+    first, second = prompt_ids(1, 30), prompt_ids(2, 12)
+    with torch.no_grad():
+        expected = [reference(torch.tensor([tokens])).logits[0] for tokens in (first, second)]
+    done: dict[int, int] = {}
+    close = dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(_step(runner, [(2, first[:9], 0)], done, [StateCopy(None, 2)])[0], expected[0][8], **close)
+    torch.testing.assert_close(_step(runner, [(2, first[9:22], 0)], done, [])[0], expected[0][21], **close)
+    logits = _step(runner, [(2, first[22:23], 0), (0, second[:10], 8)], done, [StateCopy(None, 0)])
+    torch.testing.assert_close(logits[0], expected[0][22], **close)
+    torch.testing.assert_close(logits[1], expected[1][9], **close)
+    for index in range(23, 30):
+        logits = _step(runner, [(0, second[10 + index % 2:11 + index % 2], 8), (2, first[index:index + 1], 0)]
+                       if index < 25 else [(2, first[index:index + 1], 0)], done, [])
+        torch.testing.assert_close(logits[-1], expected[0][index], **close)
+
+
+def test_greedy_matches_transformers_alone_batched_chunked_and_preempted(nemotron_h):
+    prompts = [prompt_ids(seed, length) for seed, length in ((1, 37), (2, 5), (3, 1), (4, 23))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [reference_greedy(nemotron_h, prompt, max_new_tokens=12) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) == 4 and all(len(set(tokens)) > 2 for tokens in expected)
+    llm = make_llm(nemotron_h, enable_prefix_caching=False)
+    assert llm.engine.kv_cache.num_layers == 1 and llm.engine.kv_cache.states is not None
+    assert run_checked(llm.engine, prompts, greedy) == expected
+    chunked = make_llm(nemotron_h, max_num_batched_tokens=8)
+    assert run_checked(chunked.engine, prompts, greedy) == expected
+    config = ModelConfig.from_pretrained(nemotron_h)
+    tight = make_llm(nemotron_h, kv_cache_memory=16 * config.kv_bytes_per_token(torch.float32) * BLOCK
+                     + 8 * config.state_bytes + 1, max_num_seqs=4, state_snapshot_fraction=0.5)
+    assert run_checked(tight.engine, prompts, greedy) == expected
+    assert tight.engine.stats().num_preemptions > 0
+
+
+def test_hits_resume_from_snapshots_and_change_no_bit(nemotron_h):
+    """Batch-invariant mode: every run below gives the tokens and logprobs a cache-free engine gives."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    shared = prompt_ids(30, 40)
+    first, second, third = (shared + prompt_ids(seed, 6) for seed in (31, 32, 33))
+    plain = make_llm(nemotron_h, batch_invariant=True, enable_prefix_caching=False)
+    cached = make_llm(nemotron_h, batch_invariant=True)
+
+    def run(llm, prompts: list[list[int]]) -> list[tuple]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs), o.num_cached_tokens) for o in outputs]
+
+    def same(warm: list[tuple], prompts: list[list[int]]) -> list[int]:
+        assert [r[:2] for r in warm] == [r[:2] for r in run(plain, prompts)]
+        return [r[2] for r in warm]
+
+    out_first = run(cached, [first])
+    assert same(out_first, [first]) == [0]
+    assert same(run(cached, [second]), [second]) == [0]  # recomputes the 40 shared tokens, keeps its state at 40
+    assert same(run(cached, [third]), [third]) == [40]  # a 40-token shared prefix hits to its last token
+    assert same(run(cached, [first, second]), [first, second]) == [40, 40]
+    turn2 = first + list(out_first[0][0]) + prompt_ids(34, 7)  # the next turn: all the first one computed
+    assert same(run(cached, [turn2]), [turn2]) == [len(first) + 10 - 1]
+    snapshots = cached.engine.kv.states.snapshots
+    assert 0 < snapshots.num_bytes <= snapshots.budget_bytes
+    cached.engine.check_integrity()
+
+
+def test_what_nemotron_h_cannot_do_yet_is_refused_by_name(nemotron_h):
+    for options, words in (({"speculative_config": {"method": "cache"}}, "Mamba-2 layers' state would take in"),
+                           ({"chunk_reuse": True}, r"chunk_reuse on a hybrid model \(NemotronHForCausalLM: 2 of its 5"),
+                           ({"enable_lora": True}, "enable_lora on a hybrid model")):
+        with pytest.raises(ValueError, match=words):
+            make_llm(nemotron_h, **options)
+
+
+def test_make_model_writes_nemotron_h_shapes_transformers_loads(tmp_path):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    folder = make_model(tmp_path / "nemotron-h-0.5b", preset="nemotron-h-0.5b", write_weights=False)
+    written = json.loads((folder / "config.json").read_text())
+    ours = ModelConfig.from_pretrained(folder)
+    assert ours.layer_types.count(MAMBA) == 12 and ours.num_kv_layers == 2 and ours.mamba_inner_size == 3072
+    with torch.device("meta"):
+        real = NemotronHForCausalLM(NemotronHConfig(**written))
+    assert count_parameters("nemotron-h-0.5b", vocab_size=written["vocab_size"]) == sum(
+        p.numel() for p in real.parameters())
