@@ -275,6 +275,10 @@ class GGUFArchitecture:
     # parameter, and how a value is put back (llama.cpp's converter stores Qwen3.5's A_log as -exp(A_log))
     parameter_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unstored: Mapping[str, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
+    # Nemotron-H: a layer's kind from the per-layer attention.head_count_kv (attention where non-zero) and its tensors
+    # (an MLP block where it has ffn_up; a Mamba-2 layer otherwise), written as config.json's hybrid_override_pattern;
+    # the MLP width is ffn_up's.
+    pattern_layers: bool = False
 
 
 def _sliding_layer_types(pattern: int) -> Derived:
@@ -335,6 +339,33 @@ QWEN35_MOE_CONFIG: tuple[tuple[str, MetadataKey | Fixed | Derived], ...] = (
     ("num_experts", MetadataKey("expert_count", minimum=1)),
     ("num_experts_per_tok", MetadataKey("expert_used_count", minimum=1)),
     ("moe_intermediate_size", MetadataKey("expert_feed_forward_length", minimum=1)))
+
+
+def _nemotron_h_has_conv_bias(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    return any(name.endswith("mixer.conv1d.bias") for name in shapes)
+
+
+# Nemotron-H: one mixer a layer (attn_norm is the block's norm); the Mamba-2 layers' heads are the ssm.* keys (time-step
+# rank: heads, inner size: heads x head width, group count, state size), A_log stored as -exp(A_log) [heads, 1], D as
+# [heads, 1], the grouped norm as [groups, inner / groups] and the depthwise kernel as [C, K] (models/nemotron_h.py
+# puts the shapes back). llama.cpp writes the same layers as nemotron_h_moe when the converter finds transformers'
+# num_experts_per_tok default in the config (transformers 5 always writes one): without experts it is this model.
+NEMOTRON_H = GGUFArchitecture(
+    "NemotronHForCausalLM", "nemotron_h", pattern_layers=True,
+    layer_tensors={"attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+                   "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+                   "attn_output": "mixer.o_proj", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
+                   "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"},
+    parameter_tensors={"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"},
+    unstored={"mixer.A_log": lambda stored: np.log(-stored)},
+    config=(("layer_norm_epsilon", MetadataKey("attention.layer_norm_epsilon", float, 1e-5)),
+            ("mamba_num_heads", MetadataKey("ssm.time_step_rank", minimum=1)),
+            ("mamba_head_dim", MetadataKey("ssm.inner_size", minimum=1)),
+            ("mamba_head_dim", Derived(lambda config, shapes: config["mamba_head_dim"] // config["mamba_num_heads"])),
+            ("n_groups", MetadataKey("ssm.group_count", minimum=1)),
+            ("ssm_state_size", MetadataKey("ssm.state_size", minimum=1)),
+            ("conv_kernel", MetadataKey("ssm.conv_kernel", minimum=2)),
+            ("use_conv_bias", Derived(_nemotron_h_has_conv_bias))))
 
 
 # general.architecture -> what differs for it. A new architecture is an entry here (and its model code).
@@ -400,10 +431,11 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                 ("sliding_window", MetadataKey("attention.sliding_window")),
                 ("swiglu_limit", Fixed(GPT_OSS_SWIGLU_LIMIT)),
                 ("layer_types", _sliding_layer_types(GPT_OSS_SLIDING_WINDOW_PATTERN)))),
+    "nemotron_h": NEMOTRON_H,
+    "nemotron_h_moe": NEMOTRON_H,
 }
 # llama.cpp's names of architectures kvreuse refuses, and why (the hybrids of issue 66).
 PLANNED_GGUF_ARCHITECTURES: dict[str, str] = {
-    "nemotron_h": "llama.cpp's nemotron_h files are not read yet (Nemotron-H's Hugging Face folders run)",
     "granitehybrid": PLANNED_ARCHITECTURES["GraniteMoeHybridForCausalLM"],
 }
 
@@ -644,7 +676,20 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         # in HF's layout) to a tiled order, through rows and a quantized projection's columns alike. The model runs
         # them in that order (a value head's key head is found the tiled way) instead of moving quantized columns.
         tiled_values = spec.tiled_value_heads and key_heads != value_heads
-    if spec.recurrent_kind is not None:
+    pattern = None
+    if spec.pattern_layers:
+        counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
+        if any(name.startswith("model.layers.") and ".experts." in name for name in shapes):
+            raise ValueError(f"{path}: {architecture} with experts (Nemotron 3's MoE blocks) is not supported")
+        # An MLP block by its tensor: a file the converter wrote as nemotron_h_moe has every feed_forward_length 0.
+        widths = [shapes.get(f"model.layers.{layer}.mixer.up_proj.weight", (0,))[0] for layer in range(layers)]
+        pattern = "".join("*" if count else "-" if width else "M" for count, width in zip(counts, widths))
+        kv_counts, mlp_widths = sorted(set(filter(None, counts))), sorted(set(filter(None, widths)))
+        if len(kv_counts) != 1 or len(mlp_widths) > 1:
+            raise ValueError(f"{path}: {architecture}.attention.head_count_kv is {counts} and feed_forward_length "
+                             f"{widths}; expected one KV head count and one MLP width")
+        kv_heads = kv_counts[0]
+    elif spec.recurrent_kind is not None:
         counts = metadata.per_layer(f"{architecture}.attention.head_count_kv", layers)
         attending = sorted(set(count for count in counts if count))
         if len(attending) != 1:
@@ -660,7 +705,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
         # None where the file has no dense width (Qwen3.5-MoE): its config entry gives one
-        "intermediate_size": own("feed_forward_length", int, None),
+        "intermediate_size": (max(widths, default=0) or hidden) if pattern is not None
+        else own("feed_forward_length", int, None),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -676,6 +722,8 @@ def _read_info(resolved: str, size: int, mtime_ns: int) -> GGUFModelInfo:
     }
     if layer_types is not None:
         hf_config["layer_types"] = layer_types
+    if pattern is not None:
+        hf_config["hybrid_override_pattern"] = pattern
     if tiled_values:
         hf_config["kvreuse_tiled_value_heads"] = True
     if spec.partial_rotary:
@@ -873,9 +921,10 @@ def gguf_tokenizer_dir(path: str | os.PathLike[str]) -> Path:
 
     logger.info("converting the tokenizer of %s (once; kept in %s)", path.name, folder)
     # AutoTokenizer parses the file's model config first: transformers 5's parser of gpt-oss files fails on their
-    # rope keys (it reads a field's key length as its value), and it knows no qwen3next; the fast tokenizer reads
-    # only the tokenizer's fields.
-    tokenizer_class = PreTrainedTokenizerFast if info.architecture in ("gpt-oss", "qwen3next") else AutoTokenizer
+    # rope keys (it reads a field's key length as its value), and it knows no qwen3next nor nemotron_h; the fast
+    # tokenizer reads only the tokenizer's fields.
+    tokenizer_class = (PreTrainedTokenizerFast if info.architecture in ("gpt-oss", "qwen3next", "nemotron_h",
+                                                                       "nemotron_h_moe") else AutoTokenizer)
     try:
         hf_tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers' converter: any failure means "no tokenizer from this file"

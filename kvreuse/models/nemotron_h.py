@@ -135,8 +135,13 @@ def family_names(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], 
             elif rest.startswith("mixer.") and kind not in (MAMBA, None):
                 rest = ("ffn." if kind == MLP_BLOCK else "self_attn.") + rest[len("mixer."):]
             name = f"model.layers.{layer}.{rest}"
-        if name.endswith("mixer.conv1d.weight") and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
-            tensor = tensor.unsqueeze(1)  # a GGUF file's depthwise kernel [C, K] (llama.cpp drops the channel axis)
+        if isinstance(tensor, torch.Tensor) and ".mixer." in name:
+            # A GGUF file's shapes (llama.cpp's): the depthwise kernel [C, K] without its channel axis, A_log and D
+            # as [heads, 1], the grouped norm as [groups, inner / groups].
+            if name.endswith("conv1d.weight") and tensor.dim() == 2:
+                tensor = tensor.unsqueeze(1)
+            elif name.endswith(("A_log", "D", "norm.weight")) and tensor.dim() == 2:
+                tensor = tensor.reshape(-1)
         yield name, tensor
 
 
