@@ -67,6 +67,14 @@ QWEN35MOE_NAMES = {**QWEN35_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.shared_exper
                    "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 
 
+# Nemotron-H under llama.cpp's names (its converter's NemotronHModel; the folder's backbone. read as model.): one mixer a
+# layer, the block's norm as attn_norm.
+NEMOTRON_H_NAMES = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d",
+                    "mixer.norm": "ssm_norm", "mixer.out_proj": "ssm_out", "mixer.q_proj": "attn_q",
+                    "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output",
+                    "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down"}
+
+
 def tiled_value_heads(name: str, array: np.ndarray, config: dict) -> np.ndarray:
     """A Gated DeltaNet tensor with its value heads in llama.cpp's tiled order, as its converter writes them when there
     are fewer key heads than value heads (the heads grouped by key head in HF's order: (key head, i) becomes
@@ -127,12 +135,15 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     assert parts[:2] == ["model", "layers"], name
     if arch == "gpt-oss" and parts[-1] == "sinks":  # a parameter of its own: llama.cpp adds .weight
         return f"blk.{parts[2]}.attn_sinks.weight"
+    if arch == "nemotron_h" and parts[-1] in ("A_log", "D", "dt_bias"):
+        return f"blk.{parts[2]}." + {"A_log": "ssm_a", "D": "ssm_d", "dt_bias": "ssm_dt.bias"}[parts[-1]]
     if arch in QWEN35_ARCHS and parts[-1] in ("A_log", "dt_bias"):
         return f"blk.{parts[2]}." + ("ssm_a" if parts[-1] == "A_log" else "ssm_dt.bias")
     module = ".".join(parts[3:-1])
     names = {**LAYER_NAMES, **(GEMMA3_NAMES if arch == "gemma3" else {}), **(GPT_OSS_NAMES if arch == "gpt-oss" else {}),
              **(LFM2_NAMES if arch == "lfm2" else {}), **(QWEN35_NAMES if arch == "qwen35" else {}),
-             **(QWEN35MOE_NAMES if arch == "qwen35moe" else {}), **(QWEN3NEXT_NAMES if arch == "qwen3next" else {})}
+             **(QWEN35MOE_NAMES if arch == "qwen35moe" else {}), **(QWEN3NEXT_NAMES if arch == "qwen3next" else {}),
+             **(NEMOTRON_H_NAMES if arch == "nemotron_h" else {})}
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
@@ -229,14 +240,15 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
             "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2", "Qwen3_5ForCausalLM": "qwen35",
-            "Qwen3_5MoeForCausalLM": "qwen35moe", "Qwen3NextForCausalLM": "qwen3next"}[arch_class]
+            "Qwen3_5MoeForCausalLM": "qwen35moe", "Qwen3NextForCausalLM": "qwen3next",
+            "NemotronHForCausalLM": "nemotron_h"}[arch_class]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name or ("Mistral tiny" if arch_class == "MistralForCausalLM" else f"kvreuse {arch} tiny"))
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_block_count(config.get("num_hidden_layers") or len(config["layers_block_type"]))
     if arch == "lfm2":  # the width as used, KV heads per layer (none on the conv layers), the conv's taps
         from kvreuse.models.config import ModelConfig
 
@@ -248,6 +260,20 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_layer_norm_rms_eps(config["norm_eps"])
         writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    elif arch == "nemotron_h":  # the keys llama.cpp's converter writes: per-layer KV heads and MLP widths, ssm.*
+        from kvreuse.models.config import MLP_BLOCK, ModelConfig
+
+        ours = ModelConfig.from_dict(config)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv([kv_heads if ours.keeps_kv(layer) else 0 for layer in range(ours.num_hidden_layers)])
+        writer.add_feed_forward_length([ours.intermediate_size if kind == MLP_BLOCK else 0 for kind in ours.layer_types])
+        writer.add_float32(f"{arch}.attention.layer_norm_epsilon", ours.rms_norm_eps)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        for key, value in (("ssm.conv_kernel", ours.conv_kernel), ("ssm.state_size", ours.ssm_state_size),
+                           ("ssm.group_count", ours.mamba_groups), ("ssm.time_step_rank", ours.mamba_heads),
+                           ("ssm.inner_size", ours.mamba_inner_size)):
+            writer.add_uint32(f"{arch}.{key}", value)
     elif arch in QWEN35_ARCHS:  # the keys llama.cpp's converter writes (generic writers: any release has them)
         if arch != "qwen35moe":  # Qwen3.5-MoE's file has expert widths only
             writer.add_feed_forward_length(config["intermediate_size"])
@@ -278,7 +304,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
     writer.add_vocab_size(config["vocab_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    if head_dim != config["hidden_size"] // heads:
+    if head_dim != config["hidden_size"] // heads and arch != "nemotron_h":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "qwen3moe":  # the keys llama.cpp's converter writes
@@ -315,6 +341,9 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
         tensors = stack_experts(split_stacked_experts(tensors))
     if arch == "qwen3next":
         tensors = qwen3next_split_qkvz(tensors, config)
+    if arch == "nemotron_h":  # the released files' names (backbone., embeddings, norm_f), as the converter reads them
+        renamed = {"backbone.embeddings.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
+        tensors = {renamed.get(name, name.replace("backbone.", "model.", 1)): tensor for name, tensor in tensors.items()}
     rng = np.random.default_rng(seed)
     for hf_name in sorted(tensors):
         array = tensors[hf_name].float().numpy()
@@ -325,6 +354,13 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             array = rope_interleave(array, heads if ".q_proj." in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        if arch == "nemotron_h":  # its converter: -exp(A_log) and D as [heads, 1], the grouped norm [G, inner / G]
+            if hf_name.endswith(("A_log", ".D")):
+                array = (-np.exp(array) if hf_name.endswith("A_log") else array).reshape(-1, 1)
+            if hf_name.endswith("mixer.norm.weight"):
+                array = array.reshape(config.get("n_groups") or config["mamba_n_groups"], -1)
+            if hf_name.endswith("conv1d.weight"):
+                array = array[:, 0, :]
         if arch in QWEN35_ARCHS:  # its converter: (1 + weight) norms but the DeltaNet's, -exp(A_log), [C, K]
             if arch != "qwen3next":  # Qwen3.5's converter tiles the value heads; its Qwen3-Next one does not
                 array = tiled_value_heads(hf_name, array, config)
@@ -335,7 +371,8 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32", *, name: st
             if hf_name.endswith("conv1d.weight"):
                 array = array[:, 0, :]
         kind = tensor_type if array.ndim >= 2 and not name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", ".bias",
-                                                                     "shortconv.conv.weight", "ssm_conv1d.weight")) else "F32"
+                                                                     "shortconv.conv.weight", "ssm_conv1d.weight",
+                                                                     "ssm_a", "ssm_d", "ssm_norm.weight")) else "F32"
         if kind == "MXFP4" and "_exps." not in name:  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
             kind = "Q8_0"
         if kind in K_QUANTS and array.shape[-1] % 256:

@@ -381,12 +381,12 @@ def test_unsupported_architecture_type_and_truncated_file_are_named(tiny_models,
     finish(writer)
     with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
         LLM(str(tmp_path / "phi.gguf"), dtype="float32")
-    writer = gguf.GGUFWriter(str(tmp_path / "nemotron.gguf"), "nemotron_h")  # a hybrid (issue 66): refused saying why
+    writer = gguf.GGUFWriter(str(tmp_path / "granite.gguf"), "granitehybrid")  # a hybrid (issue 66): refused saying why
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     finish(writer)
-    with pytest.raises(ValueError, match=r"architecture 'nemotron_h' is not supported \(a hybrid model: its Mamba-2 "
-                                         r"layers keep a recurrent state"):
-        LLM(str(tmp_path / "nemotron.gguf"), dtype="float32")
+    with pytest.raises(ValueError, match=r"architecture 'granitehybrid' is not supported \(a hybrid model \(IBM's "
+                                         r"Granite 4\): its Mamba-2 layers run"):
+        LLM(str(tmp_path / "granite.gguf"), dtype="float32")
 
     source = made_gguf(tiny_models, gguf_dir, "qwen2", "F32")
     odd = tmp_path / "iq4.gguf"

@@ -207,3 +207,16 @@ def test_make_model_writes_nemotron_h_shapes_transformers_loads(tmp_path):
         real = NemotronHForCausalLM(NemotronHConfig(**written))
     assert count_parameters("nemotron-h-0.5b", vocab_size=written["vocab_size"]) == sum(
         p.numel() for p in real.parameters())
+
+
+def test_a_gguf_file_as_llama_cpp_writes_nemotron_h_runs_as_its_folder(nemotron_h, tmp_path):
+    """llama.cpp's layout: the layer kinds by the per-layer KV heads and MLP widths, the Mamba-2 heads by the ssm.*
+    keys, A_log stored as -exp(A_log) and D as [heads, 1], the grouped norm as [groups, inner / groups], the depthwise
+    kernel as [C, K]. A float32 file runs as its folder; a Q8_0 file runs quantized."""
+    from test_qwen3_5 import gguf_files_run_as_their_folder
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    types = gguf_files_run_as_their_folder(nemotron_h, tmp_path / "nemotron_h", [prompt_ids(7, 21), prompt_ids(8, 3)],
+                                           greedy)
+    assert types["model.layers.0.mixer.in_proj.weight"] == "Q8_0" and types["model.layers.1.mixer.up_proj.weight"] == "Q8_0"
+    assert types["model.layers.0.mixer.A_log"] == "F32"

@@ -47,13 +47,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "NemotronHForCausalLM",
 )
 # Architectures transformers knows that kvreuse does not run yet, and what is missing, so the refusal says why.
-# Hybrid models: a few attention layers among recurrent ones, whose state a prefix hit needs at the hit's last token
-# (issue 66: the snapshots' index is cache/state_snapshots.py; the layers are not built).
-_HYBRID_REFUSAL = ("a hybrid model: its {layers} layers keep a recurrent state, which kvreuse does not run yet "
-                  "(issue 66; its attention-only relatives are supported)")
-HYBRID_LAYERS: dict[str, str] = {
-    "GraniteMoeHybridForCausalLM": "Mamba-2 (IBM's Granite 4, its MoE and mup scales)",
-}
+# Hybrid models not built yet: IBM's Granite 4 has Nemotron-H's Mamba-2 layers (models/nemotron_h.py) among attention
+# layers with experts and Granite's multipliers, which are not (issue 66).
+_GRANITE_HYBRID_REFUSAL = ("a hybrid model (IBM's Granite 4): its Mamba-2 layers run as Nemotron-H's do, but its "
+                           "experts, shared MLP and Granite's embedding, attention, residual and logit multipliers are "
+                           "not built (issue 66)")
 PLANNED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints are not supported; the text-only "
                                       "Gemma3ForCausalLM ones (gemma-3-1b, or a text model saved from them) are",
@@ -62,7 +60,7 @@ PLANNED_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "the multimodal Qwen3.5-MoE checkpoints are not supported; a text model "
                                           "(Qwen3_5MoeForCausalLM: its text_config with the language model's "
                                           "weights) is",
-    **{name: _HYBRID_REFUSAL.format(layers=layers) for name, layers in HYBRID_LAYERS.items()},
+    "GraniteMoeHybridForCausalLM": _GRANITE_HYBRID_REFUSAL,
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "relu2")
