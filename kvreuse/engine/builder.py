@@ -505,6 +505,15 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
     if config.lora.enable_lora:
         raise ValueError(f"enable_lora on {name} is not implemented")
     if model_config.state_layers:
+        # Each running request holds a slot of recurrent state (18.7 MiB at nemotron-h-0.5b's shapes): where the
+        # default 64 of them would not leave half the pool to K/V and snapshots, fewer run at once.
+        fit = config.cache.kv_cache_memory // 2 // model_config.state_bytes
+        if 1 <= fit < config.scheduler.max_num_seqs:
+            logger.warning("max_num_seqs lowered from %d to %d: %s's recurrent state takes %.1f MiB a running request, "
+                           "and kv_cache_memory (%.0f MiB) keeps half for K/V and snapshots; raise kv_cache_memory "
+                           "to run more at once", config.scheduler.max_num_seqs, fit, model_config.architecture,
+                           model_config.state_bytes / 2**20, config.cache.kv_cache_memory / 2**20)
+            config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=fit))
         # A verification step runs drafted tokens through the state, and a rejected one cannot be taken back out.
         if config.speculative is not None and config.speculative.uses_cache_drafter:
             raise ValueError(f"speculative_config method {config.speculative.method!r} on {name} is not implemented: "

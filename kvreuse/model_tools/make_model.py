@@ -449,11 +449,12 @@ PRESETS: dict[str, ModelPreset] = {
         # Nemotron-H at half a billion parameters: Nemotron-H-8B's pattern (a Mamba-2 layer before each MLP block, an
         # attention block in every fourth pair) over 26 layers, its Mamba-2 proportions (heads of 64 with an inner
         # width of twice the hidden, 8 groups, a state of 128, a 4-tap convolution) and 128-wide attention heads
-        # (12 to 4 KV heads); 0.45B parameters at the trained tokenizer's vocabulary. And a tiny one whose Mamba-2
-        # layers sit before and after its attention block.
+        # (12 to 4 KV heads); 0.46B parameters at 2,400 rows (the trained tokenizer's 2,388 rounded up to a multiple
+        # of 8, as llama.cpp's converter pads Nemotron-H's vocabulary: its file would not load otherwise). And a tiny
+        # one whose Mamba-2 layers sit before and after its attention block.
         ModelPreset(
             name="nemotron-h-0.5b", arch="nemotron_h", hidden_size=1536, intermediate_size=6144, num_hidden_layers=26,
-            num_attention_heads=12, num_key_value_heads=4, vocab_size=None, tie_word_embeddings=False,
+            num_attention_heads=12, num_key_value_heads=4, vocab_size=2400, tie_word_embeddings=False,
             rope_theta=10000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tokenizer_vocab_size=4096,
             qwen3_head_dim=128, conv_kernel=4, hybrid_pattern="M-M-M-M*-M-M-M-M*-M-M-M-M-",
             mamba_shape=(48, 64, 8, 128),
