@@ -135,6 +135,7 @@ def _build_cpu_kernels() -> None:
         fused_ops,
         gated_delta,
         kv_codec,
+        mamba2_scan,
         moe,
         paged_attention,
         qpacked,
@@ -146,7 +147,8 @@ def _build_cpu_kernels() -> None:
     # (one at a time left one idle for minutes). The ones that load the others' (decoder_layer, moe) come after
     # them; no library() is called twice at once (each caches its result, unlocked).
     failed = []
-    for wave in ((quant_ops, paged_attention, rowdot, fused_ops, kv_codec, qpacked, gated_delta), (decoder_layer, moe)):
+    for wave in ((quant_ops, paged_attention, rowdot, fused_ops, kv_codec, qpacked, gated_delta, mamba2_scan),
+                 (decoder_layer, moe)):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             failed += [module.__name__ for module, built in zip(wave, pool.map(lambda module: module.library(), wave))
                        if built is None]
