@@ -18,7 +18,7 @@ from kvreuse.router.kv_event_subscriber import (
     KVEventSource,
     decode_batch,
 )
-from kvreuse.server.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher
+from kvreuse.server.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher, encode_batch
 
 
 def key(i: int) -> bytes:
@@ -175,6 +175,18 @@ def test_decode_batch_reads_vllms_tagged_arrays_and_refuses_others():
     payload = msgpack.packb([1.0, [["BlockStored", [b"k1", b"k2"], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU"],
                                   ["BlockRemoved", [b"k1"], "GPU"], ["AllBlocksCleared"]]], use_bin_type=True)
     assert decode_batch(payload) == [("stored", (b"k1", b"k2")), ("removed", (b"k1",)), ("cleared", ())]
+    # A hybrid model's server adds its states (kvreuse's tags, server/kv_event_publisher.py), grouped as blocks are.
+    log = KVEventLog()
+    log.stored(b"k1", None, [1, 2, 3, 4])
+    log.state_stored(b"k1")
+    log.state_stored(b"k2")
+    log.state_removed(b"k1")
+    log.removed(b"k1")
+    encoded = encode_batch(log.read(0, 10).events, 4, "CPU")
+    assert msgpack.unpackb(encoded)[1][1:] == [["StateStored", [b"k1", b"k2"]], ["StateRemoved", [b"k1"]],
+                                               ["BlockRemoved", [b"k1"], "CPU"]]
+    assert decode_batch(encoded)[1:] == [("state_stored", (b"k1", b"k2")), ("state_removed", (b"k1",)),
+                                         ("removed", (b"k1",))]
     for bad in (b"\xc1", msgpack.packb([1.0, [["Mystery", []]]]), struct.pack(">q", 3)):
         try:
             decode_batch(bad)

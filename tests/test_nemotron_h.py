@@ -194,6 +194,11 @@ def test_what_nemotron_h_cannot_do_yet_is_refused_by_name(nemotron_h):
                            ({"enable_lora": True}, "enable_lora on a hybrid model")):
         with pytest.raises(ValueError, match=words):
             make_llm(nemotron_h, **options)
+    # Where the default 64 running requests' states would take more than half the pool, fewer run at once (a warning
+    # says so) instead of a refusal; one set by the caller that fits is left alone.
+    state = ModelConfig.from_pretrained(nemotron_h).state_bytes
+    assert make_llm(nemotron_h, kv_cache_memory=40 * state).engine.config.scheduler.max_num_seqs == 20
+    assert make_llm(nemotron_h, kv_cache_memory=40 * state, max_num_seqs=8).engine.config.scheduler.max_num_seqs == 8
 
 
 def test_make_model_writes_nemotron_h_shapes_transformers_loads(tmp_path):
@@ -220,3 +225,75 @@ def test_a_gguf_file_as_llama_cpp_writes_nemotron_h_runs_as_its_folder(nemotron_
                                            greedy)
     assert types["model.layers.0.mixer.in_proj.weight"] == "Q8_0" and types["model.layers.1.mixer.up_proj.weight"] == "Q8_0"
     assert types["model.layers.0.mixer.A_log"] == "F32"
+
+
+def test_the_kv_event_log_says_where_states_are_kept(nemotron_h):
+    """A router credits a hybrid server only up to the blocks that anchor a state (cache/events.py): a finished
+    request's state at its end is a state_stored on its last full block, and a state dropped by retention while its
+    block stays is a state_removed."""
+    config = ModelConfig.from_pretrained(nemotron_h)
+    llm = make_llm(nemotron_h, max_num_seqs=1, state_snapshot_fraction=1.5 * config.state_bytes / 2**22)
+    assert len(llm.engine.kv.states.snapshots) == 0 and llm.engine.kv.states.snapshots.budget_bytes < 2 * config.state_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = prompt_ids(60, 21)  # 21 + 3 tokens, 23 computed: its states anchor on block 5 (tokens 16-19)
+    llm.generate([{"prompt_token_ids": first}], params)
+    events = [(event.type, event.key) for event in llm.engine.kv_events.read(0, 1000).events]
+    stored_states = [key for kind, key in events if kind == "state_stored"]
+    assert stored_states and all(key in {k for kind, k in events if kind == "stored"} for key in stored_states)
+    # A second request elsewhere: the one snapshot's room goes to it, the first one's state is dropped, its blocks stay.
+    llm.generate([{"prompt_token_ids": prompt_ids(61, 21)}], params)
+    later = [(event.type, event.key) for event in llm.engine.kv_events.read(0, 1000).events][len(events):]
+    assert ("state_removed", stored_states[-1]) in later
+    assert ("removed", stored_states[-1]) not in later
+
+
+def test_the_native_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits_in_any_step():
+    """The Mamba-2 mixer between its projections in one native call (convolution, scan, gate and grouped norm):
+    the op-by-op PyTorch path's values, and for a sequence's rows the same bits whether they come in one prefill
+    chunk, in pieces, or beside other sequences' rows (what a snapshot hit needs)."""
+    if not scan_kernel.available():
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    from kvreuse.layers.mamba2 import Mamba2Mixer
+
+    torch.manual_seed(0)
+    heads, head_dim, groups, state_size, kernel, hidden = 4, 8, 2, 16, 4, 32
+    mixer = Mamba2Mixer(hidden, heads, head_dim, groups, state_size, kernel, True, False, (0.0, math.inf), 1e-5, 1,
+                        torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for parameter in mixer.parameters():
+            parameter.normal_(0.0, 0.5)
+    pool = RecurrentStatePool(4, 2, heads, head_dim, state_size, mixer.conv_dim, kernel)
+    pool.ssm.normal_()
+    pool.conv.normal_()
+    initial = (pool.ssm.clone(), pool.conv.clone())
+    with torch.no_grad():
+        z, xbc, dt = mixer.in_proj(torch.randn(12, hidden)).split([mixer.inner_size, mixer.conv_dim, heads], dim=-1)
+
+    def run(groups_of_rows: list[tuple[int, int, int]], native: bool) -> torch.Tensor:
+        """Each (slot, first row, rows) of the projections as one step; returns the rows' mixed outputs in order."""
+        pick = torch.cat([torch.arange(start, start + length) for _, start, length in groups_of_rows])
+        starts, offset = [], 0
+        for _, _, length in groups_of_rows:
+            starts.append(offset)
+            offset += length
+        inputs = StateInputs([slot for slot, _, _ in groups_of_rows], starts, [n for _, _, n in groups_of_rows], pool)
+        if native:
+            return scan_kernel.mixer(xbc[pick], z[pick], dt[pick], mixer.conv1d.weight, mixer.conv1d.bias, pool.conv,
+                                     mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight, pool.ssm, 1, inputs.slots,
+                                     inputs.starts, inputs.lens, heads, groups, 1e-5)
+        with torch.no_grad():
+            return mixer.reference(len(pick), z[pick], xbc[pick], dt[pick], inputs, torch.float32)
+
+    def reset() -> None:
+        pool.ssm.copy_(initial[0])
+        pool.conv.copy_(initial[1])
+
+    reference = run([(3, 0, 7), (0, 7, 1), (1, 8, 4)], native=False)
+    reset()
+    whole = run([(3, 0, 7), (0, 7, 1), (1, 8, 4)], native=True)
+    torch.testing.assert_close(whole, reference, atol=1e-4, rtol=1e-4)
+    states = (pool.ssm.clone(), pool.conv.clone())
+    reset()
+    alone = torch.cat([run([(3, 0, 3)], True), run([(3, 3, 1)], True), run([(3, 4, 3), (0, 7, 1)], True)[:3]])
+    assert torch.equal(alone, whole[:7])  # in pieces, decode rows among them, beside another sequence: the same bits
+    assert torch.equal(pool.ssm[3], states[0][3]) and torch.equal(pool.conv[3], states[1][3])

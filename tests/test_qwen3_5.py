@@ -334,7 +334,7 @@ def test_what_qwen3_5_cannot_do_yet_is_refused_by_name(qwen3_5):
                                                     "num_speculative_tokens": 2}}, "method 'eagle' on a hybrid"),
                            ({"chunk_reuse": True}, "chunk_reuse on a hybrid model"),
                            ({"enable_lora": True}, "enable_lora on a hybrid model"),
-                           ({"kv_cache_memory": "64KiB"}, "cannot hold Qwen3_5ForCausalLM's recurrent states")):
+                           ({"kv_cache_memory": "24KiB"}, "cannot hold Qwen3_5ForCausalLM's recurrent states")):
         with pytest.raises(ValueError, match=words):
             make_llm(qwen3_5, **options)
     # Left unset, the cache drafter stays off on it (batch-invariant mode would turn it on elsewhere).

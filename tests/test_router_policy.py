@@ -219,3 +219,32 @@ def test_round_robin_and_least_loaded() -> None:
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         PolicyConfig(**{field: value})
+
+
+def test_a_hybrid_backend_is_credited_only_up_to_the_states_it_keeps() -> None:
+    """Issue 66: a hybrid model's server reuses a prefix only from a recurrent-state snapshot on it; its blocks past
+    the deepest such state are recomputed, so they must not draw a request (cache/events.py's state events)."""
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "hybrid", "plain")
+    shared = list(range(40))  # 10 blocks
+    keys = request_for(shared + [99]).keys_for("hybrid")
+    for backend in ("hybrid", "plain"):
+        router.index.record(backend, keys)
+    router.index.set_recurrent("hybrid")
+    assert router.index.matched_blocks("plain", keys) == 10
+    assert router.index.matched_blocks("hybrid", keys) == 0  # the blocks, but no state on them
+    router.index.record_state("hybrid", keys[3:4])
+    assert router.index.matched_blocks("hybrid", keys) == 4  # resumes at block 4's end
+    assert route(router, loads, request_for(shared + [7])).backend == "plain"  # 10 blocks reused beat 4
+    router.index.record_state("hybrid", keys[8:9])
+    assert router.index.matched_blocks("hybrid", keys) == 9
+    router.index.remove_state("hybrid", keys[8])  # the snapshot went, the block stays
+    assert router.index.matched_blocks("hybrid", keys) == 4
+    router.index.remove("hybrid", keys[2])  # a block in the middle went: the chain stops before the state
+    assert router.index.matched_blocks("hybrid", keys) == 0
+    # A prompt the router sends to a hybrid backend leaves a state where it ends there (its prompt snapshot).
+    other = request_for(list(range(100, 124)))
+    router.record_sent("hybrid", other)
+    assert router.index.matched_blocks("hybrid", other.keys_for("hybrid")) == 6
+    assert router.index.drop_backend("hybrid") > 0 and router.index.is_recurrent("hybrid")
+    assert router.index.matched_blocks("hybrid", other.keys_for("hybrid")) == 0

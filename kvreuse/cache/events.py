@@ -12,6 +12,12 @@ with an empty cache, drops its view and reads from ``after=0``.
 Keys are the chained content keys of kvreuse.cache.hashing: a reader computes the same keys from a
 prompt's token ids, cache_salt and model name, never sees tokens, and cannot invert a key into text.
 
+A hybrid model (issue 66) resumes a hit from a recurrent-state snapshot, not from blocks alone: a server that holds
+a prefix's blocks but no state on it recomputes the whole prefix. So its log also says where it keeps states:
+``state_stored`` when a block's node anchors its first snapshot (a state at that block's end or within the next
+block's tokens), ``state_removed`` when the node's last snapshot goes (a removed block takes its states with it). A
+reader credits a hybrid server only with the blocks up to the deepest anchor on a prompt's path (docs/router.md).
+
 Appends happen on the engine thread and reads on the server's event loop, hence the lock.
 """
 
@@ -25,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-EventType = Literal["stored", "removed"]
+EventType = Literal["stored", "removed", "state_stored", "state_removed"]
 DEFAULT_CAPACITY = 65_536
 
 
@@ -66,6 +72,14 @@ class KVEventLog:
 
     def removed(self, key: bytes) -> None:
         self._append("removed", key)
+
+    def state_stored(self, key: bytes) -> None:
+        """Block ``key``'s node anchors a recurrent-state snapshot now (its first)."""
+        self._append("state_stored", key)
+
+    def state_removed(self, key: bytes) -> None:
+        """Block ``key``'s node anchors no snapshot any more (its block stays)."""
+        self._append("state_removed", key)
 
     def _append(self, kind: EventType, key: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()) -> None:
         with self._lock:

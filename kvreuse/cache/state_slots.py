@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.prefix import CacheNode
 from kvreuse.cache.state_snapshots import Snapshot, SnapshotHit, StateSnapshots
 
@@ -36,14 +37,14 @@ class StateCopy:
 
 class StateSlots:
     def __init__(self, block_size: int, num_slots: int, max_running: int, slot_bytes: int,
-                 policy: str = "saved") -> None:
+                 policy: str = "saved", events: KVEventLog | None = None) -> None:
         if num_slots <= max_running:
             raise ValueError(f"the state pool needs more slots ({num_slots}) than running requests ({max_running}): "
                              "the rest hold snapshots")
         self.num_slots = num_slots
         self.max_running = max_running
         self.slot_bytes = slot_bytes
-        self.snapshots = StateSnapshots(block_size, (num_slots - max_running) * slot_bytes, policy)
+        self.snapshots = StateSnapshots(block_size, (num_slots - max_running) * slot_bytes, policy, events)
         self._free = list(range(num_slots - 1, -1, -1))
         self._copies: list[StateCopy] = []
         self.num_kept = 0  # snapshots made, by reason: a request's end, a branch, a prompt's end
@@ -98,7 +99,8 @@ class StateSlots:
     def clear(self) -> None:
         """Drop every snapshot (a cache reset)."""
         self._release(self.snapshots.snapshots())
-        self.snapshots = StateSnapshots(self.snapshots.block_size, self.snapshots.budget_bytes, self.snapshots.policy)
+        self.snapshots = StateSnapshots(self.snapshots.block_size, self.snapshots.budget_bytes, self.snapshots.policy,
+                                        self.snapshots.events)
 
     def _release(self, dropped: Iterable[Snapshot]) -> None:
         self._free.extend(snapshot.handle for snapshot in dropped)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.prefix import CacheNode
 
 POLICIES = ("lru", "saved")
@@ -70,7 +71,8 @@ class SnapshotHit(NamedTuple):
 
 
 class StateSnapshots:
-    def __init__(self, block_size: int, budget_bytes: int, policy: str = "saved") -> None:
+    def __init__(self, block_size: int, budget_bytes: int, policy: str = "saved", events: KVEventLog | None = None
+                 ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"snapshot policy {policy!r} is not one of {', '.join(POLICIES)}")
         if budget_bytes < 0:
@@ -79,6 +81,9 @@ class StateSnapshots:
         self.budget_bytes = budget_bytes
         self.policy = policy
         self.num_bytes = 0
+        # Where a router learns which blocks end in a resumable state (cache/events.py): an anchor's first snapshot
+        # and its last one's going. A namespace root anchors states within the first block, which no block key names.
+        self.events = events
         self._at: dict[CacheNode, dict[tuple[int, ...], Snapshot]] = {}  # anchor -> tail -> snapshot
         self._clock = itertools.count(1)
         self._now = 0
@@ -145,7 +150,10 @@ class StateSnapshots:
         dropped: list[Snapshot] = []
         while self.num_bytes + num_bytes > self.budget_bytes:
             dropped.append(self._remove(self._victim()))
-        self._at.setdefault(anchor, {})[tail] = snapshot  # after the evictions, which may have emptied the anchor
+        by_tail = self._at.setdefault(anchor, {})  # after the evictions, which may have emptied the anchor
+        by_tail[tail] = snapshot
+        if len(by_tail) == 1 and self.events is not None and not anchor.is_root:
+            self.events.state_stored(anchor.key)
         self.num_bytes += num_bytes
         above = self._above(snapshot)
         if above is not None:
@@ -155,7 +163,8 @@ class StateSnapshots:
         return snapshot, dropped
 
     def drop_node(self, node: CacheNode) -> list[Snapshot]:
-        """``node`` leaves the prefix index: the snapshots anchored at it go (their handles are the caller's)."""
+        """``node`` leaves the prefix index: the snapshots anchored at it go (their handles are the caller's; the
+        block's removal event says the states went with it)."""
         by_tail = self._at.pop(node, {})
         self.num_bytes -= sum(snapshot.num_bytes for snapshot in by_tail.values())
         return list(by_tail.values())
@@ -165,6 +174,8 @@ class StateSnapshots:
         del by_tail[snapshot.tail]
         if not by_tail:
             del self._at[snapshot.anchor]
+            if self.events is not None and not snapshot.anchor.is_root:
+                self.events.state_removed(snapshot.anchor.key)
         self.num_bytes -= snapshot.num_bytes
         return snapshot
 

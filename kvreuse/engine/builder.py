@@ -189,13 +189,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         plane_layers=model_config.num_plane_layers,
         plane_size=model_config.plane_size,
     )
+    # Blocks stored / removed (and a hybrid's states kept / dropped), for routers (GET /v1/cache/events); a bounded
+    # ring, cheap to keep.
+    kv_events = KVEventLog()
     state_slots: StateSlots | None = None
     if num_state_slots:
         kv_cache.states = RecurrentStatePool(num_state_slots, len(model_config.state_layers),
                                              *model_config.state_matrix_shape, model_config.state_conv_dim,
                                              model_config.conv_kernel, device)
         state_slots = StateSlots(config.cache.block_size, num_state_slots, config.scheduler.max_num_seqs,
-                                 kv_cache.states.slot_bytes, config.cache.state_snapshot_policy)
+                                 kv_cache.states.slot_bytes, config.cache.state_snapshot_policy, kv_events)
         logger.info("recurrent states: %d slots of %.1f MiB (%d for running requests, %d for snapshots)",
                     num_state_slots, model_config.state_bytes / 2**20, config.scheduler.max_num_seqs,
                     num_state_slots - config.scheduler.max_num_seqs)
@@ -206,8 +209,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     held = model.weight_memory_bytes()
     on_disk = f" (the file: {model_path.stat().st_size / 2**20:.1f} MiB)" if gguf_file else ""
     logger.info("weights: %.1f MiB as held%s", held / 2**20, on_disk)
-    # Blocks stored / removed, for routers (GET /v1/cache/events); a bounded ring, cheap to keep.
-    kv_events = KVEventLog()
     if config.cache.chunk_reuse:
         refuse_chunk_reuse(config, model_config, runner)
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_events,

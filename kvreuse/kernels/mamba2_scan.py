@@ -40,3 +40,22 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.
     return torch.ops.kvreuse_mamba2.selective_scan(x, dt, b, c, a_log.float().contiguous(), dt_bias.float().contiguous(),
                                                    d.float().contiguous(), states, layer, list(slots), list(starts),
                                                    list(lens), float(dt_limit[0]), float(dt_limit[1]))
+
+
+def mixer(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+          conv_bias: torch.Tensor | None, conv_states: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+          d: torch.Tensor, norm_weight: torch.Tensor, states: torch.Tensor, layer: int, slots: Sequence[int],
+          starts: Sequence[int], lens: Sequence[int], heads: int, groups: int, eps: float,
+          dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+    """The Mamba-2 mixer between its projections for every row of a step (csrc/mamba2_scan.cpp ``mixer``): xbc
+    [T, C], z [T, inner], dt [T, H] float32; the convolution's weight [C, 1, K] (and bias [C]), its inputs kept in
+    ``conv_states`` [slots, layers, K - 1, C]; A_log, dt_bias, D [H]; the grouped norm's weight [inner] over ``groups``
+    groups; ``states`` [slots, layers, H, P, N]. Returns the normed, gated y [T, inner] float32."""
+    def as_float(x: torch.Tensor) -> torch.Tensor:
+        return x.float().contiguous()
+
+    return torch.ops.kvreuse_mamba2.mixer(
+        as_float(xbc), as_float(z), as_float(dt), as_float(conv_weight.squeeze(1)),
+        None if conv_bias is None else as_float(conv_bias), conv_states, as_float(a_log), as_float(dt_bias),
+        as_float(d), as_float(norm_weight), states, layer, list(slots), list(starts), list(lens), heads, groups,
+        groups, float(eps), float(dt_limit[0]), float(dt_limit[1]))

@@ -106,6 +106,18 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, inputs: StateInputs) -> torch.Tensor:
         rows = hidden.shape[0]
         z, xbc, dt = self.in_proj(hidden).split([self.inner_size, self.conv_dim, self.heads], dim=-1)
+        pool = inputs.pool
+        if pool.ssm.device.type == "cpu" and scan_kernel.available():  # the whole mixer in one native call
+            y = scan_kernel.mixer(xbc, z, dt, self.conv1d.weight, self.conv1d.bias, pool.conv, self.A_log,
+                                  self.dt_bias, self.D, self.norm.weight, pool.ssm, self.state_layer, inputs.slots,
+                                  inputs.starts, inputs.lens, self.heads, self.groups, self.norm.eps, self.dt_limit)
+            return self.out_proj(y.to(hidden.dtype))
+        return self.out_proj(self.reference(rows, z, xbc, dt, inputs, hidden.dtype))
+
+    def reference(self, rows: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, inputs: StateInputs,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The mixer between its projections op by op (PyTorch, the native scan where it builds): what the fused
+        native call computes, in another summation order."""
         xbc = causal_conv_with_state(xbc, self.conv1d.weight, self.conv1d.bias, inputs, self.state_layer)
         x, b, c = xbc.float().split([self.inner_size, self.groups * self.state_size, self.groups * self.state_size],
                                     dim=-1)
@@ -113,7 +125,7 @@ class Mamba2Mixer(nn.Module):
                            b.reshape(rows, self.groups, self.state_size).contiguous(),
                            c.reshape(rows, self.groups, self.state_size).contiguous(), self.A_log, self.dt_bias,
                            self.D, inputs.pool.ssm, self.state_layer, inputs, self.dt_limit)
-        return self.out_proj(self.norm(y.reshape(rows, self.inner_size), z, hidden.dtype))
+        return self.norm(y.reshape(rows, self.inner_size), z, dtype)
 
 
 class BiasedDepthwiseConv(nn.Module):

@@ -154,6 +154,11 @@ class KVReuseRequestRouter(RequestRouter):
             elif update.kind == "removed":
                 for key in update.keys:
                     index.remove(update.source, key)
+            elif update.kind == "state_stored":  # a hybrid replica's states (cache/events.py)
+                index.record_state(update.source, update.keys)
+            elif update.kind == "state_removed":
+                for key in update.keys:
+                    index.remove_state(update.source, key)
             else:  # cleared, resync: what the index held for it may be wrong
                 index.drop_backend(update.source)
 

@@ -67,6 +67,8 @@ class Backend:
     # The remote KV tier the backend shares ("<url digest>/<model fingerprint>" from its card's kv_remote;
     # None: none): backends showing the same one read each other's blocks.
     kv_remote: str | None = None
+    # A hybrid model's server (its card's "recurrent_state"): it reuses a prefix only from a state snapshot on it.
+    recurrent_state: bool = False
     consecutive_failures: int = 0
     routed_requests: int = 0
     routed_matched_tokens: int = 0  # the router's estimate of prompt tokens it sent to a warm cache
@@ -211,6 +213,7 @@ class BackendPool:
             logger.warning("backend %s caches blocks of %d tokens, the router hashes blocks of %d "
                            "(--block-size): its prefix matches will be off", backend.name, block_size,
                            self._block_size)
+        backend.recurrent_state = card.get("recurrent_state") is True
         kv_remote = remote_group_of(card)
         if kv_remote != backend.kv_remote:
             logger.info("backend %s %s", backend.name, f"shares the remote KV tier {kv_remote}" if kv_remote

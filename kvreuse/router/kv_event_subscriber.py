@@ -49,8 +49,9 @@ class KVEventSource:
 
 @dataclass(frozen=True)
 class BlockUpdate:
-    """What one source did: ``stored`` / ``removed`` these block keys, ``cleared`` everything, or
-    ``resync`` (events were lost: forget what the source was believed to hold)."""
+    """What one source did: ``stored`` / ``removed`` these block keys, ``state_stored`` / ``state_removed`` a
+    recurrent-state snapshot on them (a hybrid model's), ``cleared`` everything, or ``resync`` (events were lost:
+    forget what the source was believed to hold)."""
 
     source: str
     kind: str
@@ -83,6 +84,8 @@ def decode_batch(payload: bytes) -> list[tuple[str, tuple[bytes, ...]]]:
             decoded.append(("removed", tuple(event[1])))
         elif tag == "AllBlocksCleared":
             decoded.append(("cleared", ()))
+        elif tag in ("StateStored", "StateRemoved"):  # a hybrid server's states (server/kv_event_publisher.py)
+            decoded.append(("state_stored" if tag == "StateStored" else "state_removed", tuple(event[1])))
         else:
             raise ValueError(f"unknown KV event {tag!r}")
     return decoded

@@ -39,11 +39,18 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str
 
 
 class BackendBlockIndex:
-    """Block key -> backends believed to hold it; each backend's share is an LRU of ``capacity`` blocks."""
+    """Block key -> backends believed to hold it; each backend's share is an LRU of ``capacity`` blocks.
+
+    A backend that runs a hybrid model (issue 66: recurrent layers, whose past is one state per sequence) reuses a
+    prefix only from a state snapshot on it: its blocks without a state there are recomputed. For such a backend the
+    index also keeps the blocks whose nodes anchor a snapshot (its ``state_stored`` / ``state_removed`` events, and
+    the end of each prompt the router sends it, where the server keeps one), and credits a prompt only with the
+    blocks up to the deepest of those on its path."""
 
     def __init__(self) -> None:
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
         self._capacity: dict[str, int] = {}
+        self._states: dict[str, set[bytes]] = {}  # the hybrid backends: their blocks that anchor a state
 
     def add_backend(self, backend: str, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
@@ -70,22 +77,43 @@ class BackendBlockIndex:
         self._evict(backend)
 
     def remove(self, backend: str, key: bytes) -> None:
-        """The backend evicted this block (a KV event): requests stop matching at it."""
+        """The backend evicted this block (a KV event): requests stop matching at it (its states went with it)."""
         blocks = self._blocks.get(backend)
         if blocks is not None:
             blocks.pop(key, None)
+        self._states.get(backend, set()).discard(key)
+
+    def set_recurrent(self, backend: str) -> None:
+        """The backend runs a hybrid model (its model card says so, or it sent a state event): credit it only up to
+        the states it keeps."""
+        self._states.setdefault(backend, set())
+
+    def is_recurrent(self, backend: str) -> bool:
+        return backend in self._states
+
+    def record_state(self, backend: str, keys: Sequence[bytes]) -> None:
+        """These blocks' nodes anchor a state snapshot on the backend (a ``state_stored`` event)."""
+        self._states.setdefault(backend, set()).update(keys)
+
+    def remove_state(self, backend: str, key: bytes) -> None:
+        """The block's node anchors no state any more (a ``state_removed`` event); the block stays."""
+        self._states.get(backend, set()).discard(key)
 
     def matched_blocks(self, backend: str, keys: Sequence[bytes]) -> int:
-        """How many leading blocks of ``keys`` the backend is believed to hold (chains: stop at the first miss)."""
+        """How many leading blocks of ``keys`` the backend is believed to reuse: those it holds (chains: stop at the
+        first miss), and on a hybrid backend only up to the deepest one that anchors a state."""
         blocks = self._blocks.get(backend)
         if not blocks:
             return 0
-        count = 0
+        states = self._states.get(backend)
+        count = reusable = 0
         for key in keys:
             if key not in blocks:
                 break
             count += 1
-        return count
+            if states is not None and key in states:
+                reusable = count
+        return count if states is None else reusable
 
     def drop_backend(self, backend: str) -> int:
         """Forget everything the backend held (it failed or restarted); returns how many entries went."""
@@ -94,12 +122,16 @@ class BackendBlockIndex:
             return 0
         dropped = len(blocks)
         blocks.clear()
+        if backend in self._states:
+            self._states[backend].clear()
         return dropped
 
     def _evict(self, backend: str) -> None:
-        blocks = self._blocks[backend]
+        blocks, states = self._blocks[backend], self._states.get(backend)
         while len(blocks) > self._capacity[backend]:
-            blocks.popitem(last=False)
+            key, _ = blocks.popitem(last=False)
+            if states is not None:
+                states.discard(key)
 
 
 @dataclass
@@ -266,6 +298,8 @@ class Router:
         ``record_finished``."""
         keys = request.keys_for(backend)
         self.index.record(backend, keys)
+        if keys and self.index.is_recurrent(backend):  # a hybrid server keeps a state where the prompt ends
+            self.index.record_state(backend, keys[-1:])
         self.record_remote(backend, keys)  # its engine writes each computed block through to the remote
         self._in_flight_blocks.setdefault(backend, Counter()).update(keys)
 

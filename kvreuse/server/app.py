@@ -115,6 +115,10 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     draft_digest = state.llm_engine.draft_digest
     if draft_digest is not None:  # speculative decoding: part of every cache namespace (kvreuse route keys with it)
         card["draft_digest"] = draft_digest
+    if state.llm_engine.kv_cache.states is not None:
+        # A hybrid model (recurrent layers): a hit needs a state snapshot, so its KV events say where it keeps them
+        # and kvreuse route credits it only up to those (cache/events.py).
+        card["recurrent_state"] = True
     remote_url = state.llm_engine.config.cache.kv_remote_url
     store = state.llm_engine.tier_store
     if remote_url and store is not None:

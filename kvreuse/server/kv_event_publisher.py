@@ -23,6 +23,12 @@ a follower then knows less than the server holds (misses, never a block it does 
 
 Unlike ``/v1/cache/events``, ``BlockStored`` carries the blocks' token ids (vLLM's schema does), so the
 sockets are for the operator's network: bind them to an address only routers reach.
+
+A hybrid model's server (issue 66) adds two kvreuse events vLLM's schema has no word for: ``["StateStored",
+block_hashes]`` (these blocks' nodes anchor a recurrent-state snapshot now) and ``["StateRemoved", block_hashes]``
+(they anchor none any more). kvreuse's follower (router/kv_event_subscriber.py) credits a hybrid replica only up to
+the deepest such block on a prompt's path; a follower written for vLLM would not know the tags, so only hybrid
+servers send them (an attention-only model's stream is vLLM's exactly).
 """
 
 from __future__ import annotations
@@ -101,15 +107,22 @@ def encode_batch(events: list[KVEvent], block_size: int, medium: str, cleared: b
     (BlockRemoved) while each stored block is the previous one's child, as vLLM groups a request's
     blocks; ``cleared`` puts AllBlocksCleared first."""
     encoded: list[list[Any]] = [["AllBlocksCleared"]] if cleared else []
+    states = {"state_stored": "StateStored", "state_removed": "StateRemoved"}
     for event in events:
         last = encoded[-1] if encoded else None
-        if event.type == "stored":
+        if event.type in states:
+            tag = states[event.type]
+            if last is not None and last[0] == tag:
+                last[1].append(event.key)
+            else:
+                encoded.append([tag, [event.key]])
+        elif event.type == "stored":
             if last is not None and last[0] == "BlockStored" and last[1][-1] == event.parent:
                 last[1].append(event.key)
                 last[3].extend(event.tokens)
             else:
                 encoded.append(["BlockStored", [event.key], event.parent, list(event.tokens), block_size, None, medium])
-        elif last is not None and last[0] == "BlockRemoved":
+        elif last is not None and last[0] == "BlockRemoved" and event.type == "removed":
             last[1].append(event.key)
         else:
             encoded.append(["BlockRemoved", [event.key], medium])
