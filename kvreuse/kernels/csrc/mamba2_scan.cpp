@@ -4,7 +4,7 @@
 //   dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max);  decay = exp(dt * A),  A = -exp(A_log)
 //   S[p, n] = S[p, n] * decay + (dt * B[n]) * x[p];           y[p] = sum_n S[p, n] C[n] + D x[p]
 // One pass over the head_dim x state_size state a token, the inner loop over n vectorised by the compiler
-// (-O3 -march=native). The pairs are split over torch's threads; a pair's arithmetic does not depend on which other
+// (-O3 -march=native; the readout's sum in lanes of a fixed order, update_and_read). The pairs are split over torch's threads; a pair's arithmetic does not depend on which other
 // pairs run, nor on how its tokens were split into steps, so a sequence's output and state are the same bits whatever
 // the batch, and a state snapshotted at token t and resumed is the state a cold run reaches there.
 //
@@ -22,6 +22,43 @@
 #include <vector>
 
 namespace {
+
+// Sums over the state dimension in 16 lanes, each lane in index order, the lanes then added in order: a fixed order
+// (the same bits whatever the batch) that the compiler vectorises (a plain running sum cannot be reordered).
+constexpr int64_t kLanes = 16;
+
+// One state row's update and readout: s[n] = s[n] * decay + db[n] * x; returns sum_n s[n] c[n].
+inline float update_and_read(float* s, const float* db, const float* c, float decay, float x, int64_t size) {
+  float lanes[kLanes] = {};
+  int64_t n = 0;
+  for (; n + kLanes <= size; n += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float value = s[n + l] * decay + db[n + l] * x;
+      s[n + l] = value;
+      lanes[l] += value * c[n + l];
+    }
+  }
+  float total = 0.f;
+  for (; n < size; ++n) {
+    const float value = s[n] * decay + db[n] * x;
+    s[n] = value;
+    total += value * c[n];
+  }
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// sum_i x[i]^2 in the same lane order.
+inline float sum_of_squares(const float* x, int64_t size) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= size; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * x[i + l];
+  float total = 0.f;
+  for (; i < size; ++i) total += x[i] * x[i];
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
 
 at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const at::Tensor& b, const at::Tensor& c,
                           const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& d, at::Tensor& states,
@@ -76,14 +113,7 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const a
         float* yt = op + (row * heads + head) * head_dim;
         for (int64_t n = 0; n < state_size; ++n) db[n] = dt * bt[n];
         for (int64_t p = 0; p < head_dim; ++p) {
-          float* s = state + p * state_size;
-          const float xv = xt[p];
-          float acc = 0.f;
-          for (int64_t n = 0; n < state_size; ++n) {
-            s[n] = s[n] * decay + db[n] * xv;
-            acc += s[n] * ct[n];
-          }
-          yt[p] = acc + dp[head] * xv;
+          yt[p] = update_and_read(state + p * state_size, db.data(), ct, decay, xt[p], state_size) + dp[head] * xt[p];
         }
       }
     }
@@ -188,14 +218,7 @@ at::Tensor mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& d
         float* yt = yp + row * inner + head * head_dim;
         for (int64_t n = 0; n < state_size; ++n) db[n] = step * bt[n];
         for (int64_t p = 0; p < head_dim; ++p) {
-          float* s = state + p * state_size;
-          const float xv = xt[p];
-          float acc = 0.f;
-          for (int64_t n = 0; n < state_size; ++n) {
-            s[n] = s[n] * decay + db[n] * xv;
-            acc += s[n] * ct[n];
-          }
-          yt[p] = acc + dp[head] * xv;
+          yt[p] = update_and_read(state + p * state_size, db.data(), ct, decay, xt[p], state_size) + dp[head] * xt[p];
         }
       }
     }
@@ -211,8 +234,7 @@ at::Tensor mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& d
       for (int64_t i = 0; i < inner; ++i) yt[i] = yt[i] * (zt[i] * (1.f / (1.f + std::exp(-zt[i]))));
       for (int64_t g = 0; g < norm_groups; ++g) {
         float* part = yt + g * group_size;
-        float squares = 0.f;
-        for (int64_t i = 0; i < group_size; ++i) squares += part[i] * part[i];
+        const float squares = sum_of_squares(part, group_size);
         const float scale = 1.f / std::sqrt(squares / static_cast<float>(group_size) + epsilon);
         for (int64_t i = 0; i < group_size; ++i) part[i] = np[g * group_size + i] * (part[i] * scale);
       }
