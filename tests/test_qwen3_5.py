@@ -386,3 +386,61 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_runs_as_its_folder(tmp_path):
     grouped = make_llm(write_gguf(grouped_folder, tmp_path / "grouped.gguf", "F32"))
     assert grouped.engine.model_config.delta_tiled_values
     assert run_checked(grouped.engine, prompts, greedy) == run_checked(make_llm(grouped_folder).engine, prompts, greedy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_delta_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits_in_any_step(dtype):
+    """The Gated DeltaNet between its projections in one native call (convolution, L2 norms, gates, the rule, the
+    gated output norm; bfloat16's roundings where the op-by-op path rounds): that path's values, and for a sequence's
+    rows the same bits in one prefill chunk, in pieces with decode rows, or beside another sequence's rows."""
+    if not delta_kernel.available():
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    from kvreuse.layers.gated_delta import GatedDeltaNet
+
+    torch.manual_seed(0)
+    key_heads, value_heads, key_dim, value_dim, kernel, hidden = 2, 4, 16, 8, 4, 32
+    for tiled in (False, True):
+        mixer = GatedDeltaNet(hidden, key_heads, value_heads, key_dim, value_dim, kernel, 1e-6, 1, dtype,
+                              torch.device("cpu"), tiled_values=tiled)
+        with torch.no_grad():
+            for parameter in mixer.parameters():
+                parameter.normal_(0.0, 0.5)
+        pool = RecurrentStatePool(4, 2, value_heads, key_dim, value_dim, mixer.conv_dim, kernel)
+        pool.ssm.normal_()
+        pool.conv.normal_()
+        initial = (pool.ssm.clone(), pool.conv.clone())
+        with torch.no_grad():
+            mixed, z, b, a = mixer.in_proj(torch.randn(12, hidden, dtype=dtype)).split(
+                [mixer.conv_dim, mixer.value_size, value_heads, value_heads], dim=-1)
+
+        def run(groups_of_rows: list[tuple[int, int, int]], native: bool) -> torch.Tensor:
+            pick = torch.cat([torch.arange(start, start + length) for _, start, length in groups_of_rows])
+            starts, offset = [], 0
+            for _, _, length in groups_of_rows:
+                starts.append(offset)
+                offset += length
+            inputs = StateInputs([slot for slot, _, _ in groups_of_rows], starts, [n for _, _, n in groups_of_rows],
+                                 pool)
+            if native:
+                return delta_kernel.delta_mixer(mixed[pick], z[pick], a[pick], b[pick], mixer.conv1d.weight, pool.conv,
+                                                mixer.A_log, mixer.dt_bias, mixer.norm.weight, pool.ssm, 1, inputs.slots,
+                                                inputs.starts, inputs.lens, key_heads, tiled, 1e-6,
+                                                dtype == torch.bfloat16).to(dtype)
+            with torch.no_grad():
+                return mixer.reference(mixed[pick], z[pick], b[pick], a[pick], inputs, dtype)
+
+        def reset() -> None:
+            pool.ssm.copy_(initial[0])
+            pool.conv.copy_(initial[1])
+
+        steps = [(3, 0, 7), (0, 7, 1), (1, 8, 4)]
+        reference = run(steps, native=False)
+        reset()
+        whole = run(steps, native=True)
+        close = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+        torch.testing.assert_close(whole.float(), reference.float(), **close)
+        states = (pool.ssm.clone(), pool.conv.clone())
+        reset()
+        alone = torch.cat([run([(3, 0, 3)], True), run([(3, 3, 1)], True), run([(3, 4, 3), (0, 7, 1)], True)[:3]])
+        assert torch.equal(alone, whole[:7])
+        assert torch.equal(pool.ssm[3], states[0][3]) and torch.equal(pool.conv[3], states[1][3])

@@ -60,3 +60,21 @@ def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: 
     """(g, beta) [T, Hv] float32 from a, b [T, Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
     return torch.ops.kvreuse_delta.delta_gates(a.float().contiguous(), b.float().contiguous(), a_log.float(),
                                                dt_bias.float())
+
+
+def delta_mixer(mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                conv_states: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                states: torch.Tensor, layer: int, slots: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+                key_heads: int, tiled: bool, eps: float, round_bf16: bool) -> torch.Tensor:
+    """The Gated DeltaNet between its projections for every row of a step (csrc/gated_delta.cpp ``delta_mixer``):
+    mixed [T, C] (q|k|v before the convolution), z [T, Hv * dv], a, b [T, Hv]; the convolution's weight [C, 1, K], its
+    inputs kept in ``conv_states`` [slots, layers, K - 1, C]; A_log, dt_bias [Hv]; the output norm's weight [dv];
+    ``states`` [slots, layers, Hv, dk, dv]. ``round_bf16``: round where a bfloat16 model's op-by-op path does. Returns
+    the gated, normed output [T, Hv * dv] float32."""
+    def as_float(x: torch.Tensor) -> torch.Tensor:
+        return x.float().contiguous()
+
+    return torch.ops.kvreuse_delta.delta_mixer(
+        as_float(mixed), as_float(z), as_float(a), as_float(b), as_float(conv_weight.squeeze(1)), conv_states,
+        as_float(a_log), as_float(dt_bias), as_float(norm_weight), states, layer, list(slots), list(starts), list(lens),
+        key_heads, tiled, float(eps), round_bf16)

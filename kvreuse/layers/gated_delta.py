@@ -19,6 +19,11 @@ summation: the state it reaches at a chunk's end depends on where the chunks beg
 function of the state before it and token t, however the tokens were split into steps, batched or resumed: a hit
 changes no bit. On a CPU the loop costs no more: about 4 dk dv multiply-adds a token and head against the chunked
 form's ~5.7 at 64-token chunks, with S (64 KiB at dk = dv = 128) in the core's L2.
+
+On a CPU the whole mixer between the two projections (the convolution, the L2 norms, the gates, the rule and the
+gated output norm, with a bfloat16 model's roundings where the op-by-op path rounds) is one native call
+(kernels/gated_delta.py ``delta_mixer``) that computes every row alike, prefill or decode; ``reference`` is the same
+computation op by op (other devices, float16, and the tests' reference).
 """
 
 from __future__ import annotations
@@ -110,9 +115,22 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_size, [hidden_size], False, dtype, device)
 
     def forward(self, hidden: torch.Tensor, inputs: StateInputs) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.value_heads, self.value_heads], dim=-1)
+        pool = inputs.pool
+        if native(pool.ssm) and hidden.dtype in (torch.float32, torch.bfloat16):  # the whole mixer in one native call
+            out = delta_kernel.delta_mixer(mixed, z, a, b, self.conv1d.weight, pool.conv, self.A_log, self.dt_bias,
+                                           self.norm.weight, pool.ssm, self.state_layer, inputs.slots, inputs.starts,
+                                           inputs.lens, self.key_heads, self.tiled_values, self.norm.eps,
+                                           hidden.dtype == torch.bfloat16)
+            return self.out_proj(out.to(hidden.dtype))
+        return self.out_proj(self.reference(mixed, z, b, a, inputs, hidden.dtype))
+
+    def reference(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, inputs: StateInputs,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """The mixer between its projections op by op (PyTorch, the native loop and activations where they build):
+        what the fused native call computes, in another summation order."""
+        num_tokens = mixed.shape[0]
         mixed = causal_conv_with_state(mixed, self.conv1d.weight, None, inputs, self.state_layer)
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = l2_normalize(q.reshape(num_tokens, self.key_heads, self.key_dim).float()) * self.key_dim ** -0.5
@@ -125,8 +143,8 @@ class GatedDeltaNet(nn.Module):
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                          inputs.pool.ssm, self.state_layer, inputs, self.tiled_values)
-        out = self.norm(out.to(hidden.dtype), z.reshape(num_tokens, self.value_heads, self.value_dim))
-        return self.out_proj(out.reshape(num_tokens, self.value_size))
+        out = self.norm(out.to(dtype), z.reshape(num_tokens, self.value_heads, self.value_dim))
+        return out.reshape(num_tokens, self.value_size)
 
 
 class DepthwiseConv(nn.Module):

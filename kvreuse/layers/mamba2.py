@@ -17,6 +17,10 @@ contributions in an order that depends on where the chunk began, so a state snap
 would not be the bits a cold run computes there. Token by token, the state after token t is one function of the state
 before it and token t: a hit changes no bit. On a CPU the loop costs about 2 head_dim x state_size multiply-adds a
 token and head, the chunked form's work without its chunk-sized matrices.
+
+On a CPU the whole mixer between the projections (the convolution, the scan, the gate and the grouped norm) is one
+native call (kernels/mamba2_scan.py ``mixer``) that computes every row alike, prefill or decode; ``reference`` is the
+same computation op by op (other devices, and the tests' reference).
 """
 
 from __future__ import annotations

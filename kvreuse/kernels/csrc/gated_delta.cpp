@@ -13,8 +13,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "recurrent_ops.h"
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -141,9 +144,149 @@ std::tuple<at::Tensor, at::Tensor> delta_gates(const at::Tensor& a, const at::Te
   return {g, beta};
 }
 
+// x rounded to the nearest bfloat16 (ties to even), as a float: what a bfloat16 model's PyTorch ops round to between
+// the steps the fused mixer below keeps in float32.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return x;  // inf, nan
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof bits);
+  return x;
+}
+
+// The whole Gated DeltaNet between its projections, for every row of a step (prefill and decode alike): the causal
+// convolution of q|k|v with SiLU (its last K - 1 inputs in the sequence's slot), q and k L2-normalised per key head (q
+// scaled by 1/sqrt(dk)), the gates from a and b, the delta rule above, and the output's RMS norm per value head, scaled
+// by the norm's weight and gated by SiLU(z). `round_bf16`: the values rounded to bfloat16 where a bfloat16 model's
+// op-by-op path rounds them (the convolution's output, the rule's output, the normalised and the scaled values). Each
+// value is computed the same way whatever row it is in and whatever the step holds, so a token's output is the same
+// bits in a prefill chunk, a decode step or a resumed run, in one call instead of ~40 small PyTorch ops a layer. The
+// PyTorch reference is layers/gated_delta.py's op-by-op path.
+at::Tensor delta_mixer(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& conv_w, at::Tensor& conv_states, const at::Tensor& a_log,
+                       const at::Tensor& dt_bias, const at::Tensor& norm_w, at::Tensor& states, int64_t layer,
+                       at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef lens, int64_t key_heads, bool tiled,
+                       double eps, bool round_to_bf16) {
+  for (const at::Tensor* t : {&mixed, &z, &a, &b, &conv_w, &a_log, &dt_bias, &norm_w,
+                              static_cast<const at::Tensor*>(&conv_states), static_cast<const at::Tensor*>(&states)}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "delta mixer: contiguous float32 tensors");
+  }
+  TORCH_CHECK(states.dim() == 5 && conv_states.dim() == 4 && mixed.dim() == 2 && a.dim() == 2,
+              "delta mixer: mixed [T, C], a [T, Hv], state [slots, layers, Hv, dk, dv], conv [slots, layers, K-1, C]");
+  const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = a.size(1);
+  const int64_t key_dim = states.size(3), value_dim = states.size(4), kernel = conv_w.size(1);
+  const int64_t key_size = key_heads * key_dim, value_size = value_heads * value_dim;
+  TORCH_CHECK(key_heads > 0 && value_heads % key_heads == 0 && states.size(2) == value_heads &&
+                  channels == 2 * key_size + value_size && conv_w.size(0) == channels &&
+                  conv_states.size(2) == kernel - 1 && conv_states.size(3) == channels && z.size(0) == tokens &&
+                  z.size(1) == value_size && b.sizes() == a.sizes() && a.size(0) == tokens &&
+                  a_log.numel() == value_heads && dt_bias.numel() == value_heads && norm_w.numel() == value_dim,
+              "delta mixer: shapes do not agree");
+  TORCH_CHECK(layer >= 0 && layer < states.size(1) && layer < conv_states.size(1), "delta mixer: layer out of range");
+  const kvreuse_recurrent::Sequences seqs = kvreuse_recurrent::sequences(
+      slots, starts, lens, tokens, std::min(states.size(0), conv_states.size(0)));
+  const int64_t num_seqs = static_cast<int64_t>(seqs.slot.size());
+  auto rounded = [round_to_bf16](float x) { return round_to_bf16 ? round_bf16(x) : x; };
+  // 1. The convolution and SiLU (rounded where the model's dtype rounds it).
+  at::Tensor conv_out = at::empty({tokens, channels}, mixed.options());
+  float* cp = conv_out.data_ptr<float>();
+  kvreuse_recurrent::conv_silu(mixed.data_ptr<float>(), conv_w.data_ptr<float>(), nullptr,
+                               conv_states.data_ptr<float>(), conv_states.stride(0), layer * conv_states.stride(1), cp,
+                               channels, kernel, seqs);
+  // 2. Per row: the rounding, q and k L2-normalised per key head (q scaled), and the gates per value head.
+  at::Tensor gates = at::empty({tokens, 2, value_heads}, mixed.options());  // g, beta
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>(), *lp = a_log.data_ptr<float>(),
+              *dp = dt_bias.data_ptr<float>();
+  float* gp = gates.data_ptr<float>();
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(key_dim));
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* values = cp + row * channels;
+      if (round_to_bf16)
+        for (int64_t c = 0; c < channels; ++c) values[c] = round_bf16(values[c]);
+      for (int64_t part = 0; part < 2 * key_heads; ++part) {  // q heads, then k heads
+        float* head = values + part * key_dim;
+        const float inverse = 1.f / std::sqrt(kvreuse_recurrent::sum_of_squares(head, key_dim) + 1e-6f);
+        for (int64_t i = 0; i < key_dim; ++i) head[i] = part < key_heads ? head[i] * inverse * q_scale : head[i] * inverse;
+      }
+      for (int64_t h = 0; h < value_heads; ++h) {
+        const float x = ap[row * value_heads + h] + dp[h];
+        const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+        gp[(row * 2) * value_heads + h] = -std::exp(lp[h]) * softplus;
+        gp[(row * 2 + 1) * value_heads + h] = 1.f / (1.f + std::exp(-bp[row * value_heads + h]));
+      }
+    }
+  });
+  // 3. The delta rule per (sequence, value head), rows in order.
+  at::Tensor out = at::empty({tokens, value_size}, mixed.options());
+  float *sp = states.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t ratio = value_heads / key_heads, matrix = key_dim * value_dim;
+  const int64_t slot_stride = states.stride(0), layer_stride = states.stride(1);
+  at::parallel_for(0, num_seqs * value_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> memory(value_dim), delta(value_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = pair / value_heads, head = pair % value_heads;
+      const int64_t key_head = tiled ? head % key_heads : head / ratio;
+      float* state = sp + seqs.slot[seq] * slot_stride + layer * layer_stride + head * matrix;
+      for (int64_t row = seqs.start[seq]; row < seqs.start[seq] + seqs.len[seq]; ++row) {
+        const float* qt = cp + row * channels + key_head * key_dim;
+        const float* kt = cp + row * channels + key_size + key_head * key_dim;
+        const float* vt = cp + row * channels + 2 * key_size + head * value_dim;
+        float* ot = op + row * value_size + head * value_dim;
+        const float decay = std::exp(gp[(row * 2) * value_heads + head]);
+        const float beta = gp[(row * 2 + 1) * value_heads + head];
+        for (int64_t j = 0; j < value_dim; ++j) memory[j] = 0.f;
+        for (int64_t i = 0; i < key_dim; ++i) {
+          float* s = state + i * value_dim;
+          const float ki = kt[i];
+          for (int64_t j = 0; j < value_dim; ++j) {
+            s[j] *= decay;
+            memory[j] += ki * s[j];
+          }
+        }
+        for (int64_t j = 0; j < value_dim; ++j) {
+          delta[j] = (vt[j] - memory[j]) * beta;
+          ot[j] = 0.f;
+        }
+        for (int64_t i = 0; i < key_dim; ++i) {
+          float* s = state + i * value_dim;
+          const float ki = kt[i], qi = qt[i];
+          for (int64_t j = 0; j < value_dim; ++j) {
+            s[j] += ki * delta[j];
+            ot[j] += qi * s[j];
+          }
+        }
+      }
+    }
+  });
+  // 4. Per (row, value head): RMS norm, the weight, SiLU(z).
+  const float *zp = z.data_ptr<float>(), *wp = norm_w.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t h = 0; h < value_heads; ++h) {
+        float* o = op + row * value_size + h * value_dim;
+        const float* zt = zp + row * value_size + h * value_dim;
+        if (round_to_bf16)
+          for (int64_t j = 0; j < value_dim; ++j) o[j] = round_bf16(o[j]);
+        const float scale =
+            1.f / std::sqrt(kvreuse_recurrent::sum_of_squares(o, value_dim) / static_cast<float>(value_dim) + epsilon);
+        for (int64_t j = 0; j < value_dim; ++j)
+          o[j] = rounded(wp[j] * rounded(o[j] * scale)) * kvreuse_recurrent::silu(zt[j]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_delta, m) {
+  m.def("delta_mixer(Tensor mixed, Tensor z, Tensor a, Tensor b, Tensor conv_w, Tensor(a!) conv_states, Tensor a_log, "
+        "Tensor dt_bias, Tensor norm_w, Tensor(b!) states, int layer, int[] slots, int[] starts, int[] lens, "
+        "int key_heads, bool tiled, float eps, bool round_bf16) -> Tensor");
   m.def("pointwise_(Tensor(a!) x, int kind) -> ()");
   m.def("delta_gates(Tensor a, Tensor b, Tensor a_log, Tensor dt_bias) -> (Tensor, Tensor)");
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, int layer, "
@@ -154,4 +297,5 @@ TORCH_LIBRARY_IMPL(kvreuse_delta, CPU, m) {
   m.impl("gated_delta_rule", &gated_delta_rule);
   m.impl("pointwise_", &pointwise_);
   m.impl("delta_gates", &delta_gates);
+  m.impl("delta_mixer", &delta_mixer);
 }

@@ -16,6 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "recurrent_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,9 +25,8 @@
 
 namespace {
 
-// Sums over the state dimension in 16 lanes, each lane in index order, the lanes then added in order: a fixed order
-// (the same bits whatever the batch) that the compiler vectorises (a plain running sum cannot be reordered).
-constexpr int64_t kLanes = 16;
+using kvreuse_recurrent::kLanes;
+using kvreuse_recurrent::sum_of_squares;
 
 // One state row's update and readout: s[n] = s[n] * decay + db[n] * x; returns sum_n s[n] c[n].
 inline float update_and_read(float* s, const float* db, const float* c, float decay, float x, int64_t size) {
@@ -44,18 +45,6 @@ inline float update_and_read(float* s, const float* db, const float* c, float de
     s[n] = value;
     total += value * c[n];
   }
-  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
-}
-
-// sum_i x[i]^2 in the same lane order.
-inline float sum_of_squares(const float* x, int64_t size) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= size; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * x[i + l];
-  float total = 0.f;
-  for (; i < size; ++i) total += x[i] * x[i];
   for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
   return total;
 }
@@ -149,51 +138,16 @@ at::Tensor mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& d
                                       conv_b->numel() == channels),
               "mamba2 mixer: conv bias [C] float32");
   const int64_t num_seqs = static_cast<int64_t>(slots.size());
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == num_seqs && static_cast<int64_t>(lens.size()) == num_seqs,
-              "mamba2 mixer: slots, starts and lens of one length");
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < states.size(0) && slots[i] < conv_states.size(0),
-                "mamba2 mixer: slot out of range");
-    TORCH_CHECK(starts[i] >= 0 && lens[i] >= 0 && starts[i] + lens[i] <= tokens, "mamba2 mixer: rows out of range");
-  }
   TORCH_CHECK(layer >= 0 && layer < states.size(1) && layer < conv_states.size(1), "mamba2 mixer: layer out of range");
-  std::vector<int64_t> slot_of(slots.begin(), slots.end()), start_of(starts.begin(), starts.end()),
-      len_of(lens.begin(), lens.end());
+  const kvreuse_recurrent::Sequences seqs = kvreuse_recurrent::sequences(slots, starts, lens, tokens,
+                                                                         std::min(states.size(0), conv_states.size(0)));
+  const std::vector<int64_t>&slot_of = seqs.slot, &start_of = seqs.start, &len_of = seqs.len;
   // 1. The convolution and SiLU, per (sequence, channel), rows in order; the slot keeps the last K - 1 inputs.
   at::Tensor mixed = at::empty({tokens, channels}, xbc.options());
-  const float *xp = xbc.data_ptr<float>(), *wp = conv_w.data_ptr<float>();
-  const float* bp = conv_b.has_value() ? conv_b->data_ptr<float>() : nullptr;
-  float *mp = mixed.data_ptr<float>(), *cp = conv_states.data_ptr<float>();
-  const int64_t keep = kernel - 1;
-  const int64_t conv_slot = conv_states.stride(0), conv_layer = conv_states.stride(1);
-  constexpr int64_t kChannelChunk = 256;
-  const int64_t chunks = (channels + kChannelChunk - 1) / kChannelChunk;
-  at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> window;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / chunks, first = (task % chunks) * kChannelChunk;
-      const int64_t last = std::min(first + kChannelChunk, channels), rows = len_of[seq];
-      float* conv = cp + slot_of[seq] * conv_slot + layer * conv_layer;  // [K - 1, C]
-      window.assign((keep + rows) * (last - first), 0.f);  // [K - 1 + rows, chunk]
-      const int64_t width = last - first;
-      for (int64_t r = 0; r < keep; ++r)
-        for (int64_t c = first; c < last; ++c) window[r * width + c - first] = conv[r * channels + c];
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = first; c < last; ++c)
-          window[(keep + r) * width + c - first] = xp[(start_of[seq] + r) * channels + c];
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = mp + (start_of[seq] + r) * channels;
-        for (int64_t c = first; c < last; ++c) {
-          float total = window[r * width + c - first] * wp[c * kernel];
-          for (int64_t tap = 1; tap < kernel; ++tap) total = total + window[(r + tap) * width + c - first] * wp[c * kernel + tap];
-          if (bp != nullptr) total = total + bp[c];
-          out[c] = total * (1.f / (1.f + std::exp(-total)));
-        }
-      }
-      for (int64_t r = 0; r < keep; ++r)
-        for (int64_t c = first; c < last; ++c) conv[r * channels + c] = window[(rows + r) * width + c - first];
-    }
-  });
+  float* mp = mixed.data_ptr<float>();
+  kvreuse_recurrent::conv_silu(xbc.data_ptr<float>(), conv_w.data_ptr<float>(),
+                               conv_b.has_value() ? conv_b->data_ptr<float>() : nullptr, conv_states.data_ptr<float>(),
+                               conv_states.stride(0), layer * conv_states.stride(1), mp, channels, kernel, seqs);
   // 2. The scan over the convolved x, B and C (views of `mixed`'s rows).
   at::Tensor y = at::empty({tokens, inner}, xbc.options());
   const float *dtp = dt_raw.data_ptr<float>(), *alp = a_log.data_ptr<float>(), *dbp = dt_bias.data_ptr<float>(),
@@ -231,7 +185,7 @@ at::Tensor mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& d
     for (int64_t row = begin; row < end; ++row) {
       float* yt = yp + row * inner;
       const float* zt = zp + row * inner;
-      for (int64_t i = 0; i < inner; ++i) yt[i] = yt[i] * (zt[i] * (1.f / (1.f + std::exp(-zt[i]))));
+      for (int64_t i = 0; i < inner; ++i) yt[i] = yt[i] * kvreuse_recurrent::silu(zt[i]);
       for (int64_t g = 0; g < norm_groups; ++g) {
         float* part = yt + g * group_size;
         const float squares = sum_of_squares(part, group_size);
