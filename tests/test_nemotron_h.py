@@ -194,10 +194,10 @@ def test_what_nemotron_h_cannot_do_yet_is_refused_by_name(nemotron_h):
                            ({"enable_lora": True}, "enable_lora on a hybrid model")):
         with pytest.raises(ValueError, match=words):
             make_llm(nemotron_h, **options)
-    # Where the default 64 running requests' states would take more than half the pool, fewer run at once (a warning
-    # says so) instead of a refusal; one set by the caller that fits is left alone.
+    # Where the default 64 running requests' states and the snapshots' share (a quarter: 10 here) would not fit, fewer
+    # run at once, within half the pool (a warning says so), instead of a refusal; a caller's value that fits stays.
     state = ModelConfig.from_pretrained(nemotron_h).state_bytes
-    assert make_llm(nemotron_h, kv_cache_memory=40 * state).engine.config.scheduler.max_num_seqs == 20
+    assert make_llm(nemotron_h, kv_cache_memory=40 * state).engine.config.scheduler.max_num_seqs == 10
     assert make_llm(nemotron_h, kv_cache_memory=40 * state, max_num_seqs=8).engine.config.scheduler.max_num_seqs == 8
 
 

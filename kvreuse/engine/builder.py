@@ -506,14 +506,18 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
     if config.lora.enable_lora:
         raise ValueError(f"enable_lora on {name} is not implemented")
     if model_config.state_layers:
-        # Each running request holds a slot of recurrent state (18.7 MiB at nemotron-h-0.5b's shapes): where the
-        # default 64 of them would not leave half the pool to K/V and snapshots, fewer run at once.
-        fit = config.cache.kv_cache_memory // 2 // model_config.state_bytes
-        if 1 <= fit < config.scheduler.max_num_seqs:
+        # Each running request holds a slot of recurrent state (18.7 MiB at nemotron-h-0.5b's shapes). Where
+        # max_num_seqs of them and the snapshots' share would not fit in kv_cache_memory (the default 64 at 1 GiB),
+        # fewer run at once, their states and the snapshots within half of it, instead of a refusal at start.
+        memory, per_slot = config.cache.kv_cache_memory, model_config.state_bytes
+        snapshots = max(1, int(memory * config.cache.state_snapshot_fraction) // per_slot)
+        fit = memory // 2 // per_slot - snapshots
+        if (config.scheduler.max_num_seqs + snapshots) * per_slot >= memory and fit >= 1:
             logger.warning("max_num_seqs lowered from %d to %d: %s's recurrent state takes %.1f MiB a running request, "
-                           "and kv_cache_memory (%.0f MiB) keeps half for K/V and snapshots; raise kv_cache_memory "
-                           "to run more at once", config.scheduler.max_num_seqs, fit, model_config.architecture,
-                           model_config.state_bytes / 2**20, config.cache.kv_cache_memory / 2**20)
+                           "and %d of them beside %d snapshots do not fit in kv_cache_memory (%.0f MiB); raise "
+                           "kv_cache_memory to run more at once", config.scheduler.max_num_seqs, fit,
+                           model_config.architecture, per_slot / 2**20, config.scheduler.max_num_seqs, snapshots,
+                           memory / 2**20)
             config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=fit))
         # A verification step runs drafted tokens through the state, and a rejected one cannot be taken back out.
         if config.speculative is not None and config.speculative.uses_cache_drafter:
