@@ -21,8 +21,8 @@ pinned: a hybrid's pinned blocks are worth nothing without the state at their en
 the budget is full is the retention policy: ``lru`` (least recently used first, the
 baseline) or ``saved`` (the least compute saved per byte first, Marconi's idea: a snapshot is worth the tokens it
 saves beyond the next snapshot up its own path, times its hits, decayed with age, over its bytes; a system prompt's
-end that every request hits stays, a finished request's end that nobody continues goes; a new snapshot worth less
-than the one it would displace is not kept). Torch-free: a snapshot's
+end that every request hits stays, a finished request's end that nobody continues goes; a request's own new end worth
+less than the one it would displace is not kept). Torch-free: a snapshot's
 state is the caller's ``handle`` (a slot in a state pool, a tier record); this module keeps metadata.
 
 Wired to the engine through cache/state_slots.py (``StateSlots``: the slots behind the handles) for Qwen3.5's
@@ -41,6 +41,9 @@ from kvreuse.cache.events import KVEventLog
 from kvreuse.cache.prefix import CacheNode
 
 POLICIES = ("lru", "saved")
+# Snapshots no other request has shown a use for yet: ``saved`` keeps one only where it is worth more than what it
+# would displace (a branch, a prompt's end and a pin always enter).
+UNPROVEN = ("finish", "chunk")
 # The ``saved`` policy's clock ticks once a use or a new snapshot (not on a lookup that only asks: a scheduler asks for
 # every waiting request at every step). Hits halve in weight after this many ticks without a use: a prompt that
 # stopped coming back loses its claim on the budget.
@@ -148,11 +151,11 @@ class StateSnapshots:
         self._now = next(self._clock)
         snapshot = Snapshot(anchor, tail, anchor.depth * self.block_size + len(tail), num_bytes, handle, reason,
                             self._now)
-        if (self.policy == "saved" and reason != "pin" and self.num_bytes + num_bytes > self.budget_bytes
+        if (self.policy == "saved" and reason in UNPROVEN and self.num_bytes + num_bytes > self.budget_bytes
                 and self.saved_per_byte(snapshot) < self.saved_per_byte(self._victim())):
-            # Admission: a new snapshot worth less than the one it would displace is not kept (a finished answer's
-            # end a few tokens past its prompt's, whose kept state the next turn resumes from, would otherwise push
-            # out that very state when the budget is full).
+            # Admission: a request's own end (or a chunk's) worth less than the snapshot it would displace is not
+            # kept: a finished answer's end a few tokens past its prompt's would otherwise push out the prompt end the
+            # next turn resumes from. A branch, a prompt's end and a pin are kept: another request is on their path.
             return None, []
         dropped: list[Snapshot] = []
         while self.num_bytes + num_bytes > self.budget_bytes:
