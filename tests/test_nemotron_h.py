@@ -17,19 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import reference_greedy, run_checked
-from test_qwen3_5 import BLOCK, _step, make_llm, prompt_ids
+from test_qwen3_5 import BLOCK, logits_match_transformers_in_steps, make_llm, prompt_ids
 
 from kvreuse import SamplingParams
-from kvreuse.cache.kv import KVCache
 from kvreuse.cache.recurrent_state import RecurrentStatePool
-from kvreuse.cache.state_slots import StateCopy
 from kvreuse.kernels import mamba2_scan as scan_kernel
 from kvreuse.layers.mamba2 import selective_scan_reference
 from kvreuse.layers.recurrent import StateInputs
-from kvreuse.loading.loader import load_model
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import MAMBA, MLP_BLOCK, ModelConfig
-from kvreuse.runner.model_runner import ModelRunner
 
 
 def random_nemotron_h(folder: Path) -> Path:
@@ -117,30 +113,7 @@ def test_the_config_reads_transformers_and_the_released_spellings():
 
 
 def test_logits_match_transformers_in_prefill_chunks_decode_and_mixed_batches(nemotron_h):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(nemotron_h, dtype=torch.float32).eval()
-    model, config = load_model(nemotron_h, torch.float32, torch.device("cpu"))
-    kv_cache = KVCache.for_model(config, 64, BLOCK, torch.float32, "cpu")
-    kv_cache.states = RecurrentStatePool(4, len(config.state_layers), *config.state_matrix_shape,
-                                         config.state_conv_dim, config.conv_kernel)
-    kv_cache.states.ssm.normal_()  # a slot's old contents must not leak into a sequence that starts there
-    kv_cache.states.conv.normal_()
-    runner = ModelRunner(model, config, kv_cache, "cpu")
-    first, second = prompt_ids(1, 30), prompt_ids(2, 12)
-    with torch.no_grad():
-        expected = [reference(torch.tensor([tokens])).logits[0] for tokens in (first, second)]
-    done: dict[int, int] = {}
-    close = dict(atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(_step(runner, [(2, first[:9], 0)], done, [StateCopy(None, 2)])[0], expected[0][8], **close)
-    torch.testing.assert_close(_step(runner, [(2, first[9:22], 0)], done, [])[0], expected[0][21], **close)
-    logits = _step(runner, [(2, first[22:23], 0), (0, second[:10], 8)], done, [StateCopy(None, 0)])
-    torch.testing.assert_close(logits[0], expected[0][22], **close)
-    torch.testing.assert_close(logits[1], expected[1][9], **close)
-    for index in range(23, 30):
-        logits = _step(runner, [(0, second[10 + index % 2:11 + index % 2], 8), (2, first[index:index + 1], 0)]
-                       if index < 25 else [(2, first[index:index + 1], 0)], done, [])
-        torch.testing.assert_close(logits[-1], expected[0][index], **close)
+    logits_match_transformers_in_steps(nemotron_h)
 
 
 def test_greedy_matches_transformers_alone_batched_chunked_and_preempted(nemotron_h):

@@ -23,6 +23,33 @@
 
 namespace {
 
+// One token's step of one value head: the decay with the memory read (k^T S), then the update with the output (q^T S).
+// `memory` and `delta` are scratch of value_dim floats.
+inline void delta_token(float* state, const float* qt, const float* kt, const float* vt, float decay, float beta,
+                        int64_t key_dim, int64_t value_dim, float* memory, float* delta, float* ot) {
+  for (int64_t j = 0; j < value_dim; ++j) memory[j] = 0.f;
+  for (int64_t i = 0; i < key_dim; ++i) {
+    float* s = state + i * value_dim;
+    const float ki = kt[i];
+    for (int64_t j = 0; j < value_dim; ++j) {
+      s[j] *= decay;
+      memory[j] += ki * s[j];
+    }
+  }
+  for (int64_t j = 0; j < value_dim; ++j) {
+    delta[j] = (vt[j] - memory[j]) * beta;
+    ot[j] = 0.f;
+  }
+  for (int64_t i = 0; i < key_dim; ++i) {
+    float* s = state + i * value_dim;
+    const float ki = kt[i], qi = qt[i];
+    for (int64_t j = 0; j < value_dim; ++j) {
+      s[j] += ki * delta[j];
+      ot[j] += qi * s[j];
+    }
+  }
+}
+
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, at::Tensor& states, int64_t layer, at::IntArrayRef slots,
                             at::IntArrayRef starts, at::IntArrayRef lens, bool tiled) {
@@ -74,29 +101,8 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
         const float* kt = kp + (row * key_heads + key_head) * key_dim;
         const float* vt = vp + (row * value_heads + head) * value_dim;
         float* ot = op + (row * value_heads + head) * value_dim;
-        const float decay = std::exp(gp[row * value_heads + head]);
-        const float b = bp[row * value_heads + head];
-        for (int64_t j = 0; j < value_dim; ++j) memory[j] = 0.f;
-        for (int64_t i = 0; i < key_dim; ++i) {
-          float* s = state + i * value_dim;
-          const float ki = kt[i];
-          for (int64_t j = 0; j < value_dim; ++j) {
-            s[j] *= decay;
-            memory[j] += ki * s[j];
-          }
-        }
-        for (int64_t j = 0; j < value_dim; ++j) {
-          delta[j] = (vt[j] - memory[j]) * b;
-          ot[j] = 0.f;
-        }
-        for (int64_t i = 0; i < key_dim; ++i) {
-          float* s = state + i * value_dim;
-          const float ki = kt[i], qi = qt[i];
-          for (int64_t j = 0; j < value_dim; ++j) {
-            s[j] += ki * delta[j];
-            ot[j] += qi * s[j];
-          }
-        }
+        delta_token(state, qt, kt, vt, std::exp(gp[row * value_heads + head]), bp[row * value_heads + head], key_dim,
+                    value_dim, memory.data(), delta.data(), ot);
       }
     }
   });
@@ -235,29 +241,8 @@ at::Tensor delta_mixer(const at::Tensor& mixed, const at::Tensor& z, const at::T
         const float* kt = cp + row * channels + key_size + key_head * key_dim;
         const float* vt = cp + row * channels + 2 * key_size + head * value_dim;
         float* ot = op + row * value_size + head * value_dim;
-        const float decay = std::exp(gp[(row * 2) * value_heads + head]);
-        const float beta = gp[(row * 2 + 1) * value_heads + head];
-        for (int64_t j = 0; j < value_dim; ++j) memory[j] = 0.f;
-        for (int64_t i = 0; i < key_dim; ++i) {
-          float* s = state + i * value_dim;
-          const float ki = kt[i];
-          for (int64_t j = 0; j < value_dim; ++j) {
-            s[j] *= decay;
-            memory[j] += ki * s[j];
-          }
-        }
-        for (int64_t j = 0; j < value_dim; ++j) {
-          delta[j] = (vt[j] - memory[j]) * beta;
-          ot[j] = 0.f;
-        }
-        for (int64_t i = 0; i < key_dim; ++i) {
-          float* s = state + i * value_dim;
-          const float ki = kt[i], qi = qt[i];
-          for (int64_t j = 0; j < value_dim; ++j) {
-            s[j] += ki * delta[j];
-            ot[j] += qi * s[j];
-          }
-        }
+        delta_token(state, qt, kt, vt, std::exp(gp[(row * 2) * value_heads + head]),
+                    gp[(row * 2 + 1) * value_heads + head], key_dim, value_dim, memory.data(), delta.data(), ot);
       }
     }
   });

@@ -49,6 +49,17 @@ inline float update_and_read(float* s, const float* db, const float* c, float de
   return total;
 }
 
+// One token's step of one head: the time step (softplus of dt + dt_bias, as PyTorch computes it, clamped), the decay,
+// every state row updated and read out against C, plus D's skip. `db` is scratch of state_size floats.
+inline void scan_token(float* state, const float* x, const float* b, const float* c, float dt_raw, float dt_bias,
+                       float a, float d, float lo, float hi, int64_t head_dim, int64_t state_size, float* db, float* y) {
+  const float raw = dt_raw + dt_bias;
+  const float step = std::min(std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), lo), hi);
+  const float decay = std::exp(step * a);
+  for (int64_t n = 0; n < state_size; ++n) db[n] = step * b[n];
+  for (int64_t p = 0; p < head_dim; ++p) y[p] = update_and_read(state + p * state_size, db, c, decay, x[p], state_size) + d * x[p];
+}
+
 at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const at::Tensor& b, const at::Tensor& c,
                           const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& d, at::Tensor& states,
                           int64_t layer, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef lens,
@@ -93,17 +104,9 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const a
       float* state = sp + slot_of[seq] * slot_stride + layer * layer_stride + head * matrix;
       const float a = -std::exp(alp[head]);
       for (int64_t row = start_of[seq]; row < start_of[seq] + len_of[seq]; ++row) {
-        const float raw = dtp[row * heads + head] + dbp[head];
-        const float dt = std::min(std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), lo), hi);  // torch's softplus
-        const float decay = std::exp(dt * a);
-        const float* bt = bp + (row * groups + group) * state_size;
-        const float* ct = cp + (row * groups + group) * state_size;
-        const float* xt = xp + (row * heads + head) * head_dim;
-        float* yt = op + (row * heads + head) * head_dim;
-        for (int64_t n = 0; n < state_size; ++n) db[n] = dt * bt[n];
-        for (int64_t p = 0; p < head_dim; ++p) {
-          yt[p] = update_and_read(state + p * state_size, db.data(), ct, decay, xt[p], state_size) + dp[head] * xt[p];
-        }
+        scan_token(state, xp + (row * heads + head) * head_dim, bp + (row * groups + group) * state_size,
+                   cp + (row * groups + group) * state_size, dtp[row * heads + head], dbp[head], a, dp[head], lo, hi,
+                   head_dim, state_size, db.data(), op + (row * heads + head) * head_dim);
       }
     }
   });
@@ -163,17 +166,10 @@ at::Tensor mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& d
       float* state = sp + slot_of[seq] * slot_stride + layer * layer_stride + head * matrix;
       const float a = -std::exp(alp[head]);
       for (int64_t row = start_of[seq]; row < start_of[seq] + len_of[seq]; ++row) {
-        const float raw = dtp[row * heads + head] + dbp[head];
-        const float step = std::min(std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), lo), hi);
-        const float decay = std::exp(step * a);
-        const float* xt = mp + row * channels + head * head_dim;
-        const float* bt = mp + row * channels + inner + group * state_size;
-        const float* ct = mp + row * channels + inner + groups * state_size + group * state_size;
-        float* yt = yp + row * inner + head * head_dim;
-        for (int64_t n = 0; n < state_size; ++n) db[n] = step * bt[n];
-        for (int64_t p = 0; p < head_dim; ++p) {
-          yt[p] = update_and_read(state + p * state_size, db.data(), ct, decay, xt[p], state_size) + dp[head] * xt[p];
-        }
+        const float* x = mp + row * channels;  // x | B | C after the convolution
+        scan_token(state, x + head * head_dim, x + inner + group * state_size,
+                   x + inner + groups * state_size + group * state_size, dtp[row * heads + head], dbp[head], a, dp[head],
+                   lo, hi, head_dim, state_size, db.data(), yp + row * inner + head * head_dim);
       }
     }
   });
