@@ -475,11 +475,16 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
 
 
+def snapshot_slots(config: EngineConfig, model_config: ModelConfig) -> int:
+    """How many state snapshots ``state_snapshot_fraction`` of kv_cache_memory holds (at least one)."""
+    return max(1, int(config.cache.kv_cache_memory * config.cache.state_snapshot_fraction) // model_config.state_bytes)
+
+
 def state_pool_slots(config: EngineConfig, model_config: ModelConfig) -> tuple[int, int]:
     """(slots, bytes) of a hybrid's recurrent-state pool: one per running request (max_num_seqs) and as many snapshots
     as ``state_snapshot_fraction`` of kv_cache_memory holds (at least one), all out of kv_cache_memory."""
     per_slot = model_config.state_bytes
-    snapshots = max(1, int(config.cache.kv_cache_memory * config.cache.state_snapshot_fraction) // per_slot)
+    snapshots = snapshot_slots(config, model_config)
     slots = config.scheduler.max_num_seqs + snapshots
     if slots * per_slot >= config.cache.kv_cache_memory:
         raise ValueError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes cannot hold {model_config.architecture}'s "
@@ -510,7 +515,7 @@ def hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> EngineCo
         # max_num_seqs of them and the snapshots' share would not fit in kv_cache_memory (the default 64 at 1 GiB),
         # fewer run at once, their states and the snapshots within half of it, instead of a refusal at start.
         memory, per_slot = config.cache.kv_cache_memory, model_config.state_bytes
-        snapshots = max(1, int(memory * config.cache.state_snapshot_fraction) // per_slot)
+        snapshots = snapshot_slots(config, model_config)
         fit = memory // 2 // per_slot - snapshots
         if (config.scheduler.max_num_seqs + snapshots) * per_slot >= memory and fit >= 1:
             logger.warning("max_num_seqs lowered from %d to %d: %s's recurrent state takes %.1f MiB a running request, "

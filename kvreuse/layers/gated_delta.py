@@ -34,7 +34,7 @@ from torch import nn
 
 from kvreuse.kernels import gated_delta as delta_kernel
 from kvreuse.layers.linear import Linear, _empty_parameter
-from kvreuse.layers.recurrent import StateInputs, causal_conv_with_state, native, silu
+from kvreuse.layers.recurrent import Float32Parameters, StateInputs, causal_conv_with_state, native, silu
 
 __all__ = ["GatedDeltaNet", "StateInputs", "delta_rule", "delta_rule_reference", "l2_normalize"]
 
@@ -113,16 +113,18 @@ class GatedDeltaNet(nn.Module):
         self.A_log = _empty_parameter((value_heads,), dtype, device)
         self.norm = GatedRMSNorm(value_dim, eps, dtype, device)
         self.out_proj = Linear(self.value_size, [hidden_size], False, dtype, device)
+        self._native_parameters = Float32Parameters()
 
     def forward(self, hidden: torch.Tensor, inputs: StateInputs) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.value_heads, self.value_heads], dim=-1)
         pool = inputs.pool
         if native(pool.ssm) and hidden.dtype in (torch.float32, torch.bfloat16):  # the whole mixer in one native call
-            out = delta_kernel.delta_mixer(mixed, z, a, b, self.conv1d.weight, pool.conv, self.A_log, self.dt_bias,
-                                           self.norm.weight, pool.ssm, self.state_layer, inputs.slots, inputs.starts,
-                                           inputs.lens, self.key_heads, self.tiled_values, self.norm.eps,
-                                           hidden.dtype == torch.bfloat16)
+            conv_weight, a_log, dt_bias, norm_weight = self._native_parameters.get(
+                self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+            out = delta_kernel.delta_mixer(mixed, z, a, b, conv_weight, pool.conv, a_log, dt_bias, norm_weight, pool.ssm,
+                                           self.state_layer, inputs.slots, inputs.starts, inputs.lens, self.key_heads,
+                                           self.tiled_values, self.norm.eps, hidden.dtype == torch.bfloat16)
             return self.out_proj(out.to(hidden.dtype))
         return self.out_proj(self.reference(mixed, z, b, a, inputs, hidden.dtype))
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from kvreuse.kernels import mamba2_scan as scan_kernel
 from kvreuse.layers.linear import Linear, _empty_parameter
-from kvreuse.layers.recurrent import StateInputs, causal_conv_with_state, silu
+from kvreuse.layers.recurrent import Float32Parameters, StateInputs, causal_conv_with_state, silu
 
 
 def selective_scan_reference(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -106,15 +106,18 @@ class Mamba2Mixer(nn.Module):
         self.D = _empty_parameter((heads,), dtype, device)
         self.norm = GroupedGatedRMSNorm(self.inner_size, groups, eps, dtype, device)
         self.out_proj = Linear(self.inner_size, [hidden_size], bias, dtype, device)
+        self._native_parameters = Float32Parameters()
 
     def forward(self, hidden: torch.Tensor, inputs: StateInputs) -> torch.Tensor:
         rows = hidden.shape[0]
         z, xbc, dt = self.in_proj(hidden).split([self.inner_size, self.conv_dim, self.heads], dim=-1)
         pool = inputs.pool
         if pool.ssm.device.type == "cpu" and scan_kernel.available():  # the whole mixer in one native call
-            y = scan_kernel.mixer(xbc, z, dt, self.conv1d.weight, self.conv1d.bias, pool.conv, self.A_log,
-                                  self.dt_bias, self.D, self.norm.weight, pool.ssm, self.state_layer, inputs.slots,
-                                  inputs.starts, inputs.lens, self.heads, self.groups, self.norm.eps, self.dt_limit)
+            conv_weight, conv_bias, a_log, dt_bias, d, norm_weight = self._native_parameters.get(
+                self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias, self.D, self.norm.weight)
+            y = scan_kernel.mixer(xbc, z, dt, conv_weight, conv_bias, pool.conv, a_log, dt_bias, d, norm_weight,
+                                  pool.ssm, self.state_layer, inputs.slots, inputs.starts, inputs.lens, self.heads,
+                                  self.groups, self.norm.eps, self.dt_limit)
             return self.out_proj(y.to(hidden.dtype))
         return self.out_proj(self.reference(rows, z, xbc, dt, inputs, hidden.dtype))
 

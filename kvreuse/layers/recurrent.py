@@ -90,3 +90,21 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """Sigmoid of ``x`` in float32."""
     return delta_kernel.pointwise(x, delta_kernel.SIGMOID) if native(x) else torch.sigmoid(x.float())
+
+
+class Float32Parameters:
+    """float32, contiguous copies of a mixer's small parameters for its native call, made once and remade only when
+    a parameter changes in place (its version moves, as loading copies into it): a bfloat16 model's step would
+    otherwise convert them in every layer of every step."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._copies: tuple[torch.Tensor | None, ...] = ()
+
+    def get(self, *parameters: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        key = tuple((id(p), p._version) if p is not None else (0, 0) for p in parameters)
+        if key != self._key:
+            self._copies = tuple(None if p is None else p.detach().float().contiguous() for p in parameters)
+            self._key = key
+        return self._copies
+

@@ -485,7 +485,8 @@ class ModelConfig:
                  else _qwen3_5_moe(hf_config, num_hidden_layers) if is_qwen3_5_moe else None),
             attention_sinks=is_gpt_oss,
             o_proj_bias=o_proj_bias,
-            conv_kernel=(nemotron_h.pop("conv_kernel") if is_nemotron_h else int(hf_config.get("conv_L_cache", 3)) if is_lfm2
+            conv_kernel=(nemotron_h.pop("conv_kernel") if is_nemotron_h
+                         else int(hf_config.get("conv_L_cache", 3)) if is_lfm2
                          else int(hf_config.get("linear_conv_kernel_dim", 4)) if is_qwen3_5 else 0),
             conv_bias=(bool(hf_config.get("conv_bias", False)) if is_lfm2
                        else nemotron_h.pop("conv_bias") if is_nemotron_h else False),

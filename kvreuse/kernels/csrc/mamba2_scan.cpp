@@ -79,13 +79,9 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const a
   TORCH_CHECK(states.size(2) == heads && states.size(3) == head_dim && states.size(4) == state_size,
               "selective_scan: the state's shape does not match the heads");
   TORCH_CHECK(layer >= 0 && layer < states.size(1), "selective_scan: layer out of range");
-  const int64_t num_seqs = static_cast<int64_t>(slots.size());
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == num_seqs && static_cast<int64_t>(lens.size()) == num_seqs,
-              "selective_scan: slots, starts and lens of one length");
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < states.size(0), "selective_scan: slot out of range");
-    TORCH_CHECK(starts[i] >= 0 && lens[i] >= 0 && starts[i] + lens[i] <= tokens, "selective_scan: rows out of range");
-  }
+  const kvreuse_recurrent::Sequences seqs = kvreuse_recurrent::sequences(slots, starts, lens, tokens, states.size(0));
+  const int64_t num_seqs = static_cast<int64_t>(seqs.slot.size());
+  const std::vector<int64_t>&slot_of = seqs.slot, &start_of = seqs.start, &len_of = seqs.len;
   at::Tensor out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *dtp = dt_raw.data_ptr<float>(), *bp = b.data_ptr<float>(),
               *cp = c.data_ptr<float>(), *alp = a_log.data_ptr<float>(), *dbp = dt_bias.data_ptr<float>(),
@@ -95,8 +91,6 @@ at::Tensor selective_scan(const at::Tensor& x, const at::Tensor& dt_raw, const a
   const int64_t matrix = head_dim * state_size, per_group = heads / groups;
   const int64_t slot_stride = states.stride(0), layer_stride = states.stride(1);
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
-  std::vector<int64_t> slot_of(slots.begin(), slots.end()), start_of(starts.begin(), starts.end()),
-      len_of(lens.begin(), lens.end());
   at::parallel_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> db(state_size);
     for (int64_t pair = begin; pair < end; ++pair) {
