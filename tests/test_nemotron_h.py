@@ -220,16 +220,18 @@ def test_the_kv_event_log_says_where_states_are_kept(nemotron_h):
     assert ("removed", stored_states[-1]) not in later
 
 
-def test_the_native_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits_in_any_step():
+@pytest.mark.parametrize("head_dim, state_size", [(8, 16), (6, 37)])
+def test_the_native_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits_in_any_step(head_dim, state_size):
     """The Mamba-2 mixer between its projections in one native call (convolution, scan, gate and grouped norm):
     the op-by-op PyTorch path's values, and for a sequence's rows the same bits whether they come in one prefill
-    chunk, in pieces, or beside other sequences' rows (what a snapshot hit needs)."""
+    chunk, in pieces, or beside other sequences' rows (what a snapshot hit needs). Widths that fill the sums' 16
+    lanes exactly, and widths with a tail after them (a state of 37, groups of 12 channels)."""
     if not scan_kernel.available():
         pytest.skip("the native kernels cannot be built here (no C++ compiler)")
     from kvreuse.layers.mamba2 import Mamba2Mixer
 
     torch.manual_seed(0)
-    heads, head_dim, groups, state_size, kernel, hidden = 4, 8, 2, 16, 4, 32
+    heads, groups, kernel, hidden = 4, 2, 4, 32
     mixer = Mamba2Mixer(hidden, heads, head_dim, groups, state_size, kernel, True, False, (0.0, math.inf), 1e-5, 1,
                         torch.float32, torch.device("cpu"))
     with torch.no_grad():
