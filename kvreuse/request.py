@@ -78,6 +78,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
     # KV tiers: blocks below this index were already looked up there; tokens loaded from each tier.
     tier_checked_blocks: int = 0
+    tier_checked_state: int = 0  # issue 66: positions up to this one were looked up for a state in the KV tiers
     tier_tokens: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     # Structured outputs: its grammar is still compiling (kvreuse.grammar); the scheduler leaves it waiting.

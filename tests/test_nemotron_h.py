@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import reference_greedy, run_checked
+from test_engine import reference_greedy
+from test_engine import run_checked as run_greedy_checked
 from test_qwen3_5 import BLOCK, logits_match_transformers_in_steps, make_llm, prompt_ids
+from test_tiers import read_header, redis_server, run_checked  # noqa: F401 (redis_server: a fixture)
 
 from kvreuse import SamplingParams
 from kvreuse.cache.recurrent_state import RecurrentStatePool
@@ -123,13 +125,13 @@ def test_greedy_matches_transformers_alone_batched_chunked_and_preempted(nemotro
     assert len({tuple(tokens) for tokens in expected}) == 4 and all(len(set(tokens)) > 2 for tokens in expected)
     llm = make_llm(nemotron_h, enable_prefix_caching=False)
     assert llm.engine.kv_cache.num_layers == 1 and llm.engine.kv_cache.states is not None
-    assert run_checked(llm.engine, prompts, greedy) == expected
+    assert run_greedy_checked(llm.engine, prompts, greedy) == expected
     chunked = make_llm(nemotron_h, max_num_batched_tokens=8)
-    assert run_checked(chunked.engine, prompts, greedy) == expected
+    assert run_greedy_checked(chunked.engine, prompts, greedy) == expected
     config = ModelConfig.from_pretrained(nemotron_h)
     tight = make_llm(nemotron_h, kv_cache_memory=16 * config.kv_bytes_per_token(torch.float32) * BLOCK
                      + 8 * config.state_bytes + 1, max_num_seqs=4, state_snapshot_fraction=0.5)
-    assert run_checked(tight.engine, prompts, greedy) == expected
+    assert run_greedy_checked(tight.engine, prompts, greedy) == expected
     assert tight.engine.stats().num_preemptions > 0
 
 
@@ -159,6 +161,67 @@ def test_hits_resume_from_snapshots_and_change_no_bit(nemotron_h):
     snapshots = cached.engine.kv.states.snapshots
     assert 0 < snapshots.num_bytes <= snapshots.budget_bytes
     cached.engine.check_integrity()
+
+
+def test_snapshots_go_to_the_host_disk_and_redis_tiers_and_come_back_verified(nemotron_h, tmp_path, redis_server):
+    """A kept state goes to every tier with the block holding its tail's K/V; a fresh engine (another process's view of
+    the disk or Redis) resumes a chat's next turn from it, to the token the last turn computed, with the bits a
+    cache-free engine gives. A damaged state record is a counted miss, removed, and the next deepest one serves; a state
+    is never served to another tenant."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompt = prompt_ids(40, 42)
+    plain = make_llm(nemotron_h, batch_invariant=True, enable_prefix_caching=False)
+
+    def run(llm, prompts: list[list[int]], cache_salt: str | None = None):
+        outputs = run_checked(llm.engine, prompts, params, cache_salt=cache_salt)
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs), o.cached_tokens_by_tier) for o in outputs]
+
+    def same(outputs, prompts: list[list[int]]) -> list[dict[str, int]]:
+        assert [r[:2] for r in outputs] == [r[:2] for r in run_greedy_plain(prompts)]
+        return [r[2] for r in outputs]
+
+    def run_greedy_plain(prompts):
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in plain.generate(
+            [{"prompt_token_ids": p} for p in prompts], params)]
+
+    disk = tmp_path / "disk"
+    writer = make_llm(nemotron_h, batch_invariant=True, kv_disk_dir=str(disk))
+    first = run(writer, [prompt])
+    writer.engine.flush_tiers()
+    assert writer.stats()["kv_tiers"]["disk"]["state_stores"] == 2  # the prompt's end (42) and the request's (51)
+    finish = len(prompt) + 10 - 1  # the last computed token: the answer's last token is sampled, not computed
+    turn2 = prompt + list(first[0][0]) + prompt_ids(41, 7)
+    # A fresh engine holds nothing: the blocks come from disk (12 full ones, 48 tokens) and the state at 51 with the
+    # K/V of its 3-token tail.
+    assert same(run(make_llm(nemotron_h, batch_invariant=True, kv_disk_dir=str(disk)), [turn2]), [turn2]) == [
+        {"device": 0, "disk": finish}]
+
+    # Damage the state record at 51: the next engine counts the checksum failure, removes it, resumes at 42.
+    damaged, = (path for path in disk.rglob("*.kvb") if read_header(path)["dtype"].startswith("state")
+                and read_header(path)["tokens"] == turn2[finish // BLOCK * BLOCK:finish])  # its tail's tokens
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    reader = make_llm(nemotron_h, batch_invariant=True, kv_disk_dir=str(disk))
+    assert same(run(reader, [turn2]), [turn2]) == [{"device": 0, "disk": len(prompt)}]
+    assert reader.stats()["kv_tiers"]["disk"]["verify_failures"] == {"checksum": 1} and not damaged.exists()
+
+    # The host tier: the device pool emptied, its blocks went to host memory and its states were already there.
+    host = make_llm(nemotron_h, batch_invariant=True, kv_host_memory="64MiB")
+    run(host, [prompt])
+    host.engine.flush_tiers()
+    assert host.reset_prefix_cache() > 0 and not host.engine.kv.states.snapshots.snapshots()
+    assert same(run(host, [turn2]), [turn2]) == [{"device": 0, "host": finish}]
+
+    # Redis, shared by two engines: a tenant's state serves that tenant only.
+    url, _ = redis_server
+    sharer = make_llm(nemotron_h, batch_invariant=True, kv_remote_url=url)
+    run(sharer, [prompt], cache_salt="tenant-a")
+    sharer.engine.flush_tiers()
+    other = make_llm(nemotron_h, batch_invariant=True, kv_remote_url=url)
+    assert same(run(other, [turn2], cache_salt="tenant-b"), [turn2]) == [{"device": 0, "remote": 0}]
+    assert same(run(other, [turn2], cache_salt="tenant-a"), [turn2]) == [{"device": 0, "remote": finish}]
+    assert other.stats()["kv_tiers"]["remote"]["state_hits"] == 1
 
 
 def test_what_nemotron_h_cannot_do_yet_is_refused_by_name(nemotron_h):

@@ -973,3 +973,45 @@ def test_redis_cluster_tier_shared_and_a_master_failing_over_costs_only_misses(t
     while None in fresh.get_many(stored):
         assert time.monotonic() - started < 30, "a client made during the outage kept its stale slot map"
         time.sleep(0.3)
+
+
+def test_state_records_go_to_every_tier_and_the_deepest_verified_one_is_found():
+    """Issue 66: a hybrid's kept state (and the block holding its tail's K/V) is written to every tier, host included;
+    a lookup over a request's positions returns the deepest whose record verifies, and a record under another key,
+    with other tail tokens or from another model is a counted miss, removed, and the next deepest serves."""
+    from kvreuse.cache.hashing import state_keys
+    from kvreuse.cache.tiers.store import StateRef
+
+    state = record.BlockLayout(shape=(6,), dtype="state:float32", num_bytes=24)
+    host, remote = HostTier(1 << 20), GatedTier()
+    store = TieredStore("model-a", LAYOUT, [remote, host], state=state)
+    tokens = [5, 6, 7]
+    keys = state_keys(b"a" * 16, tokens)
+    refs = [StateRef(keys[length], b"n" * 16, tokens[:length]) for length in range(len(tokens) + 1)]
+    payload = {length: (bytes([length]) * state.num_bytes, bytes([9 + length]) * LAYOUT.num_bytes if length else None)
+               for length in range(len(tokens) + 1)}
+    for length in (0, 2):
+        store.store_state(refs[length], *payload[length])
+    assert flush_within(store) == 0
+    assert set(host._records) == set(remote.records) == {keys[0], keys[2]}
+    assert len(set(keys)) == 4 and not set(keys) & {block_ref(i).key for i in range(4)}
+
+    found = store.lookup_state(refs)
+    assert (found.tier, found.index, bytes(found.state), bytes(found.tail_block)) == ("host", 2, *payload[2])
+    assert store.snapshot()["host"]["state_hits"] == 1
+    assert store.lookup_state(refs[:2]).index == 0 and store.lookup_state(refs[:2]).tail_block is None
+
+    # Position 2's record under position 3's key (a misnamed copy), in both tiers: refused as the wrong key; then
+    # position 2 itself is found, then with it damaged in host memory, the remote copy.
+    for tier in (host, remote):
+        tier.put(keys[3], (host._records if tier is host else remote.records)[keys[2]])
+    assert store.lookup_state(refs).index == 2
+    assert store.snapshot()["host"]["verify_failures"] == {"key": 1}
+    assert store.snapshot()["remote"]["verify_failures"] == {"key": 1}
+    assert keys[3] not in host._records and keys[3] not in remote.records
+    host._records[keys[2]] = host._records[keys[2]][:-1] + b"\x00"
+    found = store.lookup_state(refs)
+    assert (found.tier, found.index) == ("remote", 2) and keys[2] not in host._records
+    # Other tail tokens under the same key, and another model's reader: misses.
+    assert store.lookup_state([StateRef(keys[2], b"n" * 16, [5, 8])]) is None
+    assert TieredStore("model-b", LAYOUT, [remote], state=state).lookup_state(refs[:1]) is None

@@ -53,3 +53,24 @@ def extend_block_keys(keys: list[bytes], root_key: bytes, token_ids: Sequence[in
     for i in range(len(keys), num_full):
         parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
         keys.append(parent)
+
+
+STATE_TAG = b"kvreuse-state"  # salts a recurrent state's key (issue 66): never equal to a block's
+
+
+def state_keys(anchor_key: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """The keys of a hybrid's recurrent state after ``anchor_key``'s chain and each prefix of ``tokens``: element t is
+    the state after the anchor's tokens and ``tokens[:t]`` (its tail), for t = 0 .. len(tokens). The anchor is a full
+    block's chained key (a namespace's for a state within the first block), so the key holds the namespace and every
+    token before the state, as a block's does. Incremental: one hash update a token."""
+    digest = hashlib.blake2b(anchor_key + STATE_TAG, digest_size=KEY_BYTES)
+    keys = [digest.copy().digest()]
+    for token in tokens:
+        digest.update(struct.pack("<I", token))
+        keys.append(digest.copy().digest())
+    return keys
+
+
+def state_key(anchor_key: bytes, tail: Sequence[int]) -> bytes:
+    """The key of the state after ``anchor_key``'s chain and ``tail`` (``state_keys``' last)."""
+    return state_keys(anchor_key, tail)[-1]

@@ -17,7 +17,7 @@ from typing import Protocol
 from kvreuse.cache.blocks import BlockCopy, BlockPool
 from kvreuse.cache.chunks import ChunkIndex, ChunkMissReason, ChunkSource, MovedSpan
 from kvreuse.cache.events import KVEventLog
-from kvreuse.cache.hashing import blend_key, block_key, extend_block_keys
+from kvreuse.cache.hashing import blend_key, block_key, extend_block_keys, state_key, state_keys
 from kvreuse.cache.prefix import (
     EMPTY_MATCH,
     CacheNode,
@@ -27,8 +27,8 @@ from kvreuse.cache.prefix import (
     PrefixMatch,
 )
 from kvreuse.cache.state_slots import StateCopy, StateSlots
-from kvreuse.cache.state_snapshots import SnapshotHit
-from kvreuse.cache.tiers.store import BlockRef
+from kvreuse.cache.state_snapshots import Snapshot, SnapshotHit
+from kvreuse.cache.tiers.store import BlockRef, StateFound, StateRef
 
 
 class CacheSequence(Protocol):
@@ -56,6 +56,7 @@ class CacheSequence(Protocol):
     state_hit: SnapshotHit | None
     branch_at: int | None
     state_marks: list[int]  # where its pinned prefixes end: a pin snapshot is kept at each
+    tier_checked_state: int  # positions up to this one were already looked up for a state in the KV tiers
 
     @property
     def num_tokens(self) -> int: ...
@@ -93,6 +94,8 @@ class TierSource(Protocol):
     def lookup(self, blocks: Sequence[BlockRef]) -> list[tuple[str, memoryview]]: ...
     def load(self, block_ids: list[int], payloads: list[memoryview]) -> None: ...
     def evicted(self, node: CacheNode) -> None: ...  # called before the block can be reused
+    def store_state(self, ref: StateRef, slot: int, tail_block: int | None) -> None: ...
+    def lookup_state(self, refs: Sequence[StateRef]) -> StateFound | None: ...
 
 
 class KVCacheManager:
@@ -155,6 +158,8 @@ class KVCacheManager:
             request.state_hit = None
             return EMPTY_MATCH
         hit = self.states.lookup(root, match.nodes, request.all_token_ids, match.num_tokens)
+        if self.tiers is not None:
+            match, hit = self._state_from_tiers(request, match, hit, root)
         request.state_hit = hit
         if hit.resume == match.num_tokens:
             return match
@@ -164,6 +169,64 @@ class KVCacheManager:
             node = match.nodes[full] if full < len(match.nodes) else match.partial.node  # type: ignore[union-attr]
             partial = PartialMatch(node, rest)
         return PrefixMatch(match.nodes[:full], partial, hit.resume)
+
+    def _state_from_tiers(self, request: CacheSequence, match: PrefixMatch, hit: SnapshotHit, root: CacheNode
+                          ) -> tuple[PrefixMatch, SnapshotHit]:
+        """A state deeper than the device's snapshot, from the KV tiers: every position past it up to one block past
+        the full blocks matched is asked for at once (a state record carries its tail's K/V, which no block record
+        holds), and the deepest verified one becomes a device snapshot; a tail past the match is cached as a tail
+        block. Returns the match and the snapshot lookup again, the tier credited with the tokens it saved."""
+        assert self.states is not None and self.tiers is not None
+        size, tokens = self.block_size, request.all_token_ids
+        upper = min(request.num_tokens - 1, (len(match.nodes) + 1) * size - 1)  # never the last token
+        start = max(hit.resume, request.tier_checked_state, size - 1) + 1  # the engine keeps none in the first block
+        if start > upper:
+            return match, hit
+        request.tier_checked_state = upper
+        refs: list[StateRef] = []
+        places: list[tuple[CacheNode, int, int]] = []  # (anchor, its end, tail length)
+        for anchor_index in range(start // size, upper // size + 1):
+            anchor, base = match.nodes[anchor_index - 1], anchor_index * size
+            first, last = max(start, base) - base, min(upper, base + size - 1) - base
+            keys = state_keys(anchor.key, tokens[base:base + last])
+            for length in range(first, last + 1):
+                refs.append(StateRef(keys[length], request.namespace, tokens[base:base + length]))
+                places.append((anchor, base, length))
+        found = self.tiers.lookup_state(refs)
+        if found is None:
+            return match, hit
+        anchor, base, length = places[found.index]
+        tail, position = tokens[base:base + length], base + length
+        if self.states.snapshots.find(anchor, tail) is None and self.states.load(anchor, tail, found.state) is None:
+            return match, hit  # no room in the snapshot budget
+        if position > match.num_tokens:  # its tail's K/V is not on the device: cached from the record as a tail block
+            assert found.tail_block is not None
+            held = [node.block_id for node in match.nodes] + ([match.partial.node.block_id] if match.partial else [])
+            for block in held:  # making room must not evict the chain the tail hangs under
+                self.pool.acquire(block)
+            if self._ensure_free(1):
+                block = self.pool.allocate(1)[0]
+                self.tiers.load([block], [found.tail_block])
+                node = self.index.insert(request.namespace, anchor, block_key(anchor.key, tail), tail, block, tail=True)
+                self.pool.release(block)
+                self.index.release([node])
+            for block in held:
+                self.pool.release(block)
+            self.index.release(list(match.nodes) + ([match.partial.node] if match.partial else []))
+            match = self.index.match(request.namespace, tokens, request.block_keys, request.num_tokens - 1)
+        resumed = self.states.lookup(root, match.nodes, tokens, match.num_tokens)
+        if resumed.resume > hit.resume:
+            request.tier_tokens[found.tier] = request.tier_tokens.get(found.tier, 0) + resumed.resume - hit.resume
+        return match, resumed
+
+    def _store_state(self, request: CacheSequence, snapshot: Snapshot | None, slot: int) -> None:
+        """A snapshot kept from ``request``'s state in ``slot`` goes to the KV tiers with the block that holds its
+        tail's K/V (read now: the request still holds that block, and the slot that state)."""
+        if snapshot is None or self.tiers is None:
+            return
+        tail_block = request.block_ids[snapshot.position // self.block_size] if snapshot.tail else None
+        self.tiers.store_state(StateRef(state_key(snapshot.anchor.key, snapshot.tail), request.namespace,
+                                        snapshot.tail), slot, tail_block)
 
     def take_state_copies(self) -> list[StateCopy]:
         """The state copies admissions and branch snapshots asked for, to run before the next forward (in order)."""
@@ -521,7 +584,8 @@ class KVCacheManager:
                                 ("prompt", computed == request.num_prompt_tokens)):
                 anchor, tail = self._snapshot_place(request, computed) if due else (None, [])
                 if anchor is not None:
-                    self.states.branch(anchor, tail, request.state_slot, reason)
+                    self._store_state(request, self.states.branch(anchor, tail, request.state_slot, reason),
+                                      request.state_slot)
             if computed == request.branch_at:
                 request.branch_at = None
 
@@ -565,7 +629,8 @@ class KVCacheManager:
             anchor, tail = (self._snapshot_place(request, request.num_computed_tokens) if self.enable_prefix_caching
                             else (None, []))
             if anchor is not None:
-                self.states.keep(anchor, tail, request.state_slot, "finish")
+                self._store_state(request, self.states.keep(anchor, tail, request.state_slot, "finish"),
+                                  request.state_slot)
             else:
                 self.states.release(request.state_slot)
             request.state_slot = None

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvreuse.cache.hashing import state_key
 from kvreuse.cache.prefix import CacheNode, PrefixIndex
 
 logger = logging.getLogger("kvreuse")
@@ -103,7 +104,7 @@ class PinRegistry:
             return existing
         self.index.pin(nodes)
         if self.listener is not None:
-            self.listener.protect(node.key for node in nodes)
+            self.listener.protect(_protected_keys(nodes))
         pin = Pin(pin_id, key, kind, nodes, len(nodes) * self.index.block_size, adapter, now, now, ttl,
                   owner=owner)
         self.pins[pin_id] = pin
@@ -121,7 +122,7 @@ class PinRegistry:
             del self._pins_by_tail[id(pin.nodes[-1])]
         self.index.unpin(pin.nodes)
         if self.listener is not None:
-            self.listener.unprotect(node.key for node in pin.nodes)
+            self.listener.unprotect(_protected_keys(pin.nodes))
         return pin
 
     def _enforce_budget(self, keep: Pin) -> None:
@@ -189,3 +190,9 @@ class PinSpec:
             )
         if self.ttl is not None and self.ttl <= 0:
             raise ValueError(f"a pin's ttl must be positive seconds, got {self.ttl}")
+
+
+def _protected_keys(nodes: Sequence[CacheNode]) -> list[bytes]:
+    """What a pin keeps on disk: its blocks, and a hybrid's state at its end (issue 66: the pin snapshot, anchored at
+    its last block with no tail; a model without states never stores that key)."""
+    return [node.key for node in nodes] + [state_key(nodes[-1].key, ())]

@@ -5,7 +5,8 @@ convolution's last K - 1 inputs (``conv``), both float32. A running request owns
 preempted) its slot becomes a snapshot of its state at its last computed token, kept in the prefix index
 (cache/state_snapshots.py, the manager's ``StateSlots``); a request that hits there starts with a copy of it. The
 copies the manager asks for (``StateCopy``: a snapshot into a new request's slot, a request's state into a branch
-snapshot, or zeros for a request that starts at token 0) run before the step's forward, in order.
+snapshot, zeros for a request that starts at token 0, or a state read back from a KV tier) run before the step's
+forward, in order. ``read_slot`` / ``write_slot`` are a slot's bytes for the tiers.
 """
 
 from __future__ import annotations
@@ -33,10 +34,26 @@ class RecurrentStatePool:
     def memory_bytes(self) -> int:
         return self.slot_bytes * self.num_slots
 
+    def read_slot(self, slot: int) -> bytes:
+        """One slot's state as bytes (its ``ssm`` matrices, then its ``conv`` rows): what a KV tier stores."""
+        return b"".join(part[slot].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+                        for part in (self.ssm, self.conv))
+
+    def write_slot(self, slot: int, payload: bytes | memoryview) -> None:
+        """Fill one slot from ``read_slot``'s bytes."""
+        if len(payload) != self.slot_bytes:
+            raise ValueError(f"a state payload has {self.slot_bytes} bytes, got {len(payload)}")
+        values = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+        split = self.ssm[slot].numel()
+        self.ssm[slot].copy_(values[:split].view(self.ssm[slot].shape))
+        self.conv[slot].copy_(values[split:].view(self.conv[slot].shape))
+
     def apply(self, copies: Sequence[StateCopy]) -> None:
-        """Run the step's state copies in order (a ``src`` of None: zeros)."""
+        """Run the step's state copies in order (a ``src`` of None: zeros, or the copy's ``payload``)."""
         for copy in copies:
-            if copy.src is None:
+            if copy.payload is not None:
+                self.write_slot(copy.dst, copy.payload)
+            elif copy.src is None:
                 self.ssm[copy.dst].zero_()
                 self.conv[copy.dst].zero_()
             else:

@@ -14,7 +14,8 @@ admitting a request never has to drop a snapshot, and a snapshot is made without
   so every request after it on that branch resumes at its last shared token; the same copy at the end of a
   request's prompt (reason "prompt") serves a next turn that matches the prompt but not the answer (a chat client
   that sends the answer's text, which a tokenizer need not split into the tokens generated);
-- ``drop_node``: the prefix index evicted a node; the snapshots anchored there go, their slots back to the free list.
+- ``drop_node``: the prefix index evicted a node; the snapshots anchored there go, their slots back to the free list;
+- ``load``: a state found in a KV tier (cache/tiers/) becomes a snapshot: its bytes are written into a free slot.
 
 Torch-free: slots are integers; the copies (``StateCopy``) run on the tensors before the next forward, in order.
 """
@@ -31,8 +32,9 @@ from kvreuse.cache.state_snapshots import Snapshot, SnapshotHit, StateSnapshots
 
 @dataclass(frozen=True)
 class StateCopy:
-    src: int | None  # None: zeros (a sequence that starts at token 0)
+    src: int | None  # None: zeros (a sequence that starts at token 0), or ``payload``
     dst: int
+    payload: bytes | memoryview | None = None  # a state read from a KV tier, in the slot's layout
 
 
 class StateSlots:
@@ -50,6 +52,7 @@ class StateSlots:
         self.num_kept = 0  # snapshots made, by reason: a request's end, a branch, a prompt's end
         self.num_branches = 0
         self.num_prompts = 0
+        self.num_loaded = 0  # snapshots read back from a KV tier
 
     @property
     def num_free(self) -> int:
@@ -70,18 +73,20 @@ class StateSlots:
         self._copies.append(StateCopy(None if snapshot is None else snapshot.handle, slot))
         return slot
 
-    def keep(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str) -> None:
-        """``slot`` (a request's, at its last computed token) becomes a snapshot there, or goes back to the free list."""
+    def keep(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str) -> Snapshot | None:
+        """``slot`` (a request's, at its last computed token) becomes a snapshot there, or goes back to the free list.
+        Returns the snapshot kept (None: not kept)."""
         kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, slot, reason)
         self._release(dropped)
         if kept is None:
             self._free.append(slot)
         else:
             self.num_kept += 1
+        return kept
 
-    def branch(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str = "branch") -> None:
+    def branch(self, anchor: CacheNode, tail: Sequence[int], slot: int, reason: str = "branch") -> Snapshot | None:
         """Copy the state in ``slot`` (a running request's, at the end of ``anchor`` + ``tail``) into a new snapshot
-        (``reason``: "branch", or "prompt" at the end of its prompt)."""
+        (``reason``: "branch", or "prompt" at the end of its prompt). Returns the snapshot kept (None: not kept)."""
         kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, None, reason)
         self._release(dropped)
         if kept is not None:
@@ -89,6 +94,19 @@ class StateSlots:
             self._copies.append(StateCopy(slot, kept.handle))
             self.num_branches += reason == "branch"
             self.num_prompts += reason == "prompt"
+        return kept
+
+    def load(self, anchor: CacheNode, tail: Sequence[int], payload: bytes | memoryview) -> Snapshot | None:
+        """A state read from a KV tier, after ``anchor`` + ``tail``, becomes a snapshot (reason "tier"): its bytes go
+        into a free slot before the next forward, in order with the other copies. None: the budget has no room for
+        it (every snapshot protected) or the same one is kept already."""
+        kept, dropped = self.snapshots.add(anchor, tail, self.slot_bytes, None, "tier")
+        self._release(dropped)
+        if kept is not None:
+            kept.handle = self._free.pop()
+            self._copies.append(StateCopy(None, kept.handle, payload))
+            self.num_loaded += 1
+        return kept
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

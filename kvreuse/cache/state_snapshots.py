@@ -61,7 +61,7 @@ class Snapshot:
     position: int  # the prefix's length: the state is the one after token position - 1
     num_bytes: int
     handle: object  # the caller's: where the state's tensors are
-    reason: str  # why it was taken: "chunk", "finish", "branch", "prompt" (a prompt's end), "pin"
+    reason: str  # why it was taken: "chunk", "finish", "branch", "prompt" (a prompt's end), "pin", "tier" (read back)
     last_used: int
     hits: float = 0.0  # decayed count (HIT_HALF_LIFE)
     below: int = 0  # snapshots added below it on its path with it as their nearest (2 or more: a branch point)
@@ -94,6 +94,10 @@ class StateSnapshots:
 
     def __len__(self) -> int:
         return sum(len(by_tail) for by_tail in self._at.values())
+
+    def find(self, anchor: CacheNode, tail: Sequence[int]) -> Snapshot | None:
+        """The snapshot kept after ``anchor`` and exactly ``tail`` (None: none)."""
+        return self._at.get(anchor, {}).get(tuple(tail))
 
     def snapshots(self) -> list[Snapshot]:
         return [snapshot for by_tail in self._at.values() for snapshot in by_tail.values()]

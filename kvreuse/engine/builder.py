@@ -221,7 +221,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                          float_products=model.float_product_kernels(),
                                          attention=type(model.attention_backend).__name__)
         tier_store = make_tiers(config, kv_cache, fingerprint)
-        tier_glue = kv.tiers = TierGlue(tier_store, kv_cache)
+        tier_glue = kv.tiers = TierGlue(tier_store, kv_cache, kv_cache.states)
 
     scheduler_config = config.scheduler
     lora = None
@@ -472,7 +472,10 @@ def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> Tie
     if cache_config.kv_remote_url:
         tiers.append(RedisTier(cache_config.kv_remote_url, fingerprint))
     logger.info("KV tiers: %s; model fingerprint %s", ", ".join(tier.name for tier in tiers), fingerprint)
-    return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size)
+    states = kv_cache.states  # a hybrid's recurrent states go with their blocks (issue 66)
+    state = None if states is None else BlockLayout(
+        shape=(states.slot_bytes // 4,), dtype="state:float32", num_bytes=states.slot_bytes)
+    return TieredStore(fingerprint, layout, tiers, max_queue_bytes=cache_config.kv_write_queue_size, state=state)
 
 
 def snapshot_slots(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -3,7 +3,8 @@
 The cache manager asks it for blocks beyond the device match (``lookup``) and hands it loaded
 payloads to write into fresh blocks (``load``); the prefix index tells it about blocks it evicts
 (``evicted``: the host tier keeps a copy); the engine hands it the blocks each step cached
-(``store_computed``: queued for disk and Redis). Bytes only cross here: the KV cache turns blocks into
+(``store_computed``: queued for disk and Redis); a hybrid's kept states go to every tier (``store_state``) and come
+back through ``lookup_state``. Bytes only cross here: the KV cache turns blocks into
 bytes and back (``read_block`` / ``write_block``), so this module, like the rest of ``cache/tiers``,
 imports no torch.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvreuse.cache.prefix import CacheNode
-from kvreuse.cache.tiers.store import BlockRef, TieredStore
+from kvreuse.cache.tiers.store import BlockRef, StateFound, StateRef, TieredStore
 
 
 class BlockBytes(Protocol):
@@ -24,10 +25,17 @@ class BlockBytes(Protocol):
     def write_block(self, block_id: int, payload: bytes | memoryview) -> None: ...
 
 
+class SlotBytes(Protocol):
+    """A hybrid's recurrent-state slots as bytes (``kvreuse.cache.recurrent_state.RecurrentStatePool``)."""
+
+    def read_slot(self, slot: int) -> bytes: ...
+
+
 class TierGlue:
-    def __init__(self, store: TieredStore, kv_cache: BlockBytes) -> None:
+    def __init__(self, store: TieredStore, kv_cache: BlockBytes, states: SlotBytes | None = None) -> None:
         self.store = store
         self.kv_cache = kv_cache
+        self.states = states
 
     def lookup(self, blocks: Sequence[BlockRef]) -> list[tuple[str, memoryview]]:
         return self.store.lookup(blocks)
@@ -52,9 +60,23 @@ class TierGlue:
             if not node.evicted:
                 self.store.store(BlockRef(node.key, namespace, node.tokens), self.kv_cache.read_block(node.block_id))
 
+    def store_state(self, ref: StateRef, slot: int, tail_block: int | None) -> None:
+        """A snapshot the device keeps (issue 66), read now from its slot and the block holding its tail's K/V, queued
+        for every tier (the states are written back into a slot by ``StateSlots.load``'s copy)."""
+        if self.states is not None:
+            self.store.store_state(ref, self.states.read_slot(slot),
+                                   None if tail_block is None else self.kv_cache.read_block(tail_block))
+
+    def lookup_state(self, refs: Sequence[StateRef]) -> StateFound | None:
+        return self.store.lookup_state(refs)
+
     def cached_by_tier(self, num_cached: int, tier_tokens: dict[str, int]) -> dict[str, int]:
         """A request's cached prompt tokens split by where they came from: each tier it loaded blocks from,
         and the device pool for the rest."""
-        loaded = {tier: min(tokens, num_cached) for tier, tokens in tier_tokens.items()}
+        loaded: dict[str, int] = {}
+        left = num_cached  # a hybrid's tier tokens (blocks and the state that makes them usable) add up to at most that
+        for tier, tokens in tier_tokens.items():
+            loaded[tier] = min(tokens, left)
+            left -= loaded[tier]
         return {"device": max(num_cached - sum(loaded.values()), 0)} | {
             tier.name: loaded.get(tier.name, 0) for tier in self.store.tiers}

@@ -12,6 +12,10 @@
   ``flush`` waits for what is queued while the writer lives (a clean exit calls it, for at most
   ``EXIT_FLUSH_TIMEOUT_S``) and says what was not written. The host tier is filled with blocks the
   device pool evicts.
+- states (issue 66): a hybrid's recurrent state snapshot, with the K/V of its tail (the tokens after its anchor
+  block, which no full-block record holds), is queued for every tier, host included, when the engine keeps it
+  (``store_state``; encoded by the writer thread: a state is megabytes); ``lookup_state`` returns the deepest
+  verified one among the positions a request asks for.
 
 Plain Python, no torch: payloads are bytes; the engine turns them into tensors.
 """
@@ -24,7 +28,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,12 +65,16 @@ class TierStats:
     verify_failures: Counter[str] = field(default_factory=Counter)  # reason -> count
     write_errors: int = 0  # writes that raised (a full or read-only disk, any error): the block is not there
     write_drops: int = 0  # blocks not written: the write queue was full, or its writer thread had ended
+    state_lookups: int = 0  # a hybrid's state lookups that asked this tier (issue 66)
+    state_hits: int = 0  # states served from it
+    state_stores: int = 0  # states written to it (counted in stores and store_bytes too)
 
     def as_dict(self) -> dict[str, Any]:
         return {"queries": self.queries, "hits": self.hits, "hit_bytes": self.hit_bytes, "stores": self.stores,
                 "store_bytes": self.store_bytes, "load_seconds": self.load_seconds,
                 "store_seconds": self.store_seconds, "verify_failures": dict(self.verify_failures),
-                "write_errors": self.write_errors, "write_drops": self.write_drops}
+                "write_errors": self.write_errors, "write_drops": self.write_drops,
+                "state_lookups": self.state_lookups, "state_hits": self.state_hits, "state_stores": self.state_stores}
 
 
 @dataclass(frozen=True)
@@ -78,17 +86,47 @@ class BlockRef:
     tokens: Sequence[int]
 
 
+@dataclass(frozen=True)
+class StateRef:
+    """A hybrid's recurrent state a lookup asks for (issue 66): its key (``hashing.state_key``: the anchor block's
+    chained key and the tail), its namespace, and its tail (the tokens after the anchor block, fewer than a block,
+    whose K/V the record carries beside the state)."""
+
+    key: bytes
+    namespace: bytes
+    tail: Sequence[int]
+
+
+@dataclass(frozen=True)
+class StateFound:
+    tier: str
+    index: int  # which of the refs asked for
+    state: memoryview  # the state's bytes (the pool's slot layout)
+    tail_block: memoryview | None  # the block holding the tail's K/V (None: an empty tail)
+
+
+def state_layout(state: BlockLayout, block: BlockLayout, tail: int) -> BlockLayout:
+    """A state record's payload: the state, then (a non-empty tail) the block that holds the tail's K/V."""
+    if not tail:
+        return state
+    return BlockLayout(shape=(*state.shape, *block.shape), dtype=f"{state.dtype}+{block.dtype}",
+                       num_bytes=state.num_bytes + block.num_bytes)
+
+
 class TieredStore:
     def __init__(self, fingerprint: str, layout: BlockLayout, tiers: Sequence[Tier],
-                 max_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES) -> None:
+                 max_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES, state: BlockLayout | None = None) -> None:
         if max_queue_bytes < 1:
             raise ValueError(f"kv_write_queue_size must be positive, got {max_queue_bytes}")
         self.fingerprint = fingerprint
         self.layout = layout
+        self.state = state  # a hybrid's recurrent state slot (None: the model keeps none)
         self.tiers = sorted(tiers, key=lambda tier: TIER_ORDER.index(tier.name))
         self.stats = {tier.name: TierStats() for tier in self.tiers}
         self.max_queue_bytes = max_queue_bytes
-        self._queue: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        # (key, the record or what encodes it, its size, the tiers it goes to, whether it is a state)
+        self._queue: queue.SimpleQueue[tuple[bytes, bytes | Callable[[], bytes], int, list[Tier], bool]] = (
+            queue.SimpleQueue())
         self._writer: threading.Thread | None = None
         self._writer_ended = False
         self._write_through = [tier for tier in self.tiers if tier.name != "host"]
@@ -135,6 +173,38 @@ class TieredStore:
             remaining = remaining[run:]  # a later tier may continue the run where this one stopped
         return found
 
+    def lookup_state(self, refs: Sequence[StateRef]) -> StateFound | None:
+        """The deepest of ``refs`` (in the order of their positions) that a tier holds and whose record verifies:
+        the fingerprint, the state's key, its tail's tokens, the layout and the checksum, as for a block. A record
+        that fails is counted, dropped from its tier, and the next deepest is tried."""
+        if self.state is None or not refs:
+            return None
+        keys = [ref.key for ref in refs]
+        held: list[tuple[int, int, Tier, bytes]] = []  # (-index, tier order, tier, record)
+        for order, tier in enumerate(self.tiers):
+            started = time.perf_counter()
+            records = tier.get_many(keys)
+            with self._lock:
+                self.stats[tier.name].state_lookups += 1
+                self.stats[tier.name].load_seconds += time.perf_counter() - started
+            held.extend((-index, order, tier, data) for index, data in enumerate(records) if data is not None)
+        for negative, _, tier, data in sorted(held, key=lambda entry: entry[:2]):
+            ref = refs[-negative]
+            layout = state_layout(self.state, self.layout, len(ref.tail))
+            try:
+                payload = record.decode(data, self.fingerprint, ref.key, ref.tail, layout)
+            except RecordMismatch as mismatch:
+                with self._lock:
+                    self.stats[tier.name].verify_failures[mismatch.reason] += 1
+                tier.delete(ref.key)
+                continue
+            with self._lock:
+                self.stats[tier.name].state_hits += 1
+                self.stats[tier.name].hit_bytes += layout.num_bytes
+            size = self.state.num_bytes
+            return StateFound(tier.name, -negative, payload[:size], payload[size:] if ref.tail else None)
+        return None
+
     # --- writes -------------------------------------------------------------------------------------
     def store(self, block: BlockRef, payload: bytes) -> None:
         """Queue a computed block for the write-through tiers (disk, remote); never waits: a block that
@@ -143,6 +213,10 @@ class TieredStore:
         if not self._write_through:
             return
         data = record.encode(self.fingerprint, block.key, block.namespace, block.tokens, self.layout, payload)
+        self._enqueue(block.key, data, len(data), self._write_through, False)
+
+    def _enqueue(self, key: bytes, data: bytes | Callable[[], bytes], size: int, tiers: list[Tier],
+                 state: bool) -> None:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="kvreuse-tier-writer", daemon=True)
             self._writer.start()
@@ -150,9 +224,9 @@ class TieredStore:
             atexit.register(self.flush, EXIT_FLUSH_TIMEOUT_S)
         with self._lock:
             ended = self._writer_ended
-            dropped = ended or (self._pending > 0 and self._pending_bytes + len(data) > self.max_queue_bytes)
+            dropped = ended or (self._pending > 0 and self._pending_bytes + size > self.max_queue_bytes)
             if dropped:
-                for tier in self._write_through:
+                for tier in tiers:
                     self.stats[tier.name].write_drops += 1
                 why = "the writer thread has ended" if ended else (
                     f"the write queue is full ({self.max_queue_bytes} bytes, kv_write_queue_size)")
@@ -160,12 +234,27 @@ class TieredStore:
                 self._logged_drops.add(why)
             else:
                 self._pending += 1
-                self._pending_bytes += len(data)
+                self._pending_bytes += size
         if not dropped:
-            self._queue.put((block.key, data))
+            self._queue.put((key, data, size, tiers, state))
         elif first:
-            logger.warning("KV tiers: a block was not written to %s: %s; further drops are counted in write_drops",
-                           ", ".join(tier.name for tier in self._write_through), why)
+            logger.warning("KV tiers: a %s was not written to %s: %s; further drops are counted in write_drops",
+                           "state" if state else "block", ", ".join(tier.name for tier in tiers), why)
+
+    def store_state(self, ref: StateRef, state: bytes, tail_block: bytes | None) -> None:
+        """Queue a kept snapshot's state (and the block holding its tail's K/V) for every tier, host included: the
+        device pool keeps few states, and a chat's next turn or another replica resumes from one. Encoded by the
+        writer thread (a state is megabytes: its checksum stays off the engine step); dropped, never waited for, when
+        the queue is full, as a block is."""
+        if self.state is None or not self.tiers:
+            return
+        layout = state_layout(self.state, self.layout, len(ref.tail))
+        payload = state if tail_block is None else state + tail_block
+
+        def encode() -> bytes:
+            return record.encode(self.fingerprint, ref.key, ref.namespace, ref.tail, layout, payload)
+
+        self._enqueue(ref.key, encode, len(payload), list(self.tiers), True)
 
     def evicted(self, block: BlockRef, payload: bytes) -> None:
         """A block the device pool gave up: keep it in the host tier (if there is one)."""
@@ -181,19 +270,24 @@ class TieredStore:
     def _write_loop(self) -> None:
         try:
             while True:
-                key, data = self._queue.get()
-                for tier in self._write_through:
-                    self._write(tier, key, data)
+                key, data, size, tiers, state = self._queue.get()
+                try:
+                    encoded = data() if callable(data) else data
+                except Exception:  # a bug: this record is not written; the writer goes on
+                    logger.exception("KV tiers: a record could not be encoded")
+                    encoded = None
+                for tier in tiers if encoded is not None else ():
+                    self._write(tier, key, encoded, state)
                 with self._lock:
                     self._pending -= 1
-                    self._pending_bytes -= len(data)
+                    self._pending_bytes -= size
                     self._written.notify_all()
         finally:  # only a BaseException gets here (_write catches the rest): flush stops waiting for it
             with self._lock:
                 self._writer_ended = True
                 self._written.notify_all()
 
-    def _write(self, tier: Tier, key: bytes, data: bytes) -> None:
+    def _write(self, tier: Tier, key: bytes, data: bytes, state: bool = False) -> None:
         """One record to one tier; an error is logged and counted, never raised (the writer goes on)."""
         started = time.perf_counter()
         try:
@@ -218,6 +312,7 @@ class TieredStore:
             stats.stores += 1
             stats.store_bytes += len(data)
             stats.store_seconds += time.perf_counter() - started
+            stats.state_stores += state
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait until every queued write has reached its tiers, while the writer thread lives, for at most
