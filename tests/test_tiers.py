@@ -482,9 +482,14 @@ class GatedTier:
             self.gate.set()
         self.fail = fail
         self.records: dict[bytes, bytes] = {}
+        self.reads = 0  # records read (get_many's keys)
 
     def get_many(self, keys):
+        self.reads += len(keys)
         return [self.records.get(key) for key in keys]
+
+    def has_many(self, keys):
+        return [key in self.records for key in keys]
 
     def put(self, key: bytes, data: bytes) -> bool:
         assert self.gate.wait(30), "the test never opened the gate"
@@ -945,6 +950,8 @@ def test_redis_cluster_tier_shared_and_a_master_failing_over_costs_only_misses(t
     prefix = first.engine.tier_store.tier("remote").prefix
     stored = [bytes.fromhex(name[len(prefix):].decode()) for node in masters
               for name in cluster.scan_iter(match=prefix + b"*", target_nodes=node)]
+    # Which keys exist (a hybrid's state lookup asks this before reading one): pipelined across the slots.
+    assert first.engine.tier_store.tier("remote").has_many([*stored[:5], b"\x00" * 16]) == [True] * 5 + [False]
     victim = masters[0].port
     processes[victim].kill()
     processes[victim].wait(timeout=10)
@@ -998,6 +1005,7 @@ def test_state_records_go_to_every_tier_and_the_deepest_verified_one_is_found():
 
     found = store.lookup_state(refs)
     assert (found.tier, found.index, bytes(found.state), bytes(found.tail_block)) == ("host", 2, *payload[2])
+    assert remote.reads == 0  # only the deepest record is read, from the first tier that holds it
     assert store.snapshot()["host"]["state_hits"] == 1
     assert store.lookup_state(refs[:2]).index == 0 and store.lookup_state(refs[:2]).tail_block is None
 

@@ -40,6 +40,10 @@ class HostTier:
                 found.append(record)
             return found
 
+    def has_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._records for key in keys]
+
     def put(self, key: bytes, record: bytes) -> bool:
         """Keep ``record``; False when it was not stored (larger than the whole tier)."""
         if len(record) > self.capacity_bytes:
@@ -125,6 +129,11 @@ class DiskTier:
                     self.delete(key)
             found.append(record)
         return found
+
+    def has_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys have a file (known from the folder, not read)."""
+        with self._lock:
+            return [key in self._sizes for key in keys]
 
     def put(self, key: bytes, record: bytes) -> bool:
         """Write ``record`` (atomically); False when it was not stored (larger than the whole tier); an
@@ -284,6 +293,20 @@ class RedisTier:
         except self._errors:
             self._failed()
             return [None] * len(keys)
+
+    def has_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys exist (one pipelined EXISTS each, split by slot on a cluster): a hybrid's state lookup asks
+        for many positions and reads only the deepest record, megabytes, within the socket timeout."""
+        if not keys or not self.available:
+            return [False] * len(keys)
+        try:
+            pipeline = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipeline.exists(self.prefix + key.hex().encode())
+            return [bool(found) for found in pipeline.execute()]
+        except self._errors:
+            self._failed()
+            return [False] * len(keys)
 
     def put(self, key: bytes, record: bytes) -> bool:
         """Store ``record``; False while Redis is away (nothing is retried: the block is just not there)."""

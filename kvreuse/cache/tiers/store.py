@@ -14,8 +14,8 @@
   device pool evicts.
 - states (issue 66): a hybrid's recurrent state snapshot, with the K/V of its tail (the tokens after its anchor
   block, which no full-block record holds), is queued for every tier, host included, when the engine keeps it
-  (``store_state``; encoded by the writer thread: a state is megabytes); ``lookup_state`` returns the deepest
-  verified one among the positions a request asks for.
+  (``store_state``; encoded by the writer thread: a state is megabytes); ``lookup_state`` asks each tier which of
+  the positions a request asks for it holds (``has_many``), then reads the deepest only, verified.
 
 Plain Python, no torch: payloads are bytes; the engine turns them into tensors.
 """
@@ -48,6 +48,7 @@ class Tier(Protocol):
     name: str
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    def has_many(self, keys: Sequence[bytes]) -> list[bool]: ...
     def put(self, key: bytes, record: bytes) -> bool: ...
     def delete(self, key: bytes) -> None: ...
     def clear(self) -> int: ...
@@ -180,16 +181,22 @@ class TieredStore:
         if self.state is None or not refs:
             return None
         keys = [ref.key for ref in refs]
-        held: list[tuple[int, int, Tier, bytes]] = []  # (-index, tier order, tier, record)
+        held: list[tuple[int, int, Tier]] = []  # (-index, tier order, tier): which tier has which position
         for order, tier in enumerate(self.tiers):
             started = time.perf_counter()
-            records = tier.get_many(keys)
+            present = tier.has_many(keys)
             with self._lock:
                 self.stats[tier.name].state_lookups += 1
                 self.stats[tier.name].load_seconds += time.perf_counter() - started
-            held.extend((-index, order, tier, data) for index, data in enumerate(records) if data is not None)
-        for negative, _, tier, data in sorted(held, key=lambda entry: entry[:2]):
+            held.extend((-index, order, tier) for index, found in enumerate(present) if found)
+        for negative, _, tier in sorted(held, key=lambda entry: entry[:2]):  # only the deepest is read (megabytes)
             ref = refs[-negative]
+            started = time.perf_counter()
+            (data,) = tier.get_many([ref.key])
+            with self._lock:
+                self.stats[tier.name].load_seconds += time.perf_counter() - started
+            if data is None:  # gone since (another server's eviction): the next deepest
+                continue
             layout = state_layout(self.state, self.layout, len(ref.tail))
             try:
                 payload = record.decode(data, self.fingerprint, ref.key, ref.tail, layout)
