@@ -34,6 +34,34 @@ def test_rms_norm(dtype, with_residual):
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_with_a_float32_scale(dtype, with_residual):
+    """Gemma's and Qwen3.5's (1 + weight) norm: scaled in float32 and rounded once, as GemmaRMSNorm's reference;
+    the layer takes the kernel and gives its bits."""
+    from kvreuse.layers.norm import GemmaRMSNorm
+
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=generator).to(dtype)
+    scale = 1 + 0.1 * torch.randn(96, generator=generator)
+    residual = torch.randn(5, 96, generator=generator).to(dtype) if with_residual else None
+    x_reference = x.clone()
+    expected = fused_ops.reference_rms_norm_float_scale(x_reference, scale, 1e-6, residual)
+    x_layer = x.clone()
+    out = fused_ops.rms_norm_float_scale(x, scale, 1e-6, residual)
+    torch.testing.assert_close(x, x_reference, atol=0, rtol=0)  # the residual stream, added as add_ does
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    norm = GemmaRMSNorm(96, 1e-6, dtype, torch.device("cpu"))
+    with torch.no_grad():
+        norm.weight.copy_((scale - 1).to(dtype))
+    assert torch.equal(norm.scale(), 1.0 + norm.weight.float())
+    by_kernel = fused_ops.rms_norm_float_scale(x_layer.clone(), norm.scale(), 1e-6, residual)
+    assert torch.equal(norm(x_layer, residual), by_kernel)
+    with torch.no_grad():
+        norm.weight.add_(1)  # the cached scale follows the weight
+    assert torch.equal(norm.scale(), 1.0 + norm.weight.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rotary_on_fused_rows(dtype, qk_norm):

@@ -43,6 +43,10 @@ def library() -> Path | None:
         def _(x, weight, eps, residual):
             return torch.empty_like(x)
 
+        @torch.library.register_fake("kvreuse_fused::rms_norm_float_scale")
+        def _(x, scale, eps, residual):
+            return torch.empty_like(x)
+
         @torch.library.register_fake("kvreuse_fused::rotary_")
         def _(qkv, cos, sin, positions, heads, kv_heads, head_dim, q_norm, k_norm, eps) -> None:
             return None
@@ -104,6 +108,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the PyTorch code each kernel replaces (what runs where they do not) ------------------------------------
+
+def rms_norm_float_scale(x: torch.Tensor, scale: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x += residual`` (when given, in place), then RMSNorm(x) * scale in float32, rounded once to x's dtype (Gemma's
+    and Qwen3.5's (1 + weight) norms: ``scale`` is that, in float32). x contiguous."""
+    return torch.ops.kvreuse_fused.rms_norm_float_scale(x, scale, eps, residual)
+
+
+def reference_rms_norm_float_scale(x: torch.Tensor, scale: torch.Tensor, eps: float,
+                                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    if residual is not None:
+        x.add_(residual)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).mul_(scale).to(x.dtype)
+
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> torch.Tensor:

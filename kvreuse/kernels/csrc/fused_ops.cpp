@@ -10,6 +10,8 @@
 // - rms_norm(x, weight, eps, residual): where `residual` is given, x += residual first (in place, rounded to
 //   x's dtype as PyTorch's add_ does); returns weight * x / rms(x), normalised in float32 and rounded to x's
 //   dtype before the weight, as transformers does;
+// - rms_norm_float_scale(x, scale, eps, residual): the same with a float32 scale and one rounding (Gemma's and
+//   Qwen3.5's (1 + weight) norms);
 // - rotary_(qkv, cos, sin, positions, heads, kv_heads, head_dim, q_norm, k_norm, eps): on the fused q|k|v
 //   rows, in place: q and k per head through their RMSNorm (Qwen3's q/k norms, where given), then rotated
 //   by position (rotate-half layout, the float32 cos/sin tables of the model);
@@ -51,8 +53,10 @@ inline T from_float(float value) {
 constexpr int64_t ROW_GRAIN = 16;
 constexpr int64_t SILU_GRAIN = 16384;  // values per thread at least, for silu_mul
 
-template <typename T>
-void rms_norm_rows(T* x, const T* residual, const T* weight, T* out, int64_t rows, int64_t size, float eps) {
+// kRoundFirst: the normalised value rounded to T before the weight (transformers' Llama order, a weight in T);
+// otherwise scaled by a float32 weight and rounded once (Gemma's and Qwen3.5's (1 + weight) norms).
+template <typename T, typename W, bool kRoundFirst>
+void rms_norm_rows(T* x, const T* residual, const W* weight, T* out, int64_t rows, int64_t size, float eps) {
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
     std::vector<float> values(static_cast<size_t>(size));
     for (int64_t row = begin; row < end; ++row) {
@@ -71,8 +75,12 @@ void rms_norm_rows(T* x, const T* residual, const T* weight, T* out, int64_t row
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(size) + eps);
       T* out_row = out + row * size;
       for (int64_t i = 0; i < size; ++i) {
-        // Rounded to T before the weight (transformers' order), the product rounded again.
-        out_row[i] = from_float<T>(to_float(from_float<T>(values[i] * inv)) * to_float(weight[i]));
+        if constexpr (kRoundFirst) {
+          // Rounded to T before the weight (transformers' order), the product rounded again.
+          out_row[i] = from_float<T>(to_float(from_float<T>(values[i] * inv)) * to_float(weight[i]));
+        } else {
+          out_row[i] = from_float<T>(values[i] * inv * static_cast<float>(weight[i]));
+        }
       }
     }
   });
@@ -89,9 +97,30 @@ at::Tensor rms_norm(at::Tensor x, const at::Tensor& weight, double eps, const c1
   }
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
-                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, size,
-                            static_cast<float>(eps));
+    rms_norm_rows<scalar_t, scalar_t, true>(
+        x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, size, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// RMSNorm scaled by a float32 `scale` and rounded once: Gemma's and Qwen3.5's norms, whose (1 + weight) the caller
+// holds in float32 (the PyTorch reference: rms_norm(x.float()) * scale, then to x's dtype).
+at::Tensor rms_norm_float_scale(at::Tensor x, const at::Tensor& scale, double eps,
+                                const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: contiguous [..., size]");
+  const int64_t size = x.size(-1), rows = size == 0 ? 0 : x.numel() / size;
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == size && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "scale: contiguous float32 [size]");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                residual->is_contiguous(), "residual: like x");
+  }
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_float_scale", [&] {
+    rms_norm_rows<scalar_t, float, false>(
+        x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+        scale.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, size, static_cast<float>(eps));
   });
   return out;
 }
@@ -332,6 +361,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 TORCH_LIBRARY(kvreuse_fused, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps, Tensor? residual) -> Tensor");
+  m.def("rms_norm_float_scale(Tensor(a!) x, Tensor scale, float eps, Tensor? residual) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int kv_heads, int head_dim, "
         "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -341,6 +371,7 @@ TORCH_LIBRARY(kvreuse_fused, m) {
 
 TORCH_LIBRARY_IMPL(kvreuse_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_float_scale", &rms_norm_float_scale);
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
   m.impl("clamped_swiglu", &clamped_swiglu);
