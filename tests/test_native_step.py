@@ -211,15 +211,18 @@ def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, 
     assert len(list(disk.iterdir())) == 5
 
 
-def test_the_fused_expert_activation_is_part_of_the_kv_fingerprint(tiny_models, monkeypatch, tmp_path):
+def test_the_fused_expert_activation_and_offset_norm_are_part_of_the_kv_fingerprint(tiny_models, monkeypatch,
+                                                                                    tmp_path):
     """gpt-oss's experts take their clamped SwiGLU from one kernel (exp from SLEEF on every value) where it is
-    built, from eager ops (std::exp on their chunks' tails) where not: K/V bytes that may differ, so the two
-    never share a tier's records. Qwen3-MoE's experts (SiLU) are the same either way."""
+    built, from eager ops (std::exp on their chunks' tails) where not; Gemma's (1 + weight) norms (Qwen3.5's too)
+    from one kernel (a row's sum in its own order) or from PyTorch's rms_norm: K/V bytes that may differ, so the
+    two never share a tier's records. Qwen3-MoE's experts (SiLU) and norms are the same either way."""
     options = dict(dtype="float32", kv_cache_memory="8MiB", block_size=4, kv_disk_dir=str(tmp_path / "disk"))
     with_kernel = {arch: LLM(str(tiny_models[arch]), **options).engine.tier_store.fingerprint
-                   for arch in ("gpt_oss", "qwen3_moe")}
+                   for arch in ("gpt_oss", "qwen3_moe", "gemma3")}
     monkeypatch.setattr(fused_ops, "available", lambda: False)
     assert LLM(str(tiny_models["gpt_oss"]), **options).engine.tier_store.fingerprint != with_kernel["gpt_oss"]
+    assert LLM(str(tiny_models["gemma3"]), **options).engine.tier_store.fingerprint != with_kernel["gemma3"]
     assert LLM(str(tiny_models["qwen3_moe"]), **options).engine.tier_store.fingerprint == with_kernel["qwen3_moe"]
 
 

@@ -442,6 +442,10 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         # otherwise between threads rounded a few values otherwise before it.
         **({"expert_activation": "clamped_swiglu (kvreuse_fused)"} if clamped_swiglu_kernel(model_config, kv_cache)
            else {}),
+        # Gemma's and Qwen3.5's (1 + weight) norms in one kernel (fused_ops.rms_norm_float_scale): the row's sum in its
+        # own order, where PyTorch's rms_norm vectorises it, so K/V from before differ in their last bits.
+        **({"offset_norm": "rms_norm_float_scale (kvreuse_fused)"} if offset_norm_kernel(model_config, kv_cache)
+           else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
            and kv_cache.storage_dtype != kv_cache.dtype else {}),
@@ -455,6 +459,12 @@ def clamped_swiglu_kernel(model_config: ModelConfig, kv_cache: KVCache) -> bool:
     """Whether the model's experts take their clamped SwiGLU (gpt-oss) from fused_ops' kernel."""
     moe = model_config.moe
     return (moe is not None and moe.swiglu_limit is not None and kv_cache.device.type == "cpu"
+            and fused_ops.available())
+
+
+def offset_norm_kernel(model_config: ModelConfig, kv_cache: KVCache) -> bool:
+    """Whether the model's (1 + weight) norms (Gemma's, Qwen3.5's) run in fused_ops' kernel."""
+    return (model_config.norm_style in ("gemma", "offset") and kv_cache.device.type == "cpu"
             and fused_ops.available())
 
 
