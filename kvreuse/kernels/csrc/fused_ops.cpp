@@ -29,6 +29,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -86,43 +88,38 @@ void rms_norm_rows(T* x, const T* residual, const W* weight, T* out, int64_t row
   });
 }
 
-at::Tensor rms_norm(at::Tensor x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual) {
+// Both norms' entry: x (and the residual, like it) checked, the weight `kFloatWeight` (float32) or in x's dtype, rows
+// normalised in Llama's order (rounded before a weight in x's dtype) or Gemma's (a float32 scale, rounded once).
+template <bool kFloatWeight>
+at::Tensor norm_rows(at::Tensor x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: contiguous [..., size]");
   const int64_t size = x.size(-1), rows = size == 0 ? 0 : x.numel() / size;
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == x.scalar_type() &&
-              weight.is_contiguous(), "weight: contiguous [size] in x's dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.is_contiguous() &&
+              weight.scalar_type() == (kFloatWeight ? at::kFloat : x.scalar_type()),
+              kFloatWeight ? "scale: contiguous float32 [size]" : "weight: contiguous [size] in x's dtype");
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                 residual->is_contiguous(), "residual: like x");
   }
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t, scalar_t, true>(
+    using W = std::conditional_t<kFloatWeight, float, scalar_t>;
+    rms_norm_rows<scalar_t, W, !kFloatWeight>(
         x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
-        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, size, static_cast<float>(eps));
+        weight.data_ptr<W>(), out.data_ptr<scalar_t>(), rows, size, static_cast<float>(eps));
   });
   return out;
+}
+
+at::Tensor rms_norm(at::Tensor x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual) {
+  return norm_rows<false>(std::move(x), weight, eps, residual);
 }
 
 // RMSNorm scaled by a float32 `scale` and rounded once: Gemma's and Qwen3.5's norms, whose (1 + weight) the caller
 // holds in float32 (the PyTorch reference: rms_norm(x.float()) * scale, then to x's dtype).
 at::Tensor rms_norm_float_scale(at::Tensor x, const at::Tensor& scale, double eps,
                                 const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: contiguous [..., size]");
-  const int64_t size = x.size(-1), rows = size == 0 ? 0 : x.numel() / size;
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == size && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "scale: contiguous float32 [size]");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
-                residual->is_contiguous(), "residual: like x");
-  }
-  at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_float_scale", [&] {
-    rms_norm_rows<scalar_t, float, false>(
-        x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
-        scale.data_ptr<float>(), out.data_ptr<scalar_t>(), rows, size, static_cast<float>(eps));
-  });
-  return out;
+  return norm_rows<true>(std::move(x), scale, eps, residual);
 }
 
 // One head's values in place: optional RMSNorm (weight in T, rounded like rms_norm), then rotate-half.
