@@ -124,3 +124,27 @@ def test_an_evicted_nodes_snapshots_go_with_it(index):
     assert [snapshot.handle for snapshot in snapshots.drop_node(nodes[1])] == ["x"]
     snapshots.check_integrity()
     assert snapshots.num_bytes == 0
+
+
+def test_a_state_read_back_from_a_tier_takes_a_free_slot_and_its_bytes_go_in_order_with_the_copies(index):
+    """StateSlots.load (issue 66, the KV tiers): the state becomes a snapshot (reason "tier") in a free slot, its bytes
+    queued as a copy after the ones asked for before it; with the snapshot budget all held by pinned prefixes'
+    states, nothing is loaded and no slot is taken."""
+    from kvreuse.cache.state_slots import StateCopy, StateSlots
+
+    tokens = list(range(10, 30))
+    root, nodes = cache(index, b"ns", tokens)
+    slots = StateSlots(BLOCK, num_slots=3, max_running=2, slot_bytes=STATE)  # room for one snapshot
+    running = slots.start(None)
+    loaded = slots.load(nodes[1], tokens[8:9], b"state-bytes")
+    assert loaded is not None and (loaded.reason, loaded.position) == ("tier", 9) and slots.num_loaded == 1
+    assert slots.take_copies() == [StateCopy(None, running), StateCopy(None, loaded.handle, b"state-bytes")]
+    assert slots.load(nodes[1], tokens[8:9], b"again") is None  # kept already: the caller resumes from it
+    slots.check_integrity([running])
+
+    index.pin(nodes[:2])  # a pinned prefix's state takes the one snapshot's room and is never dropped for a load
+    slots.clear()
+    slots.branch(nodes[1], [], running, "pin")
+    assert slots.load(nodes[2], tokens[12:13], b"state-bytes") is None
+    assert slots.num_free == 1 and slots.num_loaded == 1
+    slots.check_integrity([running])
