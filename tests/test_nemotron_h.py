@@ -18,7 +18,14 @@ import pytest
 import torch
 from test_engine import reference_greedy
 from test_engine import run_checked as run_greedy_checked
-from test_qwen3_5 import BLOCK, logits_match_transformers_in_steps, make_llm, prompt_ids
+from test_qwen3_5 import (
+    BLOCK,
+    logits_match_transformers_in_steps,
+    make_llm,
+    native_mixer_matches_its_reference_in_any_step,
+    prompt_ids,
+    randomize_mixer_and_states,
+)
 from test_tiers import read_header, redis_server, run_checked  # noqa: F401 (redis_server: a fixture)
 
 from kvreuse import SamplingParams
@@ -300,24 +307,12 @@ def test_the_native_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits
     heads, groups, kernel, hidden = 4, 2, 4, 32
     mixer = Mamba2Mixer(hidden, heads, head_dim, groups, state_size, kernel, True, False, (0.0, math.inf), 1e-5, 1,
                         torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for parameter in mixer.parameters():
-            parameter.normal_(0.0, 0.5)
     pool = RecurrentStatePool(4, 2, heads, head_dim, state_size, mixer.conv_dim, kernel)
-    pool.ssm.normal_()
-    pool.conv.normal_()
-    initial = (pool.ssm.clone(), pool.conv.clone())
+    randomize_mixer_and_states(mixer, pool)
     with torch.no_grad():
         z, xbc, dt = mixer.in_proj(torch.randn(12, hidden)).split([mixer.inner_size, mixer.conv_dim, heads], dim=-1)
 
-    def run(groups_of_rows: list[tuple[int, int, int]], native: bool) -> torch.Tensor:
-        """Each (slot, first row, rows) of the projections as one step; returns the rows' mixed outputs in order."""
-        pick = torch.cat([torch.arange(start, start + length) for _, start, length in groups_of_rows])
-        starts, offset = [], 0
-        for _, _, length in groups_of_rows:
-            starts.append(offset)
-            offset += length
-        inputs = StateInputs([slot for slot, _, _ in groups_of_rows], starts, [n for _, _, n in groups_of_rows], pool)
+    def mix(pick: torch.Tensor, inputs: StateInputs, native: bool) -> torch.Tensor:
         if native:
             return scan_kernel.mixer(xbc[pick], z[pick], dt[pick], mixer.conv1d.weight, mixer.conv1d.bias, pool.conv,
                                      mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight, pool.ssm, 1, inputs.slots,
@@ -325,16 +320,4 @@ def test_the_native_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits
         with torch.no_grad():
             return mixer.reference(len(pick), z[pick], xbc[pick], dt[pick], inputs, torch.float32)
 
-    def reset() -> None:
-        pool.ssm.copy_(initial[0])
-        pool.conv.copy_(initial[1])
-
-    reference = run([(3, 0, 7), (0, 7, 1), (1, 8, 4)], native=False)
-    reset()
-    whole = run([(3, 0, 7), (0, 7, 1), (1, 8, 4)], native=True)
-    torch.testing.assert_close(whole, reference, atol=1e-4, rtol=1e-4)
-    states = (pool.ssm.clone(), pool.conv.clone())
-    reset()
-    alone = torch.cat([run([(3, 0, 3)], True), run([(3, 3, 1)], True), run([(3, 4, 3), (0, 7, 1)], True)[:3]])
-    assert torch.equal(alone, whole[:7])  # in pieces, decode rows among them, beside another sequence: the same bits
-    assert torch.equal(pool.ssm[3], states[0][3]) and torch.equal(pool.conv[3], states[1][3])
+    native_mixer_matches_its_reference_in_any_step(pool, mix, dict(atol=1e-4, rtol=1e-4))

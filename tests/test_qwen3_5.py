@@ -392,6 +392,48 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_5_runs_as_its_folder(tmp_path):
     assert run_checked(grouped.engine, prompts, greedy) == run_checked(make_llm(grouped_folder).engine, prompts, greedy)
 
 
+def randomize_mixer_and_states(mixer: torch.nn.Module, pool: RecurrentStatePool) -> None:
+    """A recurrent mixer's parameters and a state pool's slots drawn at random (a native mixer test's start)."""
+    with torch.no_grad():
+        for parameter in mixer.parameters():
+            parameter.normal_(0.0, 0.5)
+    pool.ssm.normal_()
+    pool.conv.normal_()
+
+
+def native_mixer_matches_its_reference_in_any_step(pool: RecurrentStatePool, mix, close: dict) -> None:
+    """``mix(rows, inputs, native)`` (a recurrent mixer over the projections' ``rows``, its states in ``pool``): the
+    native call gives the op-by-op path's values for a step of three sequences (slot 3 prefilling 7 rows, slot 0
+    decoding, slot 1 prefilling 4), and slot 3's rows the same bits, and the same final state, when they come in
+    pieces with a decode row among them and beside another sequence (what a snapshot hit needs)."""
+    initial = (pool.ssm.clone(), pool.conv.clone())
+
+    def run(groups_of_rows: list[tuple[int, int, int]], native: bool) -> torch.Tensor:
+        """Each (slot, first row, rows) of the projections as one step; returns the rows' mixed outputs in order."""
+        pick = torch.cat([torch.arange(start, start + length) for _, start, length in groups_of_rows])
+        starts, offset = [], 0
+        for _, _, length in groups_of_rows:
+            starts.append(offset)
+            offset += length
+        inputs = StateInputs([slot for slot, _, _ in groups_of_rows], starts, [n for _, _, n in groups_of_rows], pool)
+        return mix(pick, inputs, native)
+
+    def reset() -> None:
+        pool.ssm.copy_(initial[0])
+        pool.conv.copy_(initial[1])
+
+    steps = [(3, 0, 7), (0, 7, 1), (1, 8, 4)]
+    reference = run(steps, native=False)
+    reset()
+    whole = run(steps, native=True)
+    torch.testing.assert_close(whole.float(), reference.float(), **close)
+    states = (pool.ssm.clone(), pool.conv.clone())
+    reset()
+    alone = torch.cat([run([(3, 0, 3)], True), run([(3, 3, 1)], True), run([(3, 4, 3), (0, 7, 1)], True)[:3]])
+    assert torch.equal(alone, whole[:7])
+    assert torch.equal(pool.ssm[3], states[0][3]) and torch.equal(pool.conv[3], states[1][3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_delta_mixer_equals_the_op_by_op_path_and_gives_a_row_the_same_bits_in_any_step(dtype):
     """The Gated DeltaNet between its projections in one native call (convolution, L2 norms, gates, the rule, the
@@ -406,25 +448,13 @@ def test_the_native_delta_mixer_equals_the_op_by_op_path_and_gives_a_row_the_sam
     for tiled in (False, True):
         mixer = GatedDeltaNet(hidden, key_heads, value_heads, key_dim, value_dim, kernel, 1e-6, 1, dtype,
                               torch.device("cpu"), tiled_values=tiled)
-        with torch.no_grad():
-            for parameter in mixer.parameters():
-                parameter.normal_(0.0, 0.5)
         pool = RecurrentStatePool(4, 2, value_heads, key_dim, value_dim, mixer.conv_dim, kernel)
-        pool.ssm.normal_()
-        pool.conv.normal_()
-        initial = (pool.ssm.clone(), pool.conv.clone())
+        randomize_mixer_and_states(mixer, pool)
         with torch.no_grad():
             mixed, z, b, a = mixer.in_proj(torch.randn(12, hidden, dtype=dtype)).split(
                 [mixer.conv_dim, mixer.value_size, value_heads, value_heads], dim=-1)
 
-        def run(groups_of_rows: list[tuple[int, int, int]], native: bool) -> torch.Tensor:
-            pick = torch.cat([torch.arange(start, start + length) for _, start, length in groups_of_rows])
-            starts, offset = [], 0
-            for _, _, length in groups_of_rows:
-                starts.append(offset)
-                offset += length
-            inputs = StateInputs([slot for slot, _, _ in groups_of_rows], starts, [n for _, _, n in groups_of_rows],
-                                 pool)
+        def mix(pick: torch.Tensor, inputs: StateInputs, native: bool) -> torch.Tensor:
             if native:
                 return delta_kernel.delta_mixer(mixed[pick], z[pick], a[pick], b[pick], mixer.conv1d.weight, pool.conv,
                                                 mixer.A_log, mixer.dt_bias, mixer.norm.weight, pool.ssm, 1, inputs.slots,
@@ -433,18 +463,5 @@ def test_the_native_delta_mixer_equals_the_op_by_op_path_and_gives_a_row_the_sam
             with torch.no_grad():
                 return mixer.reference(mixed[pick], z[pick], b[pick], a[pick], inputs, dtype)
 
-        def reset() -> None:
-            pool.ssm.copy_(initial[0])
-            pool.conv.copy_(initial[1])
-
-        steps = [(3, 0, 7), (0, 7, 1), (1, 8, 4)]
-        reference = run(steps, native=False)
-        reset()
-        whole = run(steps, native=True)
         close = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
-        torch.testing.assert_close(whole.float(), reference.float(), **close)
-        states = (pool.ssm.clone(), pool.conv.clone())
-        reset()
-        alone = torch.cat([run([(3, 0, 3)], True), run([(3, 3, 1)], True), run([(3, 4, 3), (0, 7, 1)], True)[:3]])
-        assert torch.equal(alone, whole[:7])
-        assert torch.equal(pool.ssm[3], states[0][3]) and torch.equal(pool.conv[3], states[1][3])
+        native_mixer_matches_its_reference_in_any_step(pool, mix, close)

@@ -256,12 +256,12 @@ class TieredStore:
         if self.state is None or not self.tiers:
             return
         layout = state_layout(self.state, self.layout, len(ref.tail))
-        payload = state if tail_block is None else state + tail_block
 
-        def encode() -> bytes:
+        def encode() -> bytes:  # the state and its tail block joined here too, off the engine step
+            payload = state if tail_block is None else state + tail_block
             return record.encode(self.fingerprint, ref.key, ref.namespace, ref.tail, layout, payload)
 
-        self._enqueue(ref.key, encode, len(payload), list(self.tiers), True)
+        self._enqueue(ref.key, encode, layout.num_bytes, list(self.tiers), True)
 
     def evicted(self, block: BlockRef, payload: bytes) -> None:
         """A block the device pool gave up: keep it in the host tier (if there is one)."""
