@@ -248,3 +248,41 @@ def test_a_hybrid_backend_is_credited_only_up_to_the_states_it_keeps() -> None:
     assert router.index.matched_blocks("hybrid", other.keys_for("hybrid")) == 6
     assert router.index.drop_backend("hybrid") > 0 and router.index.is_recurrent("hybrid")
     assert router.index.matched_blocks("hybrid", other.keys_for("hybrid")) == 0
+
+
+def test_a_hybrid_remote_group_is_credited_only_up_to_the_states_its_members_wrote() -> None:
+    """Issue 66: a hybrid server writes its blocks and its kept states through to the remote tiers it shares; a
+    member loading from there resumes at the deepest state, so the group's blocks past it must not draw a request."""
+    router = Router(PolicyConfig(block_size=BLOCK))
+    loads = fleet(router, "a", "b")
+    for name in loads:
+        router.set_remote_group(name, "redis/fp")
+        router.set_recurrent(name)
+    keys = request_for(list(range(40)) + [99]).keys_for("a")  # 10 full blocks
+    router.index.record("a", keys)  # a's stored events: in its pool and in the group's remote
+    router.record_remote("a", keys)
+    request = request_for(list(range(40)) + [7])
+    assert router.choose(request, {"b": BackendLoad()}, 0.0).remote_blocks == 0  # blocks, no state to resume from
+    router.record_state("a", keys[3:4])  # a kept a state at block 4's end: written to the remote as well
+    decision = router.choose(request, {"b": BackendLoad()}, 0.0)
+    assert (decision.remote_blocks, decision.uncached_tokens, decision.reason) == (4, 41 - 16, "remote")
+    router.index.remove_state("a", keys[3])  # a's pool dropped it; the remote keeps its copy
+    assert router.index.matched_blocks("a", keys) == 0
+    assert router.choose(request, {"a": BackendLoad()}, 0.0).remote_blocks == 4
+    router.record_state("a", keys[8:9])
+    assert router.choose(request, {"b": BackendLoad()}, 0.0).remote_blocks == 9
+    # A prompt sent to a member leaves a state where it ends, on it and in the remote.
+    other = request_for(list(range(100, 124)))
+    router.record_sent("a", other)
+    assert router.choose(other, {"b": BackendLoad()}, 0.0).remote_blocks == 6
+    # The card can come after the group: the group still becomes a hybrid one.
+    router.index.add_backend("c", capacity_blocks=1000)
+    router.set_remote_group("c", "redis/fp2")
+    router.set_recurrent("c")
+    router.record_remote("c", keys)
+    assert router.choose(request, {"c": BackendLoad()}, 0.0).remote_blocks == 0
+    # A plain model's group is credited its whole run, as before.
+    router.index.add_backend("d", capacity_blocks=1000)
+    router.set_remote_group("d", "redis/fp3")
+    router.record_remote("d", keys)
+    assert router.choose(request, {"d": BackendLoad()}, 0.0).remote_blocks == 10

@@ -433,6 +433,24 @@ def test_remote_hit_cost_weight_bounds_and_extremes():
     assert router.choose(request, {"b": BackendLoad()}, 0.0).remote_blocks == 3
 
 
+def test_the_router_applies_a_hybrid_groups_state_events_to_its_remote_index():
+    """Issue 66, the proxy's side: a hybrid card puts its remote group in state mode, a member's state_stored
+    event marks the state in the group as well, and its state_removed (the device pool's) leaves the group's copy."""
+    a, b = "http://a:1", "http://b:2"
+    state = RouterState(RouterConfig(backends=(a, b), policy=PolicyConfig(block_size=BLOCK)))
+    request = _request(list(range(40)) + [7])
+    keys = request.block_keys
+    for name in (a, b):
+        backend = state.pool.backends[name]
+        backend.kv_remote, backend.recurrent_state = "redis/fp", True
+        state._card_read(backend)
+    state._apply_kv_events(state.pool.backends[a], [("stored", key) for key in keys])
+    assert state.router.choose(request, {b: BackendLoad()}, 0.0).remote_blocks == 0
+    state._apply_kv_events(state.pool.backends[a], [("state_stored", keys[5]), ("state_removed", keys[5])])
+    assert state.router.index.matched_blocks(a, keys) == 0
+    assert state.router.choose(request, {b: BackendLoad()}, 0.0).remote_blocks == 6
+
+
 def test_remote_group_of_a_card():
     assert remote_group_of({"id": "m"}) is None
     assert remote_group_of({"kv_remote": {"url_digest": "d"}}) is None

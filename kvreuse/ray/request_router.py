@@ -155,7 +155,7 @@ class KVReuseRequestRouter(RequestRouter):
                 for key in update.keys:
                     index.remove(update.source, key)
             elif update.kind == "state_stored":  # a hybrid replica's states (cache/events.py)
-                index.record_state(update.source, update.keys)
+                self._router.record_state(update.source, update.keys)
             elif update.kind == "state_removed":
                 for key in update.keys:
                     index.remove_state(update.source, key)

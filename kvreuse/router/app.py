@@ -158,7 +158,7 @@ class RouterState:
     def _card_read(self, backend: Backend) -> None:
         self.router.set_remote_group(backend.name, backend.kv_remote)
         if backend.recurrent_state:
-            self.router.index.set_recurrent(backend.name)
+            self.router.set_recurrent(backend.name)
 
     def _apply_kv_events(self, backend: Backend, events: list[tuple[str, bytes]]) -> None:
         index = self.router.index
@@ -169,9 +169,9 @@ class RouterState:
             elif kind == "removed":
                 index.remove(backend.name, key)  # gone from its pool, not from the remote
             elif kind == "state_stored":  # a hybrid model's state kept on this block (cache/events.py)
-                index.record_state(backend.name, (key,))
+                self.router.record_state(backend.name, (key,))  # and in its remote group's tiers
             elif kind == "state_removed":
-                index.remove_state(backend.name, key)
+                index.remove_state(backend.name, key)  # from its pool; the remote tiers keep their copy
 
     def _backend_up(self, backend: Backend) -> None:
         self.router.backend_failed(backend.name)  # whatever it held before may be gone (restart)

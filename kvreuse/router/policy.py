@@ -247,9 +247,28 @@ class Router:
         self._remote_groups[backend] = group
         if not self.remote_index.has_backend(group):
             self.remote_index.add_backend(group, self.config.remote_capacity_blocks)
+        if self.index.is_recurrent(backend):
+            self.remote_index.set_recurrent(group)
 
     def remote_group(self, backend: str) -> str | None:
         return self._remote_groups.get(backend)
+
+    def set_recurrent(self, backend: str) -> None:
+        """``backend`` runs a hybrid model (its card says so): it, and the remote group it shares, reuse a prefix only
+        up to a state snapshot they hold."""
+        self.index.set_recurrent(backend)
+        group = self._remote_groups.get(backend)
+        if group is not None:
+            self.remote_index.set_recurrent(group)
+
+    def record_state(self, backend: str, keys: Sequence[bytes]) -> None:
+        """These blocks anchor a state ``backend`` kept (a ``state_stored`` event, or where a prompt sent there
+        ends). Its engine writes each kept state through to its remote tiers (server.md's KV tiers), so its remote
+        group holds the state too, and keeps it when the device pool drops it."""
+        self.index.record_state(backend, keys)
+        group = self._remote_groups.get(backend)
+        if group is not None and keys:
+            self.remote_index.record_state(group, keys)
 
     def record_remote(self, backend: str, keys: Sequence[bytes]) -> None:
         """``backend`` computed these blocks (a KV event): its remote group holds them now too."""
@@ -299,7 +318,7 @@ class Router:
         keys = request.keys_for(backend)
         self.index.record(backend, keys)
         if keys and self.index.is_recurrent(backend):  # a hybrid server keeps a state where the prompt ends
-            self.index.record_state(backend, keys[-1:])
+            self.record_state(backend, keys[-1:])
         self.record_remote(backend, keys)  # its engine writes each computed block through to the remote
         self._in_flight_blocks.setdefault(backend, Counter()).update(keys)
 
@@ -370,7 +389,8 @@ class Router:
 
     def _remote_blocks(self, request: RouteRequest, name: str) -> int:
         """Blocks right after what ``name`` holds that its remote group holds (the engine looks the
-        tiers up after its device match, for a contiguous run)."""
+        tiers up after its device match, for a contiguous run); for a hybrid group, only up to the deepest
+        block there that anchors a state its members wrote (the engine resumes from that state)."""
         group = self._remote_groups.get(name)
         if group is None:
             return 0
