@@ -384,6 +384,28 @@ def test_int8_products_give_a_row_the_same_bits_in_any_block_of_rows(built, ggml
         assert bool(((full.double() - expected).abs() <= _tolerance(rounded, weight.dequantize())).all())
 
 
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_int8_products_give_a_row_the_same_bits_in_any_pass_of_rows(built, ggml_type):
+    """Batch-invariant mode runs K-quants on qdot8 at every row count: a row's output is its product alone, bit
+    for bit, whichever pass over the weights it fell in (Q4_K and Q5_K take 8 rows a pass up to 2,048 inputs and
+    4 above, so both widths), and the product of the rounded inputs within tolerance."""
+    fmt = FORMATS[GGUF_TYPES[ggml_type]]
+    if fmt.name not in quant_ops.int8_formats():
+        pytest.skip(f"{fmt.name} does not run on int8 inputs on this CPU")
+    generator = torch.Generator().manual_seed(7)
+    for out_features, in_features in ((5, 512), (6, 2304)):
+        weight = repack_gguf(gguf_blocks(ggml_type, out_features, in_features, seed=8), ggml_type,
+                             (out_features, in_features))
+        x = torch.randn(17, in_features, generator=generator)
+        full = quant_ops.qlinear_int8(x, weight)
+        for i in range(len(x)):
+            assert torch.equal(quant_ops.qlinear_int8(x[i:i + 1], weight).view(torch.int32), full[i:i + 1].view(torch.int32))
+        assert torch.equal(quant_ops.qlinear_int8(x[3:12], weight).view(torch.int32), full[3:12].view(torch.int32))
+        rounded = _rounded_to_int8(x, quant_ops.int8_group(fmt.name))
+        expected = F.linear(rounded.double(), weight.dequantize().double())
+        assert bool(((full.double() - expected).abs() <= _tolerance(rounded, weight.dequantize())).all())
+
+
 @needs_compiler
 @pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
 def test_the_kernels_compile_for_cpus_without_avx512(march):

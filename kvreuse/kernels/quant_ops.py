@@ -55,7 +55,9 @@ DTYPES = (torch.float32, torch.bfloat16)  # activations; accumulation is float32
 # The revision of qdot8's arithmetic, in the KV fingerprint: raised whenever the int8 products' float sums
 # round differently for the same inputs, so K/V a tier stored under an earlier revision are another's.
 # 2: q8_0, q4_0 and MXFP4 in blocks of rows, their zero in the int32 sums (issue 38, sixth session).
-INT8_ARITHMETIC = 2
+# 3: Q4_K and Q5_K through vpdpbusd in four-chunk registers, their offsets as float products (issue 66, seventh
+#    session: csrc/quant_int8_avx512vnni.h dot_rows_kquant_quads).
+INT8_ARITHMETIC = 3
 
 
 # Output rows per tile of tiled_linear: about this many weight values dequantized at once (4 MiB in

@@ -756,7 +756,7 @@ at::Tensor int8_products(const char* op, const at::Tensor& x, c10::IntArrayRef g
       using F = decltype(f);
 #if defined(KVREUSE_KQUANT_DOT)
       if constexpr (F::kquant) {
-        const QuantizedSpans q = quantize_spans(x, rows, in);
+        const QuantizedSpans q = quantize_spans<F>(x, rows, in);
         split_groups(group_rows, out_features, layouts[0].row_bytes, [&](int64_t g, int64_t begin, int64_t end) {
           dot_range_kquant<F>(q, first[g], group_rows[g], contiguous[g].const_data_ptr<uint8_t>(), layouts[g],
                               op_out + first[g] * out_features, out_features, begin, end);

@@ -10,8 +10,8 @@
 // the int32 sums become float32 once per pair, times the weight's and the input's scales. 8-bit weights
 // are the signed operand and the inputs go unsigned (code + 128; the 128 * sum(w) this adds is taken
 // back per lane); 4-bit weights are the unsigned operand as stored, their offsets b * sum(x) per group
-// come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, mxfp4, q4_k (5- and 6-bit codes stay on
-// the bf16 kernel). Only the inputs round: 7 bits plus sign against each chunk's largest value.
+// come from the rounded inputs' group sums. Formats: q8_0, q4_0, q4_1, mxfp4, and the K-quants below (q5_0 and
+// q5_1 stay on the bf16 kernel). Only the inputs round: 7 bits plus sign against each chunk's largest value.
 #define KVREUSE_INT8_DOT 1
 #define KVREUSE_BLOCKED_INT8 1
 
@@ -326,15 +326,26 @@ void dot_span_int8_blocked(const QuantizedRows& q, int64_t r0, int64_t in, const
 // int32 lanes in one instruction (at most 16.3 M per lane a super-block: exact, and exact in float32).
 // The offsets (Q4_K/Q5_K's dmin * min per group, Q6_K's -32 * code) multiply the inputs' integer sums per
 // group. This is about half the instructions of the per-chunk path above, where the one-row products of
-// the 4- to 6-bit formats were compute-bound (8-9 GB/s a core on the AVX-512 EPYC).
+// the 4- to 6-bit formats were compute-bound (8-9 GB/s a core on the AVX-512 EPYC). Q6_K (groups of 16) runs
+// this pair path; Q4_K and Q5_K take fewer multiplies still (dot_rows_kquant_quads, below).
 struct QuantizedSpans {
   int64_t spans = 0;
   std::vector<int8_t> codes;     // [rows, spans, 4 pairs, 64]: each pair in pair_codes' 4-bit lane order
   std::vector<float> scales;     // [rows, spans]
   std::vector<int16_t> sums16;   // [rows, spans, 16]: the codes' sum over values 16g .. 16g + 15
   std::vector<int16_t> sums32;   // [rows, spans, 8]: over chunk g's 32 values
+  std::vector<float> scaled_sums32;  // Q4_K / Q5_K: sums32 times the span's scale, for the offsets' float products
 };
 
+// The input codes' order in a super-block follows the kernel that reads them: for Q4_K and Q5_K (groups of 32,
+// dot_rows_kquant_quads) four chunks' values 0-15, then their values 16-31, for chunks 0-3 and then 4-7; for Q6_K
+// (dot_rows_kquant) each pair of chunks in pair_codes' 4-bit lane order.
+template <class F>
+constexpr bool quad_kquant() {
+  return F::kquant && F::group == 32;
+}
+
+template <class F>
 inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t in) {
   QuantizedSpans q;
   q.spans = in / kSuper;
@@ -342,6 +353,7 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
   q.scales.assign(rows * q.spans, 0.f);
   q.sums16.assign(rows * q.spans * 16, 0);
   q.sums32.assign(rows * q.spans * 8, 0);
+  if constexpr (quad_kquant<F>()) q.scaled_sums32.assign(rows * q.spans * 8, 0.f);
   const FloatRows xf(x);
   const float* xp = xf.data();
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -359,11 +371,14 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
         // Rounded to nearest even (the default MXCSR mode), as std::nearbyint would.
         const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * k), _mm512_set1_ps(id)));
         const int c = k / 2, h = k % 2;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (c / 2) * 64 + h * 32 + (c % 2) * 16),
-                         _mm512_cvtepi32_epi8(codes));  // |code| <= 127: exact
+        const int at_byte = quad_kquant<F>() ? (c / 4) * 128 + h * 64 + (c % 4) * 16 : (c / 2) * 64 + h * 32 + (c % 2) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at_byte), _mm512_cvtepi32_epi8(codes));  // |code| <= 127: exact
         const int32_t total = _mm512_reduce_add_epi32(codes);
         q.sums16[at * 16 + k] = static_cast<int16_t>(total);
         q.sums32[at * 8 + c] = static_cast<int16_t>(q.sums32[at * 8 + c] + total);
+      }
+      if constexpr (quad_kquant<F>()) {
+        for (int c = 0; c < 8; ++c) q.scaled_sums32[at * 8 + c] = d * static_cast<float>(q.sums32[at * 8 + c]);
       }
     }
   }
@@ -373,7 +388,7 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
 template <class F, int R>
 void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, const Layout& l, float* out,
                      int64_t out_features, int64_t begin, int64_t end) {
-  static_assert(F::kquant && F::bits < 8);
+  static_assert(F::kquant && !quad_kquant<F>(), "Q4_K and Q5_K run dot_rows_kquant_quads");
   const int64_t spans = q.spans;
   const SpanLayout& sl = l.span;  // K-quant rows are whole super-blocks
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -385,13 +400,13 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
     alignas(64) int16_t lanes[32];
     for (int k = 0; k < 32; ++k) {
       const int c = 2 * p + (k / 8) % 2, half = k / 16;
-      lanes[k] = static_cast<int16_t>(F::group == 32 ? c : 2 * c + half);
+      lanes[k] = static_cast<int16_t>(2 * c + half);
     }
     idx[p] = _mm512_load_si512(lanes);
   }
   // The high-bit planes as byte masks in pair_codes' lane order, for all four pairs of a super-block in one
   // 16-bit permutation of its plane words (pair_plane_mask's shuffle, done in a vector, not per pair in
-  // scalar code, which cost Q6_K a third of its time): mask 2p + k is pair p's plane k (Q5_K: mask p).
+  // scalar code, which cost Q6_K a third of its time): mask 2p + k is pair p's plane k.
   // Planes are a 32-bit word per chunk and plane, chunk-major; in 16-bit halves, chunk c's plane k is
   // (c * planes + k) * 2 (low) and + 1 (high); the mask of chunks c, c + 1 is [c lo, c+1 lo, c hi, c+1 hi].
   constexpr int planes = F::bits - 4;
@@ -425,24 +440,15 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
       alignas(64) uint64_t masks[8];
       if constexpr (planes == 2) {
         _mm512_store_si512(masks, _mm512_permutexvar_epi16(plane_order, _mm512_loadu_si512(sp + sl.planes)));
-      } else if constexpr (planes == 1) {
-        const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.planes)));
-        _mm512_store_si512(masks, _mm512_permutexvar_epi16(plane_order, words));
       }
-      __m512i sc;  // the group codes as int16
-      if constexpr (F::group == 32) {
-        sc = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.scales))));
-      } else {
-        sc = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.scales))));
-      }
+      // the group codes as int16
+      const __m512i sc = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + sl.scales))));
       __m512i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.values + 32 * p));
         __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), shifts), nibble);
-        if constexpr (planes == 1) {
-          wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[p]), wv, _mm512_set1_epi8(16));
-        } else if constexpr (planes == 2) {
+        if constexpr (planes == 2) {
           wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[2 * p]), wv, _mm512_set1_epi8(16));
           wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(masks[2 * p + 1]), wv, _mm512_set1_epi8(32));
         }
@@ -452,24 +458,106 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
           sums[r] = _mm512_dpwssd_epi32(sums[r], _mm512_maddubs_epi16(wv, xv), scale);
         }
       }
-      // The offsets: Q4_K / Q5_K's - dmin * sum over chunks of min * (the inputs' sum over the chunk); Q6_K's
-      // values are (q - 32) * code, so - 32 * d * sum over groups of code * (the inputs' group sum).
-      const float factor = F::has_min ? half_at(sp + sl.dmin) : static_cast<float>(F::zero) * d;
+      // The offsets: Q6_K's values are (q - 32) * code, so - 32 * d * sum over groups of code * (the inputs'
+      // group sum).
+      const float factor = static_cast<float>(F::zero) * d;
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * spans + s;
         const float xs = xscales[r * spans + s];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * xs), acc[r]);
         // The group products as int32 lanes (exact: at most 8 * 127 * 2,032), made float32 exactly, scaled.
-        __m256 m;
-        if constexpr (F::has_min) {  // four lanes, the upper four zero
-          m = _mm256_zextps128_ps256(_mm_cvtepi32_ps(
-              _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins))),
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.sums32.data() + at * 8)))));
-        } else {
-          m = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm512_castsi512_si256(sc),
-                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16))));
-        }
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_madd_epi16(
+            _mm512_castsi512_si256(sc), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sums16.data() + at * 16))));
         offset[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(-factor * xs), offset[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 o = offset[r];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(h);
+    }
+  }
+}
+
+// Q4_K and Q5_K (groups of 32) in fewer multiplies: vpdpbusd takes 64 unsigned weight codes against 64 int8
+// inputs into 16 int32 lanes in one instruction, where the pair path above needs two (vpmaddubsw, vpdpwssd).
+// A super-block's 128 packed bytes are two registers of four chunks each; their low nibbles (values 0-15 of
+// each chunk) and high nibbles (values 16-31) put chunk k's values in the same four int32 lanes, so two
+// vpdpbusd per register leave each lane the sum of 8 products of one chunk: at most 8 * 31 * 127 = 31,496,
+// which fits int16. vpackssdw packs the two registers' lanes into one of int16 (exactly, no saturation) and
+// one vpmaddwd multiplies each by its group's 6-bit scale code and sums pairs of the same chunk into int32.
+// Per input row and super-block: 4 + 1 multiplies and a pack, against the pair path's 8 multiplies; the
+// weight's decode (the nibbles, Q5_K's plane, the scale order) is shared by all R rows. The super-block's sum
+// stays an exact integer, made float32 once per super-block as before (INT8_ARITHMETIC names the lane order).
+template <class F, int R>
+void dot_rows_kquant_quads(const QuantizedSpans& q, int64_t r0, const uint8_t* w, const Layout& l, float* out,
+                           int64_t out_features, int64_t begin, int64_t end) {
+  static_assert(quad_kquant<F>() && F::has_min && F::bits <= 5);
+  const int64_t spans = q.spans;
+  const SpanLayout& sl = l.span;  // K-quant rows are whole super-blocks
+  const __m512i nibble = _mm512_set1_epi8(15);
+  // int16 lane 8j + t of vpackssdw(A, B) sums chunk j (t < 4, from A: chunks 0-3) or 4 + j (t >= 4, from B).
+  alignas(64) int16_t lanes[32];
+  for (int k = 0; k < 32; ++k) lanes[k] = static_cast<int16_t>(k / 8 + (k % 8 >= 4 ? 4 : 0));
+  const __m512i scale_order = _mm512_load_si512(lanes);
+  // Q5_K's plane (a 32-bit word per chunk, bit i for value i) as four byte masks in the nibble registers'
+  // order: mask 2h + half covers chunks 4h .. 4h + 3, values 0-15 (half 0) or 16-31 (half 1); in 16-bit
+  // halves of the plane words, chunk c's values 0-15 are half 2c and 16-31 half 2c + 1.
+  constexpr int planes = F::bits - 4;
+  __m512i plane_order = _mm512_setzero_si512();
+  if constexpr (planes == 1) {
+    alignas(64) int16_t order[32] = {};
+    for (int m = 0; m < 4; ++m) {
+      for (int k = 0; k < 4; ++k) order[m * 4 + k] = static_cast<int16_t>((4 * (m / 2) + k) * 2 + m % 2);
+    }
+    plane_order = _mm512_load_si512(order);
+  }
+  const int8_t* codes = q.codes.data() + r0 * spans * kSuper;
+  const float* xscales = q.scales.data() + r0 * spans;
+  const uint8_t* limit = w + out_features * l.row_bytes;  // the weight's end
+  prefetch_weights(w + begin * l.row_bytes, kPrefetchAhead, limit);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = w + j * l.row_bytes;
+    prefetch_weights(row + kPrefetchAhead, l.row_bytes, limit);
+    __m512 acc[R];
+    __m256 offset[R];  // per lane, summed once per row (not a horizontal sum per super-block)
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < spans; ++s) {
+      const uint8_t* sp = row + s * sl.bytes;
+      const __m512 d = _mm512_set1_ps(half_at(sp + sl.d));
+      const __m512i packed_a = _mm512_loadu_si512(sp + sl.values), packed_b = _mm512_loadu_si512(sp + sl.values + 64);
+      __m512i low_a = _mm512_and_si512(packed_a, nibble), high_a = _mm512_and_si512(_mm512_srli_epi16(packed_a, 4), nibble);
+      __m512i low_b = _mm512_and_si512(packed_b, nibble), high_b = _mm512_and_si512(_mm512_srli_epi16(packed_b, 4), nibble);
+      if constexpr (planes == 1) {
+        alignas(64) uint64_t masks[8];
+        const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + sl.planes)));
+        _mm512_store_si512(masks, _mm512_permutexvar_epi16(plane_order, words));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        low_a = _mm512_mask_add_epi8(low_a, _cvtu64_mask64(masks[0]), low_a, sixteen);
+        high_a = _mm512_mask_add_epi8(high_a, _cvtu64_mask64(masks[1]), high_a, sixteen);
+        low_b = _mm512_mask_add_epi8(low_b, _cvtu64_mask64(masks[2]), low_b, sixteen);
+        high_b = _mm512_mask_add_epi8(high_b, _cvtu64_mask64(masks[3]), high_b, sixteen);
+      }
+      const __m512i scale = _mm512_permutexvar_epi16(
+          scale_order, _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.scales)))));
+      // - dmin * min per chunk (exact in float32: an fp16 times a 6-bit code), for every row.
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + sl.mins)))),
+          _mm256_set1_ps(-half_at(sp + sl.dmin)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = codes + (r * spans + s) * kSuper;
+        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low_a, _mm512_loadu_si512(x));
+        a = _mm512_dpbusd_epi32(a, high_a, _mm512_loadu_si512(x + 64));
+        __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low_b, _mm512_loadu_si512(x + 128));
+        b = _mm512_dpbusd_epi32(b, high_b, _mm512_loadu_si512(x + 192));
+        const __m512i sums = _mm512_madd_epi16(_mm512_packs_epi32(a, b), scale);
+        const int64_t at = (r0 + r) * spans + s;
+        // (sum * d) * the input's scale, broadcast from memory (a load, not a shuffle).
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), d), _mm512_set1_ps(xscales[r * spans + s]), acc[r]);
+        // The offsets: - dmin * min times the inputs' sum over each chunk, scaled (quantize_spans).
+        offset[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(q.scaled_sums32.data() + at * 8), offset[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -486,10 +574,17 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
 template <class F>
 void dot_range_kquant(const QuantizedSpans& q, int64_t first, int64_t rows, const uint8_t* w, const Layout& l,
                       float* out, int64_t out_features, int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+  // Q4_K / Q5_K: 8 rows a pass while their codes stay in L1 (8 rows of 2,048 inputs: 16 KiB), else 4 (a 6,144-wide
+  // down projection ran 16 rows 15-20% faster in four passes of 4 than in two of 8, on the 2-core Xeon).
+  const int64_t step = quad_kquant<F>() && q.spans * kSuper > 2048 ? 4 : kMaxRows;
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
     float* o = out + r0 * out_features;
-    with_rows(rows - r0, [&](auto r) {
-      dot_rows_kquant<F, decltype(r)::value>(q, first + r0, w, l, o, out_features, begin, end);
+    with_rows(std::min(rows - r0, step), [&](auto r) {
+      if constexpr (quad_kquant<F>()) {
+        dot_rows_kquant_quads<F, decltype(r)::value>(q, first + r0, w, l, o, out_features, begin, end);
+      } else {
+        dot_rows_kquant<F, decltype(r)::value>(q, first + r0, w, l, o, out_features, begin, end);
+      }
     });
   }
 }
