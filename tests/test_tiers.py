@@ -817,6 +817,63 @@ def test_redis_stopped_mid_run_requests_still_succeed(tiny_model: Path, redis_se
         assert remote.num_errors > errors
 
 
+class SlowLink:
+    """A TCP proxy to a Redis server whose answers come back at ``rate`` bytes/s in 64 KiB pieces, or, with
+    ``stall_s`` set, after that long a pause: a slow network link, and one that stops."""
+
+    def __init__(self, port: int, rate: float) -> None:
+        self.target, self.rate, self.stall_s = port, rate, 0.0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, slow: bool) -> None:
+        try:
+            while piece := source.recv(1 << 16):
+                if slow:
+                    time.sleep(self.stall_s or len(piece) / self.rate)
+                sink.sendall(piece)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_record_slower_to_move_than_the_timeout_is_read_and_a_stalled_link_is_a_miss(redis_server):
+    """The Redis tier's timeout bounds a wait for the next bytes, not a whole transfer: a hybrid's state record
+    (megabytes) over a link that takes longer than timeout_s to carry it still reads, verified as written; a link
+    that stops for longer than timeout_s is a miss, counted, and the tier backs off."""
+    url, _ = redis_server
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    direct = RedisTier(url, "fp")
+    record_bytes = os.urandom(3 << 20)
+    assert direct.put(b"k" * 16, record_bytes)
+    link = SlowLink(port, rate=6e6)  # 3 MiB in ~0.5 s, twice the timeout; 11 ms between pieces
+    try:
+        slow = RedisTier(f"redis://127.0.0.1:{link.port}/0", "fp", timeout_s=0.25)
+        started = time.monotonic()
+        assert slow.get_many([b"k" * 16]) == [record_bytes]
+        assert time.monotonic() - started > 0.25 and slow.num_errors == 0
+        link.stall_s = 0.6
+        assert slow.get_many([b"k" * 16]) == [None]
+        assert slow.num_errors == 1 and not slow.available
+    finally:
+        link.close()
+
+
 # --- 6. reset_prefix_cache(tiers=...) -------------------------------------------------------------
 def test_reset_prefix_cache_empties_named_tiers(tiny_model: Path, tmp_path: Path, cold):
     disk = tmp_path / "disk"

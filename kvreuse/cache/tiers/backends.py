@@ -217,8 +217,9 @@ def cluster_nodes(url: str) -> list[tuple[str, int]]:
 class RedisTier:
     """Records in a Redis or Valkey server (redis-py), shared by every kvreuse server that uses it.
 
-    A server that is down, slow or refusing never fails a request: each call is bounded by
-    ``timeout_s`` (socket connect and read), and after a failure the tier answers misses without
+    A server that is down, slow or refusing never fails a request: each call's connect and each wait for
+    the next bytes are bounded by ``timeout_s`` (a record of megabytes, a hybrid's state, may take longer to
+    arrive while its bytes keep coming), and after a failure the tier answers misses without
     touching the network for ``retry_s`` seconds. So a lookup costs at most ``timeout_s`` once per
     ``retry_s`` while Redis is away, and nothing otherwise.
 
@@ -296,7 +297,7 @@ class RedisTier:
 
     def has_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys exist (one pipelined EXISTS each, split by slot on a cluster): a hybrid's state lookup asks
-        for many positions and reads only the deepest record, megabytes, within the socket timeout."""
+        for many positions and reads only the deepest record, megabytes."""
         if not keys or not self.available:
             return [False] * len(keys)
         try:
