@@ -193,9 +193,38 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path)
     assert not ModelConfig.from_pretrained(folder).delta_tiled_values
 
 
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8"}, {"quantization": "int8", "dtype": "bfloat16"}],
+                         ids=["float32", "int8", "int8-bfloat16"])
+def test_the_native_moe_layer_adds_the_shared_expert_with_the_python_layers_bits(qwen3_5_moe, options):
+    """The native MoE layer (csrc/moe.h) runs the shared expert and its gate too, by the same ops as SparseMoE.forward:
+    each layer's output equals the Python layer's bit for bit at 1, 3 and 8 rows, on float weights and on int8 ones
+    (qdot8's products), in float32 and bfloat16."""
+    from kvreuse.kernels import moe as moe_kernels
+
+    if moe_kernels.library() is None:
+        pytest.skip("the native MoE layer is not built here")
+    llm = make_llm(qwen3_5_moe, **options)
+    layers = [module for module in llm.engine.runner.model.modules() if isinstance(module, SparseMoE)]
+    assert layers and all(layer.native is not None and layer.native_shared for layer in layers)
+    generator = torch.Generator().manual_seed(9)
+    for layer in layers:
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(layer.shared_expert_gate.dtype)
+            with torch.inference_mode():
+                native = layer(x)
+                held, layer.native = layer.native, None
+                try:
+                    python = layer(x)
+                finally:
+                    layer.native = held
+            assert torch.equal(native, python), (rows, (native - python).abs().max())
+            assert not torch.equal(native, layer.routed(x))  # the shared expert is in it
+
+
 def test_the_native_decode_step_refuses_a_layer_with_a_shared_expert():
-    """The native step's MoE layer runs the routed experts only: a layer with a shared expert runs op by op, saying
-    so (a hybrid refuses the native step before, an attention-only model with a shared expert would reach this)."""
+    """The native decode step's MoE layer runs the routed experts only: a layer with a shared expert runs op by op,
+    saying so (a hybrid refuses the native step before, an attention-only model with a shared expert would reach
+    this)."""
     from types import SimpleNamespace
 
     from kvreuse.layers.moe_config import MoEConfig
@@ -206,7 +235,7 @@ def test_the_native_decode_step_refuses_a_layer_with_a_shared_expert():
                     "silu", torch.float32, torch.device("cpu"))
     moe.native, moe.native_max_rows = object(), 16  # as prepare_native leaves it
     assert layer_args(SimpleNamespace(self_attn=None, mlp=moe), 1) == (
-        "a shared expert (the native layer runs the routed experts only)")
+        "a shared expert (the native decode step runs the routed experts only)")
     with pytest.raises(ValueError, match="shared_expert_intermediate_size must be 0"):
         MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                   sparse_layers=(True,), shared_expert_intermediate_size=-1)

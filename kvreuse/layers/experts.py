@@ -134,7 +134,10 @@ class SparseMoE(nn.Module):
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, dtype, device, activation)
             self.shared_expert_gate = Linear(hidden_size, [1], False, dtype, device)
+            # One output: F.linear (no plan, no int8 copy), which the native layer calls as at::linear.
+            self.shared_expert_gate.keep_float = True
         self.native: Any = None  # csrc/moe.cpp's Experts, made by prepare_native once the kernels are chosen
+        self.native_shared = False  # the native layer runs the shared expert too (else it runs from Python)
         self.native_max_rows = 0
         self.native_args: tuple[Any, ...] = ()
 
@@ -147,7 +150,7 @@ class SparseMoE(nn.Module):
     def prepare_native(self) -> str | None:
         """Hold this layer's experts in the native layer for steps of up to NATIVE_MAX_ROWS rows (call after
         the kernels are chosen: it records each product's kernel per row count). Returns why not, or None."""
-        self.native = None
+        self.native, self.native_shared = None, False
         if os.environ.get(ENV, "1").strip() == "0":
             return f"{ENV}=0"
         if self.activation not in ("silu", CLAMPED_SWIGLU):
@@ -179,6 +182,29 @@ class SparseMoE(nn.Module):
                             _biases(gate_up_linears), _biases(down_linears),
                             float(expert.swiglu_limit) if clamped else None, float(expert.swiglu_alpha))
         self.native = torch.classes.kvreuse_moe.Experts(*self.native_args)
+        if self.shared_expert is not None:
+            why = self._prepare_native_shared()
+            if why is not None:
+                logger.info("the shared expert runs from Python beside the native MoE layer: %s", why)
+        return None
+
+    def _prepare_native_shared(self) -> str | None:
+        """Give the native layer the shared expert and its gate too (one call a layer, not a dozen from Python: at a
+        Qwen3.5-MoE decode row they were an eighth of the step). Returns why not, or None."""
+        if self.activation != "silu":
+            return f"a {self.activation} shared expert"
+        gate = self.shared_expert_gate
+        if gate.kernel is not None or gate.weight is None or gate.bias is not None:
+            return "a shared expert gate held in another layout"
+        gate_up = _product([self.shared_expert.gate_up_proj], NATIVE_MAX_ROWS)
+        down = _product([self.shared_expert.down_proj], NATIVE_MAX_ROWS)
+        for found in (gate_up, down):
+            if isinstance(found, str):
+                return found
+        self.native.set_shared_expert(gate_up[0][0], gate_up[1], gate_up[2], down[0][0], down[1], down[2],
+                                      self.shared_expert.intermediate_size, gate.weight.detach())
+        self.native_max_rows = min(self.native_max_rows, len(gate_up[2]), len(down[2]))
+        self.native_shared = True
         return None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,15 +224,18 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora: ProjectionDeltas | None = None) -> torch.Tensor:
         if lora is not None:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
-        out = self.routed(x)
+        if self.native is not None and x.shape[0] <= self.native_max_rows and x.is_contiguous():
+            out = self.native.forward(x)
+            if self.native_shared:  # the shared expert added there, by the same ops as below
+                return out
+        else:
+            out = self.routed(x)
         if self.shared_expert is not None:  # transformers' order: routed + sigmoid(gate) * shared
             out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
         return out
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum (native where prepared)."""
-        if self.native is not None and x.shape[0] <= self.native_max_rows and x.is_contiguous():
-            return self.native.forward(x)
+        """The routed experts' weighted sum, in Python (the native layer runs it in ``forward``)."""
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # a single row: its k experts in ascending order, no sort

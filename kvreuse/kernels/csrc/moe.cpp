@@ -7,7 +7,8 @@
 // `Experts` makes the same calls from C++ (moe.h, which the native decode step shares), in the same order,
 // with the same kernels, so its numbers are the Python path's bit for bit. It holds one layer's expert
 // weights and the kernel each product runs at each row count (the plan book's picks, made once), and gpt-oss's
-// extras where it has them: the router's bias and softmax over its top k, the experts' biases, the clamped SwiGLU.
+// extras where it has them: the router's bias and softmax over its top k, the experts' biases, the clamped SwiGLU;
+// and Qwen3.5-MoE's shared expert with its gate (`set_shared_expert`), which ran from Python beside this call.
 #include "moe.h"
 
 #include <torch/custom_class.h>
@@ -29,6 +30,13 @@ struct Experts : torch::CustomClassHolder {
                                               std::move(router_bias), softmax_after_topk, std::move(gate_up_biases),
                                               std::move(down_biases), swiglu_limit, swiglu_alpha)) {}
 
+  void set_shared_expert(at::Tensor gate_up, int64_t gate_up_format, std::vector<int64_t> gate_up_kernels,
+                         at::Tensor down, int64_t down_format, std::vector<int64_t> down_kernels, int64_t intermediate,
+                         at::Tensor gate) {
+    kvreuse_moe::set_shared_expert(weights, std::move(gate_up), gate_up_format, std::move(gate_up_kernels),
+                                   std::move(down), down_format, std::move(down_kernels), intermediate, std::move(gate));
+  }
+
   at::Tensor forward(const at::Tensor& x) { return kvreuse_moe::moe_forward(weights, x); }
 };
 
@@ -39,5 +47,6 @@ TORCH_LIBRARY(kvreuse_moe, m) {
       .def(torch::init<at::Tensor, std::vector<at::Tensor>, int64_t, std::vector<int64_t>, std::vector<at::Tensor>,
                        int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, bool, std::optional<at::Tensor>, bool,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::optional<double>, double>())
+      .def("set_shared_expert", &Experts::set_shared_expert)
       .def("forward", &Experts::forward);
 }

@@ -11,6 +11,8 @@
 //                                                        one call per product (qlinear_grouped,
 //                                                        qlinear_int8_grouped)
 //     out[rows] += y * weights                           a loop rounding as transformers' mul and index_add_ do
+//   out += sigmoid(x @ shared_gate^T)                    Qwen3.5-MoE's shared expert: its two products as an
+//          * down(silu(gate_up(x)))                      expert's, at::linear, at::sigmoid, mul and add_
 //
 //   gpt-oss (the same, but):
 //   logits        = x @ router^T + bias                  at::linear
@@ -30,6 +32,8 @@
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/topk.h>
@@ -183,7 +187,24 @@ struct MoEWeights {
   std::optional<double> swiglu_limit;  // set: clamped_swiglu; none: SiLU
   double swiglu_alpha = 1.702;
   int64_t intermediate = 0;
+  // Qwen3.5-MoE's shared expert beside the routed ones (set_shared_expert): out += sigmoid(x @ gate^T) *
+  // down(silu(gate_up(x))), as layers/experts.py's SparseMoE.forward adds it.
+  std::optional<ExpertProduct> shared_gate_up, shared_down;
+  at::Tensor shared_gate;  // [1, hidden], the model's dtype; undefined: no shared expert
 };
+
+// The shared expert's products (one weight each, with their kernels per row count) and its gate.
+inline void set_shared_expert(MoEWeights& m, at::Tensor gate_up, int64_t gate_up_format,
+                              std::vector<int64_t> gate_up_kernels, at::Tensor down, int64_t down_format,
+                              std::vector<int64_t> down_kernels, int64_t intermediate, at::Tensor gate) {
+  const int64_t hidden = m.router.size(1);
+  TORCH_CHECK(!gate_up_kernels.empty() && !down_kernels.empty(), "moe: a shared expert kernel for at least one row count");
+  TORCH_CHECK(gate.dim() == 2 && gate.size(0) == 1 && gate.size(1) == hidden, "moe: the shared expert gate must be [1, hidden]");
+  TORCH_CHECK(!m.swiglu_limit, "moe: a shared expert runs SiLU experts only");
+  m.shared_gate_up = ExpertProduct{{std::move(gate_up)}, gate_up_format, hidden, std::move(gate_up_kernels), {}};
+  m.shared_down = ExpertProduct{{std::move(down)}, down_format, intermediate, std::move(down_kernels), {}};
+  m.shared_gate = std::move(gate);
+}
 
 inline MoEWeights make_moe_weights(at::Tensor router, std::vector<at::Tensor> gate_up_weights, int64_t gate_up_format,
                                    std::vector<int64_t> gate_up_kernels, std::vector<at::Tensor> down_weights,
@@ -322,6 +343,10 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
       }
     }
   });
+  if (m.shared_gate.defined()) {  // the same ops as SparseMoE.forward's, so the same bits
+    const at::Tensor y = m.shared_down->run(k, 0, k.silu_mul.call(m.shared_gate_up->run(k, 0, x)));
+    out.add_(at::mul(at::sigmoid(at::linear(x, m.shared_gate)), y));
+  }
   return out;
 }
 

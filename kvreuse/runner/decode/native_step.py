@@ -113,7 +113,7 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     if experts and (mlp.native is None or rows > mlp.native_max_rows):
         return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
     if experts and mlp.shared_expert is not None:
-        return "a shared expert (the native layer runs the routed experts only)"
+        return "a shared expert (the native decode step runs the routed experts only)"
     linears = (attention.qkv_proj, attention.o_proj) + (() if experts else (mlp.gate_up_proj, mlp.down_proj))
     for linear in linears[2:]:
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
