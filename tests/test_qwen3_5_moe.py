@@ -193,6 +193,35 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path)
     assert not ModelConfig.from_pretrained(folder).delta_tiled_values
 
 
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8", "dtype": "bfloat16"}], ids=["float32", "int8-bfloat16"])
+def test_hits_resume_from_snapshots_and_change_no_bit_in_batch_invariant_mode(qwen3_5_moe, options):
+    """Batch-invariant mode covers the experts (the router and the shared expert's gate on the row-dot GEMV, the
+    gate's sigmoid row-invariant): a hit resumed from a snapshot, a batch and a chunked prefill give the tokens and
+    logprobs of a cache-free engine that runs each prompt alone, bit for bit."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    shared = prompt_ids(40, 40)
+    first, second, third = (shared + prompt_ids(seed, 5) for seed in (41, 42, 43))
+    plain = make_llm(qwen3_5_moe, batch_invariant=True, enable_prefix_caching=False, **options)
+    cached = make_llm(qwen3_5_moe, batch_invariant=True, **options)
+    chunked = make_llm(qwen3_5_moe, batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=7,
+                       **options)
+    layers = [module for module in cached.engine.runner.model.modules() if isinstance(module, SparseMoE)]
+    assert layers and all(layer.router_layer.kernel is not None and layer.shared_expert_gate.kernel is not None
+                          for layer in layers)
+
+    def run(llm, prompts: list[list[int]]) -> list[tuple]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs), o.num_cached_tokens) for o in outputs]
+
+    alone = {i: run(plain, [prompt])[0][:2] for i, prompt in enumerate((first, second, third))}
+    assert [r[:2] for r in run(cached, [first])] == [alone[0]]
+    assert [r[:2] for r in run(cached, [second])] == [alone[1]]  # keeps a state where the shared tokens end
+    warm = run(cached, [third, first, second])  # resumed from it, in one batch
+    assert [r[:2] for r in warm] == [alone[2], alone[0], alone[1]] and [r[2] for r in warm] == [40, 40, 40]
+    assert [r[:2] for r in run(chunked, [first, second, third])] == [alone[0], alone[1], alone[2]]
+    cached.engine.check_integrity()
+
+
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8"}, {"quantization": "int8", "dtype": "bfloat16"}],
                          ids=["float32", "int8", "int8-bfloat16"])
 def test_the_native_moe_layer_adds_the_shared_expert_with_the_python_layers_bits(qwen3_5_moe, options):

@@ -597,7 +597,6 @@ def refuse_batch_invariant(config: EngineConfig, model_config: ModelConfig) -> N
     """A ValueError naming what batch-invariant mode does not cover yet, if the configuration asks for it."""
     windowed = model_config.sliding_window is not None or "sliding_attention" in model_config.layer_types
     for reason, refused in (
-            ("mixture-of-experts layers (their experts' products follow the rows routed to each)", model_config.moe),
             ("sliding-window layers (the kernel's tiles start at a window that follows the step's rows)", windowed),
             ("LoRA adapters (their grouped products follow the batch)", config.lora.enable_lora),
             ("chunk_reuse (a blend recomputes rows selected by the step)", config.cache.chunk_reuse)):

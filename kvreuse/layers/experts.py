@@ -99,6 +99,17 @@ def _product(linears: list[Linear], rows: int) -> tuple[list[torch.Tensor], int,
     return weights, formats.pop(), codes or []
 
 
+# Eager sigmoid takes SLEEF's exp in its vector body and std::exp on the tail of the flattened tensor, so a [rows, 1]
+# gate's bits would follow the step's row count; rows this wide (a multiple of every vector step) keep every value in
+# the body. csrc/moe.h computes the native layer's gate the same way.
+SIGMOID_ROW = 64
+
+
+def shared_expert_scale(logit: torch.Tensor) -> torch.Tensor:
+    """sigmoid of the shared expert's gate logits [rows, 1], each row's bits the same at any row count."""
+    return torch.sigmoid(logit.expand(-1, SIGMOID_ROW).contiguous())[:, :1]
+
+
 class SparseMoE(nn.Module):
     """The experts of one layer and their router (HF names: ``mlp.gate`` (Qwen3-MoE) or ``mlp.router``
     (gpt-oss), ``mlp.experts.{e}.*``)."""
@@ -231,7 +242,7 @@ class SparseMoE(nn.Module):
         else:
             out = self.routed(x)
         if self.shared_expert is not None:  # transformers' order: routed + sigmoid(gate) * shared
-            out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
+            out.add_(shared_expert_scale(self.shared_expert_gate(x)) * self.shared_expert(x))
         return out
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:

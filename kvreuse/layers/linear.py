@@ -74,7 +74,9 @@ class Linear(nn.Module):
                                  quantized_linear.plan_for(book, part, self.dtype) if isinstance(part, QuantizedTensor)
                                  else quantized_linear.DEFAULT_PLAN for part in self.kernel.parts]
             return True
-        if self.weight is None or self.weight.device.type != "cpu" or self.keep_float:
+        # A float-kept layer (an MoE router, a shared expert's gate) stays on F.linear, except in batch-invariant
+        # mode, where F.linear's sums may follow the step's row count.
+        if self.weight is None or self.weight.device.type != "cpu" or (self.keep_float and not batch_invariant):
             return False
         plan = (invariant_plan(self.weight.dtype) if batch_invariant
                 else book.plan_for(self.weight.dtype, tuple(self.weight.shape), max_layouts))

@@ -345,7 +345,10 @@ inline at::Tensor moe_forward(const MoEWeights& m, const at::Tensor& x) {
   });
   if (m.shared_gate.defined()) {  // the same ops as SparseMoE.forward's, so the same bits
     const at::Tensor y = m.shared_down->run(k, 0, k.silu_mul.call(m.shared_gate_up->run(k, 0, x)));
-    out.add_(at::mul(at::sigmoid(at::linear(x, m.shared_gate)), y));
+    // The gate's sigmoid on rows of 64 copies (layers/experts.py's shared_expert_scale: every value in eager
+    // sigmoid's vector body, so a row's bits do not follow the row count).
+    const at::Tensor logit = at::linear(x, m.shared_gate).expand({-1, 64}).contiguous();
+    out.add_(at::mul(at::sigmoid(logit).narrow(1, 0, 1), y));
   }
   return out;
 }
