@@ -260,6 +260,11 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q4_k_m.gguf --systems "
     "llama-server,kvreuse --repeats 3 --rounds 1 --chat-turns 8 --shared-questions 32 --short-prefix-questions 8 "
     "--out nemotron_h_q4km.json": SCRIPT,
+    # issue 66, seventh session: the decode figures alone, after the K-quant kernel and the native shared expert
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q4_k_m.gguf --systems "
+    "llama-server,kvreuse --repeats 3 --rounds 1 --out nemotron_h_q4km.json": SCRIPT,
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/qwen3.5-moe-1b.q8_0.gguf --systems "
+    "llama-server,kvreuse --repeats 3 --rounds 1 --out qwen35moe.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
