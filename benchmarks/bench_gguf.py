@@ -32,7 +32,14 @@ bytes rounded up), and its memory is the sum over its processes (the API server 
 --chat-turns N also runs a multi-turn chat as a chat client sends it (text prompts, each the previous one with
 its answer and --chat-turn-words of English more: past a sliding window after a few turns) and reports the
 share of turn 2+'s prompt tokens each server served from its cache, how many of those turns hit at all, and
-what a branch (the middle turn's history with another user text, as an edited or retried message) reuses.
+what a branch (the middle turn's history with another user text, as an edited or retried message) reuses, and the
+issue's measure: over turns 2+, the least share of the previous turn (its prompt and answer) served from the cache.
+--chat-messages N runs it on /v1/chat/completions as a chat client sends it (the messages so far, each answer as
+the assistant message it came back as; the file's chat template renders them). --chat-token-ids N runs the chat as
+a token-id client (RL and agent loops: each turn the previous prompt, the answer's
+ids as the server returned them, the next user turn's ids; kvreuse's /v1/completions with return_token_ids,
+llama-server's /completion with return_tokens), where the answer comes back exactly, as a real model's text mostly
+does and a random-weight model's does not.
 --shared-questions N sends N different questions (--question-tokens each) after one shared --shared-prompt-tokens
 system prompt (1,000), --concurrency at a time, and reports the share of the system prompt each server served from
 its cache, how many requests got all of it and the median time to the first token; --short-prefix-questions N does
@@ -269,6 +276,46 @@ class Client:
             complete(before[len(turns) // 2] + f"User: {turns[-1]}\nAssistant:")
         return counts
 
+    def chat_messages(self, turns: list[str], max_tokens: int) -> list[tuple[int, int]]:
+        """The chat as a chat client sends it to /v1/chat/completions: the messages so far, each answer as the
+        assistant message it came back as, then the next user turn; the server renders them with the file's chat
+        template. Returns (prompt tokens, cached tokens) per turn."""
+        counts, messages = [], []
+        with httpx.Client(timeout=600) as client:
+            for user in turns:
+                messages.append({"role": "user", "content": user})
+                data = completion(client.post(f"{self.base_url}/v1/chat/completions", json={
+                    "model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True}))
+                counts.append(prompt_and_cached_tokens(data))
+                messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"] or ""})
+        return counts
+
+    def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[tuple[int, int]]:
+        """The chat above as a client that keeps the conversation as token ids (RL and agent loops: token in, token
+        out): each turn's prompt is the previous prompt, the answer's ids as the server returned them and the next
+        user turn's ids, so the answer comes back exactly (as a real model's text mostly does; a random-weight
+        model's text re-tokenizes otherwise). kvreuse: /v1/completions with vLLM's return_token_ids; llama-server:
+        its /completion with return_tokens. Returns (prompt tokens, cached tokens) per turn."""
+        counts, prompt = [], []
+        with httpx.Client(timeout=600) as client:
+            for user in turns:
+                prompt = prompt + user
+                if llama_server:
+                    data = completion(client.post(f"{self.base_url}/completion", json={
+                        "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                        "cache_prompt": True, "return_tokens": True}))
+                    counts.append((int(data["tokens_evaluated"]), int(data["timings"]["cache_n"])))
+                    answer = list(data["tokens"])
+                else:
+                    data = completion(client.post(f"{self.base_url}/v1/completions", json={
+                        "model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}))
+                    counts.append(prompt_and_cached_tokens(data))
+                    answer = list(data["choices"][0]["token_ids"])
+                prompt = prompt + answer
+        return counts
+
     async def shared_prefix(self, prefix: list[int], questions: list[list[int]], in_flight: int
                             ) -> list[tuple[int, int, float]]:
         """A shared system prompt: ``prefix`` then each question, ``in_flight`` requests at a time, one token each
@@ -307,6 +354,22 @@ def prompt_and_cached_tokens(data: dict) -> tuple[int, int]:
     if cached is None:
         cached = (data.get("timings") or {}).get("cache_n", 0)
     return int(usage.get("prompt_tokens", 0)), int(cached)
+
+
+def min_reuse_of_previous_turn(counts: list[tuple[int, int]], answer_tokens: int) -> float | None:
+    """The issue's chat measure: over turns 2+, the least share of what the previous turn held (its prompt and its
+    answer's tokens) that the turn was served from the cache."""
+    shares = [cached / (previous + answer_tokens) for (previous, _), (_, cached) in zip(counts, counts[1:])]
+    return min(shares) if shares else None
+
+
+def token_encoder(model: str):
+    """The file's or folder's tokenizer, as ids without special tokens added."""
+    from kvreuse.loading.loader import resolve_tokenizer_path
+    from kvreuse.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))
+    return lambda text: tokenizer.hf_tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_turns(count: int, words: int) -> list[str]:
@@ -406,6 +469,26 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
                 "chat_branch_prompt_tokens": branch[0],
                 "chat_branch_cached_tokens": branch[1],
                 "chat_turns": counts,
+                "chat_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts[:-1], args.chat_answer_tokens),
+            }
+        if args.chat_messages:
+            counts = client.chat_messages(chat_turns(args.chat_messages, args.chat_turn_words), args.chat_answer_tokens)
+            later = counts[1:]
+            result |= {
+                "chat_messages_hit_rate": sum(cached for _, cached in later) / max(1, sum(p for p, _ in later)),
+                "chat_messages_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, args.chat_answer_tokens),
+                "chat_messages_turns": counts,
+            }
+        if args.chat_token_ids:
+            encode = token_encoder(model)
+            counts = client.chat_token_ids([encode(f"User: {user}\nAssistant:") for user in
+                                            chat_turns(args.chat_token_ids, args.chat_turn_words)],
+                                           args.chat_answer_tokens, system == "llama-server")
+            later = counts[1:]
+            result |= {
+                "chat_ids_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
+                "chat_ids_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, args.chat_answer_tokens),
+                "chat_ids_turns": counts,
             }
         for name, prefix_tokens, count in (("shared_prompt", args.shared_prompt_tokens, args.shared_questions),
                                            ("short_prefix", args.short_prefix_tokens, args.short_prefix_questions)):
@@ -470,6 +553,12 @@ def main() -> int:
     parser.add_argument("--chat-turns", type=int, default=0,
                         help="also run a multi-turn chat of this many turns (text prompts that grow by the answer and "
                              "the next user turn) and report the prompt tokens each server serves from its cache")
+    parser.add_argument("--chat-messages", type=int, default=0,
+                        help="also run a chat of this many turns on /v1/chat/completions (the messages so far, each "
+                             "answer as the assistant message it came back as) and report the same")
+    parser.add_argument("--chat-token-ids", type=int, default=0,
+                        help="also run a chat of this many turns as a token-id client (each turn the previous prompt, "
+                             "the answer's ids as returned, the next user turn's ids) and report the same")
     parser.add_argument("--chat-turn-words", type=int, default=120, help="words of English per user turn")
     parser.add_argument("--chat-answer-tokens", type=int, default=48, help="tokens of each answer")
     parser.add_argument("--shared-questions", type=int, default=0,
@@ -567,6 +656,11 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("chat: turns 2+ that hit", "chat_turns_hit", "{:.2f}", True),
             ("chat: branch's prompt", "chat_branch_prompt_tokens", "{:.0f}", True),
             ("chat: branch's tokens cached", "chat_branch_cached_tokens", "{:.0f}", True),
+            ("chat: least reuse of a prev turn", "chat_min_reuse_of_previous_turn", "{:.2f}", True),
+            ("chat messages: turns 2+ cached", "chat_messages_hit_rate", "{:.2f}", True),
+            ("  least reuse of a prev turn", "chat_messages_min_reuse_of_previous_turn", "{:.2f}", True),
+            ("chat as ids: turns 2+ cached", "chat_ids_hit_rate", "{:.2f}", True),
+            ("  least reuse of a prev turn", "chat_ids_min_reuse_of_previous_turn", "{:.2f}", True),
             ("shared prompt: share cached", "shared_prompt_cached_share_of_prefix", "{:.2f}", True),
             ("  requests hitting all of it", "shared_prompt_requests_hitting_all_of_it", "{:.0f}", True),
             ("  of requests", "shared_prompt_requests", "{:.0f}", True),

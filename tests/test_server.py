@@ -267,6 +267,34 @@ def chat_cached_tokens(server: RunningServer, key: str, question: str, system: s
     return json.loads(events[-2])["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_return_token_ids_gives_the_ids_and_a_next_turn_sent_as_them_reuses_the_answer(
+        server: RunningServer, client: openai.OpenAI, llm: LLM):
+    """vLLM's return_token_ids: a completion choice carries its prompt's and its output's token ids (a chat response
+    its prompt's at the top), the ones the text decodes from; a next turn sent as those ids plus new ones is served
+    the whole previous turn from the cache (all but the last output token, which was never computed). Streamed, it
+    is refused naming the field."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode(f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT} The bookshop opens at")
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = first.model_dump()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 8
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    turn2 = prompt + choice["token_ids"] + tokenizer.encode(" and closes at")
+    second = client.completions.create(model=MODEL_NAME, prompt=turn2, temperature=0, max_tokens=2,
+                                       extra_body={"ignore_eos": True})
+    assert second.usage.prompt_tokens_details.cached_tokens >= (len(prompt) + 8 - 1) // 16 * 16  # whole blocks at least
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}],
+                                          temperature=0, max_tokens=3, extra_body={"return_token_ids": True})
+    body = chat.model_dump()
+    assert body["prompt_token_ids"] and len(body["choices"][0]["token_ids"]) == chat.usage.completion_tokens
+    assert "token_ids" not in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1).model_dump()[
+        "choices"][0]
+    refused = httpx.post(f"{server.base_url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {KEY_A}"}, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "return_token_ids": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
+
+
 def test_shared_system_prompt_is_reused(server: RunningServer, llm: LLM):
     system = f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT}"
     system_tokens = len(llm.get_tokenizer().encode(system))

@@ -99,7 +99,7 @@ def openai_router(state: ServerState) -> APIRouter:
             cache_salt=cache_salt, arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
             num_logprobs=body.num_logprobs, user=body.user, pins=pins, owner=state.request_owner(tenant),
-            tool_parser=tools.parser,
+            tool_parser=tools.parser, return_token_ids=bool(body.return_token_ids),
         )
         return await _serve(state, request, generation)
 
@@ -129,6 +129,7 @@ def openai_router(state: ServerState) -> APIRouter:
             cache_salt=state.auth.cache_salt(tenant, body.cache_salt), arrival_time=arrival_time,
             stream=bool(body.stream), include_usage=body.include_usage_in_stream,
             num_logprobs=body.logprobs, user=body.user, owner=state.request_owner(tenant),
+            return_token_ids=bool(body.return_token_ids),
         )
         return await _serve(state, request, generation)
 
@@ -191,6 +192,7 @@ class _Generation:
     pins: list[PinSpec] = field(default_factory=list)  # explicit caching, for the first prompt
     owner: str | None = None  # the caller's tenant id when keys are configured (the observatory's tenant rule)
     tool_parser: ToolParser | None = None  # reads tool calls out of each chat choice (None: text is content)
+    return_token_ids: bool = False  # vLLM's return_token_ids: prompt and output token ids beside the text
 
     @property
     def n(self) -> int:
@@ -536,8 +538,12 @@ def _full_response(state: ServerState, generation: _Generation, finals: dict[int
                 )
             choice["finish_reason"] = _finish_reason(completion, made_calls)
             choice["stop_reason"] = completion.stop_reason
+            if generation.return_token_ids:  # vLLM's places: a completion choice has its prompt's ids too
+                choice["token_ids"] = list(completion.token_ids)
+                if not generation.chat:
+                    choice["prompt_token_ids"] = list(finals[prompt_index].prompt_token_ids)
             choices.append(choice)
-    return {
+    response = {
         "id": generation.request_id,
         "object": "chat.completion" if generation.chat else "text_completion",
         "created": generation.created,
@@ -545,3 +551,6 @@ def _full_response(state: ServerState, generation: _Generation, finals: dict[int
         "choices": choices,
         "usage": _usage(generation, finals),
     }
+    if generation.return_token_ids and generation.chat:
+        response["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+    return response

@@ -89,6 +89,9 @@ class _SamplingRequest(_StrictModel):
     cache_salt: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | regex | choice | grammar | ...: ...}
+    # vLLM's: the prompt's and each choice's token ids beside the text (a client that sends the next turn as
+    # tokens, as RL and agent loops do, reuses the answer exactly: its text may re-tokenize otherwise).
+    return_token_ids: bool | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -105,6 +108,9 @@ class _SamplingRequest(_StrictModel):
             raise bad_request("logit_bias is not supported (only an empty object is accepted)", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.return_token_ids and self.stream:
+            raise bad_request("return_token_ids is not implemented for streamed responses here: send stream false",
+                              "return_token_ids")
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
                               f"got {len(self.cache_salt)} characters", "cache_salt")
