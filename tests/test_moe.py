@@ -111,7 +111,7 @@ def test_native_layer_can_be_turned_off(moe_llms, monkeypatch):
     assert layer.native is not None  # back on (the suite does not start where the library fails to build)
 
 
-def _native_and_python(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def native_and_python(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.inference_mode():
         native = layer(x)
         held_native, layer.native = layer.native, None
@@ -137,7 +137,7 @@ def test_native_gpt_oss_layer_equals_the_python_loop(gpt_oss_llms, held, rows):
     clamped_gate = clamped_up = within = 0
     for layer in layers:
         x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(dtype)
-        native, python = _native_and_python(layer, x)
+        native, python = native_and_python(layer, x)
         assert native.dtype == dtype and torch.equal(native, python)
         # The clamp is reached: each routed expert's gate above the limit, its up past it on either side.
         _, experts = layer.route(x)
@@ -177,7 +177,7 @@ def test_grouped_experts_on_two_kernels_equal_the_python_loop(moe_llms, gpt_oss_
             x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(dtype)
             _, experts = layer.route(x)
             counts = torch.bincount(experts.reshape(-1))
-            native, python = _native_and_python(layer, x)
+            native, python = native_and_python(layer, x)
             assert torch.equal(native, python), rows
             if rows == 12:  # both kernels in one step
                 assert {int(c) % 2 for c in counts if c > 0} == {0, 1}
@@ -202,7 +202,7 @@ def test_native_gpt_oss_layer_routes_by_the_biased_router(gpt_oss_llms):
         x = torch.randn(3, router.input_size, generator=torch.Generator().manual_seed(7))
         _, experts = layer.route(x)
         assert experts.sort(-1).values.tolist() == [[1, 3, 5, 6]] * 3
-        native, python = _native_and_python(layer, x)
+        native, python = native_and_python(layer, x)
         assert torch.equal(native, python)
     finally:
         with torch.no_grad():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import reference_greedy, run_checked
+from test_moe import native_and_python
 from test_qwen3_5 import BLOCK, _step, gguf_files_run_as_their_folder, make_llm, prompt_ids, save_scaled_random
 
 from kvreuse import SamplingParams
@@ -193,6 +194,21 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path)
     assert not ModelConfig.from_pretrained(folder).delta_tiled_values
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_shared_expert_gate_gives_a_row_the_same_bits_at_any_row_count(dtype):
+    """Eager sigmoid on a [rows, 1] gate gives a row other bits with other row counts (its vector tail takes another
+    exp); shared_expert_scale gives each row its bits alone, at 1,001 and 3,001 rows (past the library's grain, so
+    split between threads) as at 3."""
+    from kvreuse.layers.experts import shared_expert_scale
+
+    logit = torch.randn(3001, 1, generator=torch.Generator().manual_seed(5)).mul(4).to(dtype)
+    for rows in (3, 1001, 3001):
+        together = shared_expert_scale(logit[:rows])
+        alone = torch.cat([shared_expert_scale(logit[i:i + 1]) for i in range(rows)])
+        assert torch.equal(together, alone), rows
+        torch.testing.assert_close(together, torch.sigmoid(logit[:rows]))
+
+
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8", "dtype": "bfloat16"}], ids=["float32", "int8-bfloat16"])
 def test_hits_resume_from_snapshots_and_change_no_bit_in_batch_invariant_mode(qwen3_5_moe, options):
     """Batch-invariant mode covers the experts (the router and the shared expert's gate on the row-dot GEMV, the
@@ -239,13 +255,7 @@ def test_the_native_moe_layer_adds_the_shared_expert_with_the_python_layers_bits
     for layer in layers:
         for rows in (1, 3, 8):
             x = torch.randn(rows, layer.router_layer.input_size, generator=generator).to(layer.shared_expert_gate.dtype)
-            with torch.inference_mode():
-                native = layer(x)
-                held, layer.native = layer.native, None
-                try:
-                    python = layer(x)
-                finally:
-                    layer.native = held
+            native, python = native_and_python(layer, x)
             assert torch.equal(native, python), (rows, (native - python).abs().max())
             assert not torch.equal(native, layer.routed(x))  # the shared expert is in it
 

@@ -385,6 +385,19 @@ inline QuantizedSpans quantize_spans(const at::Tensor& x, int64_t rows, int64_t 
   return q;
 }
 
+// A K-quant weight row's outputs for R input rows: each row's float lanes summed, plus its offsets' lanes.
+template <int R>
+inline void store_kquant_rows(const __m512 (&acc)[R], const __m256 (&offset)[R], float* out, int64_t out_features,
+                              int64_t j) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 o = offset[r];
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(h);
+  }
+}
+
 template <class F, int R>
 void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, const Layout& l, float* out,
                      int64_t out_features, int64_t begin, int64_t end) {
@@ -471,13 +484,7 @@ void dot_rows_kquant(const QuantizedSpans& q, int64_t r0, const uint8_t* w, cons
         offset[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(-factor * xs), offset[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 o = offset[r];
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(h);
-    }
+    store_kquant_rows<R>(acc, offset, out, out_features, j);
   }
 }
 
@@ -560,13 +567,7 @@ void dot_rows_kquant_quads(const QuantizedSpans& q, int64_t r0, const uint8_t* w
         offset[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(q.scaled_sums32.data() + at * 8), offset[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 o = offset[r];
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[r * out_features + j] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(h);
-    }
+    store_kquant_rows<R>(acc, offset, out, out_features, j);
   }
 }
 
