@@ -271,8 +271,8 @@ def test_return_token_ids_gives_the_ids_and_a_next_turn_sent_as_them_reuses_the_
         server: RunningServer, client: openai.OpenAI, llm: LLM):
     """vLLM's return_token_ids: a completion choice carries its prompt's and its output's token ids (a chat response
     its prompt's at the top), the ones the text decodes from; a next turn sent as those ids plus new ones is served
-    the whole previous turn from the cache (all but the last output token, which was never computed). Streamed, it
-    is refused naming the field."""
+    the whole previous turn from the cache (all but the last output token, which was never computed). Streamed, the
+    prompt's ids come in the first chunk and each chunk carries its new ids (vLLM's shape)."""
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode(f"[{uuid.uuid4().hex}] {SYSTEM_PROMPT} The bookshop opens at")
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8,
@@ -290,9 +290,18 @@ def test_return_token_ids_gives_the_ids_and_a_next_turn_sent_as_them_reuses_the_
     assert body["prompt_token_ids"] and len(body["choices"][0]["token_ids"]) == chat.usage.completion_tokens
     assert "token_ids" not in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1).model_dump()[
         "choices"][0]
-    refused = httpx.post(f"{server.base_url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {KEY_A}"}, json={
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "return_token_ids": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
+    # Streamed: the prompt's ids in the first chunk, then each chunk's new ids; together the non-streamed ids.
+    streamed = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=8, stream=True,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [chunk.model_dump()["choices"][0] for chunk in streamed]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    chat_stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], temperature=0, max_tokens=3, stream=True,
+        extra_body={"return_token_ids": True})
+    chat_chunks = [chunk.model_dump() for chunk in chat_stream]
+    assert chat_chunks[0]["prompt_token_ids"] == body["prompt_token_ids"]
+    assert [t for c in chat_chunks for t in c["choices"][0]["token_ids"]] == body["choices"][0]["token_ids"]
 
 
 def test_shared_system_prompt_is_reused(server: RunningServer, llm: LLM):

@@ -372,6 +372,8 @@ class _ChoiceStream:
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     tool_stream: ToolCallStream | None = None  # this choice's own extractor (chat with tools)
     made_calls: bool = False
+    num_token_ids_sent: int = 0  # return_token_ids: the output ids already in a chunk
+    started_ids: bool = False  # return_token_ids: the prompt's ids went out (in this choice's first chunk)
 
 
 @dataclass
@@ -382,6 +384,8 @@ class _StreamWriter:
     generation: _Generation
     choices: dict[int, _ChoiceStream] = field(default_factory=dict)
     last_outputs: dict[int, RequestOutput] = field(default_factory=dict)
+    # return_token_ids: the choice being written, its output ids and its prompt's (set per choice by ``encode``).
+    _ids: tuple[_ChoiceStream, Sequence[int], Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         generation = self.generation
@@ -405,6 +409,9 @@ class _StreamWriter:
             choice = self.choices[choice_index]
             if choice.finished:
                 continue
+            # return_token_ids: the chunks written below carry the ids since the last chunk (``_event``).
+            self._ids = (choice, completion.token_ids, output.prompt_token_ids) if self.generation.return_token_ids \
+                else None
             finished = completion.finish_reason is not None
             # Held back while it could still be the start of a stop string (kvreuse.output_processor).
             text = completion.text_delta
@@ -432,6 +439,16 @@ class _StreamWriter:
 
     def _event(self, choice: dict[str, Any]) -> bytes:
         payload: dict[str, Any] = {**self.header, "choices": [choice]}
+        if self._ids is not None:  # vLLM's stream shape: the prompt's ids in a choice's first chunk, then deltas
+            stream, token_ids, prompt_token_ids = self._ids
+            if not stream.started_ids:
+                stream.started_ids = True
+                if self.generation.chat:
+                    payload["prompt_token_ids"] = list(prompt_token_ids)
+                else:
+                    choice["prompt_token_ids"] = list(prompt_token_ids)
+            choice["token_ids"] = list(token_ids[stream.num_token_ids_sent:])
+            stream.num_token_ids_sent = len(token_ids)
         if self.generation.include_usage:
             payload["usage"] = None  # OpenAI's shape: usage only in the last chunk
         return sse_event(payload)
