@@ -363,13 +363,21 @@ def min_reuse_of_previous_turn(counts: list[tuple[int, int]], answer_tokens: int
     return min(shares) if shares else None
 
 
-def token_encoder(model: str):
-    """The file's or folder's tokenizer, as ids without special tokens added."""
+def chat_figures(name: str, counts: list[tuple[int, int]], answer_tokens: int) -> dict:
+    """A chat's figures from its (prompt tokens, cached tokens) per turn: the share of turns 2+'s prompt tokens served
+    from the cache, the issue's least reuse of a previous turn, and the turns themselves."""
+    later = counts[1:]
+    return {f"{name}_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
+            f"{name}_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, answer_tokens),
+            f"{name}_turns": counts}
+
+
+def file_tokenizer(model: str):
+    """The GGUF file's or folder's tokenizer (kvreuse.tokenizer.Tokenizer)."""
     from kvreuse.loading.loader import resolve_tokenizer_path
     from kvreuse.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))
-    return lambda text: tokenizer.hf_tokenizer.encode(text, add_special_tokens=False)
+    return Tokenizer(resolve_tokenizer_path(Path(model)))
 
 
 def chat_turns(count: int, words: int) -> list[str]:
@@ -383,10 +391,7 @@ def chat_turns(count: int, words: int) -> list[str]:
 
 def vocabulary(model: str) -> list[int]:
     """Token ids a prompt may hold: the file's ordinary tokens (no special or added ones)."""
-    from kvreuse.loading.loader import resolve_tokenizer_path
-    from kvreuse.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(resolve_tokenizer_path(Path(model)))
+    tokenizer = file_tokenizer(model)
     special = set(tokenizer.added_tokens.values())
     size = len(tokenizer.hf_tokenizer)
     return [i for i in range(min(256, size // 4), size) if i not in special]
@@ -462,34 +467,23 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
         if args.chat_turns:
             counts = client.chat(chat_turns(args.chat_turns, args.chat_turn_words), args.chat_answer_tokens)
             later, branch = counts[1:-1], counts[-1]
-            result |= {
+            result |= chat_figures("chat", counts[:-1], args.chat_answer_tokens) | {
                 "chat_prompt_tokens_last_turn": later[-1][0] if later else counts[0][0],
-                "chat_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
                 "chat_turns_hit": sum(cached > 0 for _, cached in later) / max(1, len(later)),
                 "chat_branch_prompt_tokens": branch[0],
                 "chat_branch_cached_tokens": branch[1],
-                "chat_turns": counts,
-                "chat_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts[:-1], args.chat_answer_tokens),
+                "chat_turns": counts,  # the branch last
             }
         if args.chat_messages:
             counts = client.chat_messages(chat_turns(args.chat_messages, args.chat_turn_words), args.chat_answer_tokens)
-            later = counts[1:]
-            result |= {
-                "chat_messages_hit_rate": sum(cached for _, cached in later) / max(1, sum(p for p, _ in later)),
-                "chat_messages_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, args.chat_answer_tokens),
-                "chat_messages_turns": counts,
-            }
+            result |= chat_figures("chat_messages", counts, args.chat_answer_tokens)
         if args.chat_token_ids:
-            encode = token_encoder(model)
-            counts = client.chat_token_ids([encode(f"User: {user}\nAssistant:") for user in
-                                            chat_turns(args.chat_token_ids, args.chat_turn_words)],
-                                           args.chat_answer_tokens, system == "llama-server")
-            later = counts[1:]
-            result |= {
-                "chat_ids_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
-                "chat_ids_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, args.chat_answer_tokens),
-                "chat_ids_turns": counts,
-            }
+            hf_tokenizer = file_tokenizer(model).hf_tokenizer
+            counts = client.chat_token_ids(
+                [hf_tokenizer.encode(f"User: {user}\nAssistant:", add_special_tokens=False)
+                 for user in chat_turns(args.chat_token_ids, args.chat_turn_words)],
+                args.chat_answer_tokens, system == "llama-server")
+            result |= chat_figures("chat_ids", counts, args.chat_answer_tokens)
         for name, prefix_tokens, count in (("shared_prompt", args.shared_prompt_tokens, args.shared_questions),
                                            ("short_prefix", args.short_prefix_tokens, args.short_prefix_questions)):
             if not count:

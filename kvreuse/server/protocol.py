@@ -108,7 +108,6 @@ class _SamplingRequest(_StrictModel):
             raise bad_request("logit_bias is not supported (only an empty object is accepted)", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise bad_request(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
                               f"got {len(self.cache_salt)} characters", "cache_salt")
