@@ -194,6 +194,19 @@ def test_a_gguf_file_as_llama_cpp_writes_qwen3_next_runs_as_its_folder(tmp_path)
     assert not ModelConfig.from_pretrained(folder).delta_tiled_values
 
 
+def test_the_shared_expert_gates_arithmetic_is_part_of_the_kv_fingerprint(qwen3_5_moe, tmp_path, monkeypatch):
+    """The gate's sigmoid on rows of 64 copies rounds otherwise than eager sigmoid on [rows, 1] did, so K/V a tier
+    stored before are another engine's: the fingerprint names it (with its width)."""
+    from kvreuse.layers import experts
+
+    def fingerprint(folder) -> str:
+        return make_llm(folder, kv_disk_dir=str(tmp_path / "disk")).engine.tier_store.fingerprint
+
+    named = fingerprint(qwen3_5_moe)
+    monkeypatch.setattr(experts, "SIGMOID_ROW", 128)
+    assert fingerprint(qwen3_5_moe) != named
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_shared_expert_gate_gives_a_row_the_same_bits_at_any_row_count(dtype):
     """Eager sigmoid on a [rows, 1] gate gives a row other bits with other row counts (its vector tail takes another

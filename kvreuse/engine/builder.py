@@ -46,7 +46,7 @@ from kvreuse.config import EngineConfig, SpeculativeConfig, cache_dir
 from kvreuse.grammar.compiler import GrammarCompiler
 from kvreuse.grammar.manager import StructuredOutputManager
 from kvreuse.kernels import fused_ops, paged_attention, qpacked, quant_ops
-from kvreuse.layers import plan_book
+from kvreuse.layers import experts, plan_book
 from kvreuse.loading.gguf import gguf_digest, is_gguf_path, read_gguf
 from kvreuse.loading.loader import (
     load_model,
@@ -446,6 +446,10 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         # own order, where PyTorch's rms_norm vectorises it, so K/V from before differ in their last bits.
         **({"offset_norm": "rms_norm_float_scale (kvreuse_fused)"} if offset_norm_kernel(model_config, kv_cache)
            else {}),
+        # A shared expert's sigmoid gate on rows of 64 copies (layers/experts.py shared_expert_scale), where eager
+        # sigmoid on [rows, 1] took std::exp on its tail: K/V from before differ in their last bits.
+        **({"shared_expert_gate": f"sigmoid rows of {experts.SIGMOID_ROW}"}
+           if model_config.moe is not None and model_config.moe.shared_expert_intermediate_size else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
            and kv_cache.storage_dtype != kv_cache.dtype else {}),
