@@ -39,7 +39,8 @@ the assistant message it came back as; the file's chat template renders them). -
 a token-id client (RL and agent loops: each turn the previous prompt, the answer's
 ids as the server returned them, the next user turn's ids; kvreuse's /v1/completions with return_token_ids,
 llama-server's /completion with return_tokens), where the answer comes back exactly, as a real model's text mostly
-does and a random-weight model's does not.
+does and a random-weight model's does not. --chat-conversations N runs N of these two chats at once (the issue's 4
+conversations of 8 turns), each its own user turns, and reports the least reuse over them all.
 --shared-questions N sends N different questions (--question-tokens each) after one shared --shared-prompt-tokens
 system prompt (1,000), --concurrency at a time, and reports the share of the system prompt each server served from
 its cache, how many requests got all of it and the median time to the first token; --short-prefix-questions N does
@@ -67,6 +68,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -363,13 +366,29 @@ def min_reuse_of_previous_turn(counts: list[tuple[int, int]], answer_tokens: int
     return min(shares) if shares else None
 
 
-def chat_figures(name: str, counts: list[tuple[int, int]], answer_tokens: int) -> dict:
-    """A chat's figures from its (prompt tokens, cached tokens) per turn: the share of turns 2+'s prompt tokens served
-    from the cache, the issue's least reuse of a previous turn, and the turns themselves."""
-    later = counts[1:]
+def chat_figures(name: str, runs: list[list[tuple[int, int]]], answer_tokens: int) -> dict:
+    """Chats' figures from each conversation's (prompt tokens, cached tokens) per turn: the share of turns 2+'s prompt
+    tokens served from the cache, the issue's least reuse of a previous turn over every conversation, and the turns
+    themselves (one conversation's, or a list of them)."""
+    later = [turn for counts in runs for turn in counts[1:]]
+    least = [share for share in (min_reuse_of_previous_turn(counts, answer_tokens) for counts in runs)
+             if share is not None]
     return {f"{name}_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
-            f"{name}_min_reuse_of_previous_turn": min_reuse_of_previous_turn(counts, answer_tokens),
-            f"{name}_turns": counts}
+            f"{name}_min_reuse_of_previous_turn": min(least) if least else None,
+            f"{name}_turns": runs[0] if len(runs) == 1 else runs}
+
+
+def conversations(turns: int, args: argparse.Namespace) -> list[list[str]]:
+    """--chat-conversations chats of ``turns`` user turns each, every one its own English."""
+    count = args.chat_conversations
+    users = chat_turns(turns * count, args.chat_turn_words)
+    return [users[index::count] for index in range(count)]
+
+
+def at_once(chat: Callable[[list[str]], list[tuple[int, int]]], runs: list[list[str]]) -> list[list[tuple[int, int]]]:
+    """Each conversation's chat on a thread of its own, all at once (their turns interleave as the server takes them)."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(chat, runs))
 
 
 def file_tokenizer(model: str):
@@ -467,7 +486,7 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
         if args.chat_turns:
             counts = client.chat(chat_turns(args.chat_turns, args.chat_turn_words), args.chat_answer_tokens)
             later, branch = counts[1:-1], counts[-1]
-            result |= chat_figures("chat", counts[:-1], args.chat_answer_tokens) | {
+            result |= chat_figures("chat", [counts[:-1]], args.chat_answer_tokens) | {
                 "chat_prompt_tokens_last_turn": later[-1][0] if later else counts[0][0],
                 "chat_turns_hit": sum(cached > 0 for _, cached in later) / max(1, len(later)),
                 "chat_branch_prompt_tokens": branch[0],
@@ -475,15 +494,15 @@ def measure(system: str, model: str, args: argparse.Namespace, rng: random.Rando
                 "chat_turns": counts,  # the branch last
             }
         if args.chat_messages:
-            counts = client.chat_messages(chat_turns(args.chat_messages, args.chat_turn_words), args.chat_answer_tokens)
-            result |= chat_figures("chat_messages", counts, args.chat_answer_tokens)
+            runs = at_once(lambda turns: client.chat_messages(turns, args.chat_answer_tokens),
+                           conversations(args.chat_messages, args))
+            result |= chat_figures("chat_messages", runs, args.chat_answer_tokens)
         if args.chat_token_ids:
             hf_tokenizer = file_tokenizer(model).hf_tokenizer
-            counts = client.chat_token_ids(
-                [hf_tokenizer.encode(f"User: {user}\nAssistant:", add_special_tokens=False)
-                 for user in chat_turns(args.chat_token_ids, args.chat_turn_words)],
-                args.chat_answer_tokens, system == "llama-server")
-            result |= chat_figures("chat_ids", counts, args.chat_answer_tokens)
+            runs = at_once(lambda turns: client.chat_token_ids(
+                [hf_tokenizer.encode(f"User: {user}\nAssistant:", add_special_tokens=False) for user in turns],
+                args.chat_answer_tokens, system.startswith("llama-server")), conversations(args.chat_token_ids, args))
+            result |= chat_figures("chat_ids", runs, args.chat_answer_tokens)
         for name, prefix_tokens, count in (("shared_prompt", args.shared_prompt_tokens, args.shared_questions),
                                            ("short_prefix", args.short_prefix_tokens, args.short_prefix_questions)):
             if not count:
@@ -553,6 +572,8 @@ def main() -> int:
     parser.add_argument("--chat-token-ids", type=int, default=0,
                         help="also run a chat of this many turns as a token-id client (each turn the previous prompt, "
                              "the answer's ids as returned, the next user turn's ids) and report the same")
+    parser.add_argument("--chat-conversations", type=int, default=1,
+                        help="run the --chat-messages and --chat-token-ids chats as this many conversations at once")
     parser.add_argument("--chat-turn-words", type=int, default=120, help="words of English per user turn")
     parser.add_argument("--chat-answer-tokens", type=int, default=48, help="tokens of each answer")
     parser.add_argument("--shared-questions", type=int, default=0,
@@ -573,6 +594,8 @@ def main() -> int:
         parser.error(f"--systems must be among {list(SYSTEMS)}, got {args.systems!r}")
     if not args.gguf and not args.folder:
         parser.error("give at least one --gguf FILE or --folder DIR")
+    if args.chat_conversations < 1:
+        parser.error(f"--chat-conversations must be at least 1, got {args.chat_conversations}")
     if os.environ.get("KVREUSE_BENCH_SMOKE") == "1":  # the suite runs the documented command this way
         args.concurrency, args.decode_prompt_tokens, args.decode_tokens, args.prefill_len, args.repeats = 2, 8, 4, 32, 1
         args.long_context_tokens = 48

@@ -171,6 +171,35 @@ def test_hits_resume_from_snapshots_and_change_no_bit(nemotron_h):
     cached.engine.check_integrity()
 
 
+def test_four_conversations_at_once_reuse_all_of_each_previous_turn_beside_a_one_state_budget(nemotron_h):
+    """Issue 66's chat goal where conversations outnumber the snapshot budget: four conversations take their turns at
+    once (each turn its history, the answer's generated ids and new tokens), the budget holds one state and four
+    requests run. The running requests' slots that no request holds between turns keep the conversations' ends (lent
+    to the snapshots), and each next turn takes its conversation's end over as its slot: every turn after the first
+    reuses all its previous turn computed (the prompt and the answer but its last token, which is sampled, not fed),
+    with the tokens and logprobs a cache-free engine gives, the invariants checked after every step."""
+    config = ModelConfig.from_pretrained(nemotron_h)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    cached = make_llm(nemotron_h, batch_invariant=True, max_num_seqs=4,
+                      state_snapshot_fraction=1.5 * config.state_bytes / 2**22)
+    plain = make_llm(nemotron_h, batch_invariant=True, enable_prefix_caching=False)
+    states = cached.engine.kv.states
+    assert states.snapshots.budget_bytes < 2 * config.state_bytes and states.num_slots == 4 + 1
+    histories = [prompt_ids(90 + chat, 11 + 3 * chat) for chat in range(4)]
+    reused = [0] * 4
+    for turn in range(3):
+        outputs = run_checked(cached.engine, histories, params)
+        expected = plain.generate([{"prompt_token_ids": history} for history in histories], params)
+        assert [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in outputs] == [
+            (o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in expected]
+        assert [o.num_cached_tokens for o in outputs] == reused
+        assert len(states.snapshots) == 5  # the four ends beside the budget's one
+        reused = [len(history) + 6 - 1 for history in histories]
+        histories = [history + list(output.outputs[0].token_ids) + prompt_ids(100 + 4 * turn + chat, 5)
+                     for chat, (history, output) in enumerate(zip(histories, outputs))]
+    assert states.num_handed_over == 8
+
+
 def test_snapshots_go_to_the_host_disk_and_redis_tiers_and_come_back_verified(nemotron_h, tmp_path, redis_server):
     """A kept state goes to every tier with the block holding its tail's K/V; a fresh engine (another process's view of
     the disk or Redis) resumes a chat's next turn from it, to the token the last turn computed, with the bits a

@@ -145,6 +145,72 @@ def test_a_state_read_back_from_a_tier_takes_a_free_slot_and_its_bytes_go_in_ord
     index.pin(nodes[:2])  # a pinned prefix's state takes the one snapshot's room and is never dropped for a load
     slots.clear()
     slots.branch(nodes[1], [], running, "pin")
+    other = slots.start(None)  # both running: no slot is lent to the snapshots
     assert slots.load(nodes[2], tokens[12:13], b"state-bytes") is None
-    assert slots.num_free == 1 and slots.num_loaded == 1
-    slots.check_integrity([running])
+    assert slots.num_free == 0 and slots.num_loaded == 1
+    slots.check_integrity([running, other])
+
+
+def test_a_loan_lets_more_snapshots_in_and_calling_it_back_drops_the_policys_victims(index):
+    """StateSnapshots.lend: bytes beyond the budget for a while. Snapshots fill them; calling the loan back drops
+    what the policy values least (LRU here), never a pinned prefix's, whose snapshots stay within the budget itself
+    even while a loan would have room."""
+    tokens = list(range(100, 140))
+    root, nodes = cache(index, b"ns", tokens)
+    snapshots = StateSnapshots(BLOCK, 2 * STATE, policy="lru")
+    assert snapshots.lend(2 * STATE) == []
+    kept = [snapshots.add(nodes[i], [], STATE, i, "finish")[0] for i in range(4)]
+    assert None not in kept and snapshots.num_bytes == 4 * STATE
+    snapshots.check_integrity()
+    snapshots.lookup(root, nodes[:1], tokens, 4)  # the first is used again
+    assert snapshots.lend(STATE) == [kept[1]]
+    assert snapshots.lend(0) == [kept[2]]
+    snapshots.check_integrity()
+    with pytest.raises(ValueError, match="lent_bytes must be >= 0"):
+        snapshots.lend(-1)
+
+    index.pin(nodes[:6])
+    snapshots.lend(4 * STATE)
+    assert snapshots.add(nodes[4], [], STATE, "p1", "pin")[0] is not None
+    assert snapshots.add(nodes[5], [], STATE, "p2", "pin")[0] is not None
+    assert snapshots.add(nodes[5], tokens[24:25], STATE, "p3", "pin") == (None, [])  # the budget is the pins'
+    dropped = snapshots.lend(0)  # only the two pins' snapshots stay
+    assert {snapshot.handle for snapshot in snapshots.snapshots()} == {"p1", "p2"} and len(dropped) == 2
+    snapshots.check_integrity()
+
+
+def test_idle_request_slots_hold_every_conversations_end_and_come_back_when_requests_start(index):
+    """StateSlots lends the snapshots the slots of requests not running (as llama-server's idle slots keep their
+    state): four conversations' ends are all kept beside a budget of one, and each admission takes a slot back,
+    taking over its own conversation's end where one must go, else dropping the end ``saved`` values least. Every
+    slot is free, running or one snapshot's after each change."""
+    from kvreuse.cache.state_slots import StateCopy, StateSlots
+
+    slots = StateSlots(BLOCK, num_slots=5, max_running=4, slot_bytes=STATE)
+    ends = []
+    for chat in range(4):
+        tokens = [1000 * (chat + 1) + i for i in range(13)]
+        root, nodes = cache(index, f"chat{chat}".encode(), tokens)
+        running = slots.start(None)
+        ends.append(slots.keep(nodes[2], tokens[12:13], running, "finish"))
+        slots.check_integrity([])
+    assert None not in ends and len(slots.snapshots) == 4 and slots.num_free == 1
+    slots.take_copies()
+    first = slots.start(ends[0])  # the first conversation's next turn resumes at its end: a copy into a free slot
+    assert len(slots.snapshots) == 4 and slots.num_free == 0
+    # The second's slot must come back from the snapshots: its own conversation's end is handed over (its next turn
+    # goes on past it), not another conversation's end dropped.
+    second = slots.start(ends[1])
+    assert second == ends[1].handle and ends[1] not in slots.snapshots.snapshots() and slots.num_handed_over == 1
+    third = slots.start(ends[2])
+    assert third == ends[2].handle and slots.take_copies() == [StateCopy(ends[0].handle, first)]
+    slots.check_integrity([first, second, third])
+    fourth = slots.start(None)  # all four run: only the budget's one snapshot stays, the policy's choice
+    assert slots.snapshots.snapshots() == [ends[0]] and slots.snapshots.lent_bytes == 0
+    assert slots.take_copies() == [StateCopy(None, ends[3].handle)]  # the unused end gave its slot back
+    slots.check_integrity([first, second, third, fourth])
+    with pytest.raises(RuntimeError, match="no free state slot"):
+        slots.start(None)
+    slots.release(fourth)
+    slots.check_integrity([first, second, third])
+    assert slots.snapshots.lent_bytes == STATE and slots.num_free == 1

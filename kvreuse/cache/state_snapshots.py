@@ -14,7 +14,10 @@ block boundaries of 528-2,144 tokens) or a few checkpoints (llama.cpp); here a s
 - ``lookup`` returns the deepest snapshot at or before the end of a request's match, and says what it costs when
   that is short of the match ("state not kept at token 412: nearest snapshot at 384, 28 tokens recomputed");
 - snapshots live within a byte budget; the caller drops a node's snapshots when the prefix index evicts the node
-  (its blocks are gone, so no hit can end there), and frees each dropped snapshot's ``handle``.
+  (its blocks are gone, so no hit can end there), and frees each dropped snapshot's ``handle``;
+- the caller may lend it more bytes for a while (``lend``: the slots of requests not running now, which
+  llama-server's idle slots also keep their last state in) and call them back; a pinned prefix's snapshot stays
+  within the budget itself, so calling the loan back never needs it.
 
 A pinned prefix's snapshot (reason "pin", anchored at the pin's last block) is not a candidate while its anchor is
 pinned: a hybrid's pinned blocks are worth nothing without the state at their end. Which other snapshot goes when
@@ -83,6 +86,7 @@ class StateSnapshots:
             raise ValueError(f"snapshot budget_bytes must be >= 0, got {budget_bytes}")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
+        self.lent_bytes = 0  # bytes lent beyond the budget until called back (``lend``)
         self.policy = policy
         self.num_bytes = 0
         # Where a router learns which blocks end in a resumable state (cache/events.py): an anchor's first snapshot
@@ -94,6 +98,10 @@ class StateSnapshots:
 
     def __len__(self) -> int:
         return sum(len(by_tail) for by_tail in self._at.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget_bytes + self.lent_bytes
 
     def find(self, anchor: CacheNode, tail: Sequence[int]) -> Snapshot | None:
         """The snapshot kept after ``anchor`` and exactly ``tail`` (None: none)."""
@@ -150,20 +158,25 @@ class StateSnapshots:
             raise ValueError(f"a snapshot's tail is shorter than a block ({self.block_size}), got {len(tail)}")
         if anchor.evicted:
             raise RuntimeError("a snapshot anchored at an evicted node")
-        if tail in self._at.get(anchor, {}) or num_bytes > self.budget_bytes - self._protected_bytes():
+        # A pinned prefix's snapshot fits in the budget beside the others taken for a pin (each protected while its pin
+        # holds, which may start after it was kept), so calling a loan back never meets only protected ones; any other
+        # fits in what is lent besides.
+        if reason == "pin":
+            room = self.budget_bytes - sum(other.num_bytes for other in self.snapshots() if other.reason == "pin")
+        else:
+            room = self.capacity_bytes - self._protected_bytes()
+        if tail in self._at.get(anchor, {}) or num_bytes > room:
             return None, []
         self._now = next(self._clock)
         snapshot = Snapshot(anchor, tail, anchor.depth * self.block_size + len(tail), num_bytes, handle, reason,
                             self._now)
-        if (self.policy == "saved" and reason in UNPROVEN and self.num_bytes + num_bytes > self.budget_bytes
+        if (self.policy == "saved" and reason in UNPROVEN and self.num_bytes + num_bytes > self.capacity_bytes
                 and self.saved_per_byte(snapshot) < self.saved_per_byte(self._victim())):
             # Admission: a request's own end (or a chunk's) worth less than the snapshot it would displace is not
             # kept: a finished answer's end a few tokens past its prompt's would otherwise push out the prompt end the
             # next turn resumes from. A branch, a prompt's end and a pin are kept: another request is on their path.
             return None, []
-        dropped: list[Snapshot] = []
-        while self.num_bytes + num_bytes > self.budget_bytes:
-            dropped.append(self._remove(self._victim()))
+        dropped = self._make_room(num_bytes)
         by_tail = self._at.setdefault(anchor, {})  # after the evictions, which may have emptied the anchor
         by_tail[tail] = snapshot
         if len(by_tail) == 1 and self.events is not None and not anchor.is_root:
@@ -175,6 +188,33 @@ class StateSnapshots:
             if self._superseded(above):  # what goes on along this path resumes below it now: its hits were that path's
                 above.hits = 0.0
         return snapshot, dropped
+
+    def hand_over(self, snapshot: Snapshot, lent_bytes: int) -> bool:
+        """Whether a request resuming from ``snapshot`` takes its handle as its own, when the loan falls to
+        ``lent_bytes`` and something must go to fit: a finished request's end that nothing was kept below yet (a
+        chat's latest turn, which its next turn goes on past) leaves the index instead of the policy's victim,
+        another conversation's end. A shared prefix's snapshot (a branch, a prompt's end, a pin, a branch point)
+        stays for the requests after. True: it left (the caller owns its handle now)."""
+        if (snapshot.reason != "finish" or snapshot.below or self.protected(snapshot)
+                or self.num_bytes <= self.budget_bytes + lent_bytes):
+            return False
+        self._remove(snapshot)
+        return True
+
+    def lend(self, lent_bytes: int) -> list[Snapshot]:
+        """Hold up to ``lent_bytes`` beyond the budget from now on (0: call the loan back). Returns the snapshots
+        dropped to fit (the retention policy's victims), whose handles the caller frees."""
+        if lent_bytes < 0:
+            raise ValueError(f"lent_bytes must be >= 0, got {lent_bytes}")
+        self.lent_bytes = lent_bytes
+        return self._make_room(0)
+
+    def _make_room(self, num_bytes: int) -> list[Snapshot]:
+        """Drop the policy's victims until ``num_bytes`` more fit in the budget and the loan."""
+        dropped: list[Snapshot] = []
+        while self.num_bytes + num_bytes > self.capacity_bytes:
+            dropped.append(self._remove(self._victim()))
+        return dropped
 
     def drop_node(self, node: CacheNode) -> list[Snapshot]:
         """``node`` leaves the prefix index: the snapshots anchored at it go (their handles are the caller's; the
@@ -258,6 +298,9 @@ class StateSnapshots:
                 if snapshot.position != anchor.depth * self.block_size + len(tail) or len(tail) >= self.block_size:
                     raise RuntimeError(f"a snapshot's position {snapshot.position} does not match its anchor and tail")
                 total += snapshot.num_bytes
-        if total != self.num_bytes or total > self.budget_bytes:
+        if total != self.num_bytes or total > self.capacity_bytes:
             raise RuntimeError(f"snapshot bytes {total} (counted {self.num_bytes}) against a budget of "
+                               f"{self.budget_bytes} and {self.lent_bytes} lent")
+        if self._protected_bytes() > self.budget_bytes:
+            raise RuntimeError(f"pinned prefixes' snapshots take {self._protected_bytes()} bytes, past the budget of "
                                f"{self.budget_bytes}")
