@@ -214,3 +214,30 @@ def test_idle_request_slots_hold_every_conversations_end_and_come_back_when_requ
     slots.release(fourth)
     slots.check_integrity([first, second, third])
     assert slots.snapshots.lent_bytes == STATE and slots.num_free == 1
+
+
+@pytest.mark.parametrize("client", ["token ids", "text"])
+def test_a_prompts_end_gives_way_once_a_next_turn_resumed_from_its_answers_end(index, client):
+    """``saved`` keeps a prompt's end (reason "prompt") for a next turn that matches the prompt but not the answer's
+    tokens (a text client whose answer a tokenizer splits otherwise). Where the next turn resumes from the answer's
+    end below it instead (a token-id client; a chat client whose answer the server renders as the ids it generated),
+    the prompt's end serves a retry of its turn only: it is worth nothing then, and the next answer's end gets in over
+    it though the budget is full. Where the next turn resumed from the prompt's end, the unused answer's end goes."""
+    tokens = list(range(500, 540))
+    root, nodes = cache(index, b"ns", tokens)
+    snapshots = StateSnapshots(BLOCK, 3 * STATE, policy="saved")
+    prompt_end, _ = snapshots.add(nodes[2], [], STATE, "P", "prompt")  # a 12-token prompt, a 8-token answer
+    answer_end, _ = snapshots.add(nodes[4], [], STATE, "F", "finish")
+    resumed = snapshots.lookup(root, nodes, tokens, 20 if client == "token ids" else 19).snapshot
+    assert resumed is (answer_end if client == "token ids" else prompt_end)
+    snapshots.check_integrity()
+    if client == "text":
+        assert snapshots.saved_per_byte(prompt_end) > snapshots.saved_per_byte(answer_end) > 0
+        assert snapshots.add(nodes[6], [], STATE, "P2", "prompt")[1] == []  # room for it
+        assert snapshots.add(nodes[8], [], STATE, "F2", "finish")[1] == [answer_end]
+        return
+    assert snapshots.saved_per_byte(prompt_end) == 0
+    snapshots.add(nodes[6], [], STATE, "P2", "prompt")  # the next turn's prompt end, below the answer's
+    kept, dropped = snapshots.add(nodes[8], [], STATE, "F2", "finish")
+    assert kept is not None and dropped == [prompt_end]
+    snapshots.check_integrity()

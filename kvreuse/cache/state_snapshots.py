@@ -68,6 +68,7 @@ class Snapshot:
     last_used: int
     hits: float = 0.0  # decayed count (HIT_HALF_LIFE)
     below: int = 0  # snapshots added below it on its path with it as their nearest (2 or more: a branch point)
+    continued: bool = False  # a request resumed from a snapshot below it, its nearest: its path goes on past it
 
 
 class SnapshotHit(NamedTuple):
@@ -132,8 +133,7 @@ class StateSnapshots:
                     best = snapshot
             if best is not None:
                 if count:
-                    best.hits = self._decayed_hits(best) + 1
-                    best.last_used = self._now
+                    self._use(best)
                 why = None if best.position == matched else (
                     f"state not kept at token {matched}: nearest snapshot at {best.position}, "
                     f"{matched - best.position} tokens recomputed")
@@ -144,8 +144,18 @@ class StateSnapshots:
     def record_use(self, snapshot: Snapshot) -> None:
         """A request resumes from ``snapshot``: its hits and recency grow (what a counted ``lookup`` does)."""
         self._now = next(self._clock)
+        self._use(snapshot)
+
+    def _use(self, snapshot: Snapshot) -> None:
         snapshot.hits = self._decayed_hits(snapshot) + 1
         snapshot.last_used = self._now
+        above = self._above(snapshot)
+        if above is not None and not above.continued:
+            # The path went on past the snapshot above: a prompt's end whose request's end a chat's next turn resumed
+            # from serves a retry of that turn only now (``_superseded``).
+            above.continued = True
+            if self._superseded(above):
+                above.hits = 0.0
 
     # --- adding and dropping -------------------------------------------------------------------------------------
     def add(self, anchor: CacheNode, tail: Sequence[int], num_bytes: int, handle: object,
@@ -183,7 +193,7 @@ class StateSnapshots:
             self.events.state_stored(anchor.key)
         self.num_bytes += num_bytes
         above = self._above(snapshot)
-        if above is not None:
+        if above is not None and not above.continued:  # (a continued one's path went on: one more below is no branch)
             above.below += 1
             if self._superseded(above):  # what goes on along this path resumes below it now: its hits were that path's
                 above.hits = 0.0
@@ -198,6 +208,8 @@ class StateSnapshots:
         if (snapshot.reason != "finish" or snapshot.below or self.protected(snapshot)
                 or self.num_bytes <= self.budget_bytes + lent_bytes):
             return False
+        self._now = next(self._clock)
+        self._use(snapshot)  # a use all the same: the snapshot above learns its path went on
         self._remove(snapshot)
         return True
 
@@ -265,8 +277,12 @@ class StateSnapshots:
     def _superseded(snapshot: Snapshot) -> bool:
         """One snapshot was kept below it, and it was not taken for others: a branch's snapshot (where a request left
         a cached path) and a pinned prefix's are there for the requests that come after, while their own request
-        always goes on past them."""
-        return snapshot.below == 1 and snapshot.reason not in ("branch", "pin", "prompt")
+        always goes on past them. A prompt's end is kept for a next turn that matches the prompt but not the
+        answer's tokens (a client that sends the answer as text a tokenizer splits otherwise); once a request resumed
+        from the one below it instead (``continued``: the answer's end), it serves a retry of its turn only."""
+        if snapshot.below != 1:
+            return False
+        return snapshot.reason not in ("branch", "pin", "prompt") or (snapshot.reason == "prompt" and snapshot.continued)
 
     def _decayed_hits(self, snapshot: Snapshot) -> float:
         return snapshot.hits * 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
