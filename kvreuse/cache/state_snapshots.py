@@ -150,9 +150,9 @@ class StateSnapshots:
         snapshot.hits = self._decayed_hits(snapshot) + 1
         snapshot.last_used = self._now
         above = self._above(snapshot)
-        if above is not None and not above.continued:
-            # The path went on past the snapshot above: a prompt's end whose request's end a chat's next turn resumed
-            # from serves a retry of that turn only now (``_superseded``).
+        if above is not None and above.reason == "prompt" and not above.continued:
+            # The path went on past the prompt's end above: whose request's end a chat's next turn resumed from, it
+            # serves a retry of that turn only now (``_superseded``).
             above.continued = True
             if self._superseded(above):
                 above.hits = 0.0
@@ -193,7 +193,7 @@ class StateSnapshots:
             self.events.state_stored(anchor.key)
         self.num_bytes += num_bytes
         above = self._above(snapshot)
-        if above is not None and not above.continued:  # (a continued one's path went on: one more below is no branch)
+        if above is not None and not above.continued:  # (a continued prompt end's path went on: no branch below it)
             above.below += 1
             if self._superseded(above):  # what goes on along this path resumes below it now: its hits were that path's
                 above.hits = 0.0
