@@ -268,6 +268,10 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 1 --rounds 1 --chat-turns 8 --chat-messages 8 --chat-token-ids 8 "
     "--out nemotron_h_chat.json": SCRIPT,
+    # issue 66, eighth session: the chats as 4 conversations at once
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
+    "llama-server,kvreuse --repeats 1 --chat-turns 8 --chat-messages 8 --chat-token-ids 8 --chat-conversations 4 "
+    "--out nemotron_h_chat4.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
