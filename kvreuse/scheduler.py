@@ -154,7 +154,9 @@ class Scheduler:
                     and request.adapter not in adapters and len(adapters) >= config.max_loras):
                 continue  # max_loras other adapters are running; this one waits for a slot
             match = matches.get(id(request))
-            if match is None or self.kv.states is not None:  # a hybrid's snapshot lookup is taken fresh at admission
+            # Taken fresh where the order's match may be stale: a hybrid's snapshot lookup always, and a match whose
+            # blocks an admission before this one evicted to make room (idle blocks, as this request's were).
+            if match is None or self.kv.states is not None or not self.kv.is_current(match):
                 match = self.kv.match(request)
             if self.kv.is_next_block_pending(request, match):
                 continue  # another prefill is computing this prefix; it will be a hit next step

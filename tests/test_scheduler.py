@@ -137,3 +137,25 @@ def test_preemption_frees_the_newest_and_readmission_hits():
     assert out.admitted[0][0] is second
     assert out.admitted[0][1].num_tokens == 8  # its two full computed blocks stayed cached
     assert second.num_preemptions == 1 and scheduler.num_preemptions == 1
+
+
+def test_a_match_that_an_earlier_admission_evicted_is_taken_again():
+    """lpm orders the waiting requests by matches taken before any of them is admitted; an admission that needs room
+    evicts idle blocks, which may be the match of a request admitted after it in the same step. That request matches
+    again at its turn: it never holds an evicted node or a block that another request now writes (before, it did,
+    and caching its next block failed with "insert under an evicted node")."""
+    kv = KVCacheManager(15, 4)
+    old, long_shared, newest = list(range(300, 308)), list(range(100, 116)), list(range(500, 508))
+    for tokens in (old, long_shared, newest):  # idle, least recently used first: 3 + 5 + 3 blocks, 4 free
+        warm(kv, tokens + [1])
+    scheduler = Scheduler(SchedulerConfig(), kv)
+    first = request(long_shared + list(range(600, 628)))  # 16 of 44 tokens cached: 7 blocks more, 3 evicted (old's)
+    second = request(old + [9])  # its 8 cached tokens are old's, which the first admission evicts
+    scheduler.add(second)
+    scheduler.add(first)
+    out = step(scheduler)
+    assert [admitted for admitted, _ in out.admitted] == [first, second]
+    assert [match.num_tokens for _, match in out.admitted] == [16, 0]
+    assert not set(first.block_ids) & set(second.block_ids)
+    for _ in range(3):  # both go on caching their blocks
+        step(scheduler)

@@ -447,6 +447,11 @@ class KVCacheManager:
             self.chunks.record(request.namespace, request.all_token_ids[start:end], start, nodes)
             request.chunks_recorded += 1
 
+    def is_current(self, match: PrefixMatch) -> bool:
+        """Every block of ``match`` is still cached (none was evicted since the match was taken)."""
+        return not any(node.evicted for node in match.nodes) and not (
+            match.partial is not None and match.partial.node.evicted)
+
     def is_next_block_pending(self, request: CacheSequence, match: PrefixMatch) -> bool:
         """Is the first block this request would compute already being computed by another one?"""
         next_block = match.num_blocks
