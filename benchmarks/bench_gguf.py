@@ -386,7 +386,7 @@ def conversations(turns: int, args: argparse.Namespace) -> list[list[str]]:
 
 
 def at_once(chat: Callable[[list[str]], list[tuple[int, int]]], runs: list[list[str]]) -> list[list[tuple[int, int]]]:
-    """Each conversation's chat on a thread of its own, all at once (their turns interleave as the server takes them)."""
+    """Each conversation's chat on a thread of its own, all at once (the server interleaves their turns)."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(chat, runs))
 

@@ -282,7 +282,9 @@ class StateSnapshots:
         from the one below it instead (``continued``: the answer's end), it serves a retry of its turn only."""
         if snapshot.below != 1:
             return False
-        return snapshot.reason not in ("branch", "pin", "prompt") or (snapshot.reason == "prompt" and snapshot.continued)
+        if snapshot.reason == "prompt":
+            return snapshot.continued
+        return snapshot.reason not in ("branch", "pin")
 
     def _decayed_hits(self, snapshot: Snapshot) -> float:
         return snapshot.hits * 0.5 ** ((self._now - snapshot.last_used) / HIT_HALF_LIFE)
