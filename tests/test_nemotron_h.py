@@ -198,6 +198,16 @@ def test_four_conversations_at_once_reuse_all_of_each_previous_turn_beside_a_one
         histories = [history + list(output.outputs[0].token_ids) + prompt_ids(100 + 4 * turn + chat, 5)
                      for chat, (history, output) in enumerate(zip(histories, outputs))]
     assert states.num_handed_over == 8
+    # What they hold, reported: the stats and the server's gauges (the budget's one state, four idle slots lent).
+    stats = cached.stats()
+    assert (stats["state_snapshots"], stats["state_snapshot_bytes"], stats["state_snapshot_lent_bytes"]) == (
+        5, 5 * config.state_bytes, 4 * config.state_bytes)
+    assert config.state_bytes <= stats["state_snapshot_budget_bytes"] < 2 * config.state_bytes
+    metrics = ServerMetrics("m", cached.engine.stats).render()[0].decode()
+    assert f'kvreuse:state_snapshot_bytes{{model_name="m"}} {float(5 * config.state_bytes)}' in metrics
+    assert 'kvreuse:state_snapshots{model_name="m"} 5.0' in metrics
+    # Without prefix caching no snapshot is kept: the gauge says so.
+    assert 'kvreuse:state_snapshots{model_name="m"} 0.0' in ServerMetrics("m", plain.engine.stats).render()[0].decode()
 
 
 def test_snapshots_go_to_the_host_disk_and_redis_tiers_and_come_back_verified(nemotron_h, tmp_path, redis_server):

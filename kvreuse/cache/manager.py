@@ -78,6 +78,12 @@ class CacheStats:
     cached_blocks: int
     moved_tokens: int = 0  # prompt tokens whose K/V was moved in from other positions (issue 39), not in hit_tokens
     chunk_entries: int = 0  # chunks the chunk index holds
+    # A hybrid model's recurrent-state snapshots (issue 66; all 0 without recurrent state): how many, their bytes, the
+    # budget (state_snapshot_fraction of the pool) and the idle running-request slots lent to them beyond it.
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
+    state_snapshot_budget_bytes: int = 0
+    state_snapshot_lent_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -672,6 +678,11 @@ class KVCacheManager:
             chunk_entries=len(self.chunks),
             evicted_blocks=self.index.num_evicted_blocks,
             cached_blocks=self.index.num_cached_blocks,
+            **({} if self.states is None else {
+                "state_snapshots": len(self.states.snapshots),
+                "state_snapshot_bytes": self.states.snapshots.num_bytes,
+                "state_snapshot_budget_bytes": self.states.snapshots.budget_bytes,
+                "state_snapshot_lent_bytes": self.states.snapshots.lent_bytes}),
         )
 
     def check_integrity(self, requests: Iterable[CacheSequence]) -> None:

@@ -199,7 +199,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                              model_config.conv_kernel, device)
         state_slots = StateSlots(config.cache.block_size, num_state_slots, config.scheduler.max_num_seqs,
                                  kv_cache.states.slot_bytes, config.cache.state_snapshot_policy, kv_events)
-        logger.info("recurrent states: %d slots of %.1f MiB (%d for running requests, %d for snapshots)",
+        logger.info("recurrent states: %d slots of %.1f MiB (%d for running requests, lent to the snapshots while "
+                    "idle; %d for snapshots)",
                     num_state_slots, model_config.state_bytes / 2**20, config.scheduler.max_num_seqs,
                     num_state_slots - config.scheduler.max_num_seqs)
     runner = ModelRunner(model, model_config, kv_cache, device,

@@ -33,6 +33,10 @@ class EngineStats:
         spec = self.spec_decode.as_dict() if self.spec_decode is not None else {}
         if self.tiers is not None:
             spec = spec | {"kv_tiers": self.tiers}
+        if cache.state_snapshot_budget_bytes:  # a hybrid model's recurrent-state snapshots
+            spec = spec | {"state_snapshots": cache.state_snapshots, "state_snapshot_bytes": cache.state_snapshot_bytes,
+                           "state_snapshot_budget_bytes": cache.state_snapshot_budget_bytes,
+                           "state_snapshot_lent_bytes": cache.state_snapshot_lent_bytes}
         return spec | {
             "prefix_cache_queries_tokens": cache.query_tokens,
             "prefix_cache_hits_tokens": cache.hit_tokens,

@@ -170,6 +170,16 @@ class _EngineStatsCollector:
             ("lora_resident_adapters", "LoRA adapters loaded on the device (at most max_loras).",
              stats.num_loras_resident),
         )
+        if cache.state_snapshot_budget_bytes:  # a hybrid model's recurrent-state snapshots
+            gauges += (
+                ("state_snapshots", "Recurrent-state snapshots kept (a hybrid model's hits resume from them).",
+                 cache.state_snapshots),
+                ("state_snapshot_bytes", "Bytes the recurrent-state snapshots hold.", cache.state_snapshot_bytes),
+                ("state_snapshot_budget_bytes", "The snapshots' budget (state_snapshot_fraction of the pool).",
+                 cache.state_snapshot_budget_bytes),
+                ("state_snapshot_lent_bytes", "Idle running-request state slots lent to the snapshots beyond the "
+                 "budget (called back at admission).", cache.state_snapshot_lent_bytes),
+            )
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], value)
