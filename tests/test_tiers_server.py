@@ -312,7 +312,8 @@ def test_no_tiers_no_extension_and_no_tier_metrics(tiny_model: Path, tmp_path: P
     assert usage(10, 2, 4, {"device": 4, "disk": 0})["prompt_tokens_details"][BY_TIER] == {"device": 4, "disk": 0}
 
     class Stats:
-        cache = type("Cache", (), {"query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "usage": 0.0})()
+        cache = type("Cache", (), {"query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "usage": 0.0,
+                                   "state_snapshot_budget_bytes": 0})()  # no recurrent state: no snapshot gauges
         prompt_tokens = generation_tokens = num_preemptions = num_running = num_waiting = 0
         num_loras_resident = max_loras = 0
         running_adapters = waiting_adapters = ()
@@ -320,7 +321,7 @@ def test_no_tiers_no_extension_and_no_tier_metrics(tiny_model: Path, tmp_path: P
         tiers = None
 
     plain = ServerMetrics("m", lambda: Stats()).render()[0].decode()
-    assert "kv_tier" not in plain
+    assert "kv_tier" not in plain and "state_snapshot" not in plain
     Stats.tiers = {"disk": {"queries": 3, "hits": 2, "hit_bytes": 64, "stores": 5, "store_bytes": 90,
                             "load_seconds": 0.5, "store_seconds": 0.25, "write_errors": 4, "write_drops": 6,
                             "verify_failures": {"checksum": 1}}}
