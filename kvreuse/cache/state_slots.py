@@ -62,6 +62,11 @@ class StateSlots:
         self.num_handed_over = 0  # snapshots a resuming request took as its own slot
 
     @property
+    def idle_bytes(self) -> int:
+        """The bytes of the running requests' slots that no request holds now (what is lent to the snapshots)."""
+        return (self.max_running - self.num_running) * self.slot_bytes
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -80,8 +85,7 @@ class StateSlots:
             raise RuntimeError(f"no free state slot: more running requests than the pool was sized for "
                                f"({self.max_running})")
         self.num_running += 1
-        lent = (self.max_running - self.num_running) * self.slot_bytes
-        if snapshot is not None and self.snapshots.hand_over(snapshot, lent):
+        if snapshot is not None and self.snapshots.hand_over(snapshot, self.idle_bytes):
             self.num_handed_over += 1
             self._lend_idle()
             return snapshot.handle  # copies queued from it before run first; it is this request's state now
@@ -137,7 +141,7 @@ class StateSlots:
 
     def _lend_idle(self) -> None:
         """Lend the snapshots the slots no running request holds; what no longer fits goes (its slots freed)."""
-        self._release(self.snapshots.lend((self.max_running - self.num_running) * self.slot_bytes))
+        self._release(self.snapshots.lend(self.idle_bytes))
 
     def drop_node(self, node: CacheNode) -> None:
         self._release(self.snapshots.drop_node(node))
@@ -163,7 +167,6 @@ class StateSlots:
         held = list(self._free) + running + [snapshot.handle for snapshot in self.snapshots.snapshots()]
         if sorted(held) != list(range(self.num_slots)):
             raise RuntimeError(f"state slots are lost or shared: {sorted(held)} of {self.num_slots}")
-        if len(running) != self.num_running or self.snapshots.lent_bytes != (
-                self.max_running - self.num_running) * self.slot_bytes:
+        if len(running) != self.num_running or self.snapshots.lent_bytes != self.idle_bytes:
             raise RuntimeError(f"{len(running)} requests hold a state slot, counted {self.num_running}; "
                                f"{self.snapshots.lent_bytes} bytes lent to the snapshots")
