@@ -279,45 +279,44 @@ class Client:
             complete(before[len(turns) // 2] + f"User: {turns[-1]}\nAssistant:")
         return counts
 
-    def chat_messages(self, turns: list[str], max_tokens: int) -> list[tuple[int, int]]:
-        """The chat as a chat client sends it to /v1/chat/completions: the messages so far, each answer as the
-        assistant message it came back as, then the next user turn; the server renders them with the file's chat
-        template. Returns (prompt tokens, cached tokens) per turn."""
-        counts, messages = [], []
+    def chat_messages(self, turns: list[str], max_tokens: int) -> list[Turn]:
+        """The chat as a chat client sends it to /v1/chat/completions, streamed: the messages so far, each answer as
+        the assistant message it came back as, then the next user turn; the server renders them with the file's
+        chat template. Returns (prompt tokens, cached tokens, seconds to the first token) per turn."""
+        turns_out, messages = [], []
         with httpx.Client(timeout=600) as client:
             for user in turns:
                 messages.append({"role": "user", "content": user})
-                data = completion(client.post(f"{self.base_url}/v1/chat/completions", json={
+                turn, text, _ = streamed_turn(client, f"{self.base_url}/v1/chat/completions", {
                     "model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True}))
-                counts.append(prompt_and_cached_tokens(data))
-                messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"] or ""})
-        return counts
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+                turns_out.append(turn)
+                messages.append({"role": "assistant", "content": text})
+        return turns_out
 
-    def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[tuple[int, int]]:
+    def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[Turn]:
         """The chat above as a client that keeps the conversation as token ids (RL and agent loops: token in, token
-        out): each turn's prompt is the previous prompt, the answer's ids as the server returned them and the next
-        user turn's ids, so the answer comes back exactly (as a real model's text mostly does; a random-weight
-        model's text re-tokenizes otherwise). kvreuse: /v1/completions with vLLM's return_token_ids; llama-server:
-        its /completion with return_tokens. Returns (prompt tokens, cached tokens) per turn."""
-        counts, prompt = [], []
+        out), streamed: each turn's prompt is the previous prompt, the answer's ids as the server returned them and
+        the next user turn's ids, so the answer comes back exactly (as a real model's text mostly does; a
+        random-weight model's text re-tokenizes otherwise). kvreuse: /v1/completions with vLLM's return_token_ids;
+        llama-server: its /completion with return_tokens. Returns (prompt tokens, cached tokens, seconds to the
+        first token) per turn."""
+        turns_out, prompt = [], []
         with httpx.Client(timeout=600) as client:
             for user in turns:
                 prompt = prompt + user
                 if llama_server:
-                    data = completion(client.post(f"{self.base_url}/completion", json={
+                    turn, _, answer = streamed_turn(client, f"{self.base_url}/completion", {
                         "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                        "cache_prompt": True, "return_tokens": True}))
-                    counts.append((int(data["tokens_evaluated"]), int(data["timings"]["cache_n"])))
-                    answer = list(data["tokens"])
+                        "cache_prompt": True, "return_tokens": True, "stream": True})
                 else:
-                    data = completion(client.post(f"{self.base_url}/v1/completions", json={
+                    turn, _, answer = streamed_turn(client, f"{self.base_url}/v1/completions", {
                         "model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True}))
-                    counts.append(prompt_and_cached_tokens(data))
-                    answer = list(data["choices"][0]["token_ids"])
+                        "ignore_eos": True, "return_token_ids": True, "stream": True,
+                        "stream_options": {"include_usage": True}})
+                turns_out.append(turn)
                 prompt = prompt + answer
-        return counts
+        return turns_out
 
     async def shared_prefix(self, prefix: list[int], questions: list[list[int]], in_flight: int
                             ) -> list[tuple[int, int, float]]:
@@ -349,6 +348,42 @@ def completion(reply: httpx.Response) -> dict:
     return reply.json()
 
 
+Turn = tuple[int, int, float]  # a streamed chat turn: prompt tokens, cached tokens, seconds to the first token
+
+
+def streamed_turn(client: httpx.Client, url: str, body: dict) -> tuple[Turn, str, list[int]]:
+    """One streamed request of a chat (OpenAI chat or completions chunks, or llama-server's /completion ones):
+    its turn figures, the answer's text and its token ids (where the server sends them). The first token's time is
+    the first chunk that carries one (text or ids), not the opening role chunk; the counts come from the chunk
+    that ends the stream (usage, or llama-server's timings and tokens_evaluated)."""
+    start, first, text, ids, last = time.perf_counter(), None, [], [], {}
+    # A connection per request: llama-server drops a kept-alive one after a stream, and the next request would fail.
+    with client.stream("POST", url, json=body, headers={"Connection": "close"}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {response.read().decode(errors='replace')}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk and not chunk.get("choices"):
+                raise RuntimeError(f"error in the stream: {chunk['error']}")
+            choice = (chunk.get("choices") or [{}])[0]
+            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or chunk.get("content") or ""
+            piece_ids = choice.get("token_ids") or chunk.get("tokens") or []
+            if first is None and (piece or piece_ids):
+                first = time.perf_counter()
+            text.append(piece)
+            ids.extend(piece_ids)
+            if chunk.get("usage") or chunk.get("timings"):
+                last = chunk
+    if first is None or not last:
+        raise RuntimeError(f"the stream from {url} had no token or no usage")
+    prompt, cached = prompt_and_cached_tokens(last)
+    if "tokens_evaluated" in last:  # llama-server's /completion: its prompt's length
+        prompt = int(last["tokens_evaluated"])
+    return (prompt, cached, first - start), "".join(text), ids
+
+
 def prompt_and_cached_tokens(data: dict) -> tuple[int, int]:
     """A completion's prompt tokens and those served from the cache, as each server reports them
     (usage.prompt_tokens_details.cached_tokens; llama-server's timings.cache_n)."""
@@ -359,23 +394,32 @@ def prompt_and_cached_tokens(data: dict) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int(cached)
 
 
-def min_reuse_of_previous_turn(counts: list[tuple[int, int]], answer_tokens: int) -> float | None:
+def min_reuse_of_previous_turn(counts: list[tuple], answer_tokens: int) -> float | None:
     """The issue's chat measure: over turns 2+, the least share of what the previous turn held (its prompt and its
-    answer's tokens) that the turn was served from the cache."""
-    shares = [cached / (previous + answer_tokens) for (previous, _), (_, cached) in zip(counts, counts[1:])]
+    answer's tokens) that the turn was served from the cache. ``counts``: (prompt tokens, cached tokens, ...) per
+    turn."""
+    shares = [turn[1] / (previous[0] + answer_tokens) for previous, turn in zip(counts, counts[1:])]
     return min(shares) if shares else None
 
 
-def chat_figures(name: str, runs: list[list[tuple[int, int]]], answer_tokens: int) -> dict:
-    """Chats' figures from each conversation's (prompt tokens, cached tokens) per turn: the share of turns 2+'s prompt
-    tokens served from the cache, the issue's least reuse of a previous turn over every conversation, and the turns
-    themselves (one conversation's, or a list of them)."""
+def chat_figures(name: str, runs: list[list[tuple]], answer_tokens: int) -> dict:
+    """Chats' figures from each conversation's (prompt tokens, cached tokens[, seconds to the first token]) per
+    turn: the share of turns 2+'s prompt tokens served from the cache, the issue's least reuse of a previous turn
+    over every conversation, the time to the first token (streamed chats: turn 1's median over the conversations,
+    turns 2+'s and the last turn's), and the turns themselves (one conversation's, or a list of them)."""
     later = [turn for counts in runs for turn in counts[1:]]
     least = [share for share in (min_reuse_of_previous_turn(counts, answer_tokens) for counts in runs)
              if share is not None]
-    return {f"{name}_hit_rate": sum(cached for _, cached in later) / max(1, sum(prompt for prompt, _ in later)),
-            f"{name}_min_reuse_of_previous_turn": min(least) if least else None,
-            f"{name}_turns": runs[0] if len(runs) == 1 else runs}
+    figures = {f"{name}_hit_rate": sum(turn[1] for turn in later) / max(1, sum(turn[0] for turn in later)),
+               f"{name}_min_reuse_of_previous_turn": min(least) if least else None,
+               f"{name}_turns": runs[0] if len(runs) == 1 else runs}
+    if all(len(turn) > 2 for counts in runs for turn in counts):
+        figures |= {
+            f"{name}_ttft_s_first_turn": statistics.median(counts[0][2] for counts in runs),
+            f"{name}_ttft_s_later_turns": statistics.median(turn[2] for turn in later) if later else None,
+            f"{name}_ttft_s_last_turn": statistics.median(counts[-1][2] for counts in runs),
+        }
+    return figures
 
 
 def conversations(turns: int, args: argparse.Namespace) -> list[list[str]]:
@@ -385,7 +429,7 @@ def conversations(turns: int, args: argparse.Namespace) -> list[list[str]]:
     return [users[index::count] for index in range(count)]
 
 
-def at_once(chat: Callable[[list[str]], list[tuple[int, int]]], runs: list[list[str]]) -> list[list[tuple[int, int]]]:
+def at_once(chat: Callable[[list[str]], list[Turn]], runs: list[list[str]]) -> list[list[Turn]]:
     """Each conversation's chat on a thread of its own, all at once (the server interleaves their turns)."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(chat, runs))
@@ -676,8 +720,14 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("chat: least reuse of a prev turn", "chat_min_reuse_of_previous_turn", "{:.2f}", True),
             ("chat messages: turns 2+ cached", "chat_messages_hit_rate", "{:.2f}", True),
             ("  least reuse of a prev turn", "chat_messages_min_reuse_of_previous_turn", "{:.2f}", True),
+            ("  TTFT s, turn 1", "chat_messages_ttft_s_first_turn", "{:.3f}", False),
+            ("  TTFT s, turns 2+ (median)", "chat_messages_ttft_s_later_turns", "{:.3f}", False),
+            ("  TTFT s, last turn", "chat_messages_ttft_s_last_turn", "{:.3f}", False),
             ("chat as ids: turns 2+ cached", "chat_ids_hit_rate", "{:.2f}", True),
             ("  least reuse of a prev turn", "chat_ids_min_reuse_of_previous_turn", "{:.2f}", True),
+            ("  TTFT s, turn 1", "chat_ids_ttft_s_first_turn", "{:.3f}", False),
+            ("  TTFT s, turns 2+ (median)", "chat_ids_ttft_s_later_turns", "{:.3f}", False),
+            ("  TTFT s, last turn", "chat_ids_ttft_s_last_turn", "{:.3f}", False),
             ("shared prompt: share cached", "shared_prompt_cached_share_of_prefix", "{:.2f}", True),
             ("  requests hitting all of it", "shared_prompt_requests_hitting_all_of_it", "{:.0f}", True),
             ("  of requests", "shared_prompt_requests", "{:.0f}", True),

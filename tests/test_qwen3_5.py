@@ -262,6 +262,41 @@ def test_hits_resume_from_snapshots_and_change_no_bit(qwen3_5):
     cached.engine.check_integrity()
 
 
+def test_a_state_within_the_first_block_is_kept_resumed_and_goes_with_its_root(qwen3_5):
+    """Token-granular on a hybrid too: a chat turn that ends inside the first block (a short first message), a prompt
+    end and a branch there are resumed from, with the bits of a cache-free engine; those states hang on the
+    namespace's root and go when its last block does."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    plain = make_llm(qwen3_5, batch_invariant=True, enable_prefix_caching=False, block_size=16)
+    cached = make_llm(qwen3_5, batch_invariant=True, block_size=16)
+
+    def run(prompt: list[int]) -> tuple[list[int], int]:
+        warm, cold = (llm.generate([{"prompt_token_ids": prompt}], params)[0] for llm in (cached, plain))
+        assert (warm.outputs[0].token_ids, repr(warm.outputs[0].logprobs)) == \
+            (cold.outputs[0].token_ids, repr(cold.outputs[0].logprobs))
+        cached.engine.check_integrity()
+        return list(warm.outputs[0].token_ids), warm.num_cached_tokens
+
+    first = prompt_ids(80, 6)
+    answer, hit = run(first)
+    assert hit == 0
+    # The next turn resumes where the first ended, 9 tokens into the first block.
+    assert run(first + answer + prompt_ids(81, 3))[1] == len(first) + len(answer) - 1
+    # A prompt that goes on from the second turn's prompt but not its answer resumes at that prompt's end (kept once
+    # the namespace has a root: the first request's tail made it).
+    turn2 = first + answer + prompt_ids(81, 3)
+    assert run(turn2 + prompt_ids(82, 2))[1] == len(turn2)
+    # No branch is kept within the first block: a shared start that short (a chat template's header) costs less to
+    # recompute than a state copy and a prefill chunk cut there.
+    assert run(first[:5] + prompt_ids(83, 4))[1] == 0
+    assert run(first[:5] + prompt_ids(84, 4))[1] == 0
+    snapshots = cached.engine.kv.states.snapshots
+    assert any(snapshot.anchor.is_root for snapshot in snapshots.snapshots())
+    cached.engine.reset_prefix_cache()
+    assert len(snapshots) == 0
+    cached.engine.check_integrity()
+
+
 def test_a_miss_on_a_missing_snapshot_explains_itself(qwen3_5, caplog):
     llm = make_llm(qwen3_5)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -112,6 +112,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.index = PrefixIndex(self.pool, block_size, events)
         self.index.on_evict = self._evicted
+        self.index.on_root_removed = self._evicted  # a root holds no block: only its states go
         self.query_tokens = 0
         self.hit_tokens = 0
         self.moved_tokens = 0
@@ -185,7 +186,7 @@ class KVCacheManager:
         assert self.states is not None and self.tiers is not None
         size, tokens = self.block_size, request.all_token_ids
         upper = min(request.num_tokens - 1, (len(match.nodes) + 1) * size - 1)  # never the last token
-        start = max(hit.resume, request.tier_checked_state, size - 1) + 1  # the engine keeps none in the first block
+        start = max(hit.resume, request.tier_checked_state, size - 1) + 1  # the tiers keep none in the first block
         if start > upper:
             return match, hit
         request.tier_checked_state = upper
@@ -228,7 +229,9 @@ class KVCacheManager:
     def _store_state(self, request: CacheSequence, snapshot: Snapshot | None, slot: int) -> None:
         """A snapshot kept from ``request``'s state in ``slot`` goes to the KV tiers with the block that holds its
         tail's K/V (read now: the request still holds that block, and the slot that state)."""
-        if snapshot is None or self.tiers is None:
+        if snapshot is None or self.tiers is None or snapshot.anchor.is_root:
+            # A state within the first block stays on the device: a tier lookup starts past the first block (a new
+            # request with no block cached would otherwise ask the tiers at every token of it).
             return
         tail_block = request.block_ids[snapshot.position // self.block_size] if snapshot.tail else None
         self.tiers.store_state(StateRef(state_key(snapshot.anchor.key, snapshot.tail), request.namespace,
@@ -240,7 +243,9 @@ class KVCacheManager:
 
     def branch_point(self, request: CacheSequence, match: PrefixMatch) -> int | None:
         """Where an admission with ``match`` keeps a branch snapshot: the blocks matched past the request's snapshot
-        (another request's prefix went on elsewhere from there), and nobody kept the state at the divergence."""
+        (another request's prefix went on elsewhere from there), and nobody kept the state at the divergence. Not
+        within the first block: a shared start that short (a chat template's header) costs less to recompute than a
+        state copy and a prefill chunk cut there."""
         hit = request.state_hit
         if self.states is None or hit is None or hit.matched <= match.num_tokens or hit.matched < self.block_size:
             return None
@@ -301,7 +306,7 @@ class KVCacheManager:
         return self.index.match(request.namespace, tokens, request.block_keys, request.num_tokens - 1)
 
     def _evicted(self, node: CacheNode) -> None:
-        if self.tiers is not None:
+        if self.tiers is not None and not node.is_root:
             self.tiers.evicted(node)
         if self.states is not None:  # no hit can end past an evicted block: the snapshots anchored there go
             self.states.drop_node(node)
@@ -602,12 +607,14 @@ class KVCacheManager:
 
     def _snapshot_place(self, request: CacheSequence, position: int) -> tuple[CacheNode | None, list[int]]:
         """Where a snapshot of ``request``'s state after ``position`` tokens is anchored: the cached node of the last
-        full block before it and the tokens after that block (None: that block is not cached as exact K/V)."""
+        full block before it, or within the first block its namespace's root, and the tokens after that block (None:
+        that block is not cached as exact K/V, or no block of the namespace is cached, so it has no root yet)."""
         full = position // self.block_size
-        if full == 0 or len(request.cached_nodes) < full or (
+        if position == 0 or len(request.cached_nodes) < full or (
                 request.exact_tokens is not None and request.exact_tokens < position):
             return None, []
-        return request.cached_nodes[full - 1], request.all_token_ids[full * self.block_size:position]
+        anchor = request.cached_nodes[full - 1] if full else self.index.roots.get(request.namespace)
+        return anchor, request.all_token_ids[full * self.block_size:position]
 
     def _cache_tail(self, request: CacheSequence) -> None:
         size = self.block_size
@@ -635,6 +642,7 @@ class KVCacheManager:
         this sequence, and its partial match then covers every computed token, not only the full blocks."""
         for key in self._pending_of.pop(id(request), ()):
             self._drop_pending(key)
+        self._cache_tail(request)  # first: a state within the first block hangs on the root its tail may make
         if self.states is not None and request.state_slot is not None:
             # Its state at its last computed token stays as a snapshot there (the next turn resumes at it).
             anchor, tail = (self._snapshot_place(request, request.num_computed_tokens) if self.enable_prefix_caching
@@ -646,7 +654,6 @@ class KVCacheManager:
                 self.states.release(request.state_slot)
             request.state_slot = None
             request.branch_at = None
-        self._cache_tail(request)
         if self.chunk_reuse and request.chunk_spans:  # a chunk that ends in the tail is complete now
             self._record_chunks(request)
         for block in reversed(request.block_ids):
@@ -693,6 +700,10 @@ class KVCacheManager:
         requests = list(requests)
         if self.states is not None:
             self.states.check_integrity(request.state_slot for request in requests if request.state_slot is not None)
+            for snapshot in self.states.snapshots.snapshots():
+                anchor = snapshot.anchor
+                if anchor.is_root and self.index.roots.get(anchor.key) is not anchor:
+                    raise RuntimeError("a state within the first block hangs on a namespace root the index dropped")
         holders = Counter(self._copy_sources)
         for request in requests:
             holders.update(request.block_ids)

@@ -84,6 +84,9 @@ class PrefixIndex:
         # Called with each node eviction is about to remove, while its block's KV is still intact
         # (the host tier keeps a copy); None: nobody listens.
         self.on_evict: Callable[[CacheNode], None] | None = None
+        # An empty namespace root is dropped (a new one is made when a block is cached there again): what hangs on it
+        # outside the tree (a hybrid's states within the first block) goes with it.
+        self.on_root_removed: Callable[[CacheNode], None] | None = None
         self.roots: dict[bytes, CacheNode] = {}
         self.num_cached_blocks = 0
         self.num_evicted_blocks = 0
@@ -268,6 +271,8 @@ class PrefixIndex:
         if parent.is_root:
             if not parent.children:
                 del self.roots[parent.key]
+                if self.on_root_removed is not None:
+                    self.on_root_removed(parent)
         else:
             self._maybe_push_candidate(parent)
 
