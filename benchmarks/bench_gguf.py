@@ -35,7 +35,8 @@ share of turn 2+'s prompt tokens each server served from its cache, how many of 
 what a branch (the middle turn's history with another user text, as an edited or retried message) reuses, and the
 issue's measure: over turns 2+, the least share of the previous turn (its prompt and answer) served from the cache.
 --chat-messages N runs it on /v1/chat/completions as a chat client sends it (the messages so far, each answer as
-the assistant message it came back as; the file's chat template renders them). --chat-token-ids N runs the chat as
+the assistant message it came back as; the file's chat template renders them), streamed: the time to each turn's
+first token too (turn 1's, the median of turns 2+, the last turn's; with several conversations, medians over them). --chat-token-ids N runs the chat as
 a token-id client (RL and agent loops: each turn the previous prompt, the answer's
 ids as the server returned them, the next user turn's ids; kvreuse's /v1/completions with return_token_ids,
 llama-server's /completion with return_tokens), where the answer comes back exactly, as a real model's text mostly
@@ -287,36 +288,39 @@ class Client:
         with httpx.Client(timeout=600) as client:
             for user in turns:
                 messages.append({"role": "user", "content": user})
-                turn, text, _ = streamed_turn(client, f"{self.base_url}/v1/chat/completions", {
+                turn, text = streamed_turn(client, f"{self.base_url}/v1/chat/completions", {
                     "model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
                 turns_out.append(turn)
                 messages.append({"role": "assistant", "content": text})
         return turns_out
 
-    def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[Turn]:
+    def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[tuple[int, int]]:
         """The chat above as a client that keeps the conversation as token ids (RL and agent loops: token in, token
-        out), streamed: each turn's prompt is the previous prompt, the answer's ids as the server returned them and
-        the next user turn's ids, so the answer comes back exactly (as a real model's text mostly does; a
-        random-weight model's text re-tokenizes otherwise). kvreuse: /v1/completions with vLLM's return_token_ids;
-        llama-server: its /completion with return_tokens. Returns (prompt tokens, cached tokens, seconds to the
-        first token) per turn."""
-        turns_out, prompt = [], []
+        out): each turn's prompt is the previous prompt, the answer's ids as the server returned them and the next
+        user turn's ids, so the answer comes back exactly (as a real model's text mostly does; a random-weight
+        model's text re-tokenizes otherwise). kvreuse: /v1/completions with vLLM's return_token_ids; llama-server:
+        its /completion with return_tokens. Not streamed: llama-server's stream leaves out the id of a token whose
+        text ends inside a character (its text goes out with the next token's), so the answer would come back short.
+        Returns (prompt tokens, cached tokens) per turn."""
+        counts, prompt = [], []
         with httpx.Client(timeout=600) as client:
             for user in turns:
                 prompt = prompt + user
                 if llama_server:
-                    turn, _, answer = streamed_turn(client, f"{self.base_url}/completion", {
+                    data = completion(client.post(f"{self.base_url}/completion", json={
                         "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                        "cache_prompt": True, "return_tokens": True, "stream": True})
+                        "cache_prompt": True, "return_tokens": True}))
+                    counts.append((int(data["tokens_evaluated"]), int(data["timings"]["cache_n"])))
+                    answer = list(data["tokens"])
                 else:
-                    turn, _, answer = streamed_turn(client, f"{self.base_url}/v1/completions", {
+                    data = completion(client.post(f"{self.base_url}/v1/completions", json={
                         "model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True, "stream": True,
-                        "stream_options": {"include_usage": True}})
-                turns_out.append(turn)
+                        "ignore_eos": True, "return_token_ids": True}))
+                    counts.append(prompt_and_cached_tokens(data))
+                    answer = list(data["choices"][0]["token_ids"])
                 prompt = prompt + answer
-        return turns_out
+        return counts
 
     async def shared_prefix(self, prefix: list[int], questions: list[list[int]], in_flight: int
                             ) -> list[tuple[int, int, float]]:
@@ -351,12 +355,11 @@ def completion(reply: httpx.Response) -> dict:
 Turn = tuple[int, int, float]  # a streamed chat turn: prompt tokens, cached tokens, seconds to the first token
 
 
-def streamed_turn(client: httpx.Client, url: str, body: dict) -> tuple[Turn, str, list[int]]:
-    """One streamed request of a chat (OpenAI chat or completions chunks, or llama-server's /completion ones):
-    its turn figures, the answer's text and its token ids (where the server sends them). The first token's time is
-    the first chunk that carries one (text or ids), not the opening role chunk; the counts come from the chunk
-    that ends the stream (usage, or llama-server's timings and tokens_evaluated)."""
-    start, first, text, ids, last = time.perf_counter(), None, [], [], {}
+def streamed_turn(client: httpx.Client, url: str, body: dict) -> tuple[Turn, str]:
+    """One streamed request of a chat on /v1/chat/completions: its turn figures and the answer's text. The first
+    token's time is the first chunk that carries text, not the opening role chunk; the counts come from the usage
+    chunk that ends the stream (stream_options.include_usage)."""
+    start, first, text, last = time.perf_counter(), None, [], {}
     # A connection per request: llama-server drops a kept-alive one after a stream, and the next request would fail.
     with client.stream("POST", url, json=body, headers={"Connection": "close"}) as response:
         if response.status_code != 200:
@@ -367,21 +370,15 @@ def streamed_turn(client: httpx.Client, url: str, body: dict) -> tuple[Turn, str
             chunk = json.loads(line[6:])
             if "error" in chunk and not chunk.get("choices"):
                 raise RuntimeError(f"error in the stream: {chunk['error']}")
-            choice = (chunk.get("choices") or [{}])[0]
-            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or chunk.get("content") or ""
-            piece_ids = choice.get("token_ids") or chunk.get("tokens") or []
-            if first is None and (piece or piece_ids):
+            piece = ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
+            if first is None and piece:
                 first = time.perf_counter()
             text.append(piece)
-            ids.extend(piece_ids)
-            if chunk.get("usage") or chunk.get("timings"):
+            if chunk.get("usage"):
                 last = chunk
     if first is None or not last:
-        raise RuntimeError(f"the stream from {url} had no token or no usage")
-    prompt, cached = prompt_and_cached_tokens(last)
-    if "tokens_evaluated" in last:  # llama-server's /completion: its prompt's length
-        prompt = int(last["tokens_evaluated"])
-    return (prompt, cached, first - start), "".join(text), ids
+        raise RuntimeError(f"the stream from {url} had no text or no usage")
+    return (*prompt_and_cached_tokens(last), first - start), "".join(text)
 
 
 def prompt_and_cached_tokens(data: dict) -> tuple[int, int]:
@@ -429,7 +426,7 @@ def conversations(turns: int, args: argparse.Namespace) -> list[list[str]]:
     return [users[index::count] for index in range(count)]
 
 
-def at_once(chat: Callable[[list[str]], list[Turn]], runs: list[list[str]]) -> list[list[Turn]]:
+def at_once(chat: Callable[[list[str]], list[tuple]], runs: list[list[str]]) -> list[list[tuple]]:
     """Each conversation's chat on a thread of its own, all at once (the server interleaves their turns)."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return list(pool.map(chat, runs))
@@ -725,9 +722,6 @@ def report(name: str, size: int, figures: dict[str, dict], concurrency: int) -> 
             ("  TTFT s, last turn", "chat_messages_ttft_s_last_turn", "{:.3f}", False),
             ("chat as ids: turns 2+ cached", "chat_ids_hit_rate", "{:.2f}", True),
             ("  least reuse of a prev turn", "chat_ids_min_reuse_of_previous_turn", "{:.2f}", True),
-            ("  TTFT s, turn 1", "chat_ids_ttft_s_first_turn", "{:.3f}", False),
-            ("  TTFT s, turns 2+ (median)", "chat_ids_ttft_s_later_turns", "{:.3f}", False),
-            ("  TTFT s, last turn", "chat_ids_ttft_s_last_turn", "{:.3f}", False),
             ("shared prompt: share cached", "shared_prompt_cached_share_of_prefix", "{:.2f}", True),
             ("  requests hitting all of it", "shared_prompt_requests_hitting_all_of_it", "{:.0f}", True),
             ("  of requests", "shared_prompt_requests", "{:.0f}", True),
