@@ -272,6 +272,10 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 1 --chat-turns 8 --chat-messages 8 --chat-token-ids 8 --chat-conversations 4 "
     "--out nemotron_h_chat4.json": SCRIPT,
+    # issue 66, ninth session: LFM2's and Qwen3.5's Q4_K_M files (smoke: the tiny file under these names)
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/lfm2-350m.q4_k_m.gguf --gguf "
+    "models/qwen3.5-0.8b.q4_k_m.gguf --systems llama-server,kvreuse --repeats 3 --rounds 1 --shared-questions 32 "
+    "--short-prefix-questions 8 --out hybrids_q4km.json": SCRIPT,
     # issue 38: the tiny presets of the new architectures, and the two benchmark runs (smoke: tiny files)
     "kvreuse make-model ./tiny-moe --preset tiny-moe --dtype float32": MAKE_MODEL,
     "kvreuse make-model ./tiny-gemma3 --preset tiny-gemma3 --dtype float32": MAKE_MODEL,
