@@ -272,7 +272,11 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
     "llama-server,kvreuse --repeats 1 --chat-turns 8 --chat-messages 8 --chat-token-ids 8 --chat-conversations 4 "
     "--out nemotron_h_chat4.json": SCRIPT,
-    # issue 66, ninth session: LFM2's and Qwen3.5's Q4_K_M files (smoke: the tiny file under these names)
+    # issue 66, ninth session: the message chat's TTFT per turn with llama-server's checkpoints raised, and LFM2's and
+    # Qwen3.5's Q4_K_M files (smoke: the tiny file under these names)
+    "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/nemotron-h-0.5b.q8_0.gguf --systems "
+    "llama-server-checkpoints --repeats 1 --chat-messages 8 --chat-conversations 4 --out nemotron_h_chat4_ckpt.json":
+        SCRIPT,
     "python benchmarks/bench_gguf.py --llama-server BIN --gguf models/lfm2-350m.q4_k_m.gguf --gguf "
     "models/qwen3.5-0.8b.q4_k_m.gguf --systems llama-server,kvreuse --repeats 3 --rounds 1 --shared-questions 32 "
     "--short-prefix-questions 8 --out hybrids_q4km.json": SCRIPT,
