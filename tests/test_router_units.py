@@ -98,3 +98,42 @@ def test_isolated_tenants_are_keyed_as_the_servers_key_them(tiny_model: Path) ->
     shared = dict(body, cache_salt="public:team")
     assert state.route_request(shared, chat=True, session_id=None, authorization="Bearer key-a").block_keys == \
         state.route_request(shared, chat=True, session_id=None, authorization="Bearer key-b").block_keys
+
+
+def test_a_backend_dying_while_its_connection_is_made_is_retried_elsewhere_not_a_500(tiny_model: Path) -> None:
+    """httpcore over anyio can raise AttributeError, not a transport error, when the backend's socket closes while the
+    connection is being made (``getpeername`` on the socket anyio dropped: seen when test_router's backend was killed
+    under load). The router takes it as that backend failing: it retries the request on another backend and takes
+    the first out of rotation. The backends here are an httpx transport that fails that way once (the real race
+    cannot be timed from a test)."""
+    import asyncio
+
+    import httpx
+
+    from kvreuse.router.app import build_router_app
+
+    sent: list[str] = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return httpx.Response(200, json={})  # /health, /metrics
+        sent.append(request.url.host)
+        if len(sent) == 1:
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        body = json.dumps({"choices": [{"index": 0, "text": "ok"}], "usage": {"prompt_tokens": 3}}).encode()
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(body))
+
+    async def run() -> httpx.Response:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(backend))
+        state = RouterState(RouterConfig(backends=("http://a", "http://b"), tokenizer=str(tiny_model)), client)
+        await state.pool.probe_all()
+        app = build_router_app(state)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as router:
+            reply = await router.post("/v1/completions", json={"model": "m", "prompt": "hello there", "max_tokens": 1})
+        assert not state.pool.backends[f"http://{sent[0]}"].load.healthy
+        await client.aclose()
+        return reply
+
+    reply = asyncio.run(run())
+    assert reply.status_code == 200, reply.text
+    assert len(sent) == 2 and sent[0] != sent[1]

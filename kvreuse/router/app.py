@@ -362,7 +362,7 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
         try:
             upstream = state.client.build_request(request.method, backend.name + path + query, content=body,
                                                   headers=_forward_headers(request))
-            response = await state.client.send(upstream, stream=True)
+            response = await _send(state.client, upstream)
         except httpx.TransportError as error:
             load.in_flight -= 1
             state.router.record_finished(backend.name, route)
@@ -401,6 +401,16 @@ async def _proxy(state: RouterState, request: Request, body: bytes, route: Route
     error = unavailable(f"no healthy backend could take the request after {config.max_retries + 1} attempt(s)",
                         "no_backend")
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+async def _send(client: httpx.AsyncClient, upstream: httpx.Request) -> httpx.Response:
+    """``client.send(upstream, stream=True)``; a backend killed while the connection to it was being made can make
+    httpcore over anyio raise AttributeError (``getpeername`` on the socket anyio already dropped) rather than a
+    transport error: that is the backend failing, so it is a ``ConnectError`` here (retried elsewhere, not a 500)."""
+    try:
+        return await client.send(upstream, stream=True)
+    except AttributeError as error:
+        raise httpx.ConnectError(f"the connection closed while it was made: {error}", request=upstream) from error
 
 
 def _count_routed(state: RouterState, backend: Backend, decision: RouteDecision, route: RouteRequest) -> None:
