@@ -36,8 +36,8 @@ what a branch (the middle turn's history with another user text, as an edited or
 issue's measure: over turns 2+, the least share of the previous turn (its prompt and answer) served from the cache.
 --chat-messages N runs it on /v1/chat/completions as a chat client sends it (the messages so far, each answer as
 the assistant message it came back as; the file's chat template renders them), streamed: the time to each turn's
-first token too (turn 1's, the median of turns 2+, the last turn's; with several conversations, medians over them). --chat-token-ids N runs the chat as
-a token-id client (RL and agent loops: each turn the previous prompt, the answer's
+first token too (turn 1's, the median of turns 2+, the last turn's; with several conversations, medians over them).
+--chat-token-ids N runs the chat as a token-id client (RL and agent loops: each turn the previous prompt, the answer's
 ids as the server returned them, the next user turn's ids; kvreuse's /v1/completions with return_token_ids,
 llama-server's /completion with return_tokens), where the answer comes back exactly, as a real model's text mostly
 does and a random-weight model's does not. --chat-conversations N runs N of these two chats at once (the issue's 4
@@ -285,14 +285,13 @@ class Client:
         the assistant message it came back as, then the next user turn; the server renders them with the file's
         chat template. Returns (prompt tokens, cached tokens, seconds to the first token) per turn."""
         turns_out, messages = [], []
-        with httpx.Client(timeout=600) as client:
-            for user in turns:
-                messages.append({"role": "user", "content": user})
-                turn, text = streamed_turn(client, f"{self.base_url}/v1/chat/completions", {
-                    "model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-                turns_out.append(turn)
-                messages.append({"role": "assistant", "content": text})
+        for user in turns:
+            messages.append({"role": "user", "content": user})
+            turn, text = asyncio.run(streamed_turn(f"{self.base_url}/v1/chat/completions", {
+                "model": SERVED, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}))
+            turns_out.append(turn)
+            messages.append({"role": "assistant", "content": text})
         return turns_out
 
     def chat_token_ids(self, turns: list[list[int]], max_tokens: int, llama_server: bool) -> list[tuple[int, int]]:
@@ -355,21 +354,15 @@ def completion(reply: httpx.Response) -> dict:
 Turn = tuple[int, int, float]  # a streamed chat turn: prompt tokens, cached tokens, seconds to the first token
 
 
-def streamed_turn(client: httpx.Client, url: str, body: dict) -> tuple[Turn, str]:
+async def streamed_turn(url: str, body: dict) -> tuple[Turn, str]:
     """One streamed request of a chat on /v1/chat/completions: its turn figures and the answer's text. The first
     token's time is the first chunk that carries text, not the opening role chunk; the counts come from the usage
     chunk that ends the stream (stream_options.include_usage)."""
     start, first, text, last = time.perf_counter(), None, [], {}
-    # A connection per request: llama-server drops a kept-alive one after a stream, and the next request would fail.
-    with client.stream("POST", url, json=body, headers={"Connection": "close"}) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code}: {response.read().decode(errors='replace')}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk and not chunk.get("choices"):
-                raise RuntimeError(f"error in the stream: {chunk['error']}")
+    # A client (a connection) per request: llama-server drops a kept-alive one after a stream, and the next request
+    # on it would fail.
+    async with httpx.AsyncClient(timeout=600) as client:
+        async for chunk in sse_chunks(client, url, body):
             piece = ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
             if first is None and piece:
                 first = time.perf_counter()

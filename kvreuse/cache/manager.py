@@ -112,7 +112,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.index = PrefixIndex(self.pool, block_size, events)
         self.index.on_evict = self._evicted
-        self.index.on_root_removed = self._evicted  # a root holds no block: only its states go
+        self.index.on_root_removed = self._root_removed
         self.query_tokens = 0
         self.hit_tokens = 0
         self.moved_tokens = 0
@@ -306,10 +306,15 @@ class KVCacheManager:
         return self.index.match(request.namespace, tokens, request.block_keys, request.num_tokens - 1)
 
     def _evicted(self, node: CacheNode) -> None:
-        if self.tiers is not None and not node.is_root:
+        if self.tiers is not None:
             self.tiers.evicted(node)
         if self.states is not None:  # no hit can end past an evicted block: the snapshots anchored there go
             self.states.drop_node(node)
+
+    def _root_removed(self, root: CacheNode) -> None:
+        """The index dropped a namespace's empty root: the states within its first block go with it (no block)."""
+        if self.states is not None:
+            self.states.drop_node(root)
 
     def take_new_blocks(self) -> list[tuple[CacheNode, bytes]]:
         """Blocks computed (and cached) since the last call, with their namespace: for write-through."""
