@@ -21,7 +21,8 @@ from test_cache_drafts import FlatCost, looping_prompts
 from test_engine import reference_greedy, run_checked
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.layers.short_conv import ConvTaps, causal_conv
+from kvreuse.kernels import fused_ops
+from kvreuse.layers.short_conv import ConvTaps, reference_short_conv
 from kvreuse.loading.gguf import read_gguf
 from kvreuse.model_tools.make_model import count_parameters, make_model
 from kvreuse.models.config import ModelConfig
@@ -45,12 +46,13 @@ def make_llm(model_dir: Path, **options) -> LLM:
     return LLM(str(model_dir), **settings)
 
 
-def test_the_short_convolution_over_a_flat_batch_equals_conv1d_per_sequence():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_short_convolution_over_a_flat_batch_equals_conv1d_per_sequence_and_the_kernel_its_reference(dtype):
     torch.manual_seed(0)
     hidden, kernel, block_size = 8, 3, 4
-    weight = torch.randn(hidden, 1, kernel)
+    weight = torch.randn(kernel, hidden)  # tap-major float32, as DepthwiseConvWeight.taps gives it
     bias = torch.randn(hidden)
-    planes = torch.randn(41, hidden)  # 10 blocks of 4 slots, then the zero row
+    planes = torch.randn(41, hidden).to(dtype)  # 10 blocks of 4 slots, then the zero row
     planes[40] = 0
     # Three sequences: one new (position 0: the taps before it read the zero row), one continuing with a single
     # row (a decode step) whose last two inputs sit in another block, one continuing with four rows.
@@ -58,22 +60,34 @@ def test_the_short_convolution_over_a_flat_batch_equals_conv1d_per_sequence():
     slot_of = lambda table, position: table[position // block_size] * block_size + position % block_size  # noqa: E731
     slot_mapping = torch.tensor([slot_of(table, start + i) for table, start, length in zip(tables, starts, lengths)
                                  for i in range(length)])
-    rows = torch.randn(sum(lengths), hidden)
+    bcx = torch.randn(sum(lengths), 3 * hidden).to(dtype)
+    b, c, x = bcx.float().split(hidden, dim=-1)
     before = planes.clone()
     taps = ConvTaps.build(slot_mapping, starts, lengths, tables, block_size, kernel, zero_slot=40)
-    out = causal_conv(rows, weight, bias, taps, planes)
+    out = reference_short_conv(bcx, weight, bias, planes, taps)
+    written = planes.clone()
     first = 0
     for table, start, length in zip(tables, starts, lengths):
-        past = torch.stack([before[slot_of(table, p)] if p >= 0 else torch.zeros(hidden)
+        past = torch.stack([before[slot_of(table, p)].float() if p >= 0 else torch.zeros(hidden)
                             for p in range(start - kernel + 1, start)])
-        sequence = torch.cat((past, rows[first:first + length]))  # [K - 1 + L, H]
-        expected = F.conv1d(sequence.t().unsqueeze(0), weight, bias, groups=hidden)[0].t()
-        torch.testing.assert_close(out[first:first + length], expected)
+        rows = (b * x)[first:first + length].to(dtype).float()
+        sequence = torch.cat((past, rows))  # [K - 1 + L, H]
+        conv = F.conv1d(sequence.t().unsqueeze(0), weight.t().unsqueeze(1), bias, groups=hidden)[0].t()
+        expected = c[first:first + length] * conv.to(dtype).float()
+        torch.testing.assert_close(out[first:first + length].float(), expected,
+                                   **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
         first += length
-    assert torch.equal(planes[slot_mapping], rows)  # every row's input written to its slot
+    assert torch.equal(written[slot_mapping], (bcx[:, :hidden] * bcx[:, 2 * hidden:]))  # B * x written to its slot
     untouched = torch.ones(41, dtype=torch.bool)
     untouched[slot_mapping] = False
-    assert torch.equal(planes[untouched], before[untouched])
+    assert torch.equal(written[untouched], before[untouched])
+    if not fused_ops.available():
+        pytest.skip("the fused kernels could not be built here")
+    planes = before.clone()
+    fused = fused_ops.short_conv(bcx, weight, bias, planes, taps.slots, slot_mapping)
+    assert torch.equal(fused, out) and torch.equal(planes, written)  # the kernel is its reference, bit for bit
+    with pytest.raises(RuntimeError, match="taps: slot out of range"):
+        fused_ops.short_conv(bcx, weight, bias, planes, taps.slots + 41, slot_mapping)
 
 
 def test_lfm2_config_reads_the_released_spellings_as_transformers_does():

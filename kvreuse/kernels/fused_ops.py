@@ -11,7 +11,9 @@ its quantized products. Four kernels replace them, and a fifth does the sampler'
 - ``silu_mul(gate_up)``: the gated MLP's activation, its exp PyTorch's own (SLEEF, which libtorch exports);
 - ``clamped_swiglu(gate_up, limit, alpha)``: gpt-oss's expert activation, eleven eager ops in one (its
   reference is ``layers.clamped_swiglu``, transformers' order of operations);
-- ``argmax_rows(logits)``: greedy sampling's argmax over the vocabulary, vectorised and split between threads.
+- ``argmax_rows(logits)``: greedy sampling's argmax over the vocabulary, vectorised and split between threads;
+- ``short_conv(bcx, ...)``: LFM2's gated short convolution between its projections (layers/short_conv.py: its inputs
+  written to and read from the pool's planes), bit for bit its element-wise reference.
 
 Each equals the PyTorch code it replaces (the ``reference_*`` functions here, which are what the model
 runs where the kernels do not: CUDA, or where no compiler built them): float32
@@ -62,6 +64,10 @@ def library() -> Path | None:
         @torch.library.register_fake("kvreuse_fused::argmax_rows")
         def _(logits):
             return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+        @torch.library.register_fake("kvreuse_fused::short_conv")
+        def _(bcx, weight, bias, planes, taps, slot_mapping):
+            return bcx.new_empty((bcx.shape[0], bcx.shape[1] // 3))
     return built
 
 
@@ -105,6 +111,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
             and applies(logits)):
         return torch.ops.kvreuse_fused.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def short_conv(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, planes: torch.Tensor,
+               taps: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """LFM2's ``C * conv(B * x)`` for bcx [T, 3H] (in_proj's B | C | x, contiguous): each row's B * x written to
+    ``planes`` [slots, H] at ``slot_mapping`` [T], then the rows ``taps`` [T, K] name (oldest first) summed by ``weight``
+    [K, H] float32 (plus ``bias`` [H] float32) in tap order, rounded to bcx's dtype and gated by C
+    (layers/short_conv.py's ``reference_short_conv``, bit for bit)."""
+    return torch.ops.kvreuse_fused.short_conv(bcx, weight, bias, planes, taps, slot_mapping)
 
 
 # ---- the PyTorch code each kernel replaces (what runs where they do not) ------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvreuse.attention.forward_batch import ProjectionDeltas
+from kvreuse.kernels import fused_ops
 from kvreuse.layers.linear import Linear, _empty_parameter
 
 
@@ -55,17 +55,22 @@ class ConvTaps:
         return cls(slot_mapping, pool_slots[index.to(device)])
 
 
-def causal_conv(bx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, taps: ConvTaps,
-                planes: torch.Tensor) -> torch.Tensor:
-    """The depthwise causal convolution of ``bx`` [T, H] by ``weight`` [H, 1, K]: each row's input written to its
-    slot of ``planes`` [slots + 1, H] (one conv layer's rows in the pool), then its K inputs read by slot."""
-    planes.index_copy_(0, taps.slot_mapping, bx.to(planes.dtype))
+def reference_short_conv(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, planes: torch.Tensor,
+                         taps: ConvTaps) -> torch.Tensor:
+    """``C * conv(B * x)`` for bcx [T, 3H] (in_proj's B | C | x), op by op: each row's B * x written to its slot of
+    ``planes`` [slots + 1, H] (one conv layer's rows in the pool), then its K inputs read by slot and summed by
+    ``weight`` [K, H] float32 in tap order in float32 (a half-precision model's conv1d accumulates so too), plus
+    ``bias`` [H] float32, rounded once, then gated by C. What kernels/fused_ops.py's ``short_conv`` computes in one
+    pass, bit for bit."""
+    b, c, x = bcx.split(bcx.shape[1] // 3, dim=-1)
+    planes.index_copy_(0, taps.slot_mapping, (b * x).to(planes.dtype))
     inputs = planes[taps.slots]  # [T, K, H]
-    # In float32, rounded once (a half-precision model's conv1d accumulates so too).
-    out = (inputs.float() * weight.squeeze(1).t().float()).sum(dim=1)
+    total = inputs[:, 0].float() * weight[0]
+    for tap in range(1, weight.shape[0]):
+        total = total + inputs[:, tap].float() * weight[tap]
     if bias is not None:
-        out = out + bias.float()
-    return out.to(bx.dtype)
+        total = total + bias
+    return c * total.to(bcx.dtype)
 
 
 @dataclass
@@ -91,9 +96,15 @@ class ShortConv(nn.Module):
         self.out_proj = Linear(hidden_size, [hidden_size], bias, dtype, device)
 
     def forward(self, hidden: torch.Tensor, inputs: ConvInputs) -> torch.Tensor:
-        b, c, x = self.in_proj(hidden).split(self.hidden_size, dim=-1)
-        mixed = causal_conv(b * x, self.conv.weight, self.conv.bias, inputs.taps, inputs.planes[self.plane])
-        return self.out_proj(c * mixed)
+        bcx = self.in_proj(hidden)
+        weight, bias = self.conv.taps()
+        planes = inputs.planes[self.plane]
+        if fused_ops.applies(bcx) and planes.dtype == bcx.dtype:
+            mixed = fused_ops.short_conv(bcx.contiguous(), weight, bias, planes, inputs.taps.slots,
+                                         inputs.taps.slot_mapping)
+        else:
+            mixed = reference_short_conv(bcx, weight, bias, planes, inputs.taps)
+        return self.out_proj(mixed)
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -103,3 +114,15 @@ class DepthwiseConvWeight(nn.Module):
         super().__init__()
         self.weight = _empty_parameter((hidden_size, 1, kernel), dtype, device)
         self.bias = _empty_parameter((hidden_size,), dtype, device) if bias else None
+        self._key: tuple[int, int] | None = None
+        self._taps: tuple[torch.Tensor, torch.Tensor | None] = (self.weight, None)
+
+    def taps(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel as float32 [K, H] (tap-major, contiguous) and the bias as float32 [H]: what both the kernel and
+        the reference sum by, made once and remade only where loading changes a parameter (its version moves)."""
+        key = (self.weight._version, -1 if self.bias is None else self.bias._version)
+        if key != self._key:
+            weight = self.weight.detach().squeeze(1).t().float().contiguous()
+            bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            self._taps, self._key = (weight, bias), key
+        return self._taps

@@ -18,7 +18,10 @@
 // - silu_mul(gate_up): silu(gate) * up of the fused [rows, 2 x intermediate] product;
 // - clamped_swiglu(gate_up, limit, alpha): gpt-oss's expert activation of the same fused product;
 // - argmax_rows(logits): torch.argmax(logits, dim=-1) of float32 logits, vectorised and threaded (greedy
-//   sampling's one op).
+//   sampling's one op);
+// - short_conv(bcx, weight, bias, planes, taps, slot_mapping): LFM2's gated short convolution between its two
+//   projections (layers/short_conv.py): B * x written to each row's plane row, the K rows its taps name read back
+//   and summed in tap order in float32, then C * that; bit for bit the reference's element-wise ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -354,6 +357,80 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// LFM2's gated short convolution between its projections, over rows whose inputs are plane rows of the pool
+// (layers/short_conv.py): bcx [T, 3H] is in_proj's B | C | x; each row's B * x (rounded to T, as the op rounds it) is
+// written to planes[slot_mapping[row]] first, for every row, since a row reads its sequence's earlier rows of the
+// step; then row r's output is C * round(sum_k planes[taps[r, k]] * weight[k] (+ bias)), the sum in float32 in tap
+// order. Compiled without contracting a product and a sum into one fused multiply-add, so a float32 model's rows
+// are the reference's element-wise ops bit for bit (tests/test_short_conv.py).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // the lambdas' bodies too
+template <typename T>
+void short_conv_rows(
+    const T* bcx, const float* weight, const float* bias, T* planes, const int64_t* taps, const int64_t* slots,
+    T* out, int64_t rows, int64_t hidden, int64_t kernel) {
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* b = bcx + row * 3 * hidden;
+      const T* x = b + 2 * hidden;
+      T* plane = planes + slots[row] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) plane[h] = from_float<T>(to_float(b[h]) * to_float(x[h]));
+    }
+  });
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(static_cast<size_t>(hidden));
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t* row_taps = taps + row * kernel;
+      const T* first = planes + row_taps[0] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) total[h] = to_float(first[h]) * weight[h];
+      for (int64_t k = 1; k < kernel; ++k) {
+        const T* tap = planes + row_taps[k] * hidden;
+        const float* w = weight + k * hidden;
+        for (int64_t h = 0; h < hidden; ++h) total[h] = total[h] + to_float(tap[h]) * w[h];
+      }
+      if (bias != nullptr) {
+        for (int64_t h = 0; h < hidden; ++h) total[h] = total[h] + bias[h];
+      }
+      const T* c = bcx + row * 3 * hidden + hidden;
+      T* target = out + row * hidden;
+      for (int64_t h = 0; h < hidden; ++h) target[h] = from_float<T>(to_float(c[h]) * to_float(from_float<T>(total[h])));
+    }
+  });
+}
+#pragma GCC pop_options
+
+at::Tensor short_conv(const at::Tensor& bcx, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      at::Tensor planes, const at::Tensor& taps, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(bcx.dim() == 2 && bcx.is_contiguous() && bcx.size(1) % 3 == 0, "bcx: contiguous [rows, 3 x hidden]");
+  const int64_t rows = bcx.size(0), hidden = bcx.size(1) / 3;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous() && weight.size(0) >= 1,
+              "weight: contiguous float32 [kernel, hidden] (the depthwise kernel, tap-major)");
+  const int64_t kernel = weight.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == hidden && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "bias: contiguous float32 [hidden]");
+  }
+  TORCH_CHECK(planes.dim() == 2 && planes.size(1) == hidden && planes.scalar_type() == bcx.scalar_type() &&
+                  planes.is_contiguous(), "planes: contiguous [slots, hidden] in bcx's dtype");
+  TORCH_CHECK(taps.dim() == 2 && taps.size(0) == rows && taps.size(1) == kernel && taps.scalar_type() == at::kLong &&
+                  taps.is_contiguous(), "taps: contiguous int64 [rows, kernel]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping: contiguous int64 [rows]");
+  const int64_t slots = planes.size(0);
+  const int64_t* tap_data = taps.data_ptr<int64_t>();
+  const int64_t* slot_data = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * kernel; ++i) TORCH_CHECK(0 <= tap_data[i] && tap_data[i] < slots, "taps: slot out of range");
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(0 <= slot_data[i] && slot_data[i] < slots, "slot_mapping: slot out of range");
+  at::Tensor out = at::empty({rows, hidden}, bcx.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bcx.scalar_type(), "short_conv", [&] {
+    short_conv_rows<scalar_t>(bcx.data_ptr<scalar_t>(), weight.data_ptr<float>(),
+                              bias.has_value() ? bias->data_ptr<float>() : nullptr, planes.data_ptr<scalar_t>(),
+                              tap_data, slot_data, out.data_ptr<scalar_t>(), rows, hidden, kernel);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_fused, m) {
@@ -364,6 +441,8 @@ TORCH_LIBRARY(kvreuse_fused, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("clamped_swiglu(Tensor gate_up, float limit, float alpha) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("short_conv(Tensor bcx, Tensor weight, Tensor? bias, Tensor(a!) planes, Tensor taps, Tensor slot_mapping) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_fused, CPU, m) {
@@ -373,4 +452,5 @@ TORCH_LIBRARY_IMPL(kvreuse_fused, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("clamped_swiglu", &clamped_swiglu);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("short_conv", &short_conv);
 }
