@@ -16,10 +16,12 @@ import logging
 
 import pytest
 import torch
+from gguf_files import write_gguf
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.kernels import decoder_layer, fused_ops, quant_ops
+from kvreuse.model_tools.make_model import make_model
 from kvreuse.runner.decode import native_step
 
 pytestmark = pytest.mark.skipif(decoder_layer.library() is None, reason="the native decoder layer does not build here")
@@ -98,6 +100,28 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
     if arch in ("qwen3_moe", "gpt_oss"):  # the experts run inside the native step (DecodeLayers.set_experts)
         assert qkv.experts is not None and qkv.parts[2:] == [0, 0]
         assert set(qkv.experts[3]) == {expected}  # the gate|up products' kernel per row count
+
+
+@pytest.mark.parametrize("kind,dtype", [("F32", "float32"), ("Q8_0", "bfloat16")])
+def test_lfm2_s_conv_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch, kind, dtype):
+    """A hybrid's conv layers in the native step (DecodeLayers.add_conv_layer): each row's convolution inputs found
+    from the block tables (a hit ending mid-block, rows of several sequences, chunks over cached context), read from
+    and written to the planes, bit for bit the op-by-op path's; a Q8_0 file in bfloat16 too."""
+    root = tmp_path_factory.mktemp("lfm2-native")
+    folder = make_model(root / "tiny-lfm2", preset="tiny-lfm2", dtype="float32", seed=3)
+    path = folder if kind == "F32" else write_gguf(folder, root / "tiny-lfm2.q8_0.gguf", kind)
+    native, op_by_op = _both(monkeypatch, str(path), dtype=dtype, device="cpu", block_size=4,
+                             kv_cache_memory="256KiB", max_num_batched_tokens=24)
+    assert op_by_op.engine.runner.decode.native_step is None
+    rounds = _rounds(seed=7)
+    assert _runs(native, rounds) == _runs(op_by_op, rounds)
+    assert {1, 2} <= _native_rows(native)
+    held = native.engine.runner.decode.native_step._args[1]
+    conv_layers = [index for index, layer in enumerate(held) if layer.conv is not None]
+    assert conv_layers == native.engine.model_config.recurrent_layers and len(conv_layers) < len(held)
+    assert native.engine.stats().cache.hit_tokens > 0
+    assert native.engine.runner.decode.steps["native_step"] > 0
+    assert torch.equal(native.engine.kv_cache.planes, op_by_op.engine.kv_cache.planes)  # the same inputs written
 
 
 def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir, monkeypatch, caplog):

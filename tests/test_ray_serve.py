@@ -251,3 +251,38 @@ def test_the_config_file_entry_builds_the_same_application():
                        ({"model": "m", "routing_policy": {"max_load_ratio": 0.5}}, "max_load_ratio")):
         with pytest.raises(ValueError, match=named):
             kvreuse.ray.app(bad)
+
+
+def test_a_proxy_serve_replaces_while_starting_is_waited_for_not_a_failed_deployment(monkeypatch):
+    """Serve's controller replaces a proxy slower than 5 s to report ready (a loaded 2-core machine: seen in a
+    fresh-clone CI run), and ``serve.start`` then raises the first proxy's ActorDiedError though Serve is up.
+    ``start_serve`` connects again and waits for the new proxy. Serve is faked here: a proxy that slow cannot be
+    made on demand."""
+    from ray.exceptions import ActorDiedError
+    from ray.serve.schema import ProxyStatus, ServeStatus
+
+    from kvreuse.ray import builder
+
+    starts: list[tuple] = []
+    statuses = iter([{"node": ProxyStatus.UNHEALTHY}, {"node": ProxyStatus.STARTING}, {"node": ProxyStatus.HEALTHY}])
+    seen: list[dict] = []
+
+    def start(proxy_location, http_options):
+        starts.append((proxy_location, http_options.host, http_options.port))
+        if len(starts) == 1:
+            raise ActorDiedError()
+
+    def status():
+        seen.append(next(statuses))
+        return ServeStatus(proxies=seen[-1])
+
+    monkeypatch.setattr(builder.serve, "start", start)
+    monkeypatch.setattr(builder.serve, "status", status)
+    monkeypatch.setattr(builder.time, "sleep", lambda seconds: None)
+    builder.start_serve("EveryNode", "127.0.0.1", 8100)
+    assert starts == [("EveryNode", "127.0.0.1", 8100)] * 2 and len(seen) == 3  # returned once the proxy was healthy
+    # A proxy that never becomes healthy is an error that says so, not a deployment that serves nothing.
+    starts.clear()
+    monkeypatch.setattr(builder.serve, "status", lambda: ServeStatus(proxies={"node": ProxyStatus.UNHEALTHY}))
+    with pytest.raises(RuntimeError, match="proxies are not healthy after 0 s"):
+        builder.start_serve("EveryNode", "127.0.0.1", 8100, proxy_deadline_s=0.0)

@@ -451,6 +451,9 @@ def engine_fingerprint(config: EngineConfig, model_path: Path, model_config: Mod
         # sigmoid on [rows, 1] took std::exp on its tail: K/V from before differ in their last bits.
         **({"shared_expert_gate": f"sigmoid rows of {experts.SIGMOID_ROW}"}
            if model_config.moe is not None and model_config.moe.shared_expert_intermediate_size else {}),
+        # LFM2's short convolution sums its taps in tap order (fused_ops.short_conv and its reference alike), where it
+        # took PyTorch's sum over the tap axis before: K/V and planes from before may differ in their last bits.
+        **({"short_conv": "taps summed in order"} if model_config.num_plane_layers else {}),
         # A float pool in another dtype than the model's (kv_cache_dtype bfloat16): other bytes.
         **({"kv_storage": str(kv_cache.storage_dtype)} if kv_cache.scheme is None
            and kv_cache.storage_dtype != kv_cache.dtype else {}),

@@ -99,10 +99,6 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
                               self.config.conv_kernel, kv_cache.zero_plane_slot)
         return ConvInputs(taps, kv_cache.planes)
 
-    @property
-    def native_step_refusal(self) -> str | None:
-        return "a hybrid model's conv layers run op by op (the native step runs attention layers only)"
-
     def expected_weight_names(self) -> list[str]:
         """The family's names for the attention layers, the conv block's for the conv layers."""
         kinds = ("weight", "bias") if self.config.conv_bias else ("weight",)

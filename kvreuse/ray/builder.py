@@ -12,11 +12,13 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig
+from ray.serve.schema import ProxyStatus
 
 from kvreuse.ray.deployments import EngineReplica, Ingress
 from kvreuse.ray.options import (
@@ -94,13 +96,38 @@ def _check_no_application(name: str) -> None:
                          f"{name}`) first")
 
 
+def start_serve(proxy_location: str, host: str, port: int, proxy_deadline_s: float = 300.0) -> None:
+    """``serve.start``, surviving a proxy that Serve restarts while it starts. Serve's controller gives a new HTTP
+    proxy 5 s to report ready (``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``) and replaces a slower one (a loaded or
+    small machine: the proxy imports Serve and uvicorn in a fresh worker); ``serve.start`` waited on the first and
+    fails with its death (``ActorDiedError``), though the controller is up and the next proxy starting. Connect to
+    that controller again, then wait until every proxy is healthy before saying where it serves."""
+    options = HTTPOptions(host=host, port=port)
+    try:
+        serve.start(proxy_location=proxy_location, http_options=options)
+        return
+    except ray.exceptions.ActorDiedError as exc:
+        logger.warning("Ray Serve replaced its HTTP proxy while starting (%s); waiting for the new one",
+                       str(exc).splitlines()[0])
+    serve.start(proxy_location=proxy_location, http_options=options)  # the running controller's client
+    deadline = time.monotonic() + proxy_deadline_s
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(status == ProxyStatus.HEALTHY for status in proxies.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray Serve's HTTP proxies are not healthy after {proxy_deadline_s:.0f} s: "
+                               f"{ {node: str(status) for node, status in proxies.items()} }")
+        time.sleep(0.5)
+
+
 def run_on_ray(args: argparse.Namespace) -> int:
     """``kvreuse serve --ray-address``: deploy, serve on --host / --port until SIGTERM / SIGINT, then delete
     the application (its replicas drain and stop) and exit 0. The cluster itself stays up."""
     options = ray_options_from_namespace(args)
     application = build_application(args, options)
     ray.init(address=args.ray_address, log_to_driver=False)
-    serve.start(proxy_location=args.ray_proxy_location, http_options=HTTPOptions(host=args.host, port=args.port))
+    start_serve(args.ray_proxy_location, args.host, args.port)
     _check_proxy_address(args.host, args.port)
     _check_no_application(options.app_name)
     serve.run(application, name=options.app_name, route_prefix=options.route_prefix, blocking=False)

@@ -132,9 +132,10 @@ class ModelRunner:
             if choice.path == CUDA_GRAPHS:
                 hidden, logits = self.decode.cuda_graphs(batch)
             else:
+                # The native step finds what a hybrid's conv layers read itself (the models it holds keep no state).
+                recurrent = None if choice.native is not None else self.model.recurrent_inputs(batch, self.kv_cache)
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, choice.metadata, batch.lora,
-                                    aux_layers, aux, choice.narrowing, choice.native,
-                                    self.model.recurrent_inputs(batch, self.kv_cache))
+                                    aux_layers, aux, choice.narrowing, choice.native, recurrent)
                 rows = choice.narrowed[0].logits_indices if choice.narrowed else batch.logits_indices
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # The forward and logits only: the attention metadata is engine overhead, as before the decode paths.

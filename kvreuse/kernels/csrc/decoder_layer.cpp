@@ -21,6 +21,10 @@
 // The kernels live in their own libraries (quant, rowdot, fused_ops, paged_attention); they are loaded
 // first, and this one finds them by name in the dispatcher once per process.
 //
+// A hybrid's conv layer (LFM2: `add_conv_layer`) has the same norms and MLP around its gated short convolution in the
+// attention's place: in_proj, kvreuse_fused::short_conv over the pool's planes (each row's K inputs by slot, the taps
+// found once a step from the block tables, as ConvTaps finds them), out_proj.
+//
 // A layer's attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks) unless
 // `set_attention` gives it what its `LayerAttention` holds: a sliding window, a softmax scale of its own,
 // learned sinks (gpt-oss), and the output projection's bias; the kernel takes the first three as the
@@ -52,6 +56,8 @@ struct Kernels {
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                 int64_t, const OptTensor&, const OptTensor&, double)> rotary;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, at::Tensor,
+                                      const at::Tensor&, const at::Tensor&)> short_conv;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&,
                                 const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, int64_t, int64_t, double, int64_t, const OptTensor&, int64_t,
@@ -72,6 +78,8 @@ const Kernels& kernels() {
       find<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                 const OptTensor&, const OptTensor&, double)>("kvreuse_fused::rotary_"),
       find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, at::Tensor, const at::Tensor&,
+                      const at::Tensor&)>("kvreuse_fused::short_conv"),
       find<void(at::Tensor, const at::Tensor&, at::Tensor, at::Tensor, const OptTensor&, const OptTensor&,
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
                 int64_t, const OptTensor&, int64_t, const OptTensor&, const OptTensor&,
@@ -86,7 +94,9 @@ const Kernels& kernels() {
 // kQpacked8: batch-invariant mode's int8 product over a weight packed in blocks of 16 outputs (kernels/qpacked.py),
 // whose library is found on first use (only such a model loads it).
 enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5, kQpacked8 = 6 };
-constexpr int kProjections = 4;  // qkv, o, gate_up, down
+constexpr int kProjections = 4;  // qkv, o, gate_up, down (a conv layer: in_proj, out_proj, gate_up, down)
+// What a layer mixes its rows with: attention over its K/V in the pool, or LFM2's short convolution over its planes.
+enum LayerKind : int { kAttentionLayer = 0, kConvLayer = 1 };
 
 // One projection's parts, side by side in its output (a fused weight whose parts differ in format).
 struct Projection {
@@ -128,13 +138,17 @@ at::Tensor project(const Kernels& k, const Projection& p, const at::Tensor& x, c
 // One decoder layer's weights, norms and KV pools: what stays the same from step to step.
 struct Layer {
   Projection p[kProjections];  // qkv, o, gate_up, down (no parts for the last two in a mixture-of-experts layer)
-  OptTensor qkv_bias, q_norm, k_norm;
+  OptTensor qkv_bias, q_norm, k_norm;  // a conv layer: in_proj's bias in qkv_bias
   at::Tensor input_norm, post_norm, k_pool, v_pool;
   std::optional<kvreuse_moe::MoEWeights> experts;  // set_experts: the layer's MLP is its experts
   // set_attention: the layer's window (0: none), softmax scale (0: the model's), sinks and o_proj's bias.
   int64_t window = 0;
   double scale = 0.0;
-  OptTensor sinks, o_bias;
+  OptTensor sinks, o_bias;  // a conv layer: out_proj's bias in o_bias
+  // add_conv_layer: the convolution's float32 [K, H] kernel and [H] bias, and the layer's planes [slots + 1, H].
+  LayerKind kind = kAttentionLayer;
+  at::Tensor conv_weight, planes;
+  OptTensor conv_bias;
 };
 
 // What the model's shape fixes for every layer.
@@ -144,12 +158,51 @@ struct Shape {
   // The attention's key partition length (0: the kernel's choice, by the step's size and threads; a fixed
   // length makes a row's reduction order independent of the step: set_partition_size, batch-invariant mode).
   int64_t partition_size = 0;
+  // A hybrid's conv layers (set_planes): the convolution's width and the planes' row that is always zero.
+  int64_t conv_kernel = 0, zero_plane_slot = -1;
 };
 
 // What changes every step: the rows, their positions and the block tables of their sequences.
 struct StepInputs {
   at::Tensor cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping;
+  at::Tensor conv_taps;  // [tokens, K] int64: the plane slots each row's convolution reads (conv layers only)
 };
+
+// Each row's K convolution inputs, oldest first, as layers/short_conv.py's ConvTaps.build gives them: position p - K + 1
+// + k of the row's sequence, the zero row before position 0, this step's own slot (slot_mapping) from the sequence's
+// first row this step on, and the block table's slot before it.
+at::Tensor conv_taps(const StepInputs& in, int64_t kernel, int64_t block_size, int64_t zero_slot) {
+  const int64_t tokens = in.slot_mapping.size(0), seqs = in.query_start.size(0);
+  at::Tensor taps = at::empty({tokens, kernel}, in.slot_mapping.options().dtype(at::kLong));
+  int64_t* out = taps.data_ptr<int64_t>();
+  const int64_t* starts = in.query_start.data_ptr<int64_t>();
+  const int64_t* lens = in.query_lens.data_ptr<int64_t>();
+  const int64_t* contexts = in.context_lens.data_ptr<int64_t>();
+  const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
+  const int64_t* tables = in.block_tables.data_ptr<int64_t>();
+  const int64_t width = in.block_tables.size(1);
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t first_row = starts[i], first_position = contexts[i] - lens[i];
+    TORCH_CHECK(first_row >= 0 && first_row + lens[i] <= tokens && first_position >= 0,
+                "decoder_layer: a sequence's rows are not within the step");
+    for (int64_t r = 0; r < lens[i]; ++r) {
+      for (int64_t k = 0; k < kernel; ++k) {
+        const int64_t position = first_position + r - (kernel - 1) + k;
+        int64_t slot;
+        if (position < 0) {
+          slot = zero_slot;
+        } else if (position >= first_position) {
+          slot = slots[first_row + position - first_position];
+        } else {
+          TORCH_CHECK(position / block_size < width, "decoder_layer: a conv tap past the block table");
+          slot = tables[i * width + position / block_size] * block_size + position % block_size;
+        }
+        out[(first_row + r) * kernel + k] = slot;
+      }
+    }
+  }
+  return taps;
+}
 
 Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
                  c10::IntArrayRef parts, const OptTensor& qkv_bias, const at::Tensor& input_norm,
@@ -175,8 +228,34 @@ Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel
   return layer;
 }
 
+// hidden += down(silu(gate) * up) of the post-mixer norm's output, or the layer's experts of it.
+void run_mlp(const Kernels& k, const Layer& layer, at::Tensor& hidden, const at::Tensor& normed) {
+  if (layer.experts.has_value()) {
+    hidden.add_(kvreuse_moe::moe_forward(*layer.experts, normed));
+    return;
+  }
+  TORCH_CHECK(!layer.p[2].weights.empty(), "decoder_layer: a layer without MLP weights needs set_experts");
+  hidden.add_(project(k, layer.p[3], k.silu_mul.call(project(k, layer.p[2], normed))));
+}
+
+// A conv layer (models/lfm2.py's ShortConvDecoderLayer): norm, in_proj, the gated short convolution over the layer's
+// planes, out_proj, residual with the post norm, the MLP.
+void run_conv_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden,
+                    const StepInputs& in) {
+  const at::Tensor bcx =
+      project(k, layer.p[0], k.rms_norm.call(hidden, layer.input_norm, shape.eps, c10::nullopt), layer.qkv_bias);
+  const at::Tensor mixed =
+      k.short_conv.call(bcx.contiguous(), layer.conv_weight, layer.conv_bias, layer.planes, in.conv_taps, in.slot_mapping);
+  const at::Tensor out = project(k, layer.p[1], mixed, layer.o_bias);
+  run_mlp(k, layer, hidden, k.rms_norm.call(hidden, layer.post_norm, shape.eps, out));
+}
+
 // hidden: contiguous [tokens, hidden] (DecodeLayers.run checks, once a step).
 void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
+  if (layer.kind == kConvLayer) {
+    run_conv_layer(k, layer, shape, hidden, in);
+    return;
+  }
   const double eps = shape.eps;
   const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -199,13 +278,7 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
                          shape.partition_size, k_new, v_new, in.slot_mapping);
   const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}), layer.o_bias);
   // hidden += attended, then the post-attention norm of the sum (one pass).
-  const at::Tensor normed = k.rms_norm.call(hidden, layer.post_norm, eps, attended);
-  if (layer.experts.has_value()) {
-    hidden.add_(kvreuse_moe::moe_forward(*layer.experts, normed));
-    return;
-  }
-  TORCH_CHECK(!layer.p[2].weights.empty(), "decoder_layer: a layer without MLP weights needs set_experts");
-  hidden.add_(project(k, layer.p[3], k.silu_mul.call(project(k, layer.p[2], normed))));
+  run_mlp(k, layer, hidden, k.rms_norm.call(hidden, layer.post_norm, eps, attended));
 }
 
 // A model's decoder layers for one row count, held across steps, so a decode step is one call from Python
@@ -224,6 +297,35 @@ struct DecodeLayers : torch::CustomClassHolder {
                  const at::Tensor& v_pool) {
     layers.push_back(make_layer(weights, kernel_codes, formats, parts, qkv_bias, input_norm, post_norm, q_norm, k_norm,
                                 k_pool, v_pool));
+  }
+
+  // A conv layer (LFM2): in_proj, out_proj, gate_up and down as `parts` counts them, their biases, the norms, the
+  // convolution's float32 kernel [K, H] and bias [H], and the layer's planes [slots + 1, H] (set_planes first).
+  void add_conv_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                      c10::IntArrayRef parts, const OptTensor& in_bias, const OptTensor& out_bias,
+                      const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& conv_weight,
+                      const OptTensor& conv_bias, const at::Tensor& planes) {
+    TORCH_CHECK(shape.conv_kernel > 0, "DecodeLayers.add_conv_layer: set_planes first");
+    TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == shape.conv_kernel &&
+                    conv_weight.scalar_type() == at::kFloat && conv_weight.is_contiguous(),
+                "DecodeLayers.add_conv_layer: the kernel must be contiguous float32 [", shape.conv_kernel, ", hidden]");
+    TORCH_CHECK(planes.dim() == 2 && shape.zero_plane_slot < planes.size(0),
+                "DecodeLayers.add_conv_layer: planes must be [slots + 1, hidden], the zero row among them");
+    Layer layer = make_layer(weights, kernel_codes, formats, parts, in_bias, input_norm, post_norm, c10::nullopt,
+                             c10::nullopt, at::Tensor(), at::Tensor());
+    layer.o_bias = out_bias;
+    layer.kind = kConvLayer;
+    layer.conv_weight = conv_weight;
+    layer.conv_bias = conv_bias;
+    layer.planes = planes;
+    layers.push_back(std::move(layer));
+  }
+
+  // A hybrid's conv layers: their width and the planes' zero row (KVCache.zero_plane_slot).
+  void set_planes(int64_t conv_kernel, int64_t zero_plane_slot) {
+    TORCH_CHECK(conv_kernel > 0 && zero_plane_slot >= 0, "DecodeLayers.set_planes: a positive width and a zero row");
+    shape.conv_kernel = conv_kernel;
+    shape.zero_plane_slot = zero_plane_slot;
   }
 
   // Layer ``index``'s MLP as experts (layers/experts.py's native arguments, as kvreuse_moe.Experts takes them).
@@ -267,8 +369,13 @@ struct DecodeLayers : torch::CustomClassHolder {
                 ") are not within the ", num_layers(), " held");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
     const Kernels& k = kernels();
-    const StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping};
-    for (int64_t i = first; i < last; ++i) run_layer(k, layers[i], shape, hidden, in);
+    StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping, at::Tensor()};
+    for (int64_t i = first; i < last; ++i) {
+      if (layers[i].kind == kConvLayer && !in.conv_taps.defined()) {
+        in.conv_taps = conv_taps(in, shape.conv_kernel, shape.block_size, shape.zero_plane_slot);
+      }
+      run_layer(k, layers[i], shape, hidden, in);
+    }
   }
 };
 
@@ -278,6 +385,8 @@ TORCH_LIBRARY(kvreuse_step, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<double, double, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_conv_layer", &DecodeLayers::add_conv_layer)
+      .def("set_planes", &DecodeLayers::set_planes)
       .def("set_experts", &DecodeLayers::set_experts)
       .def("set_attention", &DecodeLayers::set_attention)
       .def("num_layers", &DecodeLayers::num_layers)

@@ -20,6 +20,10 @@ a softmax scale of its own, learned sinks, handed to the paged kernel as the op-
 (``DecodeLayers.set_attention``), with the output projection's bias (gpt-oss). A model with Gemma's norms runs op
 by op. A mixture-of-experts layer's MLP is its experts, held as layers/experts.py's native layer
 holds them (``DecodeLayers.set_experts``, csrc/moe.h), for the row counts their GEMV kernels are planned for.
+A hybrid's conv layer (LFM2's gated short convolution, models/lfm2.py) is held with its planes in the pool
+(``DecodeLayers.add_conv_layer``): the same norms and MLP around in_proj, the fused convolution and out_proj, each row's
+convolution inputs found from the block tables as ``ConvTaps`` finds them. The other hybrids' recurrent layers (Gated
+DeltaNet, Mamba-2) are refused by their models (``native_step_refusal``).
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
 
@@ -41,6 +45,8 @@ from kvreuse.kernels.decoder_layer import library
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.experts import SparseMoE
 from kvreuse.layers.linear import Linear
+from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.short_conv import ShortConv
 from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
 
 logger = logging.getLogger("kvreuse")
@@ -70,6 +76,18 @@ class LayerArgs:
     experts: tuple[Any, ...] | None = None  # a mixture-of-experts layer's native arguments (layers/experts.py)
     attention: LayerAttention = PLAIN_ATTENTION  # the layer's window, scale and sinks
     o_bias: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
+    kv_layer: int = 0  # where an attention layer's K/V sit in the pool
+    conv: ConvArgs | None = None  # a conv layer's convolution (the projections are then in_proj and out_proj)
+
+
+@dataclass
+class ConvArgs:
+    """A conv layer's convolution as ``DecodeLayers.add_conv_layer`` takes it: its float32 kernel [K, H] and bias, and
+    its index among the pool's planes."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    plane: int
 
 
 def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int], list[int]] | str:
@@ -108,6 +126,8 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
 
 
 def layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    if isinstance(getattr(layer, "conv", None), ShortConv):
+        return conv_layer_args(layer, rows)
     attention, mlp = layer.self_attn, layer.mlp
     experts = isinstance(mlp, SparseMoE)
     if experts and (mlp.native is None or rows > mlp.native_max_rows):
@@ -134,7 +154,27 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
                      layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                      layer.input_layernorm.eps, None if attention.q_norm is None else attention.q_norm.weight.detach(),
                      None if attention.k_norm is None else attention.k_norm.weight.detach(),
-                     mlp.native_args if experts else None, attention.layer_attention, o_bias)
+                     mlp.native_args if experts else None, attention.layer_attention, o_bias, attention.kv_layer)
+
+
+def conv_layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    """An LFM2 conv layer's arguments: in_proj and out_proj in the attention's projections' places, its SwiGLU."""
+    conv, mlp = layer.conv, layer.mlp
+    if not isinstance(mlp, GatedMLP) or mlp.activation != "silu":
+        return "a conv layer without a SwiGLU MLP"
+    weights, kernels, formats, parts = [], [], [], []
+    for linear in (conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj):
+        found = projection(linear, rows)
+        if isinstance(found, str):
+            return found
+        weights += found[0]
+        kernels += found[1]
+        formats += found[2]
+        parts.append(len(found[0]))
+    weight, bias = conv.conv.taps()
+    return LayerArgs(weights, kernels, formats, parts, _bias(conv.in_proj), layer.input_layernorm.weight.detach(),
+                     layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps, None, None,
+                     o_bias=_bias(conv.out_proj), conv=ConvArgs(weight, bias, conv.plane))
 
 
 def _bias(linear: Linear) -> torch.Tensor | None:
@@ -190,8 +230,17 @@ class NativeDecodeStep:
         partition_size = getattr(self.model.attention_backend, "partition_size", 0)
         if partition_size:  # batch-invariant: the attention's partitions as the op-by-op path cuts them
             held.set_partition_size(partition_size)
+        convs = [layer.conv for layer in args if layer.conv is not None]
+        if convs:
+            assert kv_cache.planes is not None, "a conv layer's pool has its planes"
+            held.set_planes(convs[0].weight.shape[0], kv_cache.zero_plane_slot)
         for index, layer in enumerate(args):
-            k_pool, v_pool, _, _ = kv_cache.layer_pools(index)
+            if layer.conv is not None:
+                held.add_conv_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias,
+                                    layer.o_bias, layer.input_norm, layer.post_norm, layer.conv.weight,
+                                    layer.conv.bias, kv_cache.planes[layer.conv.plane])
+                continue
+            k_pool, v_pool, _, _ = kv_cache.layer_pools(layer.kv_layer)
             held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,
                            layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
             if layer.experts is not None:
