@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf_files import write_gguf
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
+from test_qwen3_5 import random_qwen3_5
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.kernels import decoder_layer, fused_ops, quant_ops
@@ -102,26 +103,45 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
         assert set(qkv.experts[3]) == {expected}  # the gate|up products' kernel per row count
 
 
-@pytest.mark.parametrize("kind,dtype", [("F32", "float32"), ("Q8_0", "bfloat16")])
-def test_lfm2_s_conv_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch, kind, dtype):
-    """A hybrid's conv layers in the native step (DecodeLayers.add_conv_layer): each row's convolution inputs found
-    from the block tables (a hit ending mid-block, rows of several sequences, chunks over cached context), read from
-    and written to the planes, bit for bit the op-by-op path's; a Q8_0 file in bfloat16 too."""
-    root = tmp_path_factory.mktemp("lfm2-native")
-    folder = make_model(root / "tiny-lfm2", preset="tiny-lfm2", dtype="float32", seed=3)
-    path = folder if kind == "F32" else write_gguf(folder, root / "tiny-lfm2.q8_0.gguf", kind)
+def _hybrid(root, arch: str) -> object:
+    """A tiny LFM2 folder (make-model's), or a tiny Qwen3.5 folder with transformers' larger random init and fewer key
+    heads than value heads (its GGUF file then holds the value heads in llama.cpp's tiled order)."""
+    if arch == "lfm2":
+        return make_model(root / "tiny-lfm2", preset="tiny-lfm2", dtype="float32", seed=3)
+    return random_qwen3_5(root / "tiny-qwen3.5")
+
+
+@pytest.mark.parametrize("arch,kind,dtype", [("lfm2", "F32", "float32"), ("lfm2", "Q8_0", "bfloat16"),
+                                             ("qwen3_5", "F32", "float32"), ("qwen3_5", "Q8_0", "bfloat16")])
+def test_hybrid_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch, arch, kind, dtype):
+    """A hybrid's layers in the native step: LFM2's conv layers (DecodeLayers.add_conv_layer: each row's convolution
+    inputs found from the block tables, read from and written to the planes), Qwen3.5's Gated DeltaNet layers over
+    each sequence's state slot (add_delta_layer), its gated attention with partial rotary and its (1 + weight) norms;
+    a hit ending mid-block, rows of several sequences, chunks over cached context; bit for bit the op-by-op path's,
+    a Q8_0 file in bfloat16 too."""
+    root = tmp_path_factory.mktemp(f"{arch}-native")
+    folder = _hybrid(root, arch)
+    path = folder if kind == "F32" else write_gguf(folder, root / f"{arch}.q8_0.gguf", kind)
     native, op_by_op = _both(monkeypatch, str(path), dtype=dtype, device="cpu", block_size=4,
-                             kv_cache_memory="256KiB", max_num_batched_tokens=24)
+                             kv_cache_memory="512KiB", max_num_batched_tokens=24)
     assert op_by_op.engine.runner.decode.native_step is None
     rounds = _rounds(seed=7)
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert {1, 2} <= _native_rows(native)
     held = native.engine.runner.decode.native_step._args[1]
-    conv_layers = [index for index, layer in enumerate(held) if layer.conv is not None]
-    assert conv_layers == native.engine.model_config.recurrent_layers and len(conv_layers) < len(held)
+    recurrent = [index for index, layer in enumerate(held) if (layer.conv or layer.delta) is not None]
+    assert recurrent == native.engine.model_config.recurrent_layers and len(recurrent) < len(held)
+    if arch == "qwen3_5":
+        assert all(layer.gated_rotary_dim == native.engine.model_config.rotary_dim
+                   for index, layer in enumerate(held) if index not in recurrent)
     assert native.engine.stats().cache.hit_tokens > 0
     assert native.engine.runner.decode.steps["native_step"] > 0
-    assert torch.equal(native.engine.kv_cache.planes, op_by_op.engine.kv_cache.planes)  # the same inputs written
+    cache, reference = native.engine.kv_cache, op_by_op.engine.kv_cache
+    if arch == "lfm2":
+        assert torch.equal(cache.planes, reference.planes)  # the same inputs written
+    else:
+        assert torch.equal(cache.states.ssm, reference.states.ssm) and torch.equal(cache.states.conv,
+                                                                                reference.states.conv)
 
 
 def test_what_it_does_not_cover_runs_op_by_op_and_is_said(tiny_models, gguf_dir, monkeypatch, caplog):
@@ -201,10 +221,22 @@ def test_bad_arguments_are_refused_by_name(tiny_models):
     hidden = torch.zeros(1, llm.engine.model_config.hidden_size)
     empty = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"layers \[0, 2\) are not within the 1 held"):
-        held.run(hidden, torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, empty, 0, 2)
+        held.run(hidden, torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, empty, 0, 2, [], [], [])
     with pytest.raises(RuntimeError, match="hidden must be contiguous"):
         held.run(torch.zeros(4, hidden.shape[1]).t(), torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty,
-                 empty, 0, 1)
+                 empty, 0, 1, [], [], [])
+    with pytest.raises(RuntimeError, match="one state slot, start and length per sequence"):
+        held.run(hidden, torch.zeros(1), torch.zeros(1), empty, empty, empty, empty, empty, empty, 0, 1, [0], [], [])
+    # The hybrids' layers: a gated attention's rotary within its head, a conv layer after set_planes, a Gated
+    # DeltaNet layer under offset norms.
+    with pytest.raises(RuntimeError, match="rotary_dim must be even and within head_dim"):
+        held.set_gated_attention(0, 3)
+    with pytest.raises(RuntimeError, match="set_planes first"):
+        held.add_conv_layer(args.weights, args.kernels, args.formats, args.parts, None, None, args.input_norm,
+                            args.post_norm, torch.zeros(3, 4), None, torch.zeros(5, 4))
+    with pytest.raises(RuntimeError, match="set_offset_norms first"):
+        held.add_delta_layer(args.weights, args.kernels, args.formats, args.parts, args.input_norm, args.post_norm,
+                             *[torch.zeros(1)] * 6, 0, 1, False, 1, 1, 1)
 
 
 def test_int8_activations_are_part_of_the_kv_fingerprint(tiny_models, gguf_dir, monkeypatch, tmp_path):

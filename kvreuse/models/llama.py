@@ -52,7 +52,8 @@ class NativeLayers(Protocol):
     """All of a step's decoder layers in one native call: what the runner hands ``forward`` where its decode
     paths chose the native CPU step for the step (runner/decode/paths.py; native_step.py's ``HeldLayers``)."""
 
-    def run(self, hidden: torch.Tensor, rope: Any, metadata: Any, first: int, last: int) -> None: ...
+    def run(self, hidden: torch.Tensor, rope: Any, metadata: Any, first: int, last: int, recurrent: Any = None
+            ) -> None: ...
 
 
 class RopeInputs:
@@ -374,10 +375,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         if native is not None:  # every layer in one native call, in stretches between the captured layers
             first = 0
             for index in sorted(aux_layers):
-                native.run(hidden, rope, attn_metadata, first, index)
+                native.run(hidden, rope, attn_metadata, first, index, recurrent)
                 captured[index] = hidden.clone()  # the layers update the residual stream in place
                 first = index
-            native.run(hidden, rope, attn_metadata, first, len(self.model.layers))
+            native.run(hidden, rope, attn_metadata, first, len(self.model.layers), recurrent)
         else:
             for index, layer in enumerate(self.model.layers):
                 if narrowing is not None and index == narrowing.at_layer:

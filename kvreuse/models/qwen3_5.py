@@ -23,6 +23,7 @@ from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.cache.kv import KVCache
 from kvreuse.kernels.quant import QuantizedTensor, cat_rows
+from kvreuse.layers.experts import SparseMoE
 from kvreuse.layers.gated_delta import GatedDeltaNet
 from kvreuse.layers.recurrent import StateInputs, sigmoid
 from kvreuse.layers.linear import Linear
@@ -155,7 +156,11 @@ class Qwen3_5ForCausalLM(LlamaFamilyForCausalLM):
 
     @property
     def native_step_refusal(self) -> str | None:
-        return "a hybrid model's Gated DeltaNet layers run op by op (the native step runs attention layers only)"
+        """Its gated attention, (1 + weight) norms and Gated DeltaNet layers are the native step's too
+        (runner/decode/native_step.py); experts without their native layer are not."""
+        if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.native is None for layer in self.model.layers):
+            return "mixture-of-experts layers without their native layer run op by op"
+        return None
 
     def expected_weight_names(self) -> list[str]:
         """The family's names for the attention layers (q/k norms included), the Gated DeltaNet's for the others."""

@@ -132,8 +132,9 @@ class ModelRunner:
             if choice.path == CUDA_GRAPHS:
                 hidden, logits = self.decode.cuda_graphs(batch)
             else:
-                # The native step finds what a hybrid's conv layers read itself (the models it holds keep no state).
-                recurrent = None if choice.native is not None else self.model.recurrent_inputs(batch, self.kv_cache)
+                # The native step finds what LFM2's conv layers read itself; a model with states passes their slots.
+                recurrent = (None if choice.native is not None and self.kv_cache.states is None
+                             else self.model.recurrent_inputs(batch, self.kv_cache))
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, choice.metadata, batch.lora,
                                     aux_layers, aux, choice.narrowing, choice.native, recurrent)
                 rows = choice.narrowed[0].logits_indices if choice.narrowed else batch.logits_indices

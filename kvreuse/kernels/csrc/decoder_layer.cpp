@@ -25,16 +25,24 @@
 // attention's place: in_proj, kvreuse_fused::short_conv over the pool's planes (each row's K inputs by slot, the taps
 // found once a step from the block tables, as ConvTaps finds them), out_proj.
 //
+// Qwen3.5's layers (`set_offset_norms`, `set_gated_attention`, `add_delta_layer`) are the op-by-op path's calls too:
+// every norm a float32 (1 + weight) scale (kvreuse_fused::rms_norm_float_scale); a gated attention layer's query and
+// gate side by side per head, q/k norms, rotary over the first rotary_dim of each head and the sigmoid gate on the
+// output made of the same ATen ops as models/qwen3_5.py's GatedAttention; a Gated DeltaNet layer's mixer the one
+// native call layers/gated_delta.py makes (kvreuse_delta::delta_mixer), over the state slots `run` is given.
+//
 // A layer's attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks) unless
 // `set_attention` gives it what its `LayerAttention` holds: a sliding window, a softmax scale of its own,
 // learned sinks (gpt-oss), and the output projection's bias; the kernel takes the first three as the
 // op-by-op path hands them to it, and the bias is added as the Linear adds it.
 #include "moe.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -52,7 +60,8 @@ using OptTensor = c10::optional<at::Tensor>;
 struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> qlinear, qlinear_int8;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> rowdot;
-  c10::TypedOperatorHandle<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)> rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)> rms_norm,
+      rms_norm_float_scale;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                 int64_t, const OptTensor&, const OptTensor&, double)> rotary;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
@@ -75,6 +84,7 @@ const Kernels& kernels() {
       find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("kvreuse_cpu::qlinear_int8"),
       find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("kvreuse_cpu::rowdot"),
       find<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)>("kvreuse_fused::rms_norm"),
+      find<at::Tensor(at::Tensor, const at::Tensor&, double, const OptTensor&)>("kvreuse_fused::rms_norm_float_scale"),
       find<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                 const OptTensor&, const OptTensor&, double)>("kvreuse_fused::rotary_"),
       find<at::Tensor(const at::Tensor&)>("kvreuse_fused::silu_mul"),
@@ -95,8 +105,17 @@ const Kernels& kernels() {
 // whose library is found on first use (only such a model loads it).
 enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8 = 4, kFloatPart = 5, kQpacked8 = 6 };
 constexpr int kProjections = 4;  // qkv, o, gate_up, down (a conv layer: in_proj, out_proj, gate_up, down)
-// What a layer mixes its rows with: attention over its K/V in the pool, or LFM2's short convolution over its planes.
-enum LayerKind : int { kAttentionLayer = 0, kConvLayer = 1 };
+// What a layer mixes its rows with: attention over its K/V in the pool, LFM2's short convolution over its planes, or
+// Qwen3.5's Gated DeltaNet over each sequence's state.
+enum LayerKind : int { kAttentionLayer = 0, kConvLayer = 1, kDeltaLayer = 2 };
+
+// A Gated DeltaNet layer's mixer (add_delta_layer): its float32 parameters as layers/gated_delta.py hands them to
+// kvreuse_delta::delta_mixer, the state pool's tensors, and the split of in_proj's output.
+struct DeltaMixer {
+  at::Tensor conv_weight, a_log, dt_bias, norm_weight, conv_states, states;
+  int64_t state_layer = 0, key_heads = 0, conv_dim = 0, value_size = 0, value_heads = 0;
+  bool tiled = false;
+};
 
 // One projection's parts, side by side in its output (a fused weight whose parts differ in format).
 struct Projection {
@@ -149,6 +168,10 @@ struct Layer {
   LayerKind kind = kAttentionLayer;
   at::Tensor conv_weight, planes;
   OptTensor conv_bias;
+  // set_gated_attention: Qwen3.5's output gate beside each head's query, rotary over the first rotary_dim.
+  bool gated = false;
+  int64_t rotary_dim = 0;
+  std::optional<DeltaMixer> delta;  // add_delta_layer
 };
 
 // What the model's shape fixes for every layer.
@@ -160,12 +183,17 @@ struct Shape {
   int64_t partition_size = 0;
   // A hybrid's conv layers (set_planes): the convolution's width and the planes' row that is always zero.
   int64_t conv_kernel = 0, zero_plane_slot = -1;
+  // set_offset_norms: every norm's weight is a float32 (1 + weight) scale, normed and scaled in float32, rounded once.
+  bool offset_norms = false;
 };
 
 // What changes every step: the rows, their positions and the block tables of their sequences.
 struct StepInputs {
   at::Tensor cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping;
   at::Tensor conv_taps;  // [tokens, K] int64: the plane slots each row's convolution reads (conv layers only)
+  at::Tensor cos_rows, sin_rows;  // [tokens, 1, rotary_dim / 2] in the activations' dtype (gated attention only)
+  // Each sequence's state slot, first row and row count (Gated DeltaNet layers only; layers/recurrent.py StateInputs).
+  c10::IntArrayRef state_slots, state_starts, state_lens;
 };
 
 // Each row's K convolution inputs, oldest first, as layers/short_conv.py's ConvTaps.build gives them: position p - K + 1
@@ -228,6 +256,97 @@ Layer make_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel
   return layer;
 }
 
+// The model's RMSNorm of x (x += residual first, where given): Llama's (weight in x's dtype), or a float32 (1 + weight)
+// scale's (Gemma's and Qwen3.5's) under set_offset_norms.
+at::Tensor norm(const Kernels& k, const Shape& shape, const at::Tensor& x, const at::Tensor& weight,
+                const OptTensor& residual = c10::nullopt) {
+  return shape.offset_norms ? k.rms_norm_float_scale.call(x, weight, shape.eps, residual)
+                            : k.rms_norm.call(x, weight, shape.eps, residual);
+}
+
+// The rotate-half rotary of x [T, heads, d] by cos / sin [T, 1, d / 2], as fused_ops.reference_rotary computes it.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+}
+
+// x's first rotary_dim of each head rotated, the rest as it is (Qwen3.5's partial rotary).
+at::Tensor rotate_part(const at::Tensor& x, int64_t rotary_dim, const StepInputs& in) {
+  return at::cat({rotate(x.narrow(-1, 0, rotary_dim), in.cos_rows, in.sin_rows),
+                  x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
+}
+
+void run_mlp(const Kernels& k, const Layer& layer, at::Tensor& hidden, const at::Tensor& normed);
+
+// sigmoid of a float32 copy of x, the scalar exp on every value (kvreuse_delta::pointwise_, kind 1: layers/recurrent.py
+// sigmoid), so a value's bits do not depend on where it sits in its tensor.
+at::Tensor native_sigmoid(const at::Tensor& x) {
+  static const auto pointwise = find<void(at::Tensor&, int64_t)>("kvreuse_delta::pointwise_");
+  at::Tensor copy = x.to(at::kFloat, false, true, at::MemoryFormat::Contiguous);
+  pointwise.call(copy, 1);
+  return copy;
+}
+
+// Qwen3.5's gated attention layer (models/qwen3_5.py GatedAttention, op for op): q|gate per head, k, v from one product;
+// q and k through their (1 + weight) norms, their first rotary_dim rotated; attention over the paged context with the
+// step's K/V stored; the output scaled by sigmoid(gate) in float32 and rounded; o_proj; the post norm; the MLP.
+void run_gated_attention_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden,
+                               const StepInputs& in) {
+  const int64_t tokens = hidden.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const at::Tensor qkv = project(k, layer.p[0], norm(k, shape, hidden, layer.input_norm), layer.qkv_bias);
+  TORCH_CHECK(qkv.size(1) == 2 * q_size + 2 * kv_size, "decoder_layer: a gated attention's product has ", qkv.size(1),
+              " columns, heads make ", 2 * q_size + 2 * kv_size);
+  const at::Tensor query_gate = qkv.narrow(1, 0, 2 * q_size).reshape({tokens, heads, 2 * head_dim});
+  at::Tensor q = norm(k, shape, query_gate.narrow(-1, 0, head_dim).contiguous(), *layer.q_norm);
+  at::Tensor key = norm(k, shape, qkv.narrow(1, 2 * q_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous(),
+                        *layer.k_norm);
+  at::Tensor value = qkv.narrow(1, 2 * q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
+  q = rotate_part(q, layer.rotary_dim, in);
+  key = rotate_part(key, layer.rotary_dim, in);
+  if (layer.k_pool.scalar_type() != key.scalar_type()) {
+    key = key.to(layer.k_pool.scalar_type());
+    value = value.to(layer.k_pool.scalar_type());
+  }
+  at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
+  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
+                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
+                         shape.partition_size, key, value, in.slot_mapping);
+  const at::Tensor gate = query_gate.narrow(-1, head_dim, head_dim).reshape({tokens, q_size});
+  const at::Tensor gated = (attention.reshape({tokens, q_size}) * native_sigmoid(gate)).to(hidden.scalar_type());
+  const at::Tensor attended = project(k, layer.p[1], gated, layer.o_bias);
+  run_mlp(k, layer, hidden, norm(k, shape, hidden, layer.post_norm, attended));
+}
+
+// A Gated DeltaNet layer (models/qwen3_5.py GatedDeltaNetDecoderLayer): norm, in_proj (q|k|v, z, b, a), the mixer in
+// one native call over each sequence's state slot, out_proj, the post norm, the MLP.
+void run_delta_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden,
+                     const StepInputs& in) {
+  static const auto delta_mixer =
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, int64_t,
+                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t, bool, double, bool)>(
+          "kvreuse_delta::delta_mixer");
+  const DeltaMixer& d = *layer.delta;
+  TORCH_CHECK(static_cast<int64_t>(in.state_slots.size()) > 0, "decoder_layer: a Gated DeltaNet layer needs the "
+              "step's state slots (DecodeLayers.run's slots, starts and lens)");
+  const at::Tensor projected = project(k, layer.p[0], norm(k, shape, hidden, layer.input_norm), layer.qkv_bias);
+  TORCH_CHECK(projected.size(1) == d.conv_dim + d.value_size + 2 * d.value_heads,
+              "decoder_layer: in_proj's output does not split into q|k|v, z, b and a");
+  auto as_float = [](const at::Tensor& x) { return x.to(at::kFloat).contiguous(); };
+  const int64_t b_at = d.conv_dim + d.value_size;
+  at::Tensor conv_states = d.conv_states, states = d.states;
+  const at::Tensor out = delta_mixer.call(
+      as_float(projected.narrow(1, 0, d.conv_dim)), as_float(projected.narrow(1, d.conv_dim, d.value_size)),
+      as_float(projected.narrow(1, b_at + d.value_heads, d.value_heads)), as_float(projected.narrow(1, b_at, d.value_heads)),
+      d.conv_weight, conv_states, d.a_log, d.dt_bias, d.norm_weight, states, d.state_layer, in.state_slots,
+      in.state_starts, in.state_lens, d.key_heads, d.tiled, shape.eps, hidden.scalar_type() == at::kBFloat16);
+  const at::Tensor mixed = project(k, layer.p[1], out.to(hidden.scalar_type()), layer.o_bias);
+  run_mlp(k, layer, hidden, norm(k, shape, hidden, layer.post_norm, mixed));
+}
+
 // hidden += down(silu(gate) * up) of the post-mixer norm's output, or the layer's experts of it.
 void run_mlp(const Kernels& k, const Layer& layer, at::Tensor& hidden, const at::Tensor& normed) {
   if (layer.experts.has_value()) {
@@ -254,6 +373,14 @@ void run_conv_layer(const Kernels& k, const Layer& layer, const Shape& shape, at
 void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
   if (layer.kind == kConvLayer) {
     run_conv_layer(k, layer, shape, hidden, in);
+    return;
+  }
+  if (layer.kind == kDeltaLayer) {
+    run_delta_layer(k, layer, shape, hidden, in);
+    return;
+  }
+  if (layer.gated) {
+    run_gated_attention_layer(k, layer, shape, hidden, in);
     return;
   }
   const double eps = shape.eps;
@@ -321,6 +448,48 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back(std::move(layer));
   }
 
+  // A Gated DeltaNet layer (Qwen3.5): in_proj, out_proj, gate_up and down as `parts` counts them, the (1 + weight)
+  // norm scales, the mixer's float32 parameters (conv kernel [C, K], A_log, dt_bias, the output norm's weight) and the
+  // state pool's conv inputs and states, the layer's place in a slot, the heads and the split of in_proj's output.
+  void add_delta_layer(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                       c10::IntArrayRef parts, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                       at::Tensor conv_weight, at::Tensor a_log, at::Tensor dt_bias, at::Tensor norm_weight,
+                       at::Tensor conv_states, at::Tensor states, int64_t state_layer, int64_t key_heads, bool tiled,
+                       int64_t conv_dim, int64_t value_size, int64_t value_heads) {
+    TORCH_CHECK(shape.offset_norms, "DecodeLayers.add_delta_layer: a Gated DeltaNet model's norms are offset "
+                "(set_offset_norms first)");
+    for (const at::Tensor* t : {&conv_weight, &a_log, &dt_bias, &norm_weight}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                  "DecodeLayers.add_delta_layer: the mixer's parameters must be contiguous float32");
+    }
+    TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == conv_dim,
+                "DecodeLayers.add_delta_layer: the conv kernel must be [conv_dim, K]");
+    TORCH_CHECK(states.dim() == 5 && 0 <= state_layer && state_layer < states.size(1),
+                "DecodeLayers.add_delta_layer: states [slots, layers, Hv, dk, dv] with the layer among them");
+    Layer layer = make_layer(weights, kernel_codes, formats, parts, c10::nullopt, input_norm, post_norm, c10::nullopt,
+                             c10::nullopt, at::Tensor(), at::Tensor());
+    layer.kind = kDeltaLayer;
+    layer.delta = DeltaMixer{std::move(conv_weight), std::move(a_log), std::move(dt_bias), std::move(norm_weight),
+                             std::move(conv_states), std::move(states), state_layer, key_heads, conv_dim, value_size,
+                             value_heads, tiled};
+    layers.push_back(std::move(layer));
+  }
+
+  // Every norm's weight a float32 (1 + weight) scale (Qwen3.5's): add_layer's norms too, given as such scales.
+  void set_offset_norms(bool offset) { shape.offset_norms = offset; }
+
+  // Layer ``index``'s attention is Qwen3.5's gated attention, rotary over the first ``rotary_dim`` of each head.
+  void set_gated_attention(int64_t index, int64_t rotary_dim) {
+    TORCH_CHECK(0 <= index && index < num_layers() && layers[index].kind == kAttentionLayer,
+                "DecodeLayers.set_gated_attention: layer ", index, " is not an attention layer");
+    TORCH_CHECK(0 < rotary_dim && rotary_dim <= shape.head_dim && rotary_dim % 2 == 0,
+                "DecodeLayers.set_gated_attention: rotary_dim must be even and within head_dim");
+    TORCH_CHECK(layers[index].q_norm.has_value() && layers[index].k_norm.has_value(),
+                "DecodeLayers.set_gated_attention: a gated attention layer has q and k norms");
+    layers[index].gated = true;
+    layers[index].rotary_dim = rotary_dim;
+  }
+
   // A hybrid's conv layers: their width and the planes' zero row (KVCache.zero_plane_slot).
   void set_planes(int64_t conv_kernel, int64_t zero_plane_slot) {
     TORCH_CHECK(conv_kernel > 0 && zero_plane_slot >= 0, "DecodeLayers.set_planes: a positive width and a zero row");
@@ -361,18 +530,27 @@ struct DecodeLayers : torch::CustomClassHolder {
     shape.partition_size = partition_size;
   }
 
-  // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored.
+  // Layers [first, last) on hidden [tokens, hidden], updated in place, their K/V stored; a Gated DeltaNet layer's
+  // sequences keep their state in ``state_slots`` (rows ``state_starts`` on, ``state_lens`` of them; else empty).
   void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-           const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t first, int64_t last) const {
+           const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t first, int64_t last,
+           c10::IntArrayRef state_slots, c10::IntArrayRef state_starts, c10::IntArrayRef state_lens) const {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "DecodeLayers.run: layers [", first, ", ", last,
                 ") are not within the ", num_layers(), " held");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer: hidden must be contiguous [tokens, hidden]");
     const Kernels& k = kernels();
-    StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping, at::Tensor()};
+    TORCH_CHECK(state_slots.size() == state_starts.size() && state_slots.size() == state_lens.size(),
+                "DecodeLayers.run: one state slot, start and length per sequence");
+    StepInputs in{cos, sin, positions, block_tables, query_start, query_lens, context_lens, slot_mapping, at::Tensor(),
+                  at::Tensor(), at::Tensor(), state_slots, state_starts, state_lens};
     for (int64_t i = first; i < last; ++i) {
       if (layers[i].kind == kConvLayer && !in.conv_taps.defined()) {
         in.conv_taps = conv_taps(in, shape.conv_kernel, shape.block_size, shape.zero_plane_slot);
+      }
+      if (layers[i].gated && !in.cos_rows.defined()) {  // RotaryEmbedding.cos_sin: the rows at the positions, in dtype
+        in.cos_rows = cos.index_select(0, positions).to(hidden.scalar_type()).unsqueeze(1);
+        in.sin_rows = sin.index_select(0, positions).to(hidden.scalar_type()).unsqueeze(1);
       }
       run_layer(k, layers[i], shape, hidden, in);
     }
@@ -387,6 +565,9 @@ TORCH_LIBRARY(kvreuse_step, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_conv_layer", &DecodeLayers::add_conv_layer)
       .def("set_planes", &DecodeLayers::set_planes)
+      .def("add_delta_layer", &DecodeLayers::add_delta_layer)
+      .def("set_offset_norms", &DecodeLayers::set_offset_norms)
+      .def("set_gated_attention", &DecodeLayers::set_gated_attention)
       .def("set_experts", &DecodeLayers::set_experts)
       .def("set_attention", &DecodeLayers::set_attention)
       .def("num_layers", &DecodeLayers::num_layers)

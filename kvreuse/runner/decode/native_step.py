@@ -22,8 +22,10 @@ by op. A mixture-of-experts layer's MLP is its experts, held as layers/experts.p
 holds them (``DecodeLayers.set_experts``, csrc/moe.h), for the row counts their GEMV kernels are planned for.
 A hybrid's conv layer (LFM2's gated short convolution, models/lfm2.py) is held with its planes in the pool
 (``DecodeLayers.add_conv_layer``): the same norms and MLP around in_proj, the fused convolution and out_proj, each row's
-convolution inputs found from the block tables as ``ConvTaps`` finds them. The other hybrids' recurrent layers (Gated
-DeltaNet, Mamba-2) are refused by their models (``native_step_refusal``).
+convolution inputs found from the block tables as ``ConvTaps`` finds them. Qwen3.5's layers are held too
+(``set_offset_norms``: its (1 + weight) norms as float32 scales; ``set_gated_attention``: the output gate and the
+partial rotary; ``add_delta_layer``: a Gated DeltaNet layer's mixer, the one native call the op-by-op layer makes, over
+the state slots each step hands ``run``). Nemotron-H's Mamba-2 blocks are refused by the model (``native_step_refusal``).
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
 
@@ -45,8 +47,13 @@ from kvreuse.kernels.decoder_layer import library
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.experts import SparseMoE
 from kvreuse.layers.linear import Linear
+from kvreuse.kernels import gated_delta as gated_delta_kernel
+from kvreuse.layers.gated_delta import GatedDeltaNet
 from kvreuse.layers.mlp import GatedMLP
+from kvreuse.layers.norm import GemmaRMSNorm, RMSNorm
+from kvreuse.layers.recurrent import StateInputs
 from kvreuse.layers.short_conv import ShortConv
+from kvreuse.models.qwen3_5 import GatedAttention
 from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
 
 logger = logging.getLogger("kvreuse")
@@ -78,6 +85,25 @@ class LayerArgs:
     o_bias: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
     kv_layer: int = 0  # where an attention layer's K/V sit in the pool
     conv: ConvArgs | None = None  # a conv layer's convolution (the projections are then in_proj and out_proj)
+    delta: DeltaArgs | None = None  # a Gated DeltaNet layer's mixer (the projections are then in_proj and out_proj)
+    gated_rotary_dim: int = 0  # Qwen3.5's gated attention: the rotary's width per head (0: not gated)
+
+
+@dataclass
+class DeltaArgs:
+    """A Gated DeltaNet layer's mixer as ``DecodeLayers.add_delta_layer`` takes it: its float32 parameters as
+    layers/gated_delta.py hands them to ``delta_mixer``, its place in a state slot, its heads and in_proj's split."""
+
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_weight: torch.Tensor
+    state_layer: int
+    key_heads: int
+    tiled: bool
+    conv_dim: int
+    value_size: int
+    value_heads: int
 
 
 @dataclass
@@ -128,7 +154,12 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
 def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     if isinstance(getattr(layer, "conv", None), ShortConv):
         return conv_layer_args(layer, rows)
+    if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+        return delta_layer_args(layer, rows)
     attention, mlp = layer.self_attn, layer.mlp
+    gated = isinstance(attention, GatedAttention)
+    if isinstance(layer.input_layernorm, GemmaRMSNorm) and not gated:
+        return "Gemma's norms around a Llama-shaped attention"
     experts = isinstance(mlp, SparseMoE)
     if experts and (mlp.native is None or rows > mlp.native_max_rows):
         return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
@@ -151,19 +182,22 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
         parts += [0, 0]  # the layer's MLP is its experts (DecodeLayers.set_experts)
     bias, o_bias = (_bias(linear) for linear in (attention.qkv_proj, attention.o_proj))
     return LayerArgs(weights, kernels, formats, parts, bias,
-                     layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                     layer.input_layernorm.eps, None if attention.q_norm is None else attention.q_norm.weight.detach(),
-                     None if attention.k_norm is None else attention.k_norm.weight.detach(),
-                     mlp.native_args if experts else None, attention.layer_attention, o_bias, attention.kv_layer)
+                     _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+                     layer.input_layernorm.eps, None if attention.q_norm is None else _norm_weight(attention.q_norm),
+                     None if attention.k_norm is None else _norm_weight(attention.k_norm),
+                     mlp.native_args if experts else None, attention.layer_attention, o_bias, attention.kv_layer,
+                     gated_rotary_dim=attention.rotary_dim if gated else 0)
 
 
-def conv_layer_args(layer: Any, rows: int) -> LayerArgs | str:
-    """An LFM2 conv layer's arguments: in_proj and out_proj in the attention's projections' places, its SwiGLU."""
-    conv, mlp = layer.conv, layer.mlp
-    if not isinstance(mlp, GatedMLP) or mlp.activation != "silu":
-        return "a conv layer without a SwiGLU MLP"
+def _norm_weight(norm: RMSNorm | GemmaRMSNorm) -> torch.Tensor:
+    """What the native layer scales a norm by: Llama's weight, or a (1 + weight) norm's float32 scale."""
+    return norm.scale() if isinstance(norm, GemmaRMSNorm) else norm.weight.detach()
+
+
+def _projections(linears: tuple[Linear, ...], rows: int) -> tuple[list, list, list, list] | str:
+    """The weights, kernel codes, formats and part counts of ``linears`` for ``rows`` rows, or why not native."""
     weights, kernels, formats, parts = [], [], [], []
-    for linear in (conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj):
+    for linear in linears:
         found = projection(linear, rows)
         if isinstance(found, str):
             return found
@@ -171,6 +205,38 @@ def conv_layer_args(layer: Any, rows: int) -> LayerArgs | str:
         kernels += found[1]
         formats += found[2]
         parts.append(len(found[0]))
+    return weights, kernels, formats, parts
+
+
+def delta_layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    """A Qwen3.5 Gated DeltaNet layer's arguments: in_proj and out_proj in the attention's projections' places."""
+    mixer, mlp = layer.linear_attn, layer.mlp
+    if not isinstance(mlp, GatedMLP) or mlp.activation != "silu":
+        return "a Gated DeltaNet layer without a dense SwiGLU MLP"
+    if mixer.in_proj.dtype not in (torch.float32, torch.bfloat16) or not gated_delta_kernel.available():
+        return "a Gated DeltaNet layer without its native mixer (float32 or bfloat16, the kernel built)"
+    if any(linear.bias is not None for linear in (mixer.in_proj, mixer.out_proj)):
+        return "a bias on a Gated DeltaNet projection"
+    found = _projections((mixer.in_proj, mixer.out_proj, mlp.gate_up_proj, mlp.down_proj), rows)
+    if isinstance(found, str):
+        return found
+    conv_weight, a_log, dt_bias, norm_weight = mixer._native_parameters.get(
+        mixer.conv1d.weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight)
+    delta = DeltaArgs(conv_weight.squeeze(1).contiguous(), a_log, dt_bias, norm_weight, mixer.state_layer,
+                      mixer.key_heads, mixer.tiled_values, mixer.conv_dim, mixer.value_size, mixer.value_heads)
+    return LayerArgs(*found, None, _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+                     layer.input_layernorm.eps, None, None, delta=delta)
+
+
+def conv_layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    """An LFM2 conv layer's arguments: in_proj and out_proj in the attention's projections' places, its SwiGLU."""
+    conv, mlp = layer.conv, layer.mlp
+    if not isinstance(mlp, GatedMLP) or mlp.activation != "silu":
+        return "a conv layer without a SwiGLU MLP"
+    found = _projections((conv.in_proj, conv.out_proj, mlp.gate_up_proj, mlp.down_proj), rows)
+    if isinstance(found, str):
+        return found
+    weights, kernels, formats, parts = found
     weight, bias = conv.conv.taps()
     return LayerArgs(weights, kernels, formats, parts, _bias(conv.in_proj), layer.input_layernorm.weight.detach(),
                      layer.post_attention_layernorm.weight.detach(), layer.input_layernorm.eps, None, None,
@@ -230,6 +296,8 @@ class NativeDecodeStep:
         partition_size = getattr(self.model.attention_backend, "partition_size", 0)
         if partition_size:  # batch-invariant: the attention's partitions as the op-by-op path cuts them
             held.set_partition_size(partition_size)
+        if config.norm_style == "offset":  # Qwen3.5's (1 + weight) norms, every norm held as its float32 scale
+            held.set_offset_norms(True)
         convs = [layer.conv for layer in args if layer.conv is not None]
         if convs:
             assert kv_cache.planes is not None, "a conv layer's pool has its planes"
@@ -240,11 +308,21 @@ class NativeDecodeStep:
                                     layer.o_bias, layer.input_norm, layer.post_norm, layer.conv.weight,
                                     layer.conv.bias, kv_cache.planes[layer.conv.plane])
                 continue
+            if layer.delta is not None:
+                delta, states = layer.delta, kv_cache.states
+                assert states is not None, "a Gated DeltaNet layer's pool has its states"
+                held.add_delta_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.input_norm,
+                                     layer.post_norm, delta.conv_weight, delta.a_log, delta.dt_bias, delta.norm_weight,
+                                     states.conv, states.ssm, delta.state_layer, delta.key_heads, delta.tiled,
+                                     delta.conv_dim, delta.value_size, delta.value_heads)
+                continue
             k_pool, v_pool, _, _ = kv_cache.layer_pools(layer.kv_layer)
             held.add_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias, layer.input_norm,
                            layer.post_norm, layer.q_norm, layer.k_norm, k_pool, v_pool)
             if layer.experts is not None:
                 held.set_experts(index, *layer.experts)
+            if layer.gated_rotary_dim:
+                held.set_gated_attention(index, layer.gated_rotary_dim)
             attention = layer.attention
             if not attention.is_plain or layer.o_bias is not None:
                 held.set_attention(index, attention.sliding_window or 0, attention.scale or 0.0, attention.sinks,
@@ -268,11 +346,15 @@ class HeldLayers:
 
     layers: Any  # torch.classes.kvreuse_step.DecodeLayers
 
-    def run(self, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int, last: int) -> None:
-        """Decoder layers [first, last) on ``hidden`` [T, hidden] (updated in place), their K/V stored."""
+    def run(self, hidden: torch.Tensor, rope: Any, metadata: NativeAttentionMetadata, first: int, last: int,
+            recurrent: Any = None) -> None:
+        """Decoder layers [first, last) on ``hidden`` [T, hidden] (updated in place), their K/V stored; ``recurrent``:
+        where a Gated DeltaNet model's sequences keep their state (layers/recurrent.py ``StateInputs``), else None."""
         rows, table = metadata.paged, rope.rotary
+        states = (recurrent.slots, recurrent.starts, recurrent.lens) if isinstance(recurrent, StateInputs) else ([],) * 3
         self.layers.run(hidden, table.cos_cache, table.sin_cache, rope.positions, rows.block_tables,
-                        rows.query_start, rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last)
+                        rows.query_start, rows.query_lens, rows.context_lens, metadata.slot_mapping, first, last,
+                        *states)
 
 
 def for_model(model: Any, device: torch.device) -> NativeDecodeStep | None:
