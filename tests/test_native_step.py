@@ -18,9 +18,11 @@ import pytest
 import torch
 from gguf_files import write_gguf
 from test_gguf import gguf_dir, made_gguf  # noqa: F401  (gguf_dir is the fixture made_gguf writes into)
+from test_nemotron_h import random_nemotron_h
 from test_qwen3_5 import random_qwen3_5
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.engine.builder import offset_norm_kernel
 from kvreuse.kernels import decoder_layer, fused_ops, quant_ops
 from kvreuse.model_tools.make_model import make_model
 from kvreuse.runner.decode import native_step
@@ -104,20 +106,25 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
 
 
 def _hybrid(root, arch: str) -> object:
-    """A tiny LFM2 folder (make-model's), or a tiny Qwen3.5 folder with transformers' larger random init and fewer key
-    heads than value heads (its GGUF file then holds the value heads in llama.cpp's tiled order)."""
+    """A tiny LFM2 folder (make-model's); a tiny Qwen3.5 folder with transformers' larger random init and fewer key
+    heads than value heads (its GGUF file then holds the value heads in llama.cpp's tiled order); a tiny Nemotron-H
+    folder (Mamba-2 blocks around its attention and MLP blocks) with transformers' larger random init."""
     if arch == "lfm2":
         return make_model(root / "tiny-lfm2", preset="tiny-lfm2", dtype="float32", seed=3)
+    if arch == "nemotron_h":
+        return random_nemotron_h(root / "tiny-nemotron-h")
     return random_qwen3_5(root / "tiny-qwen3.5")
 
 
 @pytest.mark.parametrize("arch,kind,dtype", [("lfm2", "F32", "float32"), ("lfm2", "Q8_0", "bfloat16"),
-                                             ("qwen3_5", "F32", "float32"), ("qwen3_5", "Q8_0", "bfloat16")])
+                                             ("qwen3_5", "F32", "float32"), ("qwen3_5", "Q8_0", "bfloat16"),
+                                             ("nemotron_h", "F32", "float32"), ("nemotron_h", "Q8_0", "bfloat16")])
 def test_hybrid_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch, arch, kind, dtype):
     """A hybrid's layers in the native step: LFM2's conv layers (DecodeLayers.add_conv_layer: each row's convolution
     inputs found from the block tables, read from and written to the planes), Qwen3.5's Gated DeltaNet layers over
     each sequence's state slot (add_delta_layer), its gated attention with partial rotary and its (1 + weight) norms;
-    a hit ending mid-block, rows of several sequences, chunks over cached context; bit for bit the op-by-op path's,
+    Nemotron-H's blocks (add_block, add_mamba_block: attention without rotary, the squared-ReLU MLP, Mamba-2); a hit
+    ending mid-block, rows of several sequences, chunks over cached context; bit for bit the op-by-op path's,
     a Q8_0 file in bfloat16 too."""
     root = tmp_path_factory.mktemp(f"{arch}-native")
     folder = _hybrid(root, arch)
@@ -129,8 +136,17 @@ def test_hybrid_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch,
     assert _runs(native, rounds) == _runs(op_by_op, rounds)
     assert {1, 2} <= _native_rows(native)
     held = native.engine.runner.decode.native_step._args[1]
-    recurrent = [index for index, layer in enumerate(held) if (layer.conv or layer.delta) is not None]
-    assert recurrent == native.engine.model_config.recurrent_layers and len(recurrent) < len(held)
+    recurrent = [index for index, layer in enumerate(held)
+                 if (layer.conv or layer.delta or layer.mamba) is not None]
+    config = native.engine.model_config
+    assert recurrent == (config.state_layers if arch == "nemotron_h" else config.recurrent_layers)
+    assert 0 < len(recurrent) < len(held)
+    if arch == "nemotron_h":
+        kinds = {native_step.BLOCK_KINDS[kind] for kind in ("attention", "mlp", "mamba")}
+        assert {layer.block for layer in held} == kinds
+        # Its norms outside float32 run in the fused float32-scale kernel (PyTorch's rms_norm before): in the KV
+        # fingerprint, so records from before are never served.
+        assert offset_norm_kernel(config, native.engine.kv_cache) == (dtype == "bfloat16")
     if arch == "qwen3_5":
         assert all(layer.gated_rotary_dim == native.engine.model_config.rotary_dim
                    for index, layer in enumerate(held) if index not in recurrent)

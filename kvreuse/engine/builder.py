@@ -471,9 +471,11 @@ def clamped_swiglu_kernel(model_config: ModelConfig, kv_cache: KVCache) -> bool:
 
 
 def offset_norm_kernel(model_config: ModelConfig, kv_cache: KVCache) -> bool:
-    """Whether the model's (1 + weight) norms (Gemma's, Qwen3.5's) run in fused_ops' kernel."""
-    return (model_config.norm_style in ("gemma", "offset") and kv_cache.device.type == "cpu"
-            and fused_ops.available())
+    """Whether the model's float32-scaled norms (Gemma's and Qwen3.5's (1 + weight), Nemotron-H's weight outside
+    float32) run in fused_ops' kernel."""
+    float_scaled = (model_config.norm_style in ("gemma", "offset")
+                    or (model_config.architecture == "NemotronHForCausalLM" and kv_cache.dtype != torch.float32))
+    return float_scaled and kv_cache.device.type == "cpu" and fused_ops.available()
 
 
 def make_tiers(config: EngineConfig, kv_cache: KVCache, fingerprint: str) -> TieredStore:

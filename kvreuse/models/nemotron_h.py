@@ -21,12 +21,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.attention.backend import AttentionBackend
 from kvreuse.attention.forward_batch import ForwardBatch, ProjectionDeltas
 from kvreuse.cache.kv import KVCache
+from kvreuse.kernels import fused_ops
+from kvreuse.kernels import mamba2_scan as scan_kernel
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.mamba2 import Mamba2Mixer
 from kvreuse.layers.mlp import SquaredReLUMLP
@@ -40,14 +41,29 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class Float32ScaleRMSNorm(RMSNorm):
     """RMSNorm scaled by its weight in float32 and rounded once (transformers' ``NemotronHRMSNorm``; Llama's rounds the
-    normalised x first). The same bits as RMSNorm in float32."""
+    normalised x first): the fused kernel of Gemma's and Qwen3.5's norms with the weight as its float32 scale (the
+    native decode step's too), its PyTorch reference where the kernel does not run. The same bits as RMSNorm in
+    float32."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(size, eps, dtype, device)
+        self._scale: torch.Tensor | None = None
+        self._scale_of: tuple[int, int] = (0, -1)
+
+    def scale(self) -> torch.Tensor:
+        """The weight in float32, made once (remade where loading changes it)."""
+        key = (id(self.weight), self.weight._version)
+        if self._scale is None or key != self._scale_of:
+            self._scale, self._scale_of = self.weight.detach().float().contiguous(), key
+        return self._scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == torch.float32:
             return super().forward(x, residual)
-        if residual is not None:
-            x.add_(residual)
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).mul_(self.weight.float()).to(x.dtype)
+        if (x.is_contiguous() and fused_ops.applies(x)
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
+            return fused_ops.rms_norm_float_scale(x, self.scale(), self.eps, residual)
+        return fused_ops.reference_rms_norm_float_scale(x, self.scale(), self.eps, residual)
 
 
 class UnrotatedAttention(LlamaFamilyAttention):
@@ -155,7 +171,8 @@ class NemotronHForCausalLM(LlamaFamilyForCausalLM):
 
     @property
     def native_step_refusal(self) -> str | None:
-        return "a hybrid model's Mamba-2 layers run op by op (the native step runs Llama-shaped layers only)"
+        """Its blocks are the native step's (runner/decode/native_step.py), Mamba-2 where the scan's kernel builds."""
+        return None if scan_kernel.available() else "Mamba-2's native mixer could not be built (see the log)"
 
     def expected_weight_names(self) -> list[str]:
         config = self.config

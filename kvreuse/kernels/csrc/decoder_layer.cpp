@@ -31,6 +31,10 @@
 // output made of the same ATen ops as models/qwen3_5.py's GatedAttention; a Gated DeltaNet layer's mixer the one
 // native call layers/gated_delta.py makes (kvreuse_delta::delta_mixer), over the state slots `run` is given.
 //
+// Nemotron-H's blocks (`add_block`, `add_mamba_block`) are one norm, one mixer and the residual each: grouped-query
+// attention without rotary, the squared-ReLU MLP, or Mamba-2 through the one native call layers/mamba2.py makes
+// (kvreuse_mamba2::mixer); its norms are float32 scales too (set_offset_norms: rms_norm_float_scale by the weight).
+//
 // A layer's attention is plain (the whole causal context, scale 1 / sqrt(head_dim), no sinks) unless
 // `set_attention` gives it what its `LayerAttention` holds: a sliding window, a softmax scale of its own,
 // learned sinks (gpt-oss), and the output projection's bias; the kernel takes the first three as the
@@ -43,6 +47,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/relu.h>
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -107,7 +112,20 @@ enum Kernel : int64_t { kQdot = 0, kQdot8 = 1, kPlain = 2, kRowdot = 3, kRowdot8
 constexpr int kProjections = 4;  // qkv, o, gate_up, down (a conv layer: in_proj, out_proj, gate_up, down)
 // What a layer mixes its rows with: attention over its K/V in the pool, LFM2's short convolution over its planes, or
 // Qwen3.5's Gated DeltaNet over each sequence's state.
-enum LayerKind : int { kAttentionLayer = 0, kConvLayer = 1, kDeltaLayer = 2 };
+// Nemotron-H's blocks are a norm, one mixer and the residual: attention without rotary, the squared-ReLU MLP, Mamba-2.
+enum LayerKind : int {
+  kAttentionLayer = 0, kConvLayer = 1, kDeltaLayer = 2, kAttentionBlock = 3, kMLPBlock = 4, kMambaBlock = 5
+};
+
+// A Mamba-2 block's mixer (add_mamba_block): its float32 parameters as layers/mamba2.py hands them to
+// kvreuse_mamba2::mixer, the state pool's tensors, the split of in_proj's output (z, x|B|C, dt) and the time step's limits.
+struct MambaMixer {
+  at::Tensor conv_weight;
+  OptTensor conv_bias;
+  at::Tensor a_log, dt_bias, d, norm_weight, conv_states, states;
+  int64_t state_layer = 0, heads = 0, groups = 0, inner = 0, conv_dim = 0;
+  double dt_min = 0.0, dt_max = 0.0;
+};
 
 // A Gated DeltaNet layer's mixer (add_delta_layer): its float32 parameters as layers/gated_delta.py hands them to
 // kvreuse_delta::delta_mixer, the state pool's tensors, and the split of in_proj's output.
@@ -172,6 +190,7 @@ struct Layer {
   bool gated = false;
   int64_t rotary_dim = 0;
   std::optional<DeltaMixer> delta;  // add_delta_layer
+  std::optional<MambaMixer> mamba;  // add_mamba_block
 };
 
 // What the model's shape fixes for every layer.
@@ -347,6 +366,56 @@ void run_delta_layer(const Kernels& k, const Layer& layer, const Shape& shape, a
   run_mlp(k, layer, hidden, norm(k, shape, hidden, layer.post_norm, mixed));
 }
 
+// Nemotron-H's blocks (models/nemotron_h.py): hidden += the mixer of the block's norm of hidden. Attention without rotary
+// (UnrotatedAttention: q, k, v copied out of the product, the step's K/V stored as the kernel attends), the squared-ReLU
+// MLP (SquaredReLUMLP), or Mamba-2 (Mamba2Mixer: z, x|B|C and dt from in_proj, the mixer in one native call).
+void run_block(const Kernels& k, const Layer& layer, const Shape& shape, at::Tensor& hidden, const StepInputs& in) {
+  const at::Tensor projected = project(k, layer.p[0], norm(k, shape, hidden, layer.input_norm), layer.qkv_bias);
+  const int64_t tokens = hidden.size(0);
+  if (layer.kind == kMLPBlock) {
+    hidden.add_(project(k, layer.p[1], at::relu(projected).square_(), layer.o_bias));
+    return;
+  }
+  if (layer.kind == kAttentionBlock) {
+    const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    TORCH_CHECK(projected.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", projected.size(1),
+                " columns, heads make ", q_size + 2 * kv_size);
+    const at::Tensor q = projected.narrow(1, 0, q_size).reshape({tokens, heads, head_dim}).contiguous();
+    at::Tensor key = projected.narrow(1, q_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
+    at::Tensor value = projected.narrow(1, q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
+    if (layer.k_pool.scalar_type() != key.scalar_type()) {
+      key = key.to(layer.k_pool.scalar_type());
+      value = value.to(layer.k_pool.scalar_type());
+    }
+    at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
+    k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
+                           in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
+                           layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
+                           shape.partition_size, key, value, in.slot_mapping);
+    hidden.add_(project(k, layer.p[1], attention.reshape({tokens, q_size}), layer.o_bias));
+    return;
+  }
+  static const auto mixer =
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                      at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      at::Tensor&, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t, int64_t,
+                      int64_t, double, double, double)>("kvreuse_mamba2::mixer");
+  const MambaMixer& m = *layer.mamba;
+  TORCH_CHECK(static_cast<int64_t>(in.state_slots.size()) > 0, "decoder_layer: a Mamba-2 block needs the step's state "
+              "slots (DecodeLayers.run's slots, starts and lens)");
+  TORCH_CHECK(projected.size(1) == m.inner + m.conv_dim + m.heads,
+              "decoder_layer: in_proj's output does not split into z, x|B|C and dt");
+  auto as_float = [](const at::Tensor& x) { return x.to(at::kFloat).contiguous(); };
+  at::Tensor conv_states = m.conv_states, states = m.states;
+  const at::Tensor y = mixer.call(
+      as_float(projected.narrow(1, m.inner, m.conv_dim)), as_float(projected.narrow(1, 0, m.inner)),
+      as_float(projected.narrow(1, m.inner + m.conv_dim, m.heads)), m.conv_weight, m.conv_bias, conv_states, m.a_log,
+      m.dt_bias, m.d, m.norm_weight, states, m.state_layer, in.state_slots, in.state_starts, in.state_lens, m.heads,
+      m.groups, m.groups, shape.eps, m.dt_min, m.dt_max);
+  hidden.add_(project(k, layer.p[1], y.to(hidden.scalar_type()), layer.o_bias));
+}
+
 // hidden += down(silu(gate) * up) of the post-mixer norm's output, or the layer's experts of it.
 void run_mlp(const Kernels& k, const Layer& layer, at::Tensor& hidden, const at::Tensor& normed) {
   if (layer.experts.has_value()) {
@@ -377,6 +446,10 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
   }
   if (layer.kind == kDeltaLayer) {
     run_delta_layer(k, layer, shape, hidden, in);
+    return;
+  }
+  if (layer.kind >= kAttentionBlock) {
+    run_block(k, layer, shape, hidden, in);
     return;
   }
   if (layer.gated) {
@@ -475,7 +548,55 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back(std::move(layer));
   }
 
-  // Every norm's weight a float32 (1 + weight) scale (Qwen3.5's): add_layer's norms too, given as such scales.
+  // A Nemotron-H attention or MLP block (kind 3 or 4): its two projections as `parts` counts them ([first, second, 0,
+  // 0]), their biases, its norm's float32 scale (set_offset_norms first) and, for attention, its K/V pools.
+  void add_block(int64_t kind, const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes,
+                 c10::IntArrayRef formats, c10::IntArrayRef parts, const OptTensor& in_bias, const OptTensor& out_bias,
+                 const at::Tensor& input_norm, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+    TORCH_CHECK(kind == kAttentionBlock || kind == kMLPBlock, "DecodeLayers.add_block: kind 3 (attention) or 4 (MLP)");
+    TORCH_CHECK(shape.offset_norms, "DecodeLayers.add_block: a block's norm is a float32 scale (set_offset_norms first)");
+    TORCH_CHECK(parts.size() == kProjections && parts[2] == 0 && parts[3] == 0,
+                "DecodeLayers.add_block: a block has two projections");
+    Layer layer = make_layer(weights, kernel_codes, formats, parts, in_bias, input_norm, at::Tensor(), c10::nullopt,
+                             c10::nullopt, k_pool, v_pool);
+    layer.o_bias = out_bias;
+    layer.kind = static_cast<LayerKind>(kind);
+    layers.push_back(std::move(layer));
+  }
+
+  // A Nemotron-H Mamba-2 block: in_proj and out_proj ([1+, 1+, 0, 0] parts), their biases, its norm's float32 scale, the
+  // mixer's float32 parameters (conv kernel [C, K] and bias, A_log, dt_bias, D, the grouped norm's weight), the state
+  // pool's conv inputs and states, the block's place in a slot, heads, groups, inner and conv widths, dt's limits.
+  void add_mamba_block(const std::vector<at::Tensor>& weights, c10::IntArrayRef kernel_codes, c10::IntArrayRef formats,
+                       c10::IntArrayRef parts, const OptTensor& in_bias, const OptTensor& out_bias,
+                       const at::Tensor& input_norm, at::Tensor conv_weight, OptTensor conv_bias, at::Tensor a_log,
+                       at::Tensor dt_bias, at::Tensor d, at::Tensor norm_weight, at::Tensor conv_states,
+                       at::Tensor states, int64_t state_layer, int64_t heads, int64_t groups, int64_t inner,
+                       int64_t conv_dim, double dt_min, double dt_max) {
+    TORCH_CHECK(shape.offset_norms, "DecodeLayers.add_mamba_block: a block's norm is a float32 scale "
+                "(set_offset_norms first)");
+    TORCH_CHECK(parts.size() == kProjections && parts[2] == 0 && parts[3] == 0,
+                "DecodeLayers.add_mamba_block: a block has two projections");
+    for (const at::Tensor* t : {&conv_weight, &a_log, &dt_bias, &d, &norm_weight}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                  "DecodeLayers.add_mamba_block: the mixer's parameters must be contiguous float32");
+    }
+    TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == conv_dim,
+                "DecodeLayers.add_mamba_block: the conv kernel must be [conv_dim, K]");
+    TORCH_CHECK(states.dim() == 5 && 0 <= state_layer && state_layer < states.size(1),
+                "DecodeLayers.add_mamba_block: states [slots, layers, H, P, N] with the block among them");
+    Layer layer = make_layer(weights, kernel_codes, formats, parts, in_bias, input_norm, at::Tensor(), c10::nullopt,
+                             c10::nullopt, at::Tensor(), at::Tensor());
+    layer.o_bias = out_bias;
+    layer.kind = kMambaBlock;
+    layer.mamba = MambaMixer{std::move(conv_weight), std::move(conv_bias), std::move(a_log), std::move(dt_bias),
+                             std::move(d), std::move(norm_weight), std::move(conv_states), std::move(states),
+                             state_layer, heads, groups, inner, conv_dim, dt_min, dt_max};
+    layers.push_back(std::move(layer));
+  }
+
+  // Every norm's weight a float32 scale, normed and scaled in float32 and rounded once: Qwen3.5's (1 + weight), and
+  // Nemotron-H's weight in float32; add_layer's norms too, given as such scales.
   void set_offset_norms(bool offset) { shape.offset_norms = offset; }
 
   // Layer ``index``'s attention is Qwen3.5's gated attention, rotary over the first ``rotary_dim`` of each head.
@@ -568,6 +689,8 @@ TORCH_LIBRARY(kvreuse_step, m) {
       .def("add_delta_layer", &DecodeLayers::add_delta_layer)
       .def("set_offset_norms", &DecodeLayers::set_offset_norms)
       .def("set_gated_attention", &DecodeLayers::set_gated_attention)
+      .def("add_block", &DecodeLayers::add_block)
+      .def("add_mamba_block", &DecodeLayers::add_mamba_block)
       .def("set_experts", &DecodeLayers::set_experts)
       .def("set_attention", &DecodeLayers::set_attention)
       .def("num_layers", &DecodeLayers::num_layers)

@@ -25,7 +25,9 @@ A hybrid's conv layer (LFM2's gated short convolution, models/lfm2.py) is held w
 convolution inputs found from the block tables as ``ConvTaps`` finds them. Qwen3.5's layers are held too
 (``set_offset_norms``: its (1 + weight) norms as float32 scales; ``set_gated_attention``: the output gate and the
 partial rotary; ``add_delta_layer``: a Gated DeltaNet layer's mixer, the one native call the op-by-op layer makes, over
-the state slots each step hands ``run``). Nemotron-H's Mamba-2 blocks are refused by the model (``native_step_refusal``).
+the state slots each step hands ``run``). So are Nemotron-H's blocks, a norm, one mixer and the residual each
+(``add_block``: attention without rotary, the squared-ReLU MLP; ``add_mamba_block``: Mamba-2 through the same native
+mixer call as op by op), its norms held as float32 scales too.
 ``KVREUSE_NATIVE_STEP=0`` turns it off (benchmarks compare the two in one run).
 """
 
@@ -53,6 +55,8 @@ from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import GemmaRMSNorm, RMSNorm
 from kvreuse.layers.recurrent import StateInputs
 from kvreuse.layers.short_conv import ShortConv
+from kvreuse.kernels import mamba2_scan as scan_kernel
+from kvreuse.models.nemotron_h import AttentionBlock, Float32ScaleRMSNorm, MambaBlock, MLPBlock
 from kvreuse.models.qwen3_5 import GatedAttention
 from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
 
@@ -87,6 +91,31 @@ class LayerArgs:
     conv: ConvArgs | None = None  # a conv layer's convolution (the projections are then in_proj and out_proj)
     delta: DeltaArgs | None = None  # a Gated DeltaNet layer's mixer (the projections are then in_proj and out_proj)
     gated_rotary_dim: int = 0  # Qwen3.5's gated attention: the rotary's width per head (0: not gated)
+    block: int = 0  # a Nemotron-H block's kind (BLOCK_KINDS: its projections are then [first, second, 0, 0])
+    mamba: MambaArgs | None = None  # a Mamba-2 block's mixer
+
+
+# decoder_layer.cpp's LayerKind of Nemotron-H's blocks.
+BLOCK_KINDS = {"attention": 3, "mlp": 4, "mamba": 5}
+
+
+@dataclass
+class MambaArgs:
+    """A Mamba-2 block's mixer as ``DecodeLayers.add_mamba_block`` takes it: its float32 parameters as layers/mamba2.py
+    hands them to the native mixer, its place in a state slot, its heads, groups, widths and dt's limits."""
+
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    conv_bias: torch.Tensor | None
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    d: torch.Tensor
+    norm_weight: torch.Tensor
+    state_layer: int
+    heads: int
+    groups: int
+    inner: int
+    conv_dim: int
+    dt_limit: tuple[float, float]
 
 
 @dataclass
@@ -152,6 +181,8 @@ def projection(linear: Linear, rows: int) -> tuple[list[torch.Tensor], list[int]
 
 
 def layer_args(layer: Any, rows: int) -> LayerArgs | str:
+    if isinstance(layer, (AttentionBlock, MLPBlock, MambaBlock)):
+        return block_args(layer, rows)
     if isinstance(getattr(layer, "conv", None), ShortConv):
         return conv_layer_args(layer, rows)
     if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
@@ -190,8 +221,9 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
 
 
 def _norm_weight(norm: RMSNorm | GemmaRMSNorm) -> torch.Tensor:
-    """What the native layer scales a norm by: Llama's weight, or a (1 + weight) norm's float32 scale."""
-    return norm.scale() if isinstance(norm, GemmaRMSNorm) else norm.weight.detach()
+    """What the native layer scales a norm by: Llama's weight, or a float32 scale (Gemma's and Qwen3.5's 1 + weight,
+    Nemotron-H's weight)."""
+    return norm.scale() if isinstance(norm, (GemmaRMSNorm, Float32ScaleRMSNorm)) else norm.weight.detach()
 
 
 def _projections(linears: tuple[Linear, ...], rows: int) -> tuple[list, list, list, list] | str:
@@ -206,6 +238,44 @@ def _projections(linears: tuple[Linear, ...], rows: int) -> tuple[list, list, li
         formats += found[2]
         parts.append(len(found[0]))
     return weights, kernels, formats, parts
+
+
+def block_args(layer: AttentionBlock | MLPBlock | MambaBlock, rows: int) -> LayerArgs | str:
+    """A Nemotron-H block's arguments: its norm's float32 scale and its two projections (q|k|v and o, up and down, or
+    in_proj and out_proj), with the attention's pools or the Mamba-2 mixer's parameters."""
+    norm = _norm_weight(layer.input_layernorm)
+    if isinstance(layer, MLPBlock):
+        found = _projections((layer.ffn.up_proj, layer.ffn.down_proj), rows)
+        if isinstance(found, str):
+            return found
+        first, second = layer.ffn.up_proj, layer.ffn.down_proj
+        kind, mamba, attention = "mlp", None, PLAIN_ATTENTION
+    elif isinstance(layer, AttentionBlock):
+        attention_module = layer.self_attn
+        found = _projections((attention_module.qkv_proj, attention_module.o_proj), rows)
+        if isinstance(found, str):
+            return found
+        first, second = attention_module.qkv_proj, attention_module.o_proj
+        kind, mamba, attention = "attention", None, attention_module.layer_attention
+    else:
+        mixer = layer.mixer
+        if not scan_kernel.available():
+            return "a Mamba-2 block without its native mixer"
+        found = _projections((mixer.in_proj, mixer.out_proj), rows)
+        if isinstance(found, str):
+            return found
+        first, second = mixer.in_proj, mixer.out_proj
+        conv_weight, conv_bias, a_log, dt_bias, d, norm_weight = mixer._native_parameters.get(
+            mixer.conv1d.weight, mixer.conv1d.bias, mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight)
+        mamba = MambaArgs(conv_weight.squeeze(1).contiguous(), conv_bias, a_log, dt_bias, d, norm_weight,
+                          mixer.state_layer, mixer.heads, mixer.groups, mixer.inner_size, mixer.conv_dim,
+                          (float(mixer.dt_limit[0]), float(mixer.dt_limit[1])))
+        kind, attention = "mamba", PLAIN_ATTENTION
+    weights, kernels, formats, parts = found
+    return LayerArgs(weights, kernels, formats, parts + [0, 0], _bias(first), norm, norm, layer.input_layernorm.eps,
+                     None, None, attention=attention, o_bias=_bias(second),
+                     kv_layer=layer.self_attn.kv_layer if kind == "attention" else 0, block=BLOCK_KINDS[kind],
+                     mamba=mamba)
 
 
 def delta_layer_args(layer: Any, rows: int) -> LayerArgs | str:
@@ -296,8 +366,8 @@ class NativeDecodeStep:
         partition_size = getattr(self.model.attention_backend, "partition_size", 0)
         if partition_size:  # batch-invariant: the attention's partitions as the op-by-op path cuts them
             held.set_partition_size(partition_size)
-        if config.norm_style == "offset":  # Qwen3.5's (1 + weight) norms, every norm held as its float32 scale
-            held.set_offset_norms(True)
+        if config.norm_style == "offset" or any(layer.block for layer in args):
+            held.set_offset_norms(True)  # Qwen3.5's (1 + weight) and Nemotron-H's norms: held as float32 scales
         convs = [layer.conv for layer in args if layer.conv is not None]
         if convs:
             assert kv_cache.planes is not None, "a conv layer's pool has its planes"
@@ -307,6 +377,24 @@ class NativeDecodeStep:
                 held.add_conv_layer(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias,
                                     layer.o_bias, layer.input_norm, layer.post_norm, layer.conv.weight,
                                     layer.conv.bias, kv_cache.planes[layer.conv.plane])
+                continue
+            if layer.mamba is not None:
+                mamba, states = layer.mamba, kv_cache.states
+                assert states is not None, "a Mamba-2 block's pool has its states"
+                held.add_mamba_block(layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias,
+                                     layer.o_bias, layer.input_norm, mamba.conv_weight, mamba.conv_bias, mamba.a_log,
+                                     mamba.dt_bias, mamba.d, mamba.norm_weight, states.conv, states.ssm,
+                                     mamba.state_layer, mamba.heads, mamba.groups, mamba.inner, mamba.conv_dim,
+                                     *mamba.dt_limit)
+                continue
+            if layer.block:
+                pools = kv_cache.layer_pools(layer.kv_layer)[:2] if layer.block == BLOCK_KINDS["attention"] else (
+                    torch.empty(0), torch.empty(0))
+                held.add_block(layer.block, layer.weights, layer.kernels, layer.formats, layer.parts, layer.qkv_bias,
+                               layer.o_bias, layer.input_norm, *pools)
+                if not layer.attention.is_plain:
+                    held.set_attention(index, layer.attention.sliding_window or 0, layer.attention.scale or 0.0,
+                                       layer.attention.sinks, layer.o_bias)
                 continue
             if layer.delta is not None:
                 delta, states = layer.delta, kv_cache.states
