@@ -296,6 +296,23 @@ at::Tensor rotate_part(const at::Tensor& x, int64_t rotary_dim, const StepInputs
                   x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
 }
 
+// Attention of q [T, heads, head_dim] over the layer's paged context, the step's key and value [T, kv_heads, head_dim]
+// stored by the kernel as it attends (rounded to the pool's dtype first where it differs: a bfloat16 pool under a
+// float32 model), as NativePagedAttention.forward's fused store does. Returns [T, heads, head_dim].
+at::Tensor paged_attend(const Kernels& k, const Layer& layer, const Shape& shape, const StepInputs& in,
+                        const at::Tensor& q, at::Tensor key, at::Tensor value) {
+  if (layer.k_pool.scalar_type() != key.scalar_type()) {
+    key = key.to(layer.k_pool.scalar_type());
+    value = value.to(layer.k_pool.scalar_type());
+  }
+  at::Tensor attention = at::empty({q.size(0), shape.heads, shape.head_dim}, q.options());
+  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
+                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
+                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
+                         shape.partition_size, key, value, in.slot_mapping);
+  return attention;
+}
+
 void run_mlp(const Kernels& k, const Layer& layer, at::Tensor& hidden, const at::Tensor& normed);
 
 // sigmoid of a float32 copy of x, the scalar exp on every value (kvreuse_delta::pointwise_, kind 1: layers/recurrent.py
@@ -321,18 +338,10 @@ void run_gated_attention_layer(const Kernels& k, const Layer& layer, const Shape
   at::Tensor q = norm(k, shape, query_gate.narrow(-1, 0, head_dim).contiguous(), *layer.q_norm);
   at::Tensor key = norm(k, shape, qkv.narrow(1, 2 * q_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous(),
                         *layer.k_norm);
-  at::Tensor value = qkv.narrow(1, 2 * q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
+  const at::Tensor value = qkv.narrow(1, 2 * q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
   q = rotate_part(q, layer.rotary_dim, in);
   key = rotate_part(key, layer.rotary_dim, in);
-  if (layer.k_pool.scalar_type() != key.scalar_type()) {
-    key = key.to(layer.k_pool.scalar_type());
-    value = value.to(layer.k_pool.scalar_type());
-  }
-  at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
-  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
-                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
-                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
-                         shape.partition_size, key, value, in.slot_mapping);
+  const at::Tensor attention = paged_attend(k, layer, shape, in, q, key, value);
   const at::Tensor gate = query_gate.narrow(-1, head_dim, head_dim).reshape({tokens, q_size});
   const at::Tensor gated = (attention.reshape({tokens, q_size}) * native_sigmoid(gate)).to(hidden.scalar_type());
   const at::Tensor attended = project(k, layer.p[1], gated, layer.o_bias);
@@ -381,18 +390,10 @@ void run_block(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     TORCH_CHECK(projected.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", projected.size(1),
                 " columns, heads make ", q_size + 2 * kv_size);
-    const at::Tensor q = projected.narrow(1, 0, q_size).reshape({tokens, heads, head_dim}).contiguous();
-    at::Tensor key = projected.narrow(1, q_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
-    at::Tensor value = projected.narrow(1, q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous();
-    if (layer.k_pool.scalar_type() != key.scalar_type()) {
-      key = key.to(layer.k_pool.scalar_type());
-      value = value.to(layer.k_pool.scalar_type());
-    }
-    at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
-    k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
-                           in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
-                           layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
-                           shape.partition_size, key, value, in.slot_mapping);
+    const at::Tensor attention = paged_attend(
+        k, layer, shape, in, projected.narrow(1, 0, q_size).reshape({tokens, heads, head_dim}).contiguous(),
+        projected.narrow(1, q_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous(),
+        projected.narrow(1, q_size + kv_size, kv_size).reshape({tokens, kv_heads, head_dim}).contiguous());
     hidden.add_(project(k, layer.p[1], attention.reshape({tokens, q_size}), layer.o_bias));
     return;
   }
@@ -464,18 +465,10 @@ void run_layer(const Kernels& k, const Layer& layer, const Shape& shape, at::Ten
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer: qkv has ", qkv.size(1), " columns, heads make ",
               q_size + 2 * kv_size);
   k.rotary.call(qkv, in.cos, in.sin, in.positions, heads, kv_heads, head_dim, layer.q_norm, layer.k_norm, eps);
-  const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
-  at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
-  at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-  if (layer.k_pool.scalar_type() != qkv.scalar_type()) {  // a bfloat16 pool under a float32 model: rounded as stored
-    k_new = k_new.to(layer.k_pool.scalar_type());
-    v_new = v_new.to(layer.k_pool.scalar_type());
-  }
-  at::Tensor attention = at::empty({tokens, heads, head_dim}, hidden.options());
-  k.paged_attention.call(attention, q, layer.k_pool, layer.v_pool, c10::nullopt, c10::nullopt, in.block_tables,
-                         in.query_start, in.query_lens, in.context_lens, shape.block_size, -1,
-                         layer.scale > 0.0 ? layer.scale : shape.scale, layer.window, layer.sinks,
-                         shape.partition_size, k_new, v_new, in.slot_mapping);
+  // q, k and v read where the product left them (views of its rows).
+  const at::Tensor attention = paged_attend(k, layer, shape, in, qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim}),
+                                            qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim}),
+                                            qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim}));
   const at::Tensor attended = project(k, layer.p[1], attention.view({tokens, q_size}), layer.o_bias);
   // hidden += attended, then the post-attention norm of the sum (one pass).
   run_mlp(k, layer, hidden, k.rms_norm.call(hidden, layer.post_norm, eps, attended));

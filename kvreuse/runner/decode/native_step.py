@@ -200,15 +200,10 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     for linear in linears[2:]:
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
             return "a bias on an MLP projection"
-    weights, kernels, formats, parts = [], [], [], []
-    for linear in linears:
-        found = projection(linear, rows)
-        if isinstance(found, str):
-            return found
-        weights += found[0]
-        kernels += found[1]
-        formats += found[2]
-        parts.append(len(found[0]))
+    found = _projections(linears, rows)
+    if isinstance(found, str):
+        return found
+    weights, kernels, formats, parts = found
     if experts:
         parts += [0, 0]  # the layer's MLP is its experts (DecodeLayers.set_experts)
     bias, o_bias = (_bias(linear) for linear in (attention.qkv_proj, attention.o_proj))
