@@ -63,9 +63,9 @@ def main() -> int:
     held_class = native_step.HeldLayers
     one_call = held_class.run
 
-    def per_layer(held, hidden, rope, metadata, first, last) -> None:
+    def per_layer(held, hidden, rope, metadata, first, last, recurrent=None) -> None:
         for index in range(first, last):
-            one_call(held, hidden, rope, metadata, index, index + 1)
+            one_call(held, hidden, rope, metadata, index, index + 1, recurrent)
 
     def use(mode: str) -> None:
         held_class.run = per_layer if mode == "per layer" else one_call

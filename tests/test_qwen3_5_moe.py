@@ -275,8 +275,7 @@ def test_the_native_moe_layer_adds_the_shared_expert_with_the_python_layers_bits
 
 def test_the_native_decode_step_refuses_a_layer_with_a_shared_expert():
     """The native decode step's MoE layer runs the routed experts only: a layer with a shared expert runs op by op,
-    saying so (a hybrid refuses the native step before, an attention-only model with a shared expert would reach
-    this)."""
+    saying so (Qwen3.5-MoE's attention layers; its Gated DeltaNet layers are refused for their experts too)."""
     from types import SimpleNamespace
 
     from kvreuse.layers.moe_config import MoEConfig

@@ -188,14 +188,14 @@ def layer_args(layer: Any, rows: int) -> LayerArgs | str:
     if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
         return delta_layer_args(layer, rows)
     attention, mlp = layer.self_attn, layer.mlp
-    gated = isinstance(attention, GatedAttention)
-    if isinstance(layer.input_layernorm, GemmaRMSNorm) and not gated:
-        return "Gemma's norms around a Llama-shaped attention"
     experts = isinstance(mlp, SparseMoE)
     if experts and (mlp.native is None or rows > mlp.native_max_rows):
         return "an MoE layer without its native layer" if mlp.native is None else f"MoE experts at {rows} rows"
     if experts and mlp.shared_expert is not None:
         return "a shared expert (the native decode step runs the routed experts only)"
+    gated = isinstance(attention, GatedAttention)
+    if isinstance(layer.input_layernorm, GemmaRMSNorm) and not gated:
+        return "Gemma's norms around a Llama-shaped attention"
     linears = (attention.qkv_proj, attention.o_proj) + (() if experts else (mlp.gate_up_proj, mlp.down_proj))
     for linear in linears[2:]:
         if linear.bias is not None or (linear.kernel is not None and linear.kernel.bias is not None):
