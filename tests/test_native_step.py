@@ -105,6 +105,18 @@ def test_quantized_files_equal_op_by_op_on_each_kernel(tiny_models, gguf_dir, mo
         assert set(qkv.experts[3]) == {expected}  # the gate|up products' kernel per row count
 
 
+@pytest.fixture(scope="module")
+def hybrid_folder(tmp_path_factory):
+    """Each hybrid's tiny folder (``_hybrid``), made once for the module."""
+    made: dict[str, object] = {}
+
+    def folder(arch: str) -> object:
+        if arch not in made:
+            made[arch] = _hybrid(tmp_path_factory.mktemp(f"{arch}-folder"), arch)
+        return made[arch]
+    return folder
+
+
 def _hybrid(root, arch: str) -> object:
     """A tiny LFM2 folder (make-model's); a tiny Qwen3.5 folder with transformers' larger random init and fewer key
     heads than value heads (its GGUF file then holds the value heads in llama.cpp's tiled order); a tiny Nemotron-H
@@ -119,16 +131,15 @@ def _hybrid(root, arch: str) -> object:
 @pytest.mark.parametrize("arch,kind,dtype", [("lfm2", "F32", "float32"), ("lfm2", "Q8_0", "bfloat16"),
                                              ("qwen3_5", "F32", "float32"), ("qwen3_5", "Q8_0", "bfloat16"),
                                              ("nemotron_h", "F32", "float32"), ("nemotron_h", "Q8_0", "bfloat16")])
-def test_hybrid_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, monkeypatch, arch, kind, dtype):
+def test_hybrid_layers_equal_op_by_op_bit_for_bit(tmp_path_factory, hybrid_folder, monkeypatch, arch, kind, dtype):
     """A hybrid's layers in the native step: LFM2's conv layers (DecodeLayers.add_conv_layer: each row's convolution
     inputs found from the block tables, read from and written to the planes), Qwen3.5's Gated DeltaNet layers over
     each sequence's state slot (add_delta_layer), its gated attention with partial rotary and its (1 + weight) norms;
     Nemotron-H's blocks (add_block, add_mamba_block: attention without rotary, the squared-ReLU MLP, Mamba-2); a hit
     ending mid-block, rows of several sequences, chunks over cached context; bit for bit the op-by-op path's,
     a Q8_0 file in bfloat16 too."""
-    root = tmp_path_factory.mktemp(f"{arch}-native")
-    folder = _hybrid(root, arch)
-    path = folder if kind == "F32" else write_gguf(folder, root / f"{arch}.q8_0.gguf", kind)
+    folder = hybrid_folder(arch)
+    path = folder if kind == "F32" else write_gguf(folder, tmp_path_factory.mktemp(arch) / f"{arch}.q8_0.gguf", kind)
     native, op_by_op = _both(monkeypatch, str(path), dtype=dtype, device="cpu", block_size=4,
                              kv_cache_memory="512KiB", max_num_batched_tokens=24)
     assert op_by_op.engine.runner.decode.native_step is None
