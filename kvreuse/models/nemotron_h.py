@@ -32,7 +32,7 @@ from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.mamba2 import Mamba2Mixer
 from kvreuse.layers.mlp import SquaredReLUMLP
 from kvreuse.layers.norm import RMSNorm
-from kvreuse.layers.recurrent import StateInputs
+from kvreuse.layers.recurrent import Float32Parameters, StateInputs
 from kvreuse.models.config import MAMBA, MLP_BLOCK, ModelConfig
 from kvreuse.models.llama import LlamaFamilyAttention, LlamaFamilyForCausalLM, RopeInputs
 
@@ -47,15 +47,13 @@ class Float32ScaleRMSNorm(RMSNorm):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(size, eps, dtype, device)
-        self._scale: torch.Tensor | None = None
-        self._scale_of: tuple[int, int] = (0, -1)
+        self._float32 = Float32Parameters()
 
     def scale(self) -> torch.Tensor:
         """The weight in float32, made once (remade where loading changes it)."""
-        key = (id(self.weight), self.weight._version)
-        if self._scale is None or key != self._scale_of:
-            self._scale, self._scale_of = self.weight.detach().float().contiguous(), key
-        return self._scale
+        scale, = self._float32.get(self.weight)
+        assert scale is not None
+        return scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype == torch.float32:

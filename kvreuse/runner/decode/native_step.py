@@ -45,20 +45,19 @@ from kvreuse.attention.backend import PLAIN_ATTENTION, LayerAttention
 from kvreuse.attention.cpu_paged import NativeAttentionMetadata, NativePagedAttention
 from kvreuse.cache.kv import KVCache
 from kvreuse.kernels import fused_ops, qpacked, quant_ops
+from kvreuse.kernels import gated_delta as gated_delta_kernel
 from kvreuse.kernels.decoder_layer import library
 from kvreuse.kernels.quant import QuantizedTensor
 from kvreuse.layers.experts import SparseMoE
-from kvreuse.layers.linear import Linear
-from kvreuse.kernels import gated_delta as gated_delta_kernel
 from kvreuse.layers.gated_delta import GatedDeltaNet
+from kvreuse.layers.linear import Linear
 from kvreuse.layers.mlp import GatedMLP
 from kvreuse.layers.norm import GemmaRMSNorm, RMSNorm
+from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
 from kvreuse.layers.recurrent import StateInputs
 from kvreuse.layers.short_conv import ShortConv
-from kvreuse.kernels import mamba2_scan as scan_kernel
 from kvreuse.models.nemotron_h import AttentionBlock, Float32ScaleRMSNorm, MambaBlock, MLPBlock
 from kvreuse.models.qwen3_5 import GatedAttention
-from kvreuse.layers.plan_book import LAYOUT, ROWDOT_GROUP, LinearKernel
 
 logger = logging.getLogger("kvreuse")
 
@@ -253,9 +252,7 @@ def block_args(layer: AttentionBlock | MLPBlock | MambaBlock, rows: int) -> Laye
         first, second = attention_module.qkv_proj, attention_module.o_proj
         kind, mamba, attention = "attention", None, attention_module.layer_attention
     else:
-        mixer = layer.mixer
-        if not scan_kernel.available():
-            return "a Mamba-2 block without its native mixer"
+        mixer = layer.mixer  # the scan's kernel built: the model refuses the native step otherwise
         found = _projections((mixer.in_proj, mixer.out_proj), rows)
         if isinstance(found, str):
             return found
