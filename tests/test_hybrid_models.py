@@ -46,7 +46,7 @@ def make_llm(model_dir: Path, **options) -> LLM:
     return LLM(str(model_dir), **settings)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_short_convolution_over_a_flat_batch_equals_conv1d_per_sequence_and_the_kernel_its_reference(dtype):
     torch.manual_seed(0)
     hidden, kernel, block_size = 8, 3, 4
