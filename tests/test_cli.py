@@ -77,3 +77,6 @@ def test_only_the_named_subcommand_is_imported():
     # Each sub-command's own --help: test_documented_commands.py::test_subcommand_help.
     wrong = run_cli("serve", "--model", "m", "--no-such-option", timeout=120)
     assert wrong.returncode == 2 and "--no-such-option" in wrong.stderr
+    # A bad --stream-interval is named before the model loads (the model "m" does not exist).
+    bad = run_cli("serve", "--model", "m", "--stream-interval", "0", timeout=120)
+    assert bad.returncode == 2 and "stream_interval must be >= 1" in bad.stderr, bad.stderr

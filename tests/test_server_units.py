@@ -362,6 +362,46 @@ def test_running_gauge_is_published_before_each_output_reaches_the_event_loop(ti
     assert scraped_running() == 0.0
 
 
+def test_stream_interval_sends_an_output_every_n_tokens_and_changes_no_text(tiny_model):
+    """--stream-interval N: a streamed request's outputs reach the event loop at its first token, then once N new
+    tokens have come, and finished; a request answered whole gets its first and its finished output only; a request
+    with stop strings gets every output (they are found on the event loop) and stops where the string ends. The
+    tokens and text equal those of interval 1 in every case."""
+    from kvreuse.llm import LLM
+    from kvreuse.sampling import SamplingParams
+    from kvreuse.server.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory="4MiB")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
+            AsyncEngine(llm.engine, stats_log_interval_s=0, stream_interval=bad)
+    greedy = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+
+    def outputs_of(interval: int, params: SamplingParams, stream: bool = True):
+        engine = AsyncEngine(llm.engine, stats_log_interval_s=0, stream_interval=interval)
+
+        async def run():
+            return [output async for output in engine.generate("r", "A very long story:", params, stream=stream)]
+
+        outputs = run_on_engine_thread(engine, run)
+        llm.engine.runner.step_threads = None  # the next engine measures its own
+        return [len(output.outputs[0].token_ids) for output in outputs], outputs[-1].outputs[0]
+
+    every, reference = outputs_of(1, greedy)
+    assert every == list(range(1, 12))
+    counts, final = outputs_of(4, greedy)
+    assert counts == [1, 5, 9, 11] and final.token_ids == reference.token_ids and final.text == reference.text
+    counts, final = outputs_of(4, greedy, stream=False)
+    assert counts == [1, 11] and final.text == reference.text
+    stop = reference.text[len(reference.text) // 2:][:3]
+    assert stop.strip(), reference.text
+    stopping = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, stop=[stop])
+    counts_1, stopped_1 = outputs_of(1, stopping)
+    counts_4, stopped_4 = outputs_of(4, stopping)
+    assert counts_4 == counts_1 and stopped_4.text == stopped_1.text and stopped_4.finish_reason == "stop"
+    assert stopped_4.text == reference.text[:reference.text.index(stop)]
+
+
 def test_with_tools_the_role_chunk_goes_out_with_the_first_token() -> None:
     """A tool-call reply's first token decides nothing yet (it may be the start of a call, held back by the
     extractor), but the stream's first chunk, the role, goes out with it: a client timing its first chunk

@@ -187,7 +187,8 @@ async def _answer(state: ServerState, prepared: _Prepared, arrival_time: float) 
     state.engine.metrics.request_started(prepared.body.model if lora_request is not None else None)
     outputs = state.engine.generate(message_id, prepared.inputs.prompt, prepared.params,
                                     cache_salt=prepared.cache_salt, arrival_time=arrival_time, pins=prepared.pins,
-                                    lora_request=lora_request, owner=state.request_owner(prepared.tenant))
+                                    lora_request=lora_request, owner=state.request_owner(prepared.tenant),
+                                    stream=bool(prepared.body.stream))
     if prepared.body.stream:
         return StreamingResponse(_events(state, prepared, message_id, outputs, admission.release),
                                  media_type="text/event-stream")

@@ -13,7 +13,14 @@ iteration produced. So a client that has read a request's first byte finds it ru
 made afterwards, and one that has read the last finds it gone.
 
 Outputs are cumulative (all token ids and logprobs so far), so a consumer that falls behind only
-needs the newest one: `AsyncEngine.generate` skips to the latest queued output.
+needs the newest one: `AsyncEngine.generate` skips to the latest queued output. For the same reason the
+engine thread need not send every step's output (``stream_interval``, SGLang's and vLLM's
+``--stream-interval``): a streamed request's output goes to its event loop when ``stream_interval`` new
+tokens have come since the last one sent, and a request answered whole (``stream=False``) gets its first
+and its finished output only. The first output and the finished one always go at once, and a request with
+stop strings gets every output (they are found in the text, on the event loop). Each output sent wakes the
+event loop and the client: on 2 cores that is a core taken from the step's thread team every token (docs/
+benchmarks.md, "The served one stream on the EPYC").
 
 Text is made on the event loop, not the engine thread: `generate` runs the engine's token ids
 through an `OutputProcessor` (detokenizing, stop strings, stream holdback) and sends a finish
@@ -69,8 +76,11 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    # Send an output once this many new tokens have come since the last one sent (None: the finished one only).
+    interval: int | None = 1
     first_output_seen: bool = False
     last_output_time: float = 0.0
+    tokens_sent: int = 0  # the output tokens of the last output sent
 
 
 @dataclass
@@ -113,8 +123,11 @@ class _Stop:
 class AsyncEngine:
     """Runs an `LLMEngine` on a background thread; `generate` streams its outputs to asyncio code."""
 
-    def __init__(self, engine: LLMEngine, *, stats_log_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, *, stats_log_interval_s: float = 10.0, stream_interval: int = 1) -> None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1 (tokens), got {stream_interval!r}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self.model_name = engine.model_name
         # The event loop's own tokenizer object (the engine thread uses engine.tokenizer).
         self.tokenizer = Tokenizer(engine.tokenizer.path)
@@ -208,16 +221,20 @@ class AsyncEngine:
         pins: Sequence[PinSpec] = (),
         lora_request: LoRARequest | None = None,
         owner: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its processed outputs (text, stream deltas) until the finished
-        one. Leaving early (the client went away, the task was cancelled) aborts the request, so its
-        KV blocks return to the pool."""
+        one: with ``stream``, one every ``stream_interval`` tokens, else the first and the finished one
+        (module docstring). Leaving early (the client went away, the task was cancelled) aborts the
+        request, so its KV blocks return to the pool."""
         if not self.is_running:
             raise EngineError("the engine loop is not running")
         tokenized = self.inputs.from_prompt(prompt, validate=False)  # handlers validated it already
         # Its generated text is remembered under its cache salt, the scope its tenant's next turn is encoded in.
         self._outputs.add_request(request_id, tokenized.token_ids, params, memory_scope=cache_salt or "")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        # Stop strings are found in the text, here: their request needs every output to stop where they end.
+        interval = 1 if params.stop else self.stream_interval if stream else None
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), interval)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._inbox.put(_Add(request_id, tokenized.as_engine_prompt(), params, cache_salt, arrival, stream,
                              tuple(pins), lora_request, owner))
@@ -379,6 +396,11 @@ class AsyncEngine:
             stream.last_output_time = now
             if output.finished:
                 self._record_finished(output)
+            elif stream.tokens_sent and stream.interval != 1:
+                tokens = sum(len(completion.token_ids) for completion in output.outputs)
+                if stream.interval is None or tokens - stream.tokens_sent < stream.interval:
+                    continue  # the next output sent holds these tokens too (outputs are cumulative)
+            stream.tokens_sent = sum(len(completion.token_ids) for completion in output.outputs) or 1
             deliveries.setdefault(stream.loop, []).append((stream, output))
         for loop, items in deliveries.items():
             self._outbox.append(functools.partial(_call_soon, loop, _put_all, items))

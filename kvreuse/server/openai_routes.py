@@ -220,7 +220,7 @@ async def _serve(state: ServerState, request: Request, generation: _Generation) 
         engine.generate(generation.engine_request_id(index), prompt, params,
                         cache_salt=generation.cache_salt, arrival_time=generation.arrival_time,
                         pins=generation.pins if index == 0 else (), lora_request=lora_request,
-                        owner=generation.owner)
+                        owner=generation.owner, stream=generation.stream)
         for index, (prompt, params) in enumerate(zip(generation.prompts, generation.params))
     ])
     handed_to_stream = False

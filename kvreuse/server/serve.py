@@ -71,6 +71,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds SIGTERM waits for requests in flight before exiting anyway")
     parser.add_argument("--stats-log-interval", type=float, default=10.0,
                         help="seconds between engine stats log lines while busy (0: off)")
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                        help="a streamed response's chunks carry the tokens of this many steps' worth (SGLang's and "
+                             "vLLM's option; the first token and the last always go at once): fewer chunks leave "
+                             "the cores to the step (default 1: every token)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                         help="how the model writes tool calls (vLLM's names): hermes (Qwen2.5/Qwen3, ChatML "
@@ -119,6 +123,9 @@ def build_server(args: argparse.Namespace) -> ServerParts:
         raise ValueError("--lora-modules needs --enable-lora")
     if args.isolate_tenants and not (api_keys or admin_keys):
         raise ValueError("--isolate-tenants needs --api-key or --api-keys-file: tenants are told apart by key")
+    if args.stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1 (tokens a streamed chunk waits for), "
+                         f"got {args.stream_interval}")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {args.drain_timeout}")
     kv_events_config = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
@@ -133,7 +140,8 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     llm = llm_from_args(args)
     if args.warm_prompts:
         warm_up(llm.engine, args.warm_prompts, {lora.lora_name: lora for lora in lora_modules})
-    engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval)
+    engine = AsyncEngine(llm.engine, stats_log_interval_s=args.stats_log_interval,
+                         stream_interval=args.stream_interval)
     state = ServerState(engine, config)
     for lora in lora_modules:  # loaded and checked now: a bad adapter stops the start with its reason
         state.adapters[lora.lora_name] = ServedAdapter(lora, llm.engine.adapter_digest(lora))
