@@ -171,6 +171,11 @@ COMMANDS: dict[str, str] = {
     "models/smollm2-135m-v2384.f32.gguf --out agent.json --plot docs/img/bench_agent.png": SCRIPT,
     # docs/benchmarks.md: token trees measured before building them (issue 65)
     "python benchmarks/bench_draft_trees.py --json docs/bench_draft_trees_xeon_s26.json": SCRIPT,
+    # docs/benchmarks.md: drafts on / off interleaved, and one stream served / offline interleaved (issue 65)
+    "python benchmarks/bench_drafts_ab.py --rounds 3 --json docs/bench_drafts_ab_epyc_s36.json": SCRIPT,
+    "python benchmarks/bench_served_one_stream.py --repeats 8 --stream-interval 4 --json "
+    "docs/bench_served_one_stream_si4_epyc_s36.json": SCRIPT,
+    "python benchmarks/bench_served_one_stream.py --repeats 8 --json docs/bench_served_one_stream_epyc_s36.json": SCRIPT,
     # docs/benchmarks.md: where a hybrid model's recurrent state is kept, simulated (issue 66)
     "python benchmarks/simulate_state_snapshots.py --json docs/simulate_state_snapshots.json": SCRIPT,
     # docs/benchmarks.md: the quantized KV cache (issue 31)
@@ -330,6 +335,10 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
     "bench_gguf.py": (r"decode tok/s, 1 stream\s+\d", r"prefill tok/s\s+\d", r"weights held MiB\s+\d"),
     "bench_structured.py": (r"cached \(same schema resent\)\s+\d", r"concurrency\s+plain tok/s\s+schema tok/s",
                             r"\n1\s+\d+\.\d\s+\d+\.\d\s+\d\.\d\d"),
+    "bench_drafts_ab.py": (r"(?m)^\| edit \| one stream \| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\) \| \d",
+                           r"(?m)^\| control \| streams \| \d+\.\d\dx", r"greedy texts, drafts on = off: (\d+) of \1"),
+    "bench_served_one_stream.py": (r"served / offline, median of the rounds' ratios: \d+\.\d\d",
+                                   r"interleaved rounds, --stream-interval \d"),
     "bench_draft_trees.py": (r"step ms by rows: 1: \d+\.\d\d, 2: \d",
                              r"(?m)^\| edit \| chain \| \d\.\d{3} \| \d+\.\d\d \| 1\.000x",
                              r"(?m)^\| agent \| tree-2 \| \d\.\d{3} \|",
@@ -355,6 +364,7 @@ SCRIPT_TABLES: dict[str, tuple[str, ...]] = {
 }
 # What a script's --json file must hold (the scripts that take --json).
 JSON_KEYS = {"bench_engine.py": "kvreuse_warm_over_cold", "bench_draft_trees.py": "workloads",
+             "bench_drafts_ab.py": "median_ratios", "bench_served_one_stream.py": "served_over_offline",
              "simulate_state_snapshots.py": "results", "bench_state_snapshots.py": "results"}
 SMOKE_BANNER = "KVREUSE_BENCH_SMOKE=1"
 
