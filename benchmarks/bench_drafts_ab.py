@@ -123,8 +123,11 @@ def main() -> int:
                         replies = asyncio.run((drafts.all_at_once if phase == "streams" else drafts.one_at_a_time)(
                             url, phase_jobs, args.max_tokens))
                         wall = time.perf_counter() - started
-                        result = drafts.phase_figures(replies, wall if phase == "streams" else None)
-                        measured[system] = result["output_tok_s" if phase == "streams" else "decode_tok_s_median"]
+                        result = drafts.phase_figures(replies, wall)
+                        # A reply whose text came in one chunk has no decode rate (the tiny preset's bytes that
+                        # complete no character): its phase is then timed as output tokens over the wall time.
+                        measured[system] = result["decode_tok_s_median"] if phase == "one_stream" and \
+                            result["decode_tok_s_median"] is not None else result["output_tok_s"]
                         texts[system] = {reply.key: reply.text for reply in replies}
                     on_texts, off_texts = texts["kvreuse"], texts["kvreuse-off"]
                     unequal += [key for key in on_texts if on_texts[key] != off_texts.get(key)]

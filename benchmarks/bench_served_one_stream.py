@@ -86,6 +86,7 @@ class OfflineProcess:
 
 
 def served_rate(base_url: str, tokens: int) -> float:
+    sent = time.perf_counter()
     times = []
     with httpx.Client(timeout=300) as client, client.stream("POST", f"{base_url}/v1/completions", json={
             "model": "bench-model", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
@@ -95,7 +96,9 @@ def served_rate(base_url: str, tokens: int) -> float:
             if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
                 times.append(time.perf_counter())
     # Each SSE event carries the tokens of one step; the events after the first carry tokens - 1 of them at most.
-    return (tokens - 1) / (times[-1] - times[0])
+    # A stream whose text came in one event (a random model's bytes that complete no character) is timed from the
+    # request.
+    return (tokens - 1) / (times[-1] - (times[0] if len(times) > 1 else sent))
 
 
 def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
