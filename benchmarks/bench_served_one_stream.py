@@ -2,9 +2,9 @@
 
 Served: a ``kvreuse serve`` process on a free port, one prompt streamed over /v1/completions, greedy, ``--tokens``
 tokens with ignore_eos; its rate is the tokens after the first over the time from the first SSE event to the last.
-Offline: ``LLM.generate`` of the same prompt in a second process (``--offline-worker``, loaded once), the tokens
-after the first over the time after the first token. Both with the cache drafter off unless ``--drafts`` (the
-comparison is of the serving path, not of drafting).
+Offline: the same prompt in a second process (``--offline-worker``, loaded once) through the engine, stepped as
+``LLM.generate`` steps it; the tokens after the first over the time from the step that gave the first token. Both
+with the cache drafter off unless ``--drafts`` (the comparison is of the serving path, not of drafting).
 
 Both processes are up for the whole run, and each round runs one served stream, then one offline stream, so the
 two see the machine in the same state: a virtual machine's speed moves by 10-30% within minutes (measured on the
@@ -39,24 +39,31 @@ import httpx
 
 from kvreuse.bench.compare import ServerProcess, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cache_drafts import read_bandwidth  # noqa: E402  (a torch sum over 512 MiB, the median of 5)
+
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 
 
 def offline_worker(model: str, tokens: int, drafts: bool) -> int:
-    """Load the model, say "ready", then run one offline stream per line read and print its decode rate."""
+    """Load the model, say "ready", then run one offline stream per line read and print its decode rate: the
+    engine stepped in this process as ``LLM.generate`` steps it, timed from the step that gave the first token."""
     from kvreuse import LLM, SamplingParams
 
     llm = LLM(model, speculative_config=None if drafts else {"method": "none"})
+    engine = llm.engine
     print("ready", flush=True)
-    for _ in sys.stdin:
+    for number, _ in enumerate(sys.stdin):
         llm.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))
-        first = time.perf_counter() - start
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        print((tokens - 1) / (time.perf_counter() - start - first), flush=True)
+        engine.add_request(f"offline-{number}", PROMPT, SamplingParams(temperature=0, max_tokens=tokens,
+                                                                       ignore_eos=True))
+        first = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            if first is None and any(output.outputs[0].token_ids for output in outputs):
+                first = time.perf_counter()
+        assert first is not None
+        print((tokens - 1) / (time.perf_counter() - first), flush=True)
     return 0
 
 
@@ -99,25 +106,6 @@ def served_rate(base_url: str, tokens: int) -> float:
     # A stream whose text came in one event (a random model's bytes that complete no character) is timed from the
     # request.
     return (tokens - 1) / (times[-1] - (times[0] if len(times) > 1 else sent))
-
-
-def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Bytes a second a torch sum reads from a ``mib`` MiB float32 tensor on ``threads`` threads (median)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        values = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-        values.sum()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            values.sum()
-            times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
-    return mib * 2**20 / statistics.median(times)
 
 
 def weight_bytes(model: str) -> int | None:
