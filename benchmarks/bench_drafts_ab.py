@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import statistics
@@ -33,15 +32,8 @@ from pathlib import Path
 
 from kvreuse.bench.compare import ServerProcess, free_port
 
-
-def sibling(name: str):
-    folder = str(Path(__file__).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
-
-
-drafts = sibling("bench_cache_drafts")  # the workloads, the client and the kvreuse server commands
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cache_drafts as drafts  # noqa: E402  (the workloads, the client and the kvreuse server commands)
 SYSTEMS = ("kvreuse", "kvreuse-off")
 
 

@@ -40,7 +40,7 @@ import httpx
 from kvreuse.bench.compare import ServerProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cache_drafts import read_bandwidth  # noqa: E402  (a torch sum over 512 MiB, the median of 5)
+from bench_cache_drafts import bytes_per_token, read_bandwidth  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 
@@ -106,15 +106,6 @@ def served_rate(base_url: str, tokens: int) -> float:
     # A stream whose text came in one event (a random model's bytes that complete no character) is timed from the
     # request.
     return (tokens - 1) / (times[-1] - (times[0] if len(times) > 1 else sent))
-
-
-def weight_bytes(model: str) -> int | None:
-    """The bytes of a GGUF file's tensors (one decode step reads each once); None for a folder."""
-    if not model.endswith(".gguf"):
-        return None
-    from kvreuse.loading.gguf import read_gguf
-
-    return sum(place.n_bytes for place in read_gguf(model).tensors)
 
 
 def main() -> int:
@@ -183,7 +174,8 @@ def main() -> int:
                "stream_interval": args.stream_interval,
                "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags],
                "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": ratios,
-               "read_bandwidth_gb_s": [b / 1e9 for b in bandwidth], "bytes_per_token": weight_bytes(model)}
+               "read_bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+               "bytes_per_token": bytes_per_token(model)[0] if model.endswith(".gguf") else None}
     print(f"one stream, {args.tokens} tokens, {args.repeats} interleaved rounds, --stream-interval "
           f"{args.stream_interval}: served {', '.join(f'{rate:.1f}' for rate in served)} tok/s; offline "
           f"{', '.join(f'{rate:.1f}' for rate in offline)}")

@@ -20,7 +20,7 @@ tokens have come since the last one sent, and a request answered whole (``stream
 and its finished output only. The first output and the finished one always go at once, and a request with
 stop strings gets every output (they are found in the text, on the event loop). Each output sent wakes the
 event loop and the client: on 2 cores that is a core taken from the step's thread team every token (docs/
-benchmarks.md, "The served one stream on the EPYC").
+benchmarks.md, "The served one stream on an AMD EPYC").
 
 Text is made on the event loop, not the engine thread: `generate` runs the engine's token ids
 through an `OutputProcessor` (detokenizing, stop strings, stream holdback) and sends a finish
@@ -80,7 +80,7 @@ class _Stream:
     interval: int | None = 1
     first_output_seen: bool = False
     last_output_time: float = 0.0
-    tokens_sent: int = 0  # the output tokens of the last output sent
+    tokens_sent: int = 0  # the output tokens of the last output sent (counted where interval is not 1)
 
 
 @dataclass
@@ -396,11 +396,11 @@ class AsyncEngine:
             stream.last_output_time = now
             if output.finished:
                 self._record_finished(output)
-            elif stream.tokens_sent and stream.interval != 1:
+            elif stream.interval != 1:
                 tokens = sum(len(completion.token_ids) for completion in output.outputs)
-                if stream.interval is None or tokens - stream.tokens_sent < stream.interval:
+                if stream.tokens_sent and (stream.interval is None or tokens - stream.tokens_sent < stream.interval):
                     continue  # the next output sent holds these tokens too (outputs are cumulative)
-            stream.tokens_sent = sum(len(completion.token_ids) for completion in output.outputs) or 1
+                stream.tokens_sent = tokens or 1
             deliveries.setdefault(stream.loop, []).append((stream, output))
         for loop, items in deliveries.items():
             self._outbox.append(functools.partial(_call_soon, loop, _put_all, items))
